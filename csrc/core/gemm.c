@@ -1,0 +1,175 @@
+/* Packed, register-blocked GEMM. Template body (see dtype.h).
+ *
+ *   C[M x N] = alpha * A[M x K] * B[K x N] + beta * C      (beta == 0: C is not read)
+ *
+ * A and B are addressed through row and column strides, so transposes (and the strided
+ * [T, H, D] rows of attention) cost nothing extra: A(i, p) = A[i*rsa + p*csa],
+ * B(p, j) = B[p*rsb + j*csb]. C is row-major with leading dimension ldc.
+ * Loop nest as in BLIS/GotoBLAS: B is packed into KC x NR micro-panels, A into MR x KC
+ * micro-panels (zero-padded at the ragged edges), and the micro-kernel accumulates an
+ * MR x NR tile in registers. The caller passes `work` of gemm_work_elems(M, N, K) reals.
+ */
+#include "gemm.h"
+
+static int64_t PA_FN(gemm_work_elems)(int64_t M, int64_t N, int64_t K)
+{
+    int64_t mc = M < MC ? (M + MR - 1) / MR * MR : MC;
+    int64_t kc = K < KC ? K : KC;
+    int64_t nc = N < NC ? (N + NR - 1) / NR * NR : NC;
+    return mc * kc + kc * nc;
+}
+
+static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, int64_t csa,
+                          real *restrict Ap)
+{
+    for (int64_t ir = 0; ir < mc; ir += MR) {
+        int64_t mr = mc - ir < MR ? mc - ir : MR;
+        real *dst = Ap + ir * kc;
+        for (int64_t i = 0; i < MR; i++) {
+            if (i < mr) {
+                const real *src = A + (ir + i) * rsa;
+                for (int64_t p = 0; p < kc; p++) dst[p * MR + i] = src[p * csa];
+            } else {
+                for (int64_t p = 0; p < kc; p++) dst[p * MR + i] = 0;
+            }
+        }
+    }
+}
+
+static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, int64_t csb,
+                          real *restrict Bp)
+{
+    for (int64_t jr = 0; jr < nc; jr += NR) {
+        int64_t nr = nc - jr < NR ? nc - jr : NR;
+        real *dst = Bp + jr * kc;
+        if (csb == 1) {
+            for (int64_t p = 0; p < kc; p++) {
+                const real *src = B + p * rsb + jr;
+                int64_t j = 0;
+                for (; j < nr; j++) dst[p * NR + j] = src[j];
+                for (; j < NR; j++) dst[p * NR + j] = 0;
+            }
+        } else {
+            for (int64_t j = 0; j < NR; j++) {
+                if (j < nr) {
+                    const real *src = B + (jr + j) * csb;
+                    for (int64_t p = 0; p < kc; p++) dst[p * NR + j] = src[p * rsb];
+                } else {
+                    for (int64_t p = 0; p < kc; p++) dst[p * NR + j] = 0;
+                }
+            }
+        }
+    }
+}
+
+/* C tile (mr x nr valid) = alpha * Ap Bp + beta * C. */
+static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a,
+                                       const real *restrict b, real *C, int64_t ldc,
+                                       int64_t mr, int64_t nr, real alpha, real beta)
+{
+    vreal acc[MR][NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) acc[i][v] = PA_FN(vset)(0);
+    for (int64_t p = 0; p < kc; p++) {
+        vreal bv[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) bv[v] = PA_FN(vload)(b + p * NR + v * VL);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; i++) {
+            vreal ai = PA_FN(vset)(a[p * MR + i]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) acc[i][v] += ai * bv[v];
+        }
+    }
+    if (mr == MR && nr == NR) {
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
+                real *c = C + i * ldc + v * VL;
+                vreal r = acc[i][v] * alpha;
+                if (beta != 0) r += beta * PA_FN(vload)(c);
+                PA_FN(vstore)(c, r);
+            }
+        return;
+    }
+    real tile[MR * NR];
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < NV; v++) PA_FN(vstore)(tile + i * NR + v * VL, acc[i][v]);
+    for (int64_t i = 0; i < mr; i++)
+        for (int64_t j = 0; j < nr; j++) {
+            real r = alpha * tile[i * NR + j];
+            C[i * ldc + j] = beta != 0 ? r + beta * C[i * ldc + j] : r;
+        }
+}
+
+static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
+                        int64_t rsa, int64_t csa, const real *B, int64_t rsb, int64_t csb,
+                        real beta, real *C, int64_t ldc, real *work)
+{
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta != 0 ? beta * C[i * ldc + j] : 0;
+        return;
+    }
+    int64_t mcmax = M < MC ? (M + MR - 1) / MR * MR : MC;
+    int64_t kcmax = K < KC ? K : KC;
+    real *Ap = work, *Bp = work + mcmax * kcmax;
+    for (int64_t jc = 0; jc < N; jc += NC) {
+        int64_t nc = N - jc < NC ? N - jc : NC;
+        for (int64_t pc = 0; pc < K; pc += KC) {
+            int64_t kc = K - pc < KC ? K - pc : KC;
+            real b = pc == 0 ? beta : 1;
+            PA_FN(pack_b)(kc, nc, B + pc * rsb + jc * csb, rsb, csb, Bp);
+            for (int64_t ic = 0; ic < M; ic += MC) {
+                int64_t mc = M - ic < MC ? M - ic : MC;
+                PA_FN(pack_a)(mc, kc, A + ic * rsa + pc * csa, rsa, csa, Ap);
+                for (int64_t jr = 0; jr < nc; jr += NR) {
+                    int64_t nr = nc - jr < NR ? nc - jr : NR;
+                    for (int64_t ir = 0; ir < mc; ir += MR) {
+                        int64_t mr = mc - ir < MR ? mc - ir : MR;
+                        PA_FN(micro_kernel)(kc, Ap + ir * kc, Bp + jr * kc,
+                                            C + (ic + ir) * ldc + jc + jr, ldc, mr, nr, alpha, b);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* GFLOP/s of independent FMA chains on each of `threads` threads for about `seconds`: the
+ * machine's FMA peak for this dtype and ISA, the yardstick of the benchmarks. */
+static double PA_FN(fma_peak)(double seconds, int threads)
+{
+    enum { CHAINS = 12 };
+    const int64_t iters = 1 << 20;
+    double total_flops = 0, elapsed = 0;
+    int64_t reps = 1;
+    volatile real sink = 0;
+    for (;;) {
+        double t0 = pa_wtime();
+#pragma omp parallel num_threads(threads)
+        {
+            vreal acc[CHAINS];
+            for (int c = 0; c < CHAINS; c++) acc[c] = PA_FN(vset)((real)c * (real)1e-3);
+            vreal x = PA_FN(vset)((real)0.999999), y = PA_FN(vset)((real)1e-7);
+            for (int64_t r = 0; r < reps; r++)
+                for (int64_t it = 0; it < iters; it++) {
+#pragma GCC unroll 16
+                    for (int c = 0; c < CHAINS; c++) acc[c] = acc[c] * x + y;
+                }
+            real s = 0;
+            for (int c = 0; c < CHAINS; c++) s += PA_FN(hsum)(acc[c]);
+            sink = s;
+        }
+        elapsed = pa_wtime() - t0;
+        total_flops = 2.0 * CHAINS * VL * (double)iters * (double)reps * threads;
+        if (elapsed >= seconds || reps > (1 << 20)) break;
+        reps *= 2;
+    }
+    (void)sink;
+    return total_flops / elapsed * 1e-9;
+}

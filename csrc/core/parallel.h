@@ -1,0 +1,35 @@
+/* OpenMP helpers. Not a template. The thread count is one process-wide setting (not
+ * OpenMP's per-thread ICV), so a kernel called from any Python thread uses what
+ * pyattn.set_num_threads chose. */
+#ifndef PA_PARALLEL_H
+#define PA_PARALLEL_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+int pa_get_num_threads(void);
+void pa_set_num_threads(int n);
+int pa_openmp_enabled(void);
+double pa_wtime(void);
+
+static inline int pa_thread_id(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* 64-byte aligned allocation; NULL on failure (the caller reports PA_ENOMEM). */
+static inline void *pa_alloc(size_t bytes)
+{
+    size_t rounded = (bytes + 63) / 64 * 64;
+    return aligned_alloc(64, rounded ? rounded : 64);
+}
+
+#endif

@@ -1,0 +1,18 @@
+/* The AVX2 + FMA instantiation (ymm vectors), chosen at run time when the CPU has it. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "prelude.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma")
+#endif
+
+#define PA_ISA avx2
+#define PA_VBYTES 32
+#include "instantiate.h"
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#endif

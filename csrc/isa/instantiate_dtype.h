@@ -1,0 +1,27 @@
+/* One (dtype, ISA) instantiation: the template bodies, then the table's void* entries. */
+#include "../core/dtype.h"
+#include "../core/vmath.h"
+#include "../core/gemm.c"
+#include "../ops/softmax_attn.c"
+
+static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, const void *A,
+                             int64_t rsa, int64_t csa, const void *B, int64_t rsb, int64_t csb,
+                             double beta, void *C, int64_t ldc)
+{
+    real *work = pa_alloc(sizeof(real) * PA_FN(gemm_work_elems)(M, N, K));
+    if (!work) return PA_ENOMEM;
+    PA_FN(gemm)(M, N, K, (real)alpha, A, rsa, csa, B, rsb, csb, (real)beta, C, ldc, work);
+    free(work);
+    return PA_OK;
+}
+
+static void PA_FN(exp_entry)(const void *x, void *y, int64_t n) { PA_FN(exp_array)(x, y, n); }
+
+const pa_kernels PA_FN(pa_kernels) = {
+    .isa = PA_STR(PA_ISA),
+    .gemm = PA_FN(gemm_entry),
+    .exp = PA_FN(exp_entry),
+    .fma_peak = PA_FN(fma_peak),
+    .softmax_forward = PA_FN(softmax_forward),
+    .softmax_backward = PA_FN(softmax_backward),
+};

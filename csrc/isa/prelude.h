@@ -1,0 +1,12 @@
+/* System headers every instantiation needs, included before any target pragma so they
+ * keep their default target. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/parallel.h"
+#include "../kernels.h"
+
+#define PA_STR_(x) #x
+#define PA_STR(x) PA_STR_(x)

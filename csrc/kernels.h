@@ -1,0 +1,49 @@
+/* The kernel table: what module.c may call. One table per (dtype, ISA), chosen at run time.
+ * Buffers are void* so one table type serves both dtypes; each entry casts to its own real.
+ * Every entry returns PA_OK or PA_ENOMEM (scratch could not be allocated). */
+#ifndef PA_KERNELS_H
+#define PA_KERNELS_H
+
+#include <stdint.h>
+
+enum { PA_OK = 0, PA_ENOMEM = 1 };
+enum { PA_FORM_PARALLEL = 0, PA_FORM_FLASH = 1, PA_FORM_RECURRENT = 2 };
+
+/* Softmax attention over packed rows. Sequence n owns query rows cu_q[n] .. cu_q[n+1]-1 and
+ * key rows cu_k[n] .. cu_k[n+1]-1 of q [rows_q, H, Dk], k [rows_k, Hk, Dk], v [rows_k, Hk,
+ * Dv] (a batch of B equal sequences is cu = b * T). Masking as DESIGN section 4 (bottom-right
+ * causal, window (-1 = unbounded), sinks); alibi is [H] of the call's dtype or NULL. */
+typedef struct {
+    int64_t nseq;
+    const int64_t *cu_q, *cu_k;
+    int64_t H, Hk, Dk, Dv;
+    int causal;
+    int64_t window_left, window_right, sinks;
+    const void *alibi;
+    double softcap, scale;
+    int form;
+} pa_softmax_desc;
+
+typedef struct {
+    const char *isa;
+    /* C = alpha op(A) op(B) + beta C, strided A and B, row-major C (see core/gemm.c) */
+    int (*gemm)(int64_t M, int64_t N, int64_t K, double alpha, const void *A, int64_t rsa,
+                int64_t csa, const void *B, int64_t rsb, int64_t csb, double beta, void *C,
+                int64_t ldc);
+    void (*exp)(const void *x, void *y, int64_t n);
+    double (*fma_peak)(double seconds, int threads);
+    int (*softmax_forward)(const pa_softmax_desc *d, const void *q, const void *k,
+                           const void *v, void *o, void *lse);
+    /* dlse may be NULL (zero cotangent of the log-sum-exp) */
+    int (*softmax_backward)(const pa_softmax_desc *d, const void *q, const void *k,
+                            const void *v, const void *o, const void *lse, const void *dout,
+                            const void *dlse, void *dq, void *dk, void *dv);
+} pa_kernels;
+
+/* The best table this CPU runs, for float (is_double = 0) or double; and its ISA's name. */
+const pa_kernels *pa_select_kernels(int is_double);
+const char *pa_selected_isa(void);
+/* The tables of another ISA (for tests); NULL when this CPU or build lacks it. */
+const pa_kernels *pa_kernels_for_isa(const char *isa, int is_double);
+
+#endif

@@ -1,0 +1,450 @@
+/* pyattn._core: unpacks NumPy arrays, checks every buffer against the shapes the kernel will
+ * assume, releases the GIL around the kernel and raises after it is back. No maths here.
+ * Entry points take positional arguments only (METH_FASTCALL); pyattn's Python wrappers fill
+ * defaults and allocate outputs. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
+#define NPY_TARGET_VERSION NPY_1_25_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include <math.h>
+#include <string.h>
+
+#include "core/parallel.h"
+#include "kernels.h"
+
+#ifndef PYATTN_COMPILER
+#define PYATTN_COMPILER "unknown"
+#endif
+
+/* ---- argument helpers: each sets a Python exception and returns -1 on bad input ---- */
+
+static int expect_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments, got %zd", fn, want, nargs);
+    return -1;
+}
+
+static void format_shape(char *buf, size_t size, int ndim, const npy_intp *shape)
+{
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (int i = 0; i < ndim && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (used < size) snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
+}
+
+/* obj must be a C-contiguous, aligned ndarray of typenum with ndim dims; shape entries < 0
+ * are not checked. Returns the array (borrowed) or NULL with an exception set. */
+static PyArrayObject *get_array(const char *fn, const char *name, PyObject *obj, int typenum,
+                                int ndim, const npy_intp *shape, int writeable)
+{
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a numpy.ndarray, got %s", fn,
+                     name, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    if (PyArray_TYPE(a) != typenum) {
+        PyArray_Descr *want = PyArray_DescrFromType(typenum);
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must have dtype %S, got %S", fn, name,
+                     (PyObject *)want, (PyObject *)PyArray_DESCR(a));
+        Py_XDECREF(want);
+        return NULL;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be C-contiguous and aligned", fn,
+                     name);
+        return NULL;
+    }
+    if (writeable && !PyArray_ISWRITEABLE(a)) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be writeable", fn, name);
+        return NULL;
+    }
+    int bad = PyArray_NDIM(a) != ndim;
+    for (int i = 0; !bad && i < ndim; i++) bad = shape[i] >= 0 && PyArray_DIM(a, i) != shape[i];
+    if (bad) {
+        char want[160], got[160];
+        format_shape(want, sizeof want, ndim, shape);
+        format_shape(got, sizeof got, PyArray_NDIM(a), PyArray_DIMS(a));
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must have shape %s, got %s", fn, name,
+                     want, got);
+        return NULL;
+    }
+    return a;
+}
+
+static int get_int(const char *fn, const char *name, PyObject *obj, long long lo, long long hi,
+                   long long *out)
+{
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be an int, got %s", fn, name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be in [%lld, %lld], got %lld", fn,
+                     name, lo, hi, v);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int get_double(const char *fn, const char *name, PyObject *obj, double lo, double *out)
+{
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a float, got %s", fn, name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (!isfinite(v) || v < lo) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be finite and >= %g, got %g", fn,
+                     name, lo, v);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* float32 or float64 of the first array decides the dtype of the call */
+static int float_type(const char *fn, const char *name, PyObject *obj, int *typenum)
+{
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a numpy.ndarray, got %s", fn,
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int t = PyArray_TYPE((PyArrayObject *)obj);
+    if (t != NPY_FLOAT32 && t != NPY_FLOAT64) {
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be float32 or float64, got %S", fn,
+                     name, (PyObject *)PyArray_DESCR((PyArrayObject *)obj));
+        return -1;
+    }
+    *typenum = t;
+    return 0;
+}
+
+static const pa_kernels *kernels_for(int typenum)
+{
+    return pa_select_kernels(typenum == NPY_FLOAT64);
+}
+
+static PyObject *finish(int rc)
+{
+    if (rc == PA_ENOMEM) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* cu must be int64 [n+1] with cu[0] = 0, non-decreasing, cu[n] = rows */
+static const int64_t *get_cu(const char *fn, const char *name, PyObject *obj, int64_t rows,
+                             int64_t *nseq)
+{
+    npy_intp any = -1;
+    PyArrayObject *a = get_array(fn, name, obj, NPY_INT64, 1, &any, 0);
+    if (!a) return NULL;
+    const int64_t *cu = PyArray_DATA(a);
+    int64_t n = PyArray_DIM(a, 0) - 1;
+    int ok = n >= 1 && cu[0] == 0 && cu[n] == rows;
+    for (int64_t i = 0; ok && i < n; i++) ok = cu[i + 1] >= cu[i];
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): argument '%s' must be non-decreasing from 0 to %lld with at least 2 "
+                     "entries",
+                     fn, name, (long long)rows);
+        return NULL;
+    }
+    *nseq = n;
+    return cu;
+}
+
+/* ---- softmax attention ---- */
+
+/* Shared by forward and backward: q, k, v and the mask/score options from args[first..]. */
+static int softmax_desc(const char *fn, PyObject *const *a, PyObject *const *opt, int *typenum,
+                        PyArrayObject **q, PyArrayObject **k, PyArrayObject **v,
+                        pa_softmax_desc *d)
+{
+    if (float_type(fn, "q", a[0], typenum)) return -1;
+    npy_intp four[4] = {-1, -1, -1, -1};
+    if (!(*q = get_array(fn, "q", a[0], *typenum, 4, four, 0))) return -1;
+    npy_intp B = PyArray_DIM(*q, 0), Tq = PyArray_DIM(*q, 1), H = PyArray_DIM(*q, 2),
+             Dk = PyArray_DIM(*q, 3);
+    npy_intp kshape[4] = {B, -1, -1, Dk};
+    if (!(*k = get_array(fn, "k", a[1], *typenum, 4, kshape, 0))) return -1;
+    npy_intp Tk = PyArray_DIM(*k, 1), Hk = PyArray_DIM(*k, 2);
+    npy_intp vshape[4] = {B, Tk, Hk, -1};
+    if (!(*v = get_array(fn, "v", a[2], *typenum, 4, vshape, 0))) return -1;
+    if (Hk < 1 || H % Hk != 0 || Dk < 1 || PyArray_DIM(*v, 3) < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): need H %% Hk == 0 and head dims >= 1, got H=%lld Hk=%lld Dk=%lld "
+                     "Dv=%lld",
+                     fn, (long long)H, (long long)Hk, (long long)Dk,
+                     (long long)PyArray_DIM(*v, 3));
+        return -1;
+    }
+    memset(d, 0, sizeof *d);
+    d->H = H;
+    d->Hk = Hk;
+    d->Dk = Dk;
+    d->Dv = PyArray_DIM(*v, 3);
+    if (!(d->cu_q = get_cu(fn, "cu_seqlens_q", opt[0], B * Tq, &d->nseq))) return -1;
+    int64_t nk;
+    if (!(d->cu_k = get_cu(fn, "cu_seqlens_k", opt[1], B * Tk, &nk))) return -1;
+    if (nk != d->nseq) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): cu_seqlens_q and cu_seqlens_k must have the same length, got %lld and "
+                     "%lld",
+                     fn, (long long)d->nseq + 1, (long long)nk + 1);
+        return -1;
+    }
+    long long form, wl, wr, sinks;
+    if (get_int(fn, "form", opt[2], 0, 2, &form)) return -1;
+    d->form = (int)form;
+    int causal = PyObject_IsTrue(opt[3]);
+    if (causal < 0) return -1;
+    d->causal = causal;
+    if (get_int(fn, "window_left", opt[4], -1, INT64_MAX, &wl) ||
+        get_int(fn, "window_right", opt[5], -1, INT64_MAX, &wr) ||
+        get_int(fn, "sinks", opt[6], 0, INT64_MAX, &sinks))
+        return -1;
+    d->window_left = wl;
+    d->window_right = wr;
+    d->sinks = sinks;
+    if (opt[7] != Py_None) {
+        npy_intp hshape[1] = {H};
+        PyArrayObject *al = get_array(fn, "alibi_slopes", opt[7], *typenum, 1, hshape, 0);
+        if (!al) return -1;
+        d->alibi = PyArray_DATA(al);
+    }
+    if (get_double(fn, "softcap", opt[8], 0.0, &d->softcap) ||
+        get_double(fn, "scale", opt[9], -INFINITY, &d->scale))
+        return -1;
+    return 0;
+}
+
+/* softmax_forward(q, k, v, o, lse, cu_q, cu_k, form, causal, window_left, window_right,
+ *                 sinks, alibi_slopes, softcap, scale) */
+static PyObject *py_softmax_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "softmax_forward";
+    if (expect_nargs(fn, nargs, 15)) return NULL;
+    int t;
+    PyArrayObject *q, *k, *v;
+    pa_softmax_desc d;
+    if (softmax_desc(fn, args, args + 5, &t, &q, &k, &v, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
+    PyArrayObject *o = get_array(fn, "o", args[3], t, 4, oshape, 1);
+    PyArrayObject *lse = o ? get_array(fn, "lse", args[4], t, 3, oshape, 1) : NULL;
+    if (!lse) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->softmax_forward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                            PyArray_DATA(o), PyArray_DATA(lse));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* softmax_backward(q, k, v, o, lse, do, dlse_or_None, dq, dk, dv, cu_q, cu_k, form, causal,
+ *                  window_left, window_right, sinks, alibi_slopes, softcap, scale) */
+static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "softmax_backward";
+    if (expect_nargs(fn, nargs, 20)) return NULL;
+    int t;
+    PyArrayObject *q, *k, *v;
+    pa_softmax_desc d;
+    if (softmax_desc(fn, args, args + 10, &t, &q, &k, &v, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
+    PyArrayObject *o, *lse, *dout, *dlse = NULL, *dq, *dk, *dv;
+    if (!(o = get_array(fn, "o", args[3], t, 4, oshape, 0)) ||
+        !(lse = get_array(fn, "lse", args[4], t, 3, oshape, 0)) ||
+        !(dout = get_array(fn, "do", args[5], t, 4, oshape, 0)))
+        return NULL;
+    if (args[6] != Py_None && !(dlse = get_array(fn, "dlse", args[6], t, 3, oshape, 0)))
+        return NULL;
+    if (!(dq = get_array(fn, "dq", args[7], t, 4, PyArray_DIMS(q), 1)) ||
+        !(dk = get_array(fn, "dk", args[8], t, 4, PyArray_DIMS(k), 1)) ||
+        !(dv = get_array(fn, "dv", args[9], t, 4, PyArray_DIMS(v), 1)))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->softmax_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                             PyArray_DATA(o), PyArray_DATA(lse), PyArray_DATA(dout),
+                             dlse ? PyArray_DATA(dlse) : NULL, PyArray_DATA(dq), PyArray_DATA(dk),
+                             PyArray_DATA(dv));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* ---- core building blocks, exposed for tests and benchmarks ---- */
+
+/* gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c, 2-D arrays */
+static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "gemm";
+    if (expect_nargs(fn, nargs, 7)) return NULL;
+    int t;
+    if (float_type(fn, "a", args[0], &t)) return NULL;
+    npy_intp any2[2] = {-1, -1};
+    PyArrayObject *a = get_array(fn, "a", args[0], t, 2, any2, 0);
+    PyArrayObject *b = a ? get_array(fn, "b", args[1], t, 2, any2, 0) : NULL;
+    if (!b) return NULL;
+    int ta = PyObject_IsTrue(args[3]), tb = PyObject_IsTrue(args[4]);
+    if (ta < 0 || tb < 0) return NULL;
+    npy_intp M = PyArray_DIM(a, ta ? 1 : 0), Ka = PyArray_DIM(a, ta ? 0 : 1);
+    npy_intp Kb = PyArray_DIM(b, tb ? 1 : 0), N = PyArray_DIM(b, tb ? 0 : 1);
+    if (Ka != Kb) {
+        PyErr_Format(PyExc_ValueError, "gemm(): inner dimensions differ: %lld and %lld",
+                     (long long)Ka, (long long)Kb);
+        return NULL;
+    }
+    npy_intp cshape[2] = {M, N};
+    PyArrayObject *c = get_array(fn, "c", args[2], t, 2, cshape, 1);
+    double alpha, beta;
+    if (!c || get_double(fn, "alpha", args[5], -INFINITY, &alpha) ||
+        get_double(fn, "beta", args[6], -INFINITY, &beta))
+        return NULL;
+    npy_intp lda = PyArray_DIM(a, 1), ldb = PyArray_DIM(b, 1);
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->gemm(M, N, Ka, alpha, PyArray_DATA(a), ta ? 1 : lda, ta ? lda : 1, PyArray_DATA(b),
+                 tb ? 1 : ldb, tb ? ldb : 1, beta, PyArray_DATA(c), N);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* exp(x, out): the vectorised exp, elementwise over 1-D arrays */
+static PyObject *py_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (expect_nargs("exp", nargs, 2)) return NULL;
+    int t;
+    if (float_type("exp", "x", args[0], &t)) return NULL;
+    npy_intp any = -1;
+    PyArrayObject *x = get_array("exp", "x", args[0], t, 1, &any, 0);
+    if (!x) return NULL;
+    npy_intp n = PyArray_DIM(x, 0);
+    PyArrayObject *y = get_array("exp", "out", args[1], t, 1, &n, 1);
+    if (!y) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    Py_BEGIN_ALLOW_THREADS
+    K->exp(PyArray_DATA(x), PyArray_DATA(y), n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* fma_peak(double, seconds, threads) -> GFLOP/s of independent FMA chains */
+static PyObject *py_fma_peak(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (expect_nargs("fma_peak", nargs, 3)) return NULL;
+    int is_double = PyObject_IsTrue(args[0]);
+    double seconds;
+    long long threads;
+    if (is_double < 0 || get_double("fma_peak", "seconds", args[1], 0.0, &seconds) ||
+        get_int("fma_peak", "threads", args[2], 1, 4096, &threads))
+        return NULL;
+    const pa_kernels *K = pa_select_kernels(is_double);
+    double g;
+    Py_BEGIN_ALLOW_THREADS
+    g = K->fma_peak(seconds, (int)threads);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(g);
+}
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long n;
+    if (expect_nargs("set_num_threads", nargs, 1) ||
+        get_int("set_num_threads", "n", args[0], 1, 4096, &n))
+        return NULL;
+    pa_set_num_threads((int)n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (expect_nargs("get_num_threads", nargs, 0)) return NULL;
+    return PyLong_FromLong(pa_get_num_threads());
+}
+
+static PyObject *py_build_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (expect_nargs("build_info", nargs, 0)) return NULL;
+    PyObject *isas = PyList_New(0);
+    if (!isas) return NULL;
+    static const char *const all[] = {"avx512", "avx2", "generic"};
+    for (int i = 0; i < 3; i++) {
+        if (!pa_kernels_for_isa(all[i], 0)) continue;
+        PyObject *s = PyUnicode_FromString(all[i]);
+        if (!s || PyList_Append(isas, s)) {
+            Py_XDECREF(s);
+            Py_DECREF(isas);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    return Py_BuildValue("{s:s,s:N,s:s,s:O,s:i}", "isa", pa_selected_isa(), "isas_available",
+                         isas, "compiler", PYATTN_COMPILER, "openmp",
+                         pa_openmp_enabled() ? Py_True : Py_False, "num_threads",
+                         pa_get_num_threads());
+}
+
+static PyMethodDef core_methods[] = {
+    {"softmax_forward", (PyCFunction)(void (*)(void))py_softmax_forward, METH_FASTCALL,
+     "softmax_forward(q, k, v, o, lse, cu_q, cu_k, form, causal, window_left, window_right, "
+     "sinks, alibi_slopes, softcap, scale)"},
+    {"softmax_backward", (PyCFunction)(void (*)(void))py_softmax_backward, METH_FASTCALL,
+     "softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu_q, cu_k, form, causal, "
+     "window_left, window_right, sinks, alibi_slopes, softcap, scale)"},
+    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
+     "gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c"},
+    {"exp", (PyCFunction)(void (*)(void))py_exp, METH_FASTCALL,
+     "exp(x, out): the vectorised exp of the kernels"},
+    {"fma_peak", (PyCFunction)(void (*)(void))py_fma_peak, METH_FASTCALL,
+     "fma_peak(double, seconds, threads) -> GFLOP/s of independent FMA chains"},
+    {"set_num_threads", (PyCFunction)(void (*)(void))py_set_num_threads, METH_FASTCALL,
+     "set_num_threads(n)"},
+    {"get_num_threads", (PyCFunction)(void (*)(void))py_get_num_threads, METH_FASTCALL,
+     "get_num_threads() -> int"},
+    {"build_info", (PyCFunction)(void (*)(void))py_build_info, METH_FASTCALL,
+     "build_info() -> dict"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int core_exec(PyObject *m)
+{
+    if (PyArray_ImportNumPyAPI() < 0) return -1;
+    if (PyModule_AddIntConstant(m, "FORM_PARALLEL", PA_FORM_PARALLEL) ||
+        PyModule_AddIntConstant(m, "FORM_FLASH", PA_FORM_FLASH) ||
+        PyModule_AddIntConstant(m, "FORM_RECURRENT", PA_FORM_RECURRENT))
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot core_slots[] = {
+    {Py_mod_exec, core_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "pyattn._core",
+    .m_doc = "pyattn's C kernels. Use the pyattn package; these entry points check buffers but "
+             "take every argument positionally.",
+    .m_size = 0,
+    .m_methods = core_methods,
+    .m_slots = core_slots,
+};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&core_module); }

@@ -1,0 +1,462 @@
+/* Softmax attention: parallel, flash and recurrent forms, forward and backward.
+ * Template body (see core/dtype.h); needs core/vmath.h and core/gemm.c before it.
+ *
+ * Flash (FA-2 on the CPU): work items are (sequence, head, query block), scheduled
+ * dynamically, longest (latest causal) blocks first. Per item: S = scale Q K^T through the
+ * packed GEMM, scores transformed (softcap, ALiBi, mask) only where a block needs it, online
+ * softmax with the accumulator rescaled only when the row max grows, O += P V through the
+ * GEMM; key blocks that no query of the block sees are skipped. Per-thread scratch only.
+ * The parallel form is the same tile engine with one tile covering all keys and queries of
+ * a sequence: it materialises the Tq x Tk scores, and the online softmax reduces to the
+ * plain one. The recurrent form is separate code: one query, keys streamed one at a time.
+ *
+ * Backward (flash and parallel): one pass over units (sequence, KV head); a unit owns the dK
+ * and dV rows of its KV head and the dQ rows of the query heads of its group, so nothing is
+ * shared between threads and the result does not depend on the thread count. Per tile: P is
+ * recomputed from the forward's LSE, dV += P^T dO, dP = dO V^T, dS = P (dP - D) (times the
+ * softcap derivative), dQ += scale dS K, dK += scale dS^T Q. D = rowsum(dO * O) - dlse folds
+ * in the cotangent of the LSE.
+ */
+
+#define SM_BQ 64
+#define SM_BK 256
+
+/* Keys visible to the query at bottom-right-aligned position ip: the window [lo, hi]
+ * (empty when hi < lo) and the sinks [0, shi). */
+static inline void PA_FN(sm_bounds)(const pa_softmax_desc *d, int64_t ip, int64_t tk,
+                                    int64_t *lo, int64_t *hi, int64_t *shi)
+{
+    int64_t chi = d->causal ? (ip < tk - 1 ? ip : tk - 1) : tk - 1;
+    int64_t l = d->window_left < 0 ? 0 : ip - d->window_left;
+    int64_t h = d->window_right < 0 ? chi : ip + d->window_right;
+    *lo = l < 0 ? 0 : l;
+    *hi = h < chi ? h : chi;
+    *shi = d->sinks < chi + 1 ? d->sinks : chi + 1;
+}
+
+#define SM_HIDDEN 0
+#define SM_PARTIAL 1
+#define SM_VISIBLE 2
+
+/* Queries ip0..ip1 against keys j0..j1 (inclusive). The window bounds grow with ip, so the
+ * first and last query bound the block; SM_HIDDEN is exact, SM_PARTIAL may be pessimistic. */
+static inline int PA_FN(sm_block_visibility)(const pa_softmax_desc *d, int64_t ip0,
+                                             int64_t ip1, int64_t j0, int64_t j1, int64_t tk)
+{
+    int64_t lo0, hi0, shi0, lo1, hi1, shi1;
+    PA_FN(sm_bounds)(d, ip0, tk, &lo0, &hi0, &shi0);
+    PA_FN(sm_bounds)(d, ip1, tk, &lo1, &hi1, &shi1);
+    if (!((lo0 <= j1 && hi1 >= j0) || j0 < shi1)) return SM_HIDDEN;
+    if ((lo1 <= j0 && hi0 >= j1) || j1 < shi0) return SM_VISIBLE;
+    return SM_PARTIAL;
+}
+
+/* softcap and ALiBi applied to one scaled score x; *dcap gets d(capped)/dx when asked. */
+static inline real PA_FN(sm_score)(real x, double cap, real slope, int64_t dist, real *dcap)
+{
+    if (cap > 0) {
+        double t = tanh((double)x / cap);
+        x = (real)(cap * t);
+        if (dcap) *dcap = (real)(1 - t * t);
+    } else if (dcap) {
+        *dcap = 1;
+    }
+    return x - slope * (real)(dist < 0 ? -dist : dist);
+}
+
+static inline real PA_FN(sm_slope)(const pa_softmax_desc *d, int64_t h)
+{
+    return d->alibi ? ((const real *)d->alibi)[h] : 0;
+}
+
+/* In-place score transform of a bq x bk tile (rows at ip0.., keys at j0..): masked scores
+ * become -inf; with softcap, dcap (if not NULL) receives the derivative of the cap. */
+static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *S, int64_t lds,
+                                     int64_t bq, int64_t bk, int64_t ip0, int64_t j0,
+                                     int64_t tk, int visibility, real *dcap)
+{
+    real slope = PA_FN(sm_slope)(d, h);
+    int plain = d->softcap <= 0 && !d->alibi;
+    for (int64_t r = 0; r < bq; r++) {
+        int64_t ip = ip0 + r, lo, hi, shi;
+        PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
+        real *s = S + r * lds;
+        real *dc = dcap ? dcap + r * lds : NULL;
+        for (int64_t c = 0; c < bk; c++) {
+            int64_t j = j0 + c;
+            if (visibility != SM_VISIBLE && !((j >= lo && j <= hi) || j < shi))
+                s[c] = -(real)INFINITY;
+            else if (!plain)
+                s[c] = PA_FN(sm_score)(s[c], d->softcap, slope, ip - j, dc ? dc + c : NULL);
+        }
+    }
+}
+
+/* S[bq x bk] = transformed scores of query rows i0.. (head h) against key rows j0.. */
+static void PA_FN(sm_scores)(const pa_softmax_desc *d, int64_t h, const real *Q, const real *K,
+                             real *S, int64_t lds, int64_t bq, int64_t bk, int64_t ip0,
+                             int64_t j0, int64_t tk, int visibility, real *dcap, real *work)
+{
+    PA_FN(gemm)(bq, bk, d->Dk, (real)d->scale, Q, d->H * d->Dk, 1, K, 1, d->Hk * d->Dk, 0, S,
+                lds, work);
+    if (visibility != SM_VISIBLE || d->softcap > 0 || d->alibi)
+        PA_FN(sm_transform_tile)(d, h, S, lds, bq, bk, ip0, j0, tk, visibility, dcap);
+}
+
+typedef struct {
+    real *S, *O, *m, *l, *dP, *dcap, *dK, *dV, *work;
+} PA_FN(sm_scratch);
+
+static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
+{
+    free(s->S);
+    free(s->O);
+    free(s->m);
+    free(s->l);
+    free(s->dP);
+    free(s->dcap);
+    free(s->dK);
+    free(s->dV);
+    free(s->work);
+}
+
+/* Per-thread buffers for tiles of bq x bk; backward adds dP, dK, dV (and dcap with softcap).
+ * Returns 0 when an allocation failed (everything is then freed). */
+static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc *d, int64_t bq,
+                                   int64_t bk, int backward)
+{
+    int64_t D = d->Dk > d->Dv ? d->Dk : d->Dv;
+    int64_t w1 = PA_FN(gemm_work_elems)(bq, bk, D), w2 = PA_FN(gemm_work_elems)(bq, D, bk),
+            w3 = PA_FN(gemm_work_elems)(bk, D, bq);
+    int64_t w = w1 > w2 ? w1 : w2;
+    w = w > w3 ? w : w3;
+    memset(s, 0, sizeof *s);
+    s->S = pa_alloc(sizeof(real) * bq * bk);
+    s->work = pa_alloc(sizeof(real) * w);
+    int ok = s->S && s->work;
+    if (!backward) {
+        s->O = pa_alloc(sizeof(real) * bq * d->Dv);
+        s->m = pa_alloc(sizeof(real) * bq);
+        s->l = pa_alloc(sizeof(real) * bq);
+        ok = ok && s->O && s->m && s->l;
+    } else {
+        s->dP = pa_alloc(sizeof(real) * bq * bk);
+        s->dK = pa_alloc(sizeof(real) * bk * d->Dk);
+        s->dV = pa_alloc(sizeof(real) * bk * d->Dv);
+        ok = ok && s->dP && s->dK && s->dV;
+        if (d->softcap > 0) {
+            s->dcap = pa_alloc(sizeof(real) * bq * bk);
+            ok = ok && s->dcap;
+        }
+    }
+    if (!ok) PA_FN(sm_scratch_free)(s);
+    return ok;
+}
+
+/* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax. */
+static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const real *q, const real *k,
+                                    const real *v, real *o, real *lse, int64_t n, int64_t h,
+                                    int64_t i0, int64_t bq, int64_t bkmax, PA_FN(sm_scratch) * s)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
+    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
+    const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - q0);
+    const int64_t kh = h / (H / Hk);
+    const real *Q = q + ((q0 + i0) * H + h) * Dk;
+    real *O = s->O, *m = s->m, *l = s->l, *S = s->S;
+    for (int64_t r = 0; r < bq; r++) {
+        m[r] = -(real)INFINITY;
+        l[r] = 0;
+    }
+    memset(O, 0, sizeof(real) * bq * Dv);
+    for (int64_t j0 = 0; j0 < tk; j0 += bkmax) {
+        int64_t bk = tk - j0 < bkmax ? tk - j0 : bkmax;
+        int vis = PA_FN(sm_block_visibility)(d, i0 + off, i0 + bq - 1 + off, j0, j0 + bk - 1, tk);
+        if (vis == SM_HIDDEN) continue;
+        PA_FN(sm_scores)(d, h, Q, k + ((k0 + j0) * Hk + kh) * Dk, S, bkmax, bq, bk, i0 + off, j0,
+                         tk, vis, NULL, s->work);
+        for (int64_t r = 0; r < bq; r++) {
+            real *sr = S + r * bkmax;
+            real mx = PA_FN(row_max)(sr, bk);
+            if (mx == -(real)INFINITY) {
+                memset(sr, 0, sizeof(real) * bk);
+                continue;
+            }
+            if (mx > m[r]) {
+                real c = (real)exp((double)m[r] - (double)mx);
+                l[r] *= c;
+                PA_FN(row_scale)(O + r * Dv, Dv, c);
+                m[r] = mx;
+            }
+            l[r] += PA_FN(row_exp_sum)(sr, bk, m[r]);
+        }
+        PA_FN(gemm)(bq, Dv, bk, 1, S, bkmax, 1, v + ((k0 + j0) * Hk + kh) * Dv, Hk * Dv, 1, 1, O,
+                    Dv, s->work);
+    }
+    for (int64_t r = 0; r < bq; r++) {
+        real *orow = o + ((q0 + i0 + r) * H + h) * Dv;
+        if (l[r] > 0) {
+            real inv = 1 / l[r];
+            for (int64_t c = 0; c < Dv; c++) orow[c] = O[r * Dv + c] * inv;
+            lse[(q0 + i0 + r) * H + h] = m[r] + (real)log((double)l[r]);
+        } else {
+            memset(orow, 0, sizeof(real) * Dv);
+            lse[(q0 + i0 + r) * H + h] = -(real)INFINITY;
+        }
+    }
+}
+
+/* One query (row i of sequence n, head h), keys streamed one at a time. acc: Dv scratch. */
+static void PA_FN(sm_forward_row)(const pa_softmax_desc *d, const real *q, const real *k,
+                                  const real *v, real *o, real *lse, int64_t n, int64_t h,
+                                  int64_t i, real *acc)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
+    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
+    const int64_t tk = d->cu_k[n + 1] - k0, ip = i + tk - (d->cu_q[n + 1] - q0);
+    const int64_t kh = h / (H / Hk);
+    const real *qi = q + ((q0 + i) * H + h) * Dk;
+    real slope = PA_FN(sm_slope)(d, h), m = -(real)INFINITY, l = 0;
+    int64_t lo, hi, shi;
+    PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
+    memset(acc, 0, sizeof(real) * Dv);
+    const int64_t ranges[2][2] = {{0, shi}, {lo > shi ? lo : shi, hi + 1}};
+    for (int rg = 0; rg < 2; rg++)
+    for (int64_t j = ranges[rg][0]; j < ranges[rg][1]; j++) {
+        const real *kj = k + ((k0 + j) * Hk + kh) * Dk, *vj = v + ((k0 + j) * Hk + kh) * Dv;
+        real x = PA_FN(sm_score)((real)d->scale * PA_FN(dot)(qi, kj, Dk), d->softcap, slope,
+                                 ip - j, NULL);
+        if (x > m) {
+            real c = (real)exp((double)m - (double)x);
+            l = l * c + 1;
+            PA_FN(row_scale)(acc, Dv, c);
+            PA_FN(axpy)(acc, vj, Dv, 1);
+            m = x;
+        } else {
+            real p = (real)exp((double)x - (double)m);
+            l += p;
+            PA_FN(axpy)(acc, vj, Dv, p);
+        }
+    }
+    real *orow = o + ((q0 + i) * H + h) * Dv;
+    for (int64_t c = 0; c < Dv; c++) orow[c] = l > 0 ? acc[c] / l : 0;
+    lse[(q0 + i) * H + h] = l > 0 ? m + (real)log((double)l) : -(real)INFINITY;
+}
+
+static int64_t PA_FN(sm_max_len)(const int64_t *cu, int64_t nseq)
+{
+    int64_t mx = 0;
+    for (int64_t n = 0; n < nseq; n++) mx = cu[n + 1] - cu[n] > mx ? cu[n + 1] - cu[n] : mx;
+    return mx;
+}
+
+static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, const void *kv,
+                                  const void *vv, void *ov, void *lsev)
+{
+    const real *q = qv, *k = kv, *v = vv;
+    real *o = ov, *lse = lsev;
+    const int64_t nseq = d->nseq, H = d->H;
+    const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
+    const int form = d->form;
+    /* query-block size and key-block size; the parallel form takes whole sequences */
+    const int64_t bq_form = form == PA_FORM_PARALLEL ? maxq : form == PA_FORM_FLASH ? SM_BQ : 1;
+    const int64_t bqmax = bq_form < maxq ? bq_form : maxq;
+    const int64_t bkmax = form == PA_FORM_PARALLEL || maxk < SM_BK ? (maxk > 0 ? maxk : 1) : SM_BK;
+    if (maxq == 0) return PA_OK;
+    int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
+    if (!first) return PA_ENOMEM;
+    first[0] = 0; /* work items of sequence n: first[n] .. first[n+1]-1, H per query block */
+    for (int64_t n = 0; n < nseq; n++) {
+        int64_t tq = d->cu_q[n + 1] - d->cu_q[n];
+        first[n + 1] = first[n] + (tq + bqmax - 1) / bqmax * H;
+    }
+    const int64_t items = first[nseq];
+    int failed = 0;
+#pragma omp parallel num_threads(pa_get_num_threads())
+    {
+        PA_FN(sm_scratch) s;
+        real *acc = NULL;
+        int ok = form == PA_FORM_RECURRENT
+                     ? (acc = pa_alloc(sizeof(real) * d->Dv)) != NULL
+                     : PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t n = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            if (!ok) continue;
+            while (t >= first[n + 1]) n++;
+            while (t < first[n]) n--;
+            int64_t local = t - first[n], nblk = (first[n + 1] - first[n]) / H;
+            int64_t h = local % H, b = nblk - 1 - local / H; /* later (longer) blocks first */
+            int64_t tq = d->cu_q[n + 1] - d->cu_q[n], i0 = b * bqmax;
+            int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
+            if (form == PA_FORM_RECURRENT)
+                PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
+            else
+                PA_FN(sm_forward_block)(d, q, k, v, o, lse, n, h, i0, bq, bkmax, &s);
+        }
+        if (form == PA_FORM_RECURRENT)
+            free(acc);
+        else if (ok)
+            PA_FN(sm_scratch_free)(&s);
+    }
+    free(first);
+    return failed ? PA_ENOMEM : PA_OK;
+}
+
+/* Backward of one unit (sequence n, KV head kh) in tiles of bqmax x bkmax. */
+static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q, const real *k,
+                                    const real *v, const real *lse, const real *dout,
+                                    const real *Drow, real *dq, real *dk, real *dv, int64_t n,
+                                    int64_t kh, int64_t bqmax, int64_t bkmax,
+                                    PA_FN(sm_scratch) * s)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, group = H / Hk;
+    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
+    const int64_t tq = d->cu_q[n + 1] - q0, tk = d->cu_k[n + 1] - k0, off = tk - tq;
+    const real scale = (real)d->scale;
+    real *S = s->S, *dP = s->dP, *dK = s->dK, *dV = s->dV;
+    for (int64_t j0 = 0; j0 < tk; j0 += bkmax) {
+        int64_t bk = tk - j0 < bkmax ? tk - j0 : bkmax;
+        const real *K = k + ((k0 + j0) * Hk + kh) * Dk, *V = v + ((k0 + j0) * Hk + kh) * Dv;
+        memset(dK, 0, sizeof(real) * bk * Dk);
+        memset(dV, 0, sizeof(real) * bk * Dv);
+        for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+            for (int64_t i0 = 0; i0 < tq; i0 += bqmax) {
+                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
+                int vis = PA_FN(sm_block_visibility)(d, i0 + off, i0 + bq - 1 + off, j0,
+                                                     j0 + bk - 1, tk);
+                if (vis == SM_HIDDEN) continue;
+                const real *Q = q + ((q0 + i0) * H + h) * Dk;
+                const real *dO = dout + ((q0 + i0) * H + h) * Dv;
+                PA_FN(sm_scores)(d, h, Q, K, S, bkmax, bq, bk, i0 + off, j0, tk, vis, s->dcap,
+                                 s->work);
+                for (int64_t r = 0; r < bq; r++) {
+                    real L = lse[(q0 + i0 + r) * H + h];
+                    if (L == -(real)INFINITY)
+                        memset(S + r * bkmax, 0, sizeof(real) * bk);
+                    else
+                        PA_FN(row_exp_sum)(S + r * bkmax, bk, L);
+                }
+                PA_FN(gemm)(bk, Dv, bq, 1, S, 1, bkmax, dO, H * Dv, 1, 1, dV, Dv, s->work);
+                PA_FN(gemm)(bq, bk, Dv, 1, dO, H * Dv, 1, V, 1, Hk * Dv, 0, dP, bkmax, s->work);
+                for (int64_t r = 0; r < bq; r++) {
+                    real Dr = Drow[(q0 + i0 + r) * H + h];
+                    real *pr = S + r * bkmax, *dpr = dP + r * bkmax;
+                    if (s->dcap) {
+                        const real *dcr = s->dcap + r * bkmax;
+                        for (int64_t c = 0; c < bk; c++)
+                            dpr[c] = pr[c] == 0 ? 0 : pr[c] * (dpr[c] - Dr) * dcr[c];
+                    } else {
+                        for (int64_t c = 0; c < bk; c++) dpr[c] = pr[c] * (dpr[c] - Dr);
+                    }
+                }
+                PA_FN(gemm)(bq, Dk, bk, scale, dP, bkmax, 1, K, Hk * Dk, 1, 1,
+                            dq + ((q0 + i0) * H + h) * Dk, H * Dk, s->work);
+                PA_FN(gemm)(bk, Dk, bq, scale, dP, 1, bkmax, Q, H * Dk, 1, 1, dK, Dk, s->work);
+            }
+        }
+        for (int64_t c = 0; c < bk; c++) {
+            memcpy(dk + ((k0 + j0 + c) * Hk + kh) * Dk, dK + c * Dk, sizeof(real) * Dk);
+            memcpy(dv + ((k0 + j0 + c) * Hk + kh) * Dv, dV + c * Dv, sizeof(real) * Dv);
+        }
+    }
+}
+
+/* Backward of one unit (sequence n, KV head kh), one query and one key at a time. dk and dv
+ * rows of the unit are accumulated in place (zeroed by the caller). */
+static void PA_FN(sm_backward_unit_recurrent)(const pa_softmax_desc *d, const real *q,
+                                              const real *k, const real *v, const real *lse,
+                                              const real *dout, const real *Drow, real *dq,
+                                              real *dk, real *dv, int64_t n, int64_t kh)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, group = H / Hk;
+    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
+    const int64_t tq = d->cu_q[n + 1] - q0, tk = d->cu_k[n + 1] - k0, off = tk - tq;
+    const real scale = (real)d->scale;
+    for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+        real slope = PA_FN(sm_slope)(d, h);
+        for (int64_t i = 0; i < tq; i++) {
+            const int64_t row = (q0 + i) * H + h, ip = i + off;
+            const real *qi = q + row * Dk, *doi = dout + row * Dv;
+            real *dqi = dq + row * Dk;
+            real L = lse[row], Dr = Drow[row];
+            if (L == -(real)INFINITY) continue;
+            int64_t lo, hi, shi;
+            PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
+            const int64_t ranges[2][2] = {{0, shi}, {lo > shi ? lo : shi, hi + 1}};
+            for (int rg = 0; rg < 2; rg++)
+            for (int64_t j = ranges[rg][0]; j < ranges[rg][1]; j++) {
+                const int64_t krow = (k0 + j) * Hk + kh;
+                real dcap;
+                real x = PA_FN(sm_score)(scale * PA_FN(dot)(qi, k + krow * Dk, Dk), d->softcap,
+                                         slope, ip - j, &dcap);
+                real p = (real)exp((double)x - (double)L);
+                PA_FN(axpy)(dv + krow * Dv, doi, Dv, p);
+                real ds = p * (PA_FN(dot)(doi, v + krow * Dv, Dv) - Dr) * dcap * scale;
+                PA_FN(axpy)(dqi, k + krow * Dk, Dk, ds);
+                PA_FN(axpy)(dk + krow * Dk, qi, Dk, ds);
+            }
+        }
+    }
+}
+
+static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, const void *kv,
+                                   const void *vv, const void *ov, const void *lsev,
+                                   const void *doutv, const void *dlsev, void *dqv, void *dkv,
+                                   void *dvv)
+{
+    const real *q = qv, *k = kv, *v = vv, *o = ov, *lse = lsev, *dout = doutv, *dlse = dlsev;
+    real *dq = dqv, *dk = dkv, *dv = dvv;
+    const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
+    const int64_t rows_q = d->cu_q[nseq], rows_k = d->cu_k[nseq];
+    const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
+    const int form = d->form;
+    const int64_t bqmax = form == PA_FORM_PARALLEL ? maxq : SM_BQ < maxq ? SM_BQ : maxq;
+    const int64_t bkmax = form == PA_FORM_PARALLEL ? maxk : SM_BK < maxk ? SM_BK : maxk;
+    real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
+    if (!Drow) return PA_ENOMEM;
+    const int nthreads = pa_get_num_threads();
+    /* D = rowsum(dO * O) - dlse; dq is accumulated, dk/dv too in the recurrent form */
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows_q * H; r++) {
+        Drow[r] = PA_FN(dot)(dout + r * Dv, o + r * Dv, Dv) - (dlse ? dlse[r] : 0);
+        memset(dq + r * Dk, 0, sizeof(real) * Dk);
+    }
+    if (form == PA_FORM_RECURRENT) {
+        memset(dk, 0, sizeof(real) * rows_k * Hk * Dk);
+        memset(dv, 0, sizeof(real) * rows_k * Hk * Dv);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        PA_FN(sm_scratch) s;
+        int ok = form == PA_FORM_RECURRENT || maxq == 0 || maxk == 0 ||
+                 PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < nseq * Hk; u++) {
+            if (!ok) continue;
+            int64_t n = u / Hk, kh = u % Hk;
+            if (form == PA_FORM_RECURRENT)
+                PA_FN(sm_backward_unit_recurrent)(d, q, k, v, lse, dout, Drow, dq, dk, dv, n, kh);
+            else if (d->cu_q[n + 1] > d->cu_q[n] && d->cu_k[n + 1] > d->cu_k[n])
+                PA_FN(sm_backward_unit)(d, q, k, v, lse, dout, Drow, dq, dk, dv, n, kh, bqmax,
+                                        bkmax, &s);
+            else
+                for (int64_t j = d->cu_k[n]; j < d->cu_k[n + 1]; j++) {
+                    memset(dk + (j * Hk + kh) * Dk, 0, sizeof(real) * Dk);
+                    memset(dv + (j * Hk + kh) * Dv, 0, sizeof(real) * Dv);
+                }
+        }
+        if (ok && form != PA_FORM_RECURRENT && maxq > 0 && maxk > 0) PA_FN(sm_scratch_free)(&s);
+    }
+    free(Drow);
+    return failed ? PA_ENOMEM : PA_OK;
+}

@@ -1,0 +1,126 @@
+"""Softmax attention: parallel, flash and recurrent forms (DESIGN section 4)."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from . import _validate as V
+from .autodiff import register_vjp, split_cotangent
+
+FORMS = ("parallel", "flash", "recurrent")
+_FORM_CODE = {"parallel": _core.FORM_PARALLEL, "flash": _core.FORM_FLASH, "recurrent": _core.FORM_RECURRENT}
+
+
+def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_seqlens,
+             cu_seqlens_q, cu_seqlens_k, form):
+    fn = "softmax_attention"
+    arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    q, k, v, alibi = arrs["q"], arrs["k"], arrs["v"], arrs["alibi_slopes"]
+    V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
+    V.ndim(fn, "k", k, 4, "[B, Tk, Hk, Dk]")
+    V.ndim(fn, "v", v, 4, "[B, Tk, Hk, Dv]")
+    B, Tq, H, Dk = q.shape
+    V.same(fn, "batch sizes", {"q": B, "k": k.shape[0], "v": v.shape[0]})
+    V.same(fn, "key lengths", {"k": k.shape[1], "v": v.shape[1]})
+    V.same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
+    V.same(fn, "key head dims", {"q": Dk, "k": k.shape[3]})
+    Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if Hk < 1 or H % Hk:
+        raise ValueError(f"{fn}(): query heads H={H} must be a multiple of the KV heads Hk={Hk}")
+    if Dk < 1 or Dv < 1:
+        raise ValueError(f"{fn}(): head dims must be >= 1, got Dk={Dk}, Dv={Dv}")
+    if alibi is not None and alibi.shape != (H,):
+        raise ValueError(f"{fn}(): 'alibi_slopes' must have shape ({H},), got {alibi.shape}")
+    V.form(fn, form, FORMS)
+    if window is None:
+        left, right = -1, -1
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"{fn}(): 'window' must be (left, right) or None, got {window!r}")
+        left = V.integer(fn, "window[0]", window[0], -1)
+        right = V.integer(fn, "window[1]", window[1], -1)
+    sinks = V.integer(fn, "sinks", sinks, 0)
+    softcap = V.real(fn, "softcap", softcap, 0.0)
+    scale = Dk ** -0.5 if scale is None else V.real(fn, "scale", scale)
+    if cu_seqlens is not None:
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError(f"{fn}(): give either 'cu_seqlens' or 'cu_seqlens_q'/'cu_seqlens_k', not both")
+        if Tq != Tk:
+            raise ValueError(f"{fn}(): 'cu_seqlens' needs Tq == Tk, got Tq={Tq}, Tk={Tk}; use cu_seqlens_q/cu_seqlens_k")
+        cu_seqlens_q = cu_seqlens_k = cu_seqlens
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError(f"{fn}(): 'cu_seqlens_q' and 'cu_seqlens_k' must be given together")
+    if cu_seqlens_q is None:
+        cu_q, cu_k = V.batch_offsets(B, Tq), V.batch_offsets(B, Tk)
+    else:
+        cu_q = V.cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, Tq, B)
+        cu_k = V.cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, Tk, B)
+        if len(cu_q) != len(cu_k):
+            raise ValueError(f"{fn}(): cu_seqlens_q and cu_seqlens_k must have the same length, got {len(cu_q)} and {len(cu_k)}")
+    opts = (cu_q, cu_k, _FORM_CODE[form], bool(causal), left, right, sinks, alibi, softcap, float(scale))
+    return q, k, v, opts
+
+
+def _forward(q, k, v, opts):
+    B, Tq, H, _ = q.shape
+    o = np.empty((B, Tq, H, v.shape[3]), dtype=q.dtype)
+    lse = np.empty((B, Tq, H), dtype=q.dtype)
+    _core.softmax_forward(q, k, v, o, lse, *opts)
+    return o, lse
+
+
+def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0,
+                      alibi_slopes=None, softcap=0.0, cu_seqlens=None, cu_seqlens_q=None,
+                      cu_seqlens_k=None, form="flash", return_lse=False):
+    """Softmax attention ``o_i = sum_j softmax_j(s_ij) v_j`` over the keys visible to query i.
+
+    q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``, v ``[B, Tk, Hk, Dv]`` with ``H % Hk == 0``
+    (GQA/MQA: query head h reads KV head ``h // (H // Hk)``); float32 or float64, one dtype.
+    ``s_ij = scale q_i.k_j`` (scale defaults to ``Dk ** -0.5``), then ``softcap * tanh(s /
+    softcap)`` when ``softcap > 0``, then ``- alibi_slopes[h] * |i' - j|``.
+    With ``i' = i + Tk - Tq`` (bottom-right alignment, as flash-attn), key j is visible iff
+    ``(not causal or j <= i')`` and (``i' - left <= j <= i' + right`` for ``window=(left,
+    right)``, -1 unbounded, or ``j < sinks``). A query with no visible key gets ``o = 0`` and
+    ``lse = -inf``.
+    ``cu_seqlens`` (B must be 1) packs sequences of equal query and key lengths;
+    ``cu_seqlens_q``/``cu_seqlens_k`` (flash-attn's names) pack them separately.
+    Forms: ``"flash"`` (tiled online softmax, never Tq x Tk memory), ``"parallel"``
+    (materialised scores), ``"recurrent"`` (keys streamed one by one, the decode form).
+    Returns ``o [B, Tq, H, Dv]``, or ``(o, lse)`` with ``return_lse=True``, ``lse [B, Tq, H]``
+    the natural-log log-sum-exp of the scores. ``alibi_slopes [H]`` is a constant: it gets no
+    gradient.
+    """
+    q, k, v, opts = _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap,
+                             cu_seqlens, cu_seqlens_q, cu_seqlens_k, form)
+    o, lse = _forward(q, k, v, opts)
+    return (o, lse) if return_lse else o
+
+
+@register_vjp(softmax_attention)
+def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
+    opts_kw = dict(causal=False, scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
+                   cu_seqlens=None, cu_seqlens_q=None, cu_seqlens_k=None, form="flash")
+    unknown = set(kwargs) - set(opts_kw)
+    if unknown:
+        raise TypeError(f"softmax_attention(): unexpected keyword arguments {sorted(unknown)}")
+    opts_kw.update(kwargs)
+    q, k, v, opts = _prepare(q, k, v, **opts_kw)
+    o, lse = _forward(q, k, v, opts)
+
+    def pullback(cot):
+        do, dlse = split_cotangent("softmax_attention", cot, 2)
+        if not return_lse and dlse is not None:
+            raise ValueError("softmax_attention pullback: got a cotangent for lse, but return_lse=False")
+        arrs, _ = V.float_arrays("softmax_attention pullback", q=q, do=do, dlse=dlse)
+        do, dlse = arrs["do"], arrs["dlse"]
+        if do is None:
+            do = np.zeros_like(o)
+        if do.shape != o.shape:
+            raise ValueError(f"softmax_attention pullback: 'do' must have shape {o.shape}, got {do.shape}")
+        if dlse is not None and dlse.shape != lse.shape:
+            raise ValueError(f"softmax_attention pullback: 'dlse' must have shape {lse.shape}, got {dlse.shape}")
+        dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+        _core.softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, *opts)
+        return {"q": dq, "k": dk, "v": dv}
+
+    return ((o, lse) if return_lse else o), pullback
