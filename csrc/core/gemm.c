@@ -25,6 +25,15 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
     for (int64_t ir = 0; ir < mc; ir += MR) {
         int64_t mr = mc - ir < MR ? mc - ir : MR;
         real *dst = Ap + ir * kc;
+        if (rsa == 1) { /* A^T stored row-major: MR contiguous reals per p */
+            for (int64_t p = 0; p < kc; p++) {
+                const real *src = A + ir + p * csa;
+                int64_t i = 0;
+                for (; i < mr; i++) dst[p * MR + i] = src[i];
+                for (; i < MR; i++) dst[p * MR + i] = 0;
+            }
+            continue;
+        }
         for (int64_t i = 0; i < MR; i++) {
             if (i < mr) {
                 const real *src = A + (ir + i) * rsa;
@@ -105,14 +114,39 @@ static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a,
         }
 }
 
+/* C[M x nc] (op) with B already packed: the NR-wide panel j of B starts at Bp + j * bps and
+ * holds kc rows of NR reals. A is packed here, MC x kc at a time, into Ap. */
+static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, const real *A,
+                              int64_t rsa, int64_t csa, const real *Bp, int64_t bps, real beta,
+                              real *C, int64_t ldc, real *Ap)
+{
+    for (int64_t ic = 0; ic < M; ic += MC) {
+        int64_t mc = M - ic < MC ? M - ic : MC;
+        PA_FN(pack_a)(mc, kc, A + ic * rsa, rsa, csa, Ap);
+        for (int64_t jr = 0; jr < nc; jr += NR) {
+            int64_t nr = nc - jr < NR ? nc - jr : NR;
+            for (int64_t ir = 0; ir < mc; ir += MR) {
+                int64_t mr = mc - ir < MR ? mc - ir : MR;
+                PA_FN(micro_kernel)(kc, Ap + ir * kc, Bp + jr / NR * bps,
+                                    C + (ic + ir) * ldc + jr, ldc, mr, nr, alpha, beta);
+            }
+        }
+    }
+}
+
+static void PA_FN(gemm_scale_c)(int64_t M, int64_t N, real beta, real *C, int64_t ldc)
+{
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta != 0 ? beta * C[i * ldc + j] : 0;
+}
+
 static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                         int64_t rsa, int64_t csa, const real *B, int64_t rsb, int64_t csb,
                         real beta, real *C, int64_t ldc, real *work)
 {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta != 0 ? beta * C[i * ldc + j] : 0;
+        PA_FN(gemm_scale_c)(M, N, beta, C, ldc);
         return;
     }
     int64_t mcmax = M < MC ? (M + MR - 1) / MR * MR : MC;
@@ -122,21 +156,32 @@ static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real 
         int64_t nc = N - jc < NC ? N - jc : NC;
         for (int64_t pc = 0; pc < K; pc += KC) {
             int64_t kc = K - pc < KC ? K - pc : KC;
-            real b = pc == 0 ? beta : 1;
             PA_FN(pack_b)(kc, nc, B + pc * rsb + jc * csb, rsb, csb, Bp);
-            for (int64_t ic = 0; ic < M; ic += MC) {
-                int64_t mc = M - ic < MC ? M - ic : MC;
-                PA_FN(pack_a)(mc, kc, A + ic * rsa + pc * csa, rsa, csa, Ap);
-                for (int64_t jr = 0; jr < nc; jr += NR) {
-                    int64_t nr = nc - jr < NR ? nc - jr : NR;
-                    for (int64_t ir = 0; ir < mc; ir += MR) {
-                        int64_t mr = mc - ir < MR ? mc - ir : MR;
-                        PA_FN(micro_kernel)(kc, Ap + ir * kc, Bp + jr * kc,
-                                            C + (ic + ir) * ldc + jc + jr, ldc, mr, nr, alpha, b);
-                    }
-                }
-            }
+            PA_FN(gemm_macro)(M, nc, kc, alpha, A + pc * csa, rsa, csa, Bp, kc * NR,
+                              pc == 0 ? beta : 1, C + jc, ldc, Ap);
         }
+    }
+}
+
+/* Reals needed to pack a K x N matrix whole with pack_b: panels of NR columns, K rows each. */
+static int64_t PA_FN(packed_b_elems)(int64_t K, int64_t N) { return (N + NR - 1) / NR * NR * K; }
+
+/* gemm with B packed once by the caller: pack_b(K, N, ...) into Bp, so panel j starts at
+ * Bp + j * bps with bps = K * NR (or a row offset into such a packing: rows r.. of a packing
+ * of more rows are at Bp + r * NR with the same bps). work: gemm_work_elems reals. */
+static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
+                                 int64_t rsa, int64_t csa, const real *Bp, int64_t bps,
+                                 real beta, real *C, int64_t ldc, real *work)
+{
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        PA_FN(gemm_scale_c)(M, N, beta, C, ldc);
+        return;
+    }
+    for (int64_t pc = 0; pc < K; pc += KC) {
+        int64_t kc = K - pc < KC ? K - pc : KC;
+        PA_FN(gemm_macro)(M, N, kc, alpha, A + pc * csa, rsa, csa, Bp + pc * NR, bps,
+                          pc == 0 ? beta : 1, C, ldc, work);
     }
 }
 

@@ -11,7 +11,9 @@
  */
 #include "dtype.h"
 
-static inline vreal PA_FN(vset)(real a) { return (vreal){0} + a; }
+/* Broadcast: -0 + a == a for every a (also -0), so the compiler emits a bare broadcast;
+ * `(vreal){0} + a` would keep a scalar add (+0 + -0 is +0), a lane loop masked moves. */
+static inline vreal PA_FN(vset)(real a) { return -(vreal){0} + a; }
 
 static inline vreal PA_FN(vload)(const real *p)
 {

@@ -18,7 +18,7 @@
  * in the cotangent of the LSE.
  */
 
-#define SM_BQ 64
+#define SM_BQ 48
 #define SM_BK 256
 
 /* Keys visible to the query at bottom-right-aligned position ip: the window [lo, hi]
@@ -38,16 +38,23 @@ static inline void PA_FN(sm_bounds)(const pa_softmax_desc *d, int64_t ip, int64_
 #define SM_PARTIAL 1
 #define SM_VISIBLE 2
 
-/* Queries ip0..ip1 against keys j0..j1 (inclusive). The window bounds grow with ip, so the
- * first and last query bound the block; SM_HIDDEN is exact, SM_PARTIAL may be pessimistic. */
-static inline int PA_FN(sm_block_visibility)(const pa_softmax_desc *d, int64_t ip0,
-                                             int64_t ip1, int64_t j0, int64_t j1, int64_t tk)
+/* Queries ip0..ip1 against the key block [j0, j1). The window bounds grow with ip, so the
+ * first and last query bound the block. Trims the block to the keys some query may see,
+ * [*ja, *jb) (start kept a multiple of NR, where packed operands begin), and classifies it:
+ * SM_HIDDEN is exact, SM_PARTIAL may be pessimistic. */
+static inline int PA_FN(sm_block_keys)(const pa_softmax_desc *d, int64_t ip0, int64_t ip1,
+                                       int64_t j0, int64_t j1, int64_t tk, int64_t *ja,
+                                       int64_t *jb)
 {
     int64_t lo0, hi0, shi0, lo1, hi1, shi1;
     PA_FN(sm_bounds)(d, ip0, tk, &lo0, &hi0, &shi0);
     PA_FN(sm_bounds)(d, ip1, tk, &lo1, &hi1, &shi1);
-    if (!((lo0 <= j1 && hi1 >= j0) || j0 < shi1)) return SM_HIDDEN;
-    if ((lo1 <= j0 && hi0 >= j1) || j1 < shi0) return SM_VISIBLE;
+    int64_t reach = hi1 + 1 > shi1 ? hi1 + 1 : shi1;
+    int64_t start = j0 < shi1 || lo0 < j0 ? j0 : lo0;
+    *ja = start / NR * NR;
+    *jb = j1 < reach ? j1 : reach;
+    if (*jb <= *ja || !(lo0 < *jb || *ja < shi1)) return SM_HIDDEN;
+    if ((lo1 <= *ja && hi0 >= *jb - 1) || *jb <= shi0) return SM_VISIBLE;
     return SM_PARTIAL;
 }
 
@@ -92,13 +99,80 @@ static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *
     }
 }
 
-/* S[bq x bk] = transformed scores of query rows i0.. (head h) against key rows j0.. */
-static void PA_FN(sm_scores)(const pa_softmax_desc *d, int64_t h, const real *Q, const real *K,
-                             real *S, int64_t lds, int64_t bq, int64_t bk, int64_t ip0,
-                             int64_t j0, int64_t tk, int visibility, real *dcap, real *work)
+/* K or V of every (sequence, KV head) packed once per call as a GEMM B operand, so no tile
+ * repacks (or transposes) them. keys_as_columns: B = X^T [D x tk], panels of NR keys;
+ * otherwise B = X [tk x D], panels of NR features. Key blocks start at multiples of NR. */
+typedef struct {
+    real *data;
+    int64_t *offset; /* [nseq * Hk] */
+    int64_t D;
+    int keys_as_columns;
+} PA_FN(sm_packed);
+
+static void PA_FN(sm_packed_free)(PA_FN(sm_packed) * pk)
 {
-    PA_FN(gemm)(bq, bk, d->Dk, (real)d->scale, Q, d->H * d->Dk, 1, K, 1, d->Hk * d->Dk, 0, S,
-                lds, work);
+    free(pk->data);
+    free(pk->offset);
+    pk->data = NULL;
+    pk->offset = NULL;
+}
+
+static int PA_FN(sm_pack)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d, const real *x,
+                          int64_t D, int keys_as_columns)
+{
+    const int64_t nseq = d->nseq, Hk = d->Hk;
+    pk->D = D;
+    pk->keys_as_columns = keys_as_columns;
+    pk->offset = malloc(sizeof(int64_t) * (nseq * Hk + 1));
+    if (!pk->offset) return 0;
+    int64_t total = 0;
+    for (int64_t u = 0; u < nseq * Hk; u++) {
+        int64_t tk = d->cu_k[u / Hk + 1] - d->cu_k[u / Hk];
+        pk->offset[u] = total;
+        total += keys_as_columns ? PA_FN(packed_b_elems)(D, tk) : PA_FN(packed_b_elems)(tk, D);
+    }
+    pk->data = pa_alloc(sizeof(real) * (total + 1));
+    if (!pk->data) {
+        PA_FN(sm_packed_free)(pk);
+        return 0;
+    }
+#pragma omp parallel for num_threads(pa_get_num_threads()) schedule(dynamic, 1)
+    for (int64_t u = 0; u < nseq * Hk; u++) {
+        int64_t n = u / Hk, kh = u % Hk, k0 = d->cu_k[n], tk = d->cu_k[n + 1] - k0;
+        const real *X = x + (k0 * Hk + kh) * D;
+        if (keys_as_columns)
+            PA_FN(pack_b)(D, tk, X, 1, Hk * D, pk->data + pk->offset[u]);
+        else
+            PA_FN(pack_b)(tk, D, X, Hk * D, 1, pk->data + pk->offset[u]);
+    }
+    return 1;
+}
+
+/* The packed B operand of keys j0.. of (sequence n, KV head kh), and its panel stride. */
+static inline const real *PA_FN(sm_packed_at)(const PA_FN(sm_packed) * pk,
+                                              const pa_softmax_desc *d, int64_t n, int64_t kh,
+                                              int64_t j0, int64_t *bps)
+{
+    int64_t tk = d->cu_k[n + 1] - d->cu_k[n];
+    const real *base = pk->data + pk->offset[n * d->Hk + kh];
+    if (pk->keys_as_columns) {
+        *bps = pk->D * NR;
+        return base + j0 / NR * pk->D * NR;
+    }
+    *bps = tk * NR;
+    return base + j0 * NR;
+}
+
+/* S[bq x bk] = transformed scores of query rows (head h) against keys j0.. of KT. */
+static void PA_FN(sm_scores)(const pa_softmax_desc *d, int64_t n, int64_t h,
+                             const PA_FN(sm_packed) * KT, const real *Q, real *S, int64_t lds,
+                             int64_t bq, int64_t bk, int64_t ip0, int64_t j0, int64_t tk,
+                             int visibility, real *dcap, real *work)
+{
+    int64_t bps;
+    const real *Bp = PA_FN(sm_packed_at)(KT, d, n, h / (d->H / d->Hk), j0, &bps);
+    PA_FN(gemm_packed_b)(bq, bk, d->Dk, (real)d->scale, Q, d->H * d->Dk, 1, Bp, bps, 0, S, lds,
+                         work);
     if (visibility != SM_VISIBLE || d->softcap > 0 || d->alibi)
         PA_FN(sm_transform_tile)(d, h, S, lds, bq, bk, ip0, j0, tk, visibility, dcap);
 }
@@ -154,9 +228,10 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
 }
 
 /* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax. */
-static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const real *q, const real *k,
-                                    const real *v, real *o, real *lse, int64_t n, int64_t h,
-                                    int64_t i0, int64_t bq, int64_t bkmax, PA_FN(sm_scratch) * s)
+static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const real *q,
+                                    const PA_FN(sm_packed) * KT, const PA_FN(sm_packed) * Vp,
+                                    real *o, real *lse, int64_t n, int64_t h, int64_t i0,
+                                    int64_t bq, int64_t bkmax, PA_FN(sm_scratch) * s)
 {
     const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
     const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
@@ -169,12 +244,13 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const real *q, con
         l[r] = 0;
     }
     memset(O, 0, sizeof(real) * bq * Dv);
-    for (int64_t j0 = 0; j0 < tk; j0 += bkmax) {
-        int64_t bk = tk - j0 < bkmax ? tk - j0 : bkmax;
-        int vis = PA_FN(sm_block_visibility)(d, i0 + off, i0 + bq - 1 + off, j0, j0 + bk - 1, tk);
+    for (int64_t jblk = 0; jblk < tk; jblk += bkmax) {
+        int64_t j0, j1;
+        int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, jblk,
+                                       tk - jblk < bkmax ? tk : jblk + bkmax, tk, &j0, &j1);
         if (vis == SM_HIDDEN) continue;
-        PA_FN(sm_scores)(d, h, Q, k + ((k0 + j0) * Hk + kh) * Dk, S, bkmax, bq, bk, i0 + off, j0,
-                         tk, vis, NULL, s->work);
+        const int64_t bk = j1 - j0;
+        PA_FN(sm_scores)(d, n, h, KT, Q, S, bkmax, bq, bk, i0 + off, j0, tk, vis, NULL, s->work);
         for (int64_t r = 0; r < bq; r++) {
             real *sr = S + r * bkmax;
             real mx = PA_FN(row_max)(sr, bk);
@@ -190,8 +266,9 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const real *q, con
             }
             l[r] += PA_FN(row_exp_sum)(sr, bk, m[r]);
         }
-        PA_FN(gemm)(bq, Dv, bk, 1, S, bkmax, 1, v + ((k0 + j0) * Hk + kh) * Dv, Hk * Dv, 1, 1, O,
-                    Dv, s->work);
+        int64_t bps;
+        const real *Vb = PA_FN(sm_packed_at)(Vp, d, n, kh, j0, &bps);
+        PA_FN(gemm_packed_b)(bq, Dv, bk, 1, S, bkmax, 1, Vb, bps, 1, O, Dv, s->work);
     }
     for (int64_t r = 0; r < bq; r++) {
         real *orow = o + ((q0 + i0 + r) * H + h) * Dv;
@@ -258,13 +335,20 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t nseq = d->nseq, H = d->H;
     const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
     const int form = d->form;
-    /* query-block size and key-block size; the parallel form takes whole sequences */
+    /* query-block and key-block sizes; the parallel form takes whole sequences */
     const int64_t bq_form = form == PA_FORM_PARALLEL ? maxq : form == PA_FORM_FLASH ? SM_BQ : 1;
     const int64_t bqmax = bq_form < maxq ? bq_form : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL || maxk < SM_BK ? (maxk > 0 ? maxk : 1) : SM_BK;
     if (maxq == 0) return PA_OK;
+    PA_FN(sm_packed) KT = {0}, Vp = {0};
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
-    if (!first) return PA_ENOMEM;
+    if (!first || (form != PA_FORM_RECURRENT &&
+                   !(PA_FN(sm_pack)(&KT, d, k, d->Dk, 1) && PA_FN(sm_pack)(&Vp, d, v, d->Dv, 0)))) {
+        free(first);
+        PA_FN(sm_packed_free)(&KT);
+        PA_FN(sm_packed_free)(&Vp);
+        return PA_ENOMEM;
+    }
     first[0] = 0; /* work items of sequence n: first[n] .. first[n+1]-1, H per query block */
     for (int64_t n = 0; n < nseq; n++) {
         int64_t tq = d->cu_q[n + 1] - d->cu_q[n];
@@ -296,7 +380,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
             else
-                PA_FN(sm_forward_block)(d, q, k, v, o, lse, n, h, i0, bq, bkmax, &s);
+                PA_FN(sm_forward_block)(d, q, &KT, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
         }
         if (form == PA_FORM_RECURRENT)
             free(acc);
@@ -304,14 +388,22 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             PA_FN(sm_scratch_free)(&s);
     }
     free(first);
+    PA_FN(sm_packed_free)(&KT);
+    PA_FN(sm_packed_free)(&Vp);
     return failed ? PA_ENOMEM : PA_OK;
 }
 
+/* K and V packed for the three B operands of the backward tiles: K^T (scores), V^T (dP),
+ * K (dQ). */
+typedef struct {
+    PA_FN(sm_packed) KT, VT, K;
+} PA_FN(sm_bwd_packs);
+
 /* Backward of one unit (sequence n, KV head kh) in tiles of bqmax x bkmax. */
-static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q, const real *k,
-                                    const real *v, const real *lse, const real *dout,
-                                    const real *Drow, real *dq, real *dk, real *dv, int64_t n,
-                                    int64_t kh, int64_t bqmax, int64_t bkmax,
+static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q,
+                                    const PA_FN(sm_bwd_packs) * pk, const real *lse,
+                                    const real *dout, const real *Drow, real *dq, real *dk,
+                                    real *dv, int64_t n, int64_t kh, int64_t bqmax, int64_t bkmax,
                                     PA_FN(sm_scratch) * s)
 {
     const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, group = H / Hk;
@@ -321,42 +413,47 @@ static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q, con
     real *S = s->S, *dP = s->dP, *dK = s->dK, *dV = s->dV;
     for (int64_t j0 = 0; j0 < tk; j0 += bkmax) {
         int64_t bk = tk - j0 < bkmax ? tk - j0 : bkmax;
-        const real *K = k + ((k0 + j0) * Hk + kh) * Dk, *V = v + ((k0 + j0) * Hk + kh) * Dv;
         memset(dK, 0, sizeof(real) * bk * Dk);
         memset(dV, 0, sizeof(real) * bk * Dv);
         for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
             for (int64_t i0 = 0; i0 < tq; i0 += bqmax) {
-                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
-                int vis = PA_FN(sm_block_visibility)(d, i0 + off, i0 + bq - 1 + off, j0,
-                                                     j0 + bk - 1, tk);
+                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax, ja, jb, vt_bps, k_bps;
+                int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, j0, j0 + bk, tk,
+                                               &ja, &jb);
                 if (vis == SM_HIDDEN) continue;
+                const int64_t w = jb - ja; /* the keys ja..jb-1 this query block may see */
+                const real *VT = PA_FN(sm_packed_at)(&pk->VT, d, n, kh, ja, &vt_bps);
+                const real *Kp = PA_FN(sm_packed_at)(&pk->K, d, n, kh, ja, &k_bps);
                 const real *Q = q + ((q0 + i0) * H + h) * Dk;
                 const real *dO = dout + ((q0 + i0) * H + h) * Dv;
-                PA_FN(sm_scores)(d, h, Q, K, S, bkmax, bq, bk, i0 + off, j0, tk, vis, s->dcap,
-                                 s->work);
+                PA_FN(sm_scores)(d, n, h, &pk->KT, Q, S, bkmax, bq, w, i0 + off, ja, tk, vis,
+                                 s->dcap, s->work);
                 for (int64_t r = 0; r < bq; r++) {
                     real L = lse[(q0 + i0 + r) * H + h];
                     if (L == -(real)INFINITY)
-                        memset(S + r * bkmax, 0, sizeof(real) * bk);
+                        memset(S + r * bkmax, 0, sizeof(real) * w);
                     else
-                        PA_FN(row_exp_sum)(S + r * bkmax, bk, L);
+                        PA_FN(row_exp_sum)(S + r * bkmax, w, L);
                 }
-                PA_FN(gemm)(bk, Dv, bq, 1, S, 1, bkmax, dO, H * Dv, 1, 1, dV, Dv, s->work);
-                PA_FN(gemm)(bq, bk, Dv, 1, dO, H * Dv, 1, V, 1, Hk * Dv, 0, dP, bkmax, s->work);
+                PA_FN(gemm)(w, Dv, bq, 1, S, 1, bkmax, dO, H * Dv, 1, 1, dV + (ja - j0) * Dv, Dv,
+                            s->work);
+                PA_FN(gemm_packed_b)(bq, w, Dv, 1, dO, H * Dv, 1, VT, vt_bps, 0, dP, bkmax,
+                                     s->work);
                 for (int64_t r = 0; r < bq; r++) {
                     real Dr = Drow[(q0 + i0 + r) * H + h];
                     real *pr = S + r * bkmax, *dpr = dP + r * bkmax;
                     if (s->dcap) {
                         const real *dcr = s->dcap + r * bkmax;
-                        for (int64_t c = 0; c < bk; c++)
+                        for (int64_t c = 0; c < w; c++)
                             dpr[c] = pr[c] == 0 ? 0 : pr[c] * (dpr[c] - Dr) * dcr[c];
                     } else {
-                        for (int64_t c = 0; c < bk; c++) dpr[c] = pr[c] * (dpr[c] - Dr);
+                        for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr);
                     }
                 }
-                PA_FN(gemm)(bq, Dk, bk, scale, dP, bkmax, 1, K, Hk * Dk, 1, 1,
-                            dq + ((q0 + i0) * H + h) * Dk, H * Dk, s->work);
-                PA_FN(gemm)(bk, Dk, bq, scale, dP, 1, bkmax, Q, H * Dk, 1, 1, dK, Dk, s->work);
+                PA_FN(gemm_packed_b)(bq, Dk, w, scale, dP, bkmax, 1, Kp, k_bps, 1,
+                                     dq + ((q0 + i0) * H + h) * Dk, H * Dk, s->work);
+                PA_FN(gemm)(w, Dk, bq, scale, dP, 1, bkmax, Q, H * Dk, 1, 1, dK + (ja - j0) * Dk,
+                            Dk, s->work);
             }
         }
         for (int64_t c = 0; c < bk; c++) {
@@ -414,12 +511,21 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
     const int64_t rows_q = d->cu_q[nseq], rows_k = d->cu_k[nseq];
     const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
-    const int form = d->form;
+    const int form = d->form, tiled = form != PA_FORM_RECURRENT && maxq > 0 && maxk > 0;
     const int64_t bqmax = form == PA_FORM_PARALLEL ? maxq : SM_BQ < maxq ? SM_BQ : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL ? maxk : SM_BK < maxk ? SM_BK : maxk;
-    real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
-    if (!Drow) return PA_ENOMEM;
     const int nthreads = pa_get_num_threads();
+    PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}};
+    real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
+    if (!Drow || (tiled && !(PA_FN(sm_pack)(&pk.KT, d, k, Dk, 1) &&
+                             PA_FN(sm_pack)(&pk.VT, d, v, Dv, 1) &&
+                             PA_FN(sm_pack)(&pk.K, d, k, Dk, 0)))) {
+        free(Drow);
+        PA_FN(sm_packed_free)(&pk.KT);
+        PA_FN(sm_packed_free)(&pk.VT);
+        PA_FN(sm_packed_free)(&pk.K);
+        return PA_ENOMEM;
+    }
     /* D = rowsum(dO * O) - dlse; dq is accumulated, dk/dv too in the recurrent form */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < rows_q * H; r++) {
@@ -434,8 +540,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
 #pragma omp parallel num_threads(nthreads)
     {
         PA_FN(sm_scratch) s;
-        int ok = form == PA_FORM_RECURRENT || maxq == 0 || maxk == 0 ||
-                 PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1);
+        int ok = !tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -447,16 +552,19 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
             if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_backward_unit_recurrent)(d, q, k, v, lse, dout, Drow, dq, dk, dv, n, kh);
             else if (d->cu_q[n + 1] > d->cu_q[n] && d->cu_k[n + 1] > d->cu_k[n])
-                PA_FN(sm_backward_unit)(d, q, k, v, lse, dout, Drow, dq, dk, dv, n, kh, bqmax,
+                PA_FN(sm_backward_unit)(d, q, &pk, lse, dout, Drow, dq, dk, dv, n, kh, bqmax,
                                         bkmax, &s);
-            else
+            else /* keys no query sees */
                 for (int64_t j = d->cu_k[n]; j < d->cu_k[n + 1]; j++) {
                     memset(dk + (j * Hk + kh) * Dk, 0, sizeof(real) * Dk);
                     memset(dv + (j * Hk + kh) * Dv, 0, sizeof(real) * Dv);
                 }
         }
-        if (ok && form != PA_FORM_RECURRENT && maxq > 0 && maxk > 0) PA_FN(sm_scratch_free)(&s);
+        if (ok && tiled) PA_FN(sm_scratch_free)(&s);
     }
     free(Drow);
+    PA_FN(sm_packed_free)(&pk.KT);
+    PA_FN(sm_packed_free)(&pk.VT);
+    PA_FN(sm_packed_free)(&pk.K);
     return failed ? PA_ENOMEM : PA_OK;
 }
