@@ -185,6 +185,32 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
     }
 }
 
+/* Reals needed to pack an M x K matrix whole with pack_a (panels of MR rows, K each). */
+static int64_t PA_FN(packed_a_elems)(int64_t M, int64_t K) { return (M + MR - 1) / MR * MR * K; }
+
+/* gemm with both operands packed whole by the caller: A by pack_a(M, K, ...) (rows r.. of a
+ * larger packing start at Ap + r * K, r a multiple of MR), B as for gemm_packed_b. */
+static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, const real *Ap,
+                                  const real *Bp, int64_t bps, real beta, real *C, int64_t ldc)
+{
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        PA_FN(gemm_scale_c)(M, N, beta, C, ldc);
+        return;
+    }
+    for (int64_t pc = 0; pc < K; pc += KC) {
+        int64_t kc = K - pc < KC ? K - pc : KC;
+        for (int64_t jr = 0; jr < N; jr += NR) {
+            int64_t nr = N - jr < NR ? N - jr : NR;
+            for (int64_t ir = 0; ir < M; ir += MR) {
+                int64_t mr = M - ir < MR ? M - ir : MR;
+                PA_FN(micro_kernel)(kc, Ap + ir * K + pc * MR, Bp + jr / NR * bps + pc * NR,
+                                    C + ir * ldc + jr, ldc, mr, nr, alpha, pc == 0 ? beta : 1);
+            }
+        }
+    }
+}
+
 /* GFLOP/s of independent FMA chains on each of `threads` threads for about `seconds`: the
  * machine's FMA peak for this dtype and ISA, the yardstick of the benchmarks. */
 static double PA_FN(fma_peak)(double seconds, int threads)

@@ -99,14 +99,20 @@ static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *
     }
 }
 
-/* K or V of every (sequence, KV head) packed once per call as a GEMM B operand, so no tile
- * repacks (or transposes) them. keys_as_columns: B = X^T [D x tk], panels of NR keys;
- * otherwise B = X [tk x D], panels of NR features. Key blocks start at multiples of NR. */
+/* Operands packed once per call for the GEMM, so no tile repacks (or transposes) them:
+ * SM_KEYS_AS_COLUMNS  B = X^T [D x tk] of each (sequence, KV head), panels of NR keys;
+ * SM_KEYS_AS_ROWS     B = X [tk x D], panels of NR features;
+ * SM_QUERY_ROWS       A = X [tq x D] of each (sequence, query head), panels of MR queries.
+ * Blocks start at multiples of NR (keys) or MR (queries). */
+#define SM_KEYS_AS_COLUMNS 0
+#define SM_KEYS_AS_ROWS 1
+#define SM_QUERY_ROWS 2
+
 typedef struct {
     real *data;
-    int64_t *offset; /* [nseq * Hk] */
+    int64_t *offset; /* [nseq * heads] */
     int64_t D;
-    int keys_as_columns;
+    int layout;
 } PA_FN(sm_packed);
 
 static void PA_FN(sm_packed_free)(PA_FN(sm_packed) * pk)
@@ -118,18 +124,21 @@ static void PA_FN(sm_packed_free)(PA_FN(sm_packed) * pk)
 }
 
 static int PA_FN(sm_pack)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d, const real *x,
-                          int64_t D, int keys_as_columns)
+                          int64_t D, int layout)
 {
-    const int64_t nseq = d->nseq, Hk = d->Hk;
+    const int64_t nseq = d->nseq, heads = layout == SM_QUERY_ROWS ? d->H : d->Hk;
+    const int64_t *cu = layout == SM_QUERY_ROWS ? d->cu_q : d->cu_k;
     pk->D = D;
-    pk->keys_as_columns = keys_as_columns;
-    pk->offset = malloc(sizeof(int64_t) * (nseq * Hk + 1));
+    pk->layout = layout;
+    pk->offset = malloc(sizeof(int64_t) * (nseq * heads + 1));
     if (!pk->offset) return 0;
     int64_t total = 0;
-    for (int64_t u = 0; u < nseq * Hk; u++) {
-        int64_t tk = d->cu_k[u / Hk + 1] - d->cu_k[u / Hk];
+    for (int64_t u = 0; u < nseq * heads; u++) {
+        int64_t t = cu[u / heads + 1] - cu[u / heads];
         pk->offset[u] = total;
-        total += keys_as_columns ? PA_FN(packed_b_elems)(D, tk) : PA_FN(packed_b_elems)(tk, D);
+        total += layout == SM_KEYS_AS_COLUMNS ? PA_FN(packed_b_elems)(D, t)
+                 : layout == SM_KEYS_AS_ROWS  ? PA_FN(packed_b_elems)(t, D)
+                                              : PA_FN(packed_a_elems)(t, D);
     }
     pk->data = pa_alloc(sizeof(real) * (total + 1));
     if (!pk->data) {
@@ -137,44 +146,52 @@ static int PA_FN(sm_pack)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d, const
         return 0;
     }
 #pragma omp parallel for num_threads(pa_get_num_threads()) schedule(dynamic, 1)
-    for (int64_t u = 0; u < nseq * Hk; u++) {
-        int64_t n = u / Hk, kh = u % Hk, k0 = d->cu_k[n], tk = d->cu_k[n + 1] - k0;
-        const real *X = x + (k0 * Hk + kh) * D;
-        if (keys_as_columns)
-            PA_FN(pack_b)(D, tk, X, 1, Hk * D, pk->data + pk->offset[u]);
+    for (int64_t u = 0; u < nseq * heads; u++) {
+        int64_t n = u / heads, hd = u % heads, r0 = cu[n], t = cu[n + 1] - r0;
+        const real *X = x + (r0 * heads + hd) * D;
+        real *dst = pk->data + pk->offset[u];
+        if (layout == SM_KEYS_AS_COLUMNS)
+            PA_FN(pack_b)(D, t, X, 1, heads * D, dst);
+        else if (layout == SM_KEYS_AS_ROWS)
+            PA_FN(pack_b)(t, D, X, heads * D, 1, dst);
         else
-            PA_FN(pack_b)(tk, D, X, Hk * D, 1, pk->data + pk->offset[u]);
+            PA_FN(pack_a)(t, D, X, heads * D, 1, dst);
     }
     return 1;
 }
 
-/* The packed B operand of keys j0.. of (sequence n, KV head kh), and its panel stride. */
+/* The packed operand of rows j0.. (keys or queries) of (sequence n, head hd); *bps gets the
+ * panel stride of a B operand. */
 static inline const real *PA_FN(sm_packed_at)(const PA_FN(sm_packed) * pk,
-                                              const pa_softmax_desc *d, int64_t n, int64_t kh,
+                                              const pa_softmax_desc *d, int64_t n, int64_t hd,
                                               int64_t j0, int64_t *bps)
 {
-    int64_t tk = d->cu_k[n + 1] - d->cu_k[n];
-    const real *base = pk->data + pk->offset[n * d->Hk + kh];
-    if (pk->keys_as_columns) {
+    const int64_t heads = pk->layout == SM_QUERY_ROWS ? d->H : d->Hk;
+    const real *base = pk->data + pk->offset[n * heads + hd];
+    if (pk->layout == SM_KEYS_AS_COLUMNS) {
         *bps = pk->D * NR;
         return base + j0 / NR * pk->D * NR;
     }
-    *bps = tk * NR;
-    return base + j0 * NR;
+    if (pk->layout == SM_KEYS_AS_ROWS) {
+        *bps = (d->cu_k[n + 1] - d->cu_k[n]) * NR;
+        return base + j0 * NR;
+    }
+    *bps = 0;
+    return base + j0 * pk->D;
 }
 
-/* S[bq x bk] = transformed scores of query rows (head h) against keys j0.. of KT. */
+/* S[bq x bk] = transformed scores of query rows i0.. of head h against keys j0.. */
 static void PA_FN(sm_scores)(const pa_softmax_desc *d, int64_t n, int64_t h,
-                             const PA_FN(sm_packed) * KT, const real *Q, real *S, int64_t lds,
-                             int64_t bq, int64_t bk, int64_t ip0, int64_t j0, int64_t tk,
-                             int visibility, real *dcap, real *work)
+                             const PA_FN(sm_packed) * Qp, const PA_FN(sm_packed) * KT, real *S,
+                             int64_t lds, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
+                             int64_t off, int64_t tk, int visibility, real *dcap)
 {
-    int64_t bps;
+    int64_t bps, unused;
     const real *Bp = PA_FN(sm_packed_at)(KT, d, n, h / (d->H / d->Hk), j0, &bps);
-    PA_FN(gemm_packed_b)(bq, bk, d->Dk, (real)d->scale, Q, d->H * d->Dk, 1, Bp, bps, 0, S, lds,
-                         work);
+    const real *Ap = PA_FN(sm_packed_at)(Qp, d, n, h, i0, &unused);
+    PA_FN(gemm_packed_ab)(bq, bk, d->Dk, (real)d->scale, Ap, Bp, bps, 0, S, lds);
     if (visibility != SM_VISIBLE || d->softcap > 0 || d->alibi)
-        PA_FN(sm_transform_tile)(d, h, S, lds, bq, bk, ip0, j0, tk, visibility, dcap);
+        PA_FN(sm_transform_tile)(d, h, S, lds, bq, bk, i0 + off, j0, tk, visibility, dcap);
 }
 
 typedef struct {
@@ -228,16 +245,15 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
 }
 
 /* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax. */
-static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const real *q,
+static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_packed) * Qp,
                                     const PA_FN(sm_packed) * KT, const PA_FN(sm_packed) * Vp,
                                     real *o, real *lse, int64_t n, int64_t h, int64_t i0,
                                     int64_t bq, int64_t bkmax, PA_FN(sm_scratch) * s)
 {
-    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
+    const int64_t H = d->H, Hk = d->Hk, Dv = d->Dv;
     const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
     const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - q0);
     const int64_t kh = h / (H / Hk);
-    const real *Q = q + ((q0 + i0) * H + h) * Dk;
     real *O = s->O, *m = s->m, *l = s->l, *S = s->S;
     for (int64_t r = 0; r < bq; r++) {
         m[r] = -(real)INFINITY;
@@ -250,7 +266,7 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const real *q,
                                        tk - jblk < bkmax ? tk : jblk + bkmax, tk, &j0, &j1);
         if (vis == SM_HIDDEN) continue;
         const int64_t bk = j1 - j0;
-        PA_FN(sm_scores)(d, n, h, KT, Q, S, bkmax, bq, bk, i0 + off, j0, tk, vis, NULL, s->work);
+        PA_FN(sm_scores)(d, n, h, Qp, KT, S, bkmax, i0, bq, j0, bk, off, tk, vis, NULL);
         for (int64_t r = 0; r < bq; r++) {
             real *sr = S + r * bkmax;
             real mx = PA_FN(row_max)(sr, bk);
@@ -340,11 +356,14 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t bqmax = bq_form < maxq ? bq_form : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL || maxk < SM_BK ? (maxk > 0 ? maxk : 1) : SM_BK;
     if (maxq == 0) return PA_OK;
-    PA_FN(sm_packed) KT = {0}, Vp = {0};
+    PA_FN(sm_packed) Qp = {0}, KT = {0}, Vp = {0};
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
     if (!first || (form != PA_FORM_RECURRENT &&
-                   !(PA_FN(sm_pack)(&KT, d, k, d->Dk, 1) && PA_FN(sm_pack)(&Vp, d, v, d->Dv, 0)))) {
+                   !(PA_FN(sm_pack)(&Qp, d, q, d->Dk, SM_QUERY_ROWS) &&
+                     PA_FN(sm_pack)(&KT, d, k, d->Dk, SM_KEYS_AS_COLUMNS) &&
+                     PA_FN(sm_pack)(&Vp, d, v, d->Dv, SM_KEYS_AS_ROWS)))) {
         free(first);
+        PA_FN(sm_packed_free)(&Qp);
         PA_FN(sm_packed_free)(&KT);
         PA_FN(sm_packed_free)(&Vp);
         return PA_ENOMEM;
@@ -380,7 +399,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
             else
-                PA_FN(sm_forward_block)(d, q, &KT, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
+                PA_FN(sm_forward_block)(d, &Qp, &KT, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
         }
         if (form == PA_FORM_RECURRENT)
             free(acc);
@@ -388,16 +407,26 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             PA_FN(sm_scratch_free)(&s);
     }
     free(first);
+    PA_FN(sm_packed_free)(&Qp);
     PA_FN(sm_packed_free)(&KT);
     PA_FN(sm_packed_free)(&Vp);
     return failed ? PA_ENOMEM : PA_OK;
 }
 
-/* K and V packed for the three B operands of the backward tiles: K^T (scores), V^T (dP),
+/* The operands of the backward tiles packed once: Q and K^T (scores), dO and V^T (dP),
  * K (dQ). */
 typedef struct {
-    PA_FN(sm_packed) KT, VT, K;
+    PA_FN(sm_packed) Q, KT, dO, VT, K;
 } PA_FN(sm_bwd_packs);
+
+static void PA_FN(sm_bwd_packs_free)(PA_FN(sm_bwd_packs) * pk)
+{
+    PA_FN(sm_packed_free)(&pk->Q);
+    PA_FN(sm_packed_free)(&pk->KT);
+    PA_FN(sm_packed_free)(&pk->dO);
+    PA_FN(sm_packed_free)(&pk->VT);
+    PA_FN(sm_packed_free)(&pk->K);
+}
 
 /* Backward of one unit (sequence n, KV head kh) in tiles of bqmax x bkmax. */
 static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q,
@@ -417,17 +446,18 @@ static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q,
         memset(dV, 0, sizeof(real) * bk * Dv);
         for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
             for (int64_t i0 = 0; i0 < tq; i0 += bqmax) {
-                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax, ja, jb, vt_bps, k_bps;
+                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax, ja, jb, vt_bps, k_bps, unused;
                 int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, j0, j0 + bk, tk,
                                                &ja, &jb);
                 if (vis == SM_HIDDEN) continue;
                 const int64_t w = jb - ja; /* the keys ja..jb-1 this query block may see */
                 const real *VT = PA_FN(sm_packed_at)(&pk->VT, d, n, kh, ja, &vt_bps);
                 const real *Kp = PA_FN(sm_packed_at)(&pk->K, d, n, kh, ja, &k_bps);
+                const real *dOp = PA_FN(sm_packed_at)(&pk->dO, d, n, h, i0, &unused);
                 const real *Q = q + ((q0 + i0) * H + h) * Dk;
                 const real *dO = dout + ((q0 + i0) * H + h) * Dv;
-                PA_FN(sm_scores)(d, n, h, &pk->KT, Q, S, bkmax, bq, w, i0 + off, ja, tk, vis,
-                                 s->dcap, s->work);
+                PA_FN(sm_scores)(d, n, h, &pk->Q, &pk->KT, S, bkmax, i0, bq, ja, w, off, tk, vis,
+                                 s->dcap);
                 for (int64_t r = 0; r < bq; r++) {
                     real L = lse[(q0 + i0 + r) * H + h];
                     if (L == -(real)INFINITY)
@@ -437,8 +467,7 @@ static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q,
                 }
                 PA_FN(gemm)(w, Dv, bq, 1, S, 1, bkmax, dO, H * Dv, 1, 1, dV + (ja - j0) * Dv, Dv,
                             s->work);
-                PA_FN(gemm_packed_b)(bq, w, Dv, 1, dO, H * Dv, 1, VT, vt_bps, 0, dP, bkmax,
-                                     s->work);
+                PA_FN(gemm_packed_ab)(bq, w, Dv, 1, dOp, VT, vt_bps, 0, dP, bkmax);
                 for (int64_t r = 0; r < bq; r++) {
                     real Dr = Drow[(q0 + i0 + r) * H + h];
                     real *pr = S + r * bkmax, *dpr = dP + r * bkmax;
@@ -515,15 +544,15 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     const int64_t bqmax = form == PA_FORM_PARALLEL ? maxq : SM_BQ < maxq ? SM_BQ : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL ? maxk : SM_BK < maxk ? SM_BK : maxk;
     const int nthreads = pa_get_num_threads();
-    PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}};
+    PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}, {0}, {0}};
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
-    if (!Drow || (tiled && !(PA_FN(sm_pack)(&pk.KT, d, k, Dk, 1) &&
-                             PA_FN(sm_pack)(&pk.VT, d, v, Dv, 1) &&
-                             PA_FN(sm_pack)(&pk.K, d, k, Dk, 0)))) {
+    if (!Drow || (tiled && !(PA_FN(sm_pack)(&pk.Q, d, q, Dk, SM_QUERY_ROWS) &&
+                             PA_FN(sm_pack)(&pk.KT, d, k, Dk, SM_KEYS_AS_COLUMNS) &&
+                             PA_FN(sm_pack)(&pk.dO, d, dout, Dv, SM_QUERY_ROWS) &&
+                             PA_FN(sm_pack)(&pk.VT, d, v, Dv, SM_KEYS_AS_COLUMNS) &&
+                             PA_FN(sm_pack)(&pk.K, d, k, Dk, SM_KEYS_AS_ROWS)))) {
         free(Drow);
-        PA_FN(sm_packed_free)(&pk.KT);
-        PA_FN(sm_packed_free)(&pk.VT);
-        PA_FN(sm_packed_free)(&pk.K);
+        PA_FN(sm_bwd_packs_free)(&pk);
         return PA_ENOMEM;
     }
     /* D = rowsum(dO * O) - dlse; dq is accumulated, dk/dv too in the recurrent form */
@@ -563,8 +592,6 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
         if (ok && tiled) PA_FN(sm_scratch_free)(&s);
     }
     free(Drow);
-    PA_FN(sm_packed_free)(&pk.KT);
-    PA_FN(sm_packed_free)(&pk.VT);
-    PA_FN(sm_packed_free)(&pk.K);
+    PA_FN(sm_bwd_packs_free)(&pk);
     return failed ? PA_ENOMEM : PA_OK;
 }
