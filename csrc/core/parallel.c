@@ -39,3 +39,13 @@ double pa_wtime(void)
     timespec_get(&ts, TIME_UTC);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+
+int pa_threads_for(double work, int64_t items)
+{
+    const double per_thread = 1e6; /* multiply-adds: ~10 us, well above a thread wake-up */
+    double n = work / per_thread;
+    int t = pa_get_num_threads();
+    if (n < t) t = n < 1 ? 1 : (int)n;
+    if (items < t) t = items < 1 ? 1 : (int)items;
+    return t;
+}

@@ -15,6 +15,8 @@ int pa_get_num_threads(void);
 void pa_set_num_threads(int n);
 int pa_openmp_enabled(void);
 double pa_wtime(void);
+/* Threads worth using for `work` multiply-adds split into `items` independent pieces. */
+int pa_threads_for(double work, int64_t items);
 
 static inline int pa_thread_id(void)
 {

@@ -109,6 +109,7 @@ static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *
 #define SM_QUERY_ROWS 2
 
 typedef struct {
+    const real *x; /* what is packed: [rows, heads, D] */
     real *data;
     int64_t *offset; /* [nseq * heads] */
     int64_t D;
@@ -123,13 +124,20 @@ static void PA_FN(sm_packed_free)(PA_FN(sm_packed) * pk)
     pk->offset = NULL;
 }
 
-static int PA_FN(sm_pack)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d, const real *x,
-                          int64_t D, int layout)
+static inline int64_t PA_FN(sm_pack_heads)(const PA_FN(sm_packed) * pk, const pa_softmax_desc *d)
 {
-    const int64_t nseq = d->nseq, heads = layout == SM_QUERY_ROWS ? d->H : d->Hk;
-    const int64_t *cu = layout == SM_QUERY_ROWS ? d->cu_q : d->cu_k;
+    return pk->layout == SM_QUERY_ROWS ? d->H : d->Hk;
+}
+
+/* Lays out and allocates a packing of x (filled later by sm_pack_fill); 0 if out of memory. */
+static int PA_FN(sm_pack_alloc)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d, const real *x,
+                                int64_t D, int layout)
+{
+    pk->x = x;
     pk->D = D;
     pk->layout = layout;
+    const int64_t nseq = d->nseq, heads = PA_FN(sm_pack_heads)(pk, d);
+    const int64_t *cu = layout == SM_QUERY_ROWS ? d->cu_q : d->cu_k;
     pk->offset = malloc(sizeof(int64_t) * (nseq * heads + 1));
     if (!pk->offset) return 0;
     int64_t total = 0;
@@ -145,19 +153,33 @@ static int PA_FN(sm_pack)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d, const
         PA_FN(sm_packed_free)(pk);
         return 0;
     }
-#pragma omp parallel for num_threads(pa_get_num_threads()) schedule(dynamic, 1)
-    for (int64_t u = 0; u < nseq * heads; u++) {
-        int64_t n = u / heads, hd = u % heads, r0 = cu[n], t = cu[n + 1] - r0;
-        const real *X = x + (r0 * heads + hd) * D;
-        real *dst = pk->data + pk->offset[u];
-        if (layout == SM_KEYS_AS_COLUMNS)
-            PA_FN(pack_b)(D, t, X, 1, heads * D, dst);
-        else if (layout == SM_KEYS_AS_ROWS)
-            PA_FN(pack_b)(t, D, X, heads * D, 1, dst);
-        else
-            PA_FN(pack_a)(t, D, X, heads * D, 1, dst);
-    }
     return 1;
+}
+
+/* Fills packings (count of them) with one (sequence, head) per iteration of a work-shared
+ * loop: called by every thread of the kernel's parallel region; ends with its barrier. */
+static void PA_FN(sm_pack_fill)(PA_FN(sm_packed) * const *pks, int count, const pa_softmax_desc *d)
+{
+    int64_t total = 0;
+    for (int i = 0; i < count; i++) total += d->nseq * PA_FN(sm_pack_heads)(pks[i], d);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < total; t++) {
+        int i = 0;
+        int64_t u = t;
+        while (u >= d->nseq * PA_FN(sm_pack_heads)(pks[i], d)) u -= d->nseq * PA_FN(sm_pack_heads)(pks[i++], d);
+        const PA_FN(sm_packed) *pk = pks[i];
+        const int64_t heads = PA_FN(sm_pack_heads)(pk, d);
+        const int64_t *cu = pk->layout == SM_QUERY_ROWS ? d->cu_q : d->cu_k;
+        int64_t n = u / heads, hd = u % heads, r0 = cu[n], len = cu[n + 1] - r0, D = pk->D;
+        const real *X = pk->x + (r0 * heads + hd) * D;
+        real *dst = pk->data + pk->offset[u];
+        if (pk->layout == SM_KEYS_AS_COLUMNS)
+            PA_FN(pack_b)(D, len, X, 1, heads * D, dst);
+        else if (pk->layout == SM_KEYS_AS_ROWS)
+            PA_FN(pack_b)(len, D, X, heads * D, 1, dst);
+        else
+            PA_FN(pack_a)(len, D, X, heads * D, 1, dst);
+    }
 }
 
 /* The packed operand of rows j0.. (keys or queries) of (sequence n, head hd); *bps gets the
@@ -166,8 +188,7 @@ static inline const real *PA_FN(sm_packed_at)(const PA_FN(sm_packed) * pk,
                                               const pa_softmax_desc *d, int64_t n, int64_t hd,
                                               int64_t j0, int64_t *bps)
 {
-    const int64_t heads = pk->layout == SM_QUERY_ROWS ? d->H : d->Hk;
-    const real *base = pk->data + pk->offset[n * heads + hd];
+    const real *base = pk->data + pk->offset[n * PA_FN(sm_pack_heads)(pk, d) + hd];
     if (pk->layout == SM_KEYS_AS_COLUMNS) {
         *bps = pk->D * NR;
         return base + j0 / NR * pk->D * NR;
@@ -343,6 +364,17 @@ static int64_t PA_FN(sm_max_len)(const int64_t *cu, int64_t nseq)
     return mx;
 }
 
+/* Threads for a call: no more than work items, and about a million multiply-adds each at
+ * least, so small calls do not pay for waking (or waiting on) threads. */
+static int PA_FN(sm_threads)(const pa_softmax_desc *d, int64_t items)
+{
+    double work = 0;
+    for (int64_t n = 0; n < d->nseq; n++)
+        work += (double)(d->cu_q[n + 1] - d->cu_q[n]) * (double)(d->cu_k[n + 1] - d->cu_k[n]);
+    work *= (double)d->H * (double)(d->Dk + d->Dv);
+    return pa_threads_for(work, items);
+}
+
 static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, const void *kv,
                                   const void *vv, void *ov, void *lsev)
 {
@@ -357,11 +389,12 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t bkmax = form == PA_FORM_PARALLEL || maxk < SM_BK ? (maxk > 0 ? maxk : 1) : SM_BK;
     if (maxq == 0) return PA_OK;
     PA_FN(sm_packed) Qp = {0}, KT = {0}, Vp = {0};
+    PA_FN(sm_packed) *const packs[] = {&Qp, &KT, &Vp};
+    const int npacks = form == PA_FORM_RECURRENT ? 0 : 3;
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
-    if (!first || (form != PA_FORM_RECURRENT &&
-                   !(PA_FN(sm_pack)(&Qp, d, q, d->Dk, SM_QUERY_ROWS) &&
-                     PA_FN(sm_pack)(&KT, d, k, d->Dk, SM_KEYS_AS_COLUMNS) &&
-                     PA_FN(sm_pack)(&Vp, d, v, d->Dv, SM_KEYS_AS_ROWS)))) {
+    if (!first || (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, SM_QUERY_ROWS) &&
+                               PA_FN(sm_pack_alloc)(&KT, d, k, d->Dk, SM_KEYS_AS_COLUMNS) &&
+                               PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, SM_KEYS_AS_ROWS)))) {
         free(first);
         PA_FN(sm_packed_free)(&Qp);
         PA_FN(sm_packed_free)(&KT);
@@ -375,8 +408,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     }
     const int64_t items = first[nseq];
     int failed = 0;
-#pragma omp parallel num_threads(pa_get_num_threads())
+#pragma omp parallel num_threads(PA_FN(sm_threads)(d, items))
     {
+        PA_FN(sm_pack_fill)(packs, npacks, d);
         PA_FN(sm_scratch) s;
         real *acc = NULL;
         int ok = form == PA_FORM_RECURRENT
@@ -543,31 +577,33 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     const int form = d->form, tiled = form != PA_FORM_RECURRENT && maxq > 0 && maxk > 0;
     const int64_t bqmax = form == PA_FORM_PARALLEL ? maxq : SM_BQ < maxq ? SM_BQ : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL ? maxk : SM_BK < maxk ? SM_BK : maxk;
-    const int nthreads = pa_get_num_threads();
     PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}, {0}, {0}};
+    PA_FN(sm_packed) *const packs[] = {&pk.Q, &pk.KT, &pk.dO, &pk.VT, &pk.K};
+    const int npacks = tiled ? 5 : 0;
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
-    if (!Drow || (tiled && !(PA_FN(sm_pack)(&pk.Q, d, q, Dk, SM_QUERY_ROWS) &&
-                             PA_FN(sm_pack)(&pk.KT, d, k, Dk, SM_KEYS_AS_COLUMNS) &&
-                             PA_FN(sm_pack)(&pk.dO, d, dout, Dv, SM_QUERY_ROWS) &&
-                             PA_FN(sm_pack)(&pk.VT, d, v, Dv, SM_KEYS_AS_COLUMNS) &&
-                             PA_FN(sm_pack)(&pk.K, d, k, Dk, SM_KEYS_AS_ROWS)))) {
+    if (!Drow || (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, SM_QUERY_ROWS) &&
+                             PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, SM_KEYS_AS_COLUMNS) &&
+                             PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, SM_QUERY_ROWS) &&
+                             PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, SM_KEYS_AS_COLUMNS) &&
+                             PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, SM_KEYS_AS_ROWS)))) {
         free(Drow);
         PA_FN(sm_bwd_packs_free)(&pk);
         return PA_ENOMEM;
     }
-    /* D = rowsum(dO * O) - dlse; dq is accumulated, dk/dv too in the recurrent form */
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t r = 0; r < rows_q * H; r++) {
-        Drow[r] = PA_FN(dot)(dout + r * Dv, o + r * Dv, Dv) - (dlse ? dlse[r] : 0);
-        memset(dq + r * Dk, 0, sizeof(real) * Dk);
-    }
-    if (form == PA_FORM_RECURRENT) {
+    if (form == PA_FORM_RECURRENT) { /* accumulated in place */
         memset(dk, 0, sizeof(real) * rows_k * Hk * Dk);
         memset(dv, 0, sizeof(real) * rows_k * Hk * Dv);
     }
     int failed = 0;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(PA_FN(sm_threads)(d, nseq * Hk))
     {
+        PA_FN(sm_pack_fill)(packs, npacks, d);
+        /* D = rowsum(dO * O) - dlse; dq is accumulated */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows_q * H; r++) {
+            Drow[r] = PA_FN(dot)(dout + r * Dv, o + r * Dv, Dv) - (dlse ? dlse[r] : 0);
+            memset(dq + r * Dk, 0, sizeof(real) * Dk);
+        }
         PA_FN(sm_scratch) s;
         int ok = !tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1);
         if (!ok) {
