@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import _core
+from . import _core, reference, testing
 from .autodiff import vjp
 from .softmax import softmax_attention
 from ._ops import OpInfo, build_ops
@@ -60,6 +60,8 @@ __all__ = [
     "build_info",
     "get_num_threads",
     "num_threads",
+    "reference",
+    "testing",
     "set_num_threads",
     "softmax_attention",
     "vjp",

@@ -1,0 +1,53 @@
+"""Type stubs of pyattn._core, the C extension. Every entry point takes positional arguments
+only and checks every buffer (dtype, C-contiguity, shape, writeability) before running; use
+the pyattn package, whose wrappers validate, fill defaults and allocate the outputs."""
+from typing import Optional, TypedDict
+
+import numpy as np
+import numpy.typing as npt
+
+FORM_PARALLEL: int
+FORM_FLASH: int
+FORM_RECURRENT: int
+
+_Float = npt.NDArray[np.floating]
+_Int64 = npt.NDArray[np.int64]
+
+class _BuildInfo(TypedDict):
+    isa: str
+    isas_available: list[str]
+    compiler: str
+    openmp: bool
+    num_threads: int
+
+def softmax_forward(
+    q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float,
+    cu_q: _Int64, cu_k: _Int64, form: int, causal: bool,
+    window_left: int, window_right: int, sinks: int,
+    alibi_slopes: Optional[_Float], softcap: float, scale: float, /,
+) -> None:
+    """Writes o [B, Tq, H, Dv] and lse [B, Tq, H] in place."""
+
+def softmax_backward(
+    q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, do: _Float,
+    dlse: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,
+    cu_q: _Int64, cu_k: _Int64, form: int, causal: bool,
+    window_left: int, window_right: int, sinks: int,
+    alibi_slopes: Optional[_Float], softcap: float, scale: float, /,
+) -> None:
+    """Writes dq, dk, dv in place from the forward's o and lse."""
+
+def gemm(a: _Float, b: _Float, c: _Float, trans_a: bool, trans_b: bool,
+         alpha: float, beta: float, /) -> None:
+    """c = alpha op(a) op(b) + beta c with the packed GEMM of the kernels (beta == 0: c is
+    not read)."""
+
+def exp(x: _Float, out: _Float, /) -> None:
+    """out = exp(x) with the kernels' vectorised exp (1-D arrays)."""
+
+def fma_peak(double: bool, seconds: float, threads: int, /) -> float:
+    """GFLOP/s of independent FMA chains on `threads` threads: the machine's FMA peak."""
+
+def set_num_threads(n: int, /) -> None: ...
+def get_num_threads() -> int: ...
+def build_info() -> _BuildInfo: ...
