@@ -29,20 +29,23 @@ const pa_kernels *pa_kernels_for_isa(const char *isa, int is_double)
     return NULL;
 }
 
-const char *pa_selected_isa(void)
+static const char *selected_isa = "generic";
+static const pa_kernels *selected[2] = {&pa_kernels_f32_generic, &pa_kernels_f64_generic};
+
+void pa_dispatch_init(void)
 {
     static const char *const order[] = {"avx512", "avx2", "generic"};
     const char *want = getenv("PYATTN_ISA");
-    if (want && pa_kernels_for_isa(want, 0)) {
-        for (int i = 0; i < 3; i++)
-            if (!strcmp(want, order[i])) return order[i];
-    }
-    for (int i = 0; i < 3; i++)
-        if (pa_kernels_for_isa(order[i], 0)) return order[i];
-    return "generic";
+    int pick = -1;
+    for (int i = 0; i < 3 && pick < 0; i++)
+        if (want && !strcmp(want, order[i]) && pa_kernels_for_isa(order[i], 0)) pick = i;
+    for (int i = 0; i < 3 && pick < 0; i++)
+        if (pa_kernels_for_isa(order[i], 0)) pick = i;
+    selected_isa = order[pick];
+    selected[0] = pa_kernels_for_isa(selected_isa, 0);
+    selected[1] = pa_kernels_for_isa(selected_isa, 1);
 }
 
-const pa_kernels *pa_select_kernels(int is_double)
-{
-    return pa_kernels_for_isa(pa_selected_isa(), is_double);
-}
+const char *pa_selected_isa(void) { return selected_isa; }
+
+const pa_kernels *pa_select_kernels(int is_double) { return selected[is_double != 0]; }

@@ -40,7 +40,9 @@ typedef struct {
                             const void *dlse, void *dq, void *dk, void *dv);
 } pa_kernels;
 
-/* The best table this CPU runs, for float (is_double = 0) or double; and its ISA's name. */
+/* Chooses the tables once (at import): the widest ISA this CPU runs, or PYATTN_ISA's. */
+void pa_dispatch_init(void);
+/* The chosen table, for float (is_double = 0) or double; and its ISA's name. */
 const pa_kernels *pa_select_kernels(int is_double);
 const char *pa_selected_isa(void);
 /* The tables of another ISA (for tests); NULL when this CPU or build lacks it. */

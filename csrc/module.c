@@ -53,9 +53,10 @@ static PyArrayObject *get_array(const char *fn, const char *name, PyObject *obj,
         Py_XDECREF(want);
         return NULL;
     }
-    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
-        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be C-contiguous and aligned", fn,
-                     name);
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) || !PyArray_ISNOTSWAPPED(a)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): argument '%s' must be C-contiguous, aligned and in native byte order",
+                     fn, name);
         return NULL;
     }
     if (writeable && !PyArray_ISWRITEABLE(a)) {
@@ -80,9 +81,14 @@ static int get_int(const char *fn, const char *name, PyObject *obj, long long lo
 {
     long long v = PyLong_AsLongLong(obj);
     if (v == -1 && PyErr_Occurred()) {
+        int overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be an int, got %s", fn, name,
-                     Py_TYPE(obj)->tp_name);
+        if (overflow)
+            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be in [%lld, %lld], got %R",
+                         fn, name, lo, hi, obj);
+        else
+            PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be an int, got %s", fn, name,
+                         Py_TYPE(obj)->tp_name);
         return -1;
     }
     if (v < lo || v > hi) {
@@ -104,8 +110,10 @@ static int get_double(const char *fn, const char *name, PyObject *obj, double lo
         return -1;
     }
     if (!isfinite(v) || v < lo) {
-        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be finite and >= %g, got %g", fn,
-                     name, lo, v);
+        char msg[256]; /* PyErr_Format has no %g */
+        snprintf(msg, sizeof msg, "%s(): argument '%s' must be finite and >= %g, got %g", fn, name,
+                 lo, v);
+        PyErr_SetString(PyExc_ValueError, msg);
         return -1;
     }
     *out = v;
@@ -150,12 +158,12 @@ static const int64_t *get_cu(const char *fn, const char *name, PyObject *obj, in
     if (!a) return NULL;
     const int64_t *cu = PyArray_DATA(a);
     int64_t n = PyArray_DIM(a, 0) - 1;
-    int ok = n >= 1 && cu[0] == 0 && cu[n] == rows;
+    int ok = n >= 0 && cu[0] == 0 && cu[n] == rows;
     for (int64_t i = 0; ok && i < n; i++) ok = cu[i + 1] >= cu[i];
     if (!ok) {
         PyErr_Format(PyExc_ValueError,
-                     "%s(): argument '%s' must be non-decreasing from 0 to %lld with at least 2 "
-                     "entries",
+                     "%s(): argument '%s' must be non-decreasing from 0 to %lld (one entry more "
+                     "than sequences)",
                      fn, name, (long long)rows);
         return NULL;
     }
@@ -422,6 +430,7 @@ static PyMethodDef core_methods[] = {
 static int core_exec(PyObject *m)
 {
     if (PyArray_ImportNumPyAPI() < 0) return -1;
+    pa_dispatch_init();
     if (PyModule_AddIntConstant(m, "FORM_PARALLEL", PA_FORM_PARALLEL) ||
         PyModule_AddIntConstant(m, "FORM_FLASH", PA_FORM_FLASH) ||
         PyModule_AddIntConstant(m, "FORM_RECURRENT", PA_FORM_RECURRENT))

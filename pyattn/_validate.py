@@ -8,15 +8,15 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 CHUNK_SIZES = (16, 32, 64, 128)
 
 
-def float_arrays(fn: str, **arrays):
-    """Check that every given array (None entries skipped) is a float32/float64 ndarray and
-    that all share one dtype; return C-contiguous versions (copied once if needed) and the
-    dtype."""
+def float_arrays(fn: str, optional=(), **arrays):
+    """Check that every given array is a float32/float64 ndarray (None allowed only for the
+    names in ``optional``) and that all share one dtype; return C-contiguous versions (copied
+    once if needed) and the dtype."""
     dtype = None
     first = None
     out = {}
     for name, a in arrays.items():
-        if a is None:
+        if a is None and name in optional:
             out[name] = None
             continue
         if not isinstance(a, np.ndarray):

@@ -14,7 +14,7 @@ _FORM_CODE = {"parallel": _core.FORM_PARALLEL, "flash": _core.FORM_FLASH, "recur
 def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_seqlens,
              cu_seqlens_q, cu_seqlens_k, form):
     fn = "softmax_attention"
-    arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    arrs, dtype = V.float_arrays(fn, ("alibi_slopes",), q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     q, k, v, alibi = arrs["q"], arrs["k"], arrs["v"], arrs["alibi_slopes"]
     V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
     V.ndim(fn, "k", k, 4, "[B, Tk, Hk, Dk]")
@@ -40,6 +40,8 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
         left = V.integer(fn, "window[0]", window[0], -1)
         right = V.integer(fn, "window[1]", window[1], -1)
     sinks = V.integer(fn, "sinks", sinks, 0)
+    # beyond any sequence length a bound is no bound; keep it within int64 for the kernel
+    left, right, sinks = (min(x, 2 ** 62) for x in (left, right, sinks))
     softcap = V.real(fn, "softcap", softcap, 0.0)
     scale = Dk ** -0.5 if scale is None else V.real(fn, "scale", scale)
     if cu_seqlens is not None:
@@ -47,10 +49,10 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
             raise ValueError(f"{fn}(): give either 'cu_seqlens' or 'cu_seqlens_q'/'cu_seqlens_k', not both")
         if Tq != Tk:
             raise ValueError(f"{fn}(): 'cu_seqlens' needs Tq == Tk, got Tq={Tq}, Tk={Tk}; use cu_seqlens_q/cu_seqlens_k")
-        cu_seqlens_q = cu_seqlens_k = cu_seqlens
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        cu_q = cu_k = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, Tq, B)
+    elif (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError(f"{fn}(): 'cu_seqlens_q' and 'cu_seqlens_k' must be given together")
-    if cu_seqlens_q is None:
+    elif cu_seqlens_q is None:
         cu_q, cu_k = V.batch_offsets(B, Tq), V.batch_offsets(B, Tk)
     else:
         cu_q = V.cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, Tq, B)
@@ -111,7 +113,7 @@ def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
         do, dlse = split_cotangent("softmax_attention", cot, 2)
         if not return_lse and dlse is not None:
             raise ValueError("softmax_attention pullback: got a cotangent for lse, but return_lse=False")
-        arrs, _ = V.float_arrays("softmax_attention pullback", q=q, do=do, dlse=dlse)
+        arrs, _ = V.float_arrays("softmax_attention pullback", ("do", "dlse"), q=q, do=do, dlse=dlse)
         do, dlse = arrs["do"], arrs["dlse"]
         if do is None:
             do = np.zeros_like(o)

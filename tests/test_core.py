@@ -1,0 +1,333 @@
+"""pyattn._core building blocks: the packed GEMM, the vectorised exp, and every ISA path
+(PYATTN_ISA=avx512|avx2|generic, chosen in csrc/dispatch.c) run end to end in a subprocess.
+
+GEMM error bound: for C = alpha op(A) op(B) + beta C in any summation order,
+|C - C_exact| <= gamma_{K+2} (|alpha| |A||B| + |beta| |C|) with gamma_n ~ n u, u = eps / 2
+(Higham, Accuracy and Stability, 3.5); the float64 reference has the same bound, so
+(K + 3) eps covers kernel and reference together.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyattn
+from pyattn import _core, reference
+from pyattn.testing import assert_close
+
+DTYPES = (np.float64, np.float32)
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# (M, N, K): ragged edges of every micro-tile, several KC panels (K > 128 / 256), several MC
+# blocks (M > 192), N > NC of the AVX-512 float path (2048), empty and K = 0 products
+GEMM_SIZES = [(1, 1, 1), (7, 13, 5), (100, 37, 300), (513, 129, 257), (5, 2100, 3),
+              (13, 1, 17), (1, 33, 2), (6, 5, 0), (0, 5, 3), (4, 0, 2), (0, 0, 0)]
+
+
+def _operands(rng, M, N, K, ta, tb, dtype):
+    a = rng.standard_normal((K, M) if ta else (M, K)).astype(dtype)
+    b = rng.standard_normal((N, K) if tb else (K, N)).astype(dtype)
+    c = rng.standard_normal((M, N)).astype(dtype)
+    return a, b, c
+
+
+def _check_gemm(a, b, c0, ta, tb, alpha, beta, dtype):
+    """Run _core.gemm on a copy of c0 and check it against the float64 product within the
+    rounding bound. c0 may hold NaN when beta == 0 (it must not be read)."""
+    c = c0.copy()
+    assert _core.gemm(a, b, c, ta, tb, alpha, beta) is None
+    A = a.astype(np.float64).T if ta else a.astype(np.float64)
+    B = b.astype(np.float64).T if tb else b.astype(np.float64)
+    K = A.shape[1]
+    C0 = c0.astype(np.float64)
+    ref = alpha * (A @ B)
+    mag = abs(alpha) * (np.abs(A) @ np.abs(B))
+    if beta != 0:
+        ref = ref + beta * C0
+        mag = mag + abs(beta) * np.abs(C0)
+    eps = np.finfo(dtype).eps
+    bound = (K + 3) * eps * mag + np.finfo(dtype).tiny
+    assert c.dtype == dtype
+    assert np.all(np.isfinite(c))
+    err = np.abs(c.astype(np.float64) - ref)
+    assert np.all(err <= bound), f"gemm error {err.max():.3e} above bound at {np.unravel_index(np.argmax(err - bound), err.shape)}"
+    return c
+
+
+@pytest.mark.parametrize("tb", [False, True], ids=["N", "T"])
+@pytest.mark.parametrize("ta", [False, True], ids=["N", "T"])
+@pytest.mark.parametrize("size", GEMM_SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_gemm(dtype, size, ta, tb, rng):
+    M, N, K = size
+    a, b, c = _operands(rng, M, N, K, ta, tb, dtype)
+    _check_gemm(a, b, c, ta, tb, 1.0, 0.0, dtype)
+    _check_gemm(a, b, c, ta, tb, -0.75, 1.25, dtype)
+
+
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (2.5, -1.5), (0.3, 0.0), (-1.0, 0.5),
+                                        (0.0, 1.0), (0.0, 0.0), (1.0, -1.0)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_gemm_alpha_beta(dtype, alpha, beta, rng):
+    for ta in (False, True):
+        for tb in (False, True):
+            a, b, c = _operands(rng, 37, 29, 41, ta, tb, dtype)
+            out = _check_gemm(a, b, c, ta, tb, alpha, beta, dtype)
+            if alpha == 0 and beta == 1:
+                np.testing.assert_array_equal(out, c)
+            if alpha == 0 and beta == 0:
+                assert np.all(out == 0)
+
+
+@pytest.mark.parametrize("size", [(1, 1, 1), (7, 13, 5), (100, 37, 300), (513, 129, 257), (6, 5, 0)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_gemm_beta0_does_not_read_c(dtype, size, rng):
+    """beta = 0 overwrites C: NaN and inf in C must not leak into the result."""
+    M, N, K = size
+    for ta in (False, True):
+        for tb in (False, True):
+            a, b, _ = _operands(rng, M, N, K, ta, tb, dtype)
+            for fill in (np.nan, np.inf):
+                c = np.full((M, N), fill, dtype=dtype)
+                out = _check_gemm(a, b, c, ta, tb, 1.5, 0.0, dtype)
+                assert np.all(np.isfinite(out))
+                if K == 0:
+                    assert np.all(out == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_gemm_k0_scales_c(dtype, rng):
+    a = np.zeros((4, 0), dtype)
+    b = np.zeros((0, 3), dtype)
+    c = rng.standard_normal((4, 3)).astype(dtype)
+    out = c.copy()
+    _core.gemm(a, b, out, False, False, 2.0, -0.5)
+    np.testing.assert_array_equal(out, (c * dtype(-0.5)).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_gemm_exact_small_integers(dtype, rng):
+    """Products of small integers are exact in any order: the result must be bitwise exact."""
+    for ta in (False, True):
+        for tb in (False, True):
+            M, N, K = 67, 45, 300
+            a = rng.integers(-4, 5, (K, M) if ta else (M, K)).astype(dtype)
+            b = rng.integers(-4, 5, (N, K) if tb else (K, N)).astype(dtype)
+            c = rng.integers(-4, 5, (M, N)).astype(dtype)
+            out = c.copy()
+            _core.gemm(a, b, out, ta, tb, 2.0, -1.0)
+            A = a.T if ta else a
+            B = b.T if tb else b
+            np.testing.assert_array_equal(out, 2 * (A.astype(np.int64) @ B.astype(np.int64)) - c)
+
+
+# --------------------------------------------------------------------------------------- exp
+
+
+def _exp(x):
+    y = np.empty_like(x)
+    assert _core.exp(x, y) is None
+    return y
+
+
+EXP_RANGES = {np.float32: (-87.3, 88.7), np.float64: (-708.0, 709.0)}
+EXP_BOUND = {np.float32: 1.2e-7, np.float64: 4.5e-16}
+
+
+def check_exp_accuracy(dtype, n_points, seed=0):
+    lo, hi = EXP_RANGES[dtype]
+    r = np.random.default_rng(seed)
+    x = np.concatenate([np.linspace(lo, hi, n_points), r.uniform(lo, hi, n_points),
+                        r.uniform(-1, 1, n_points // 4), [lo, hi, 0.0, -0.0]]).astype(dtype)
+    y = _exp(x)
+    ref = np.exp(x.astype(np.float64))  # float32: the float64 exp of the float32 input
+    assert np.all(np.isfinite(y)) and np.all(y > 0)
+    rel = np.abs(y.astype(np.float64) - ref) / ref
+    worst = float(rel.max())
+    assert worst <= EXP_BOUND[dtype], f"exp {np.dtype(dtype)}: max rel error {worst:.3e} at x={x[np.argmax(rel)]!r}"
+    return worst
+
+
+def check_exp_special(dtype):
+    x = np.array([-np.inf, np.inf, np.nan, -1e4, 1e4, -1e30, 1e30, 0.0, -0.0], dtype)
+    y = _exp(x)
+    assert y[0] == 0 and y[1] == np.inf and np.isnan(y[2])
+    assert y[3] == 0 and y[4] == np.inf and y[5] == 0 and y[6] == np.inf
+    assert y[7] == 1 and y[8] == 1
+    # NaN among finite values in one vector only poisons its own lane
+    x = np.zeros(37, dtype)
+    x[5] = np.nan
+    y = _exp(x)
+    assert np.isnan(y[5]) and np.all(np.delete(y, 5) == 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_exp_accuracy(dtype):
+    check_exp_accuracy(dtype, 1_000_000)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_exp_special_values(dtype):
+    check_exp_special(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_exp_overflow_underflow_edges(dtype):
+    if dtype == np.float32:
+        finite = np.array([88.72, 88.7228], dtype)      # exp < FLT_MAX
+        over = np.array([88.73, 88.8, 89.0, 100.0], dtype)
+        zero = np.array([-104.0, -105.0, -200.0, -1e4], dtype)  # below half the least subnormal
+    else:
+        finite = np.array([709.78, 709.782], dtype)
+        over = np.array([709.79, 710.0, 711.0, 1000.0], dtype)
+        zero = np.array([-745.2, -746.0, -800.0, -1e4], dtype)
+    ref = np.exp(finite.astype(np.float64))
+    y = _exp(finite)
+    assert np.all(np.isfinite(y))
+    assert np.all(np.abs(y - ref) / ref <= EXP_BOUND[dtype])
+    assert np.all(_exp(over) == np.inf)
+    assert np.all(_exp(zero) == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_exp_subnormal_results_rounded_not_flushed(dtype):
+    """vmath.h promises rounded (not flushed) subnormal results: within one subnormal ulp."""
+    if dtype == np.float32:
+        x = np.linspace(-103.0, -87.4, 200_001).astype(dtype)
+        ulp = 2.0 ** -149
+    else:
+        x = np.linspace(-744.0, -708.5, 200_001).astype(dtype)
+        ulp = 2.0 ** -1074
+    y = _exp(x)
+    ref = np.exp(x.astype(np.float64)) if dtype == np.float32 else np.exp(x)
+    assert np.all(y > 0)
+    assert np.max(np.abs(y.astype(np.float64) - ref)) <= ulp
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_exp_tails_and_bounds(dtype, rng):
+    """Every length up to a few vectors (tails of every size), odd large lengths; the tail
+    path gives the vector path's values and writes nothing past n."""
+    base = rng.uniform(-20, 20, 4099).astype(dtype)
+    full = _exp(base)
+    for n in list(range(0, 70)) + [127, 129, 1001, 4097, 4099]:
+        buf = np.full(n + 16, -7.0, dtype)
+        out = buf[:n]
+        _core.exp(np.ascontiguousarray(base[:n]), out)
+        np.testing.assert_array_equal(out, full[:n])
+        assert np.all(buf[n:] == -7.0), n
+        # an offset start (different alignment, different tail)
+        if n >= 3:
+            o2 = np.empty(n - 3, dtype)
+            _core.exp(np.ascontiguousarray(base[3:n]), o2)
+            np.testing.assert_array_equal(o2, full[3:n])
+
+
+# ------------------------------------------------------------------------------- ISA paths
+
+
+def test_build_info():
+    info = pyattn.build_info()
+    assert set(info) >= {"isa", "isas_available", "compiler", "openmp", "num_threads"}
+    avail = info["isas_available"]
+    assert "generic" in avail
+    assert avail == [i for i in ("avx512", "avx2", "generic") if i in avail]
+    assert info["isa"] in avail
+    if os.environ.get("PYATTN_ISA") is None:
+        assert info["isa"] == avail[0]  # the widest path the CPU has
+    assert isinstance(info["openmp"], bool)
+    assert info["num_threads"] == pyattn.get_num_threads() >= 1
+    assert isinstance(info["compiler"], str) and info["compiler"]
+
+
+def isa_selfcheck(expected):
+    """Run in a subprocess with PYATTN_ISA=expected: gemm, exp and softmax attention (every
+    form, forward and vjp, both dtypes) against NumPy and the oracles."""
+    import conftest
+
+    np.empty, np.empty_like = conftest.nan_empty, conftest.nan_empty_like
+    info = pyattn.build_info()
+    assert info["isa"] == expected, (info["isa"], expected)
+    rng = np.random.default_rng(7)
+    for dtype in DTYPES:
+        for size in [(7, 13, 5), (100, 37, 300), (30, 70, 9)]:
+            for ta in (False, True):
+                for tb in (False, True):
+                    a, b, c = _operands(rng, *size, ta, tb, dtype)
+                    _check_gemm(a, b, c, ta, tb, 1.0, 0.0, dtype)
+                    _check_gemm(a, b, c, ta, tb, 0.5, -2.0, dtype)
+                    _check_gemm(a, b, np.full_like(c, np.nan), ta, tb, 1.0, 0.0, dtype)
+        check_exp_accuracy(dtype, 100_000)
+        check_exp_special(dtype)
+    cases = [
+        ((1, 70, 300, 2, 1, 13, 7),
+         dict(causal=True, window=(150, 0), sinks=3, alibi_slopes=[0.05, 0.01], softcap=4.0)),
+        ((2, 65, 65, 4, 2, 16, 16), {}),
+        ((1, 9, 5, 2, 2, 8, 8), dict(causal=True)),  # rows with no visible key
+    ]
+    for (B, Tq, Tk, H, Hk, Dk, Dv), kw in cases:
+        q, k, v = conftest.make_inputs(1, B, Tq, Tk, H, Hk, Dk, Dv)
+        kw64 = dict(kw)
+        if "alibi_slopes" in kw:
+            kw64["alibi_slopes"] = np.array(kw["alibi_slopes"])
+        o_ref, lse_ref = reference.softmax_attention(q, k, v, return_lse=True, **kw64)
+        r = np.random.default_rng(2)
+        do = r.standard_normal(o_ref.shape)
+        dlse = np.where(np.isfinite(lse_ref), r.standard_normal(lse_ref.shape), 0)
+        _, _, g_ref = conftest.dense_softmax(q, k, v, do, dlse, **kw64)
+        for dtype, (tol, gtol) in ((np.float64, (1e-10, 1e-10)), (np.float32, (1e-5, 1e-4))):
+            kwd = dict(kw64)
+            if "alibi_slopes" in kwd:
+                kwd["alibi_slopes"] = kwd["alibi_slopes"].astype(dtype)
+            args = tuple(x.astype(dtype) for x in (q, k, v))
+            for form in ("parallel", "flash", "recurrent"):
+                (o, lse), pullback = pyattn.vjp(pyattn.softmax_attention, *args, form=form,
+                                                return_lse=True, **kwd)
+                assert_close(o, o_ref, tol, name=f"{expected} {form} o")
+                assert_close(lse, lse_ref, tol, name=f"{expected} {form} lse")
+                g = pullback((do.astype(dtype), dlse.astype(dtype)))
+                for name in "qkv":
+                    assert_close(g[name], g_ref[name], gtol, name=f"{expected} {form} d{name}")
+    print("ISA-OK", expected)
+
+
+def _run_isa(isa):
+    env = dict(os.environ)
+    env["PYATTN_ISA"] = isa
+    code = (f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import test_core; "
+            f"test_core.isa_selfcheck({isa!r})")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("isa", pyattn.build_info()["isas_available"])
+def test_isa_path(isa):
+    res = _run_isa(isa)
+    assert res.returncode == 0, f"PYATTN_ISA={isa} failed:\n{res.stdout}\n{res.stderr}"
+    assert f"ISA-OK {isa}" in res.stdout
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_isa_unavailable_path_is_not_listed(isa):
+    """An ISA this CPU lacks is not offered; asking for it falls back to the best one."""
+    avail = pyattn.build_info()["isas_available"]
+    if isa in avail:
+        pytest.skip(f"this CPU has {isa}")
+    env = dict(os.environ, PYATTN_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", "import pyattn; print(pyattn.build_info()['isa'])"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == avail[0]
+
+
+def test_isa_unknown_name_falls_back():
+    env = dict(os.environ, PYATTN_ISA="sse9000")
+    out = subprocess.run([sys.executable, "-c", "import pyattn; print(pyattn.build_info()['isa'])"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == pyattn.build_info()["isas_available"][0]
