@@ -1,10 +1,20 @@
 """Float64 NumPy oracles: the most literal form of each formula in DESIGN section 4.
 
 Slow on purpose and independent of the kernels: no shared code, no tiling, no online
-softmax. Every function takes the public op's arguments and returns float64 results with the
-op's output structure.
+softmax, no chunks, no cumulative sums. Every function takes the public op's arguments and
+returns float64 results with the op's output structure.
+
+The gated linear and delta-rule oracles loop over t of the recurrence, one (sequence, head)
+at a time: S_t = diag(exp(gk_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T, o_t = S_t^T (scale q_t),
+specialised per op. Arrays are [B, T, H, D], states [B, H, K, V] (key-major); ops with a state
+take initial_state=None (zeros) and output_final_state=False and return (o, final_state),
+final_state None unless asked for; cu_seqlens (B = 1) resets the recurrence at each boundary,
+states are then [N, H, K, V]; form= and chunk_size= are accepted and ignored; scale defaults
+to q.shape[-1] ** -0.5 (linear_attention: the feature dimension of phi(q)); mamba2 has none.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -54,3 +64,425 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
                 o[b, qs + i, h] = p @ np.array(values) / p.sum()
                 lse[b, qs + i, h] = m + np.log(p.sum())
     return (o, lse) if return_lse else o
+
+
+# ---- the gated linear and delta-rule engines ----
+__all__ = [
+    "feature_map",
+    "linear_attention",
+    "retention",
+    "lightning_attention",
+    "simple_gla",
+    "gla",
+    "mamba2",
+    "efficient_attention",
+    "delta_rule",
+    "gated_delta_rule",
+]
+
+FEATURE_MAPS = ("identity", "elu1", "relu", "softmax", "focused", "taylor", "performer",
+                "cosformer")
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers (bookkeeping only: no maths of any op lives here)
+
+
+def _f64(*arrays):
+    return tuple(None if a is None else np.asarray(a, dtype=np.float64) for a in arrays)
+
+
+def _sequences(B, T, cu_seqlens):
+    """[(batch index, start, end)] of the independent sequences."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or cu.dtype.kind not in "iu":
+        raise ValueError(f"cu_seqlens: expected an int32/int64 array [N+1], got dtype "
+                         f"{cu.dtype} shape {cu.shape}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: B must be 1, got B={B}")
+    if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0):
+        raise ValueError(f"cu_seqlens: must start at 0, be non-decreasing and end at T={T}, "
+                         f"got {cu.tolist()}")
+    return [(0, int(cu[n]), int(cu[n + 1])) for n in range(cu.size - 1)]
+
+
+def _states(initial_state, N, H, K, V):
+    """float64 copy of initial_state [N, H, K, V], or zeros."""
+    if initial_state is None:
+        return np.zeros((N, H, K, V))
+    s = np.array(initial_state, dtype=np.float64)
+    if s.shape != (N, H, K, V):
+        raise ValueError(f"initial_state: expected shape {(N, H, K, V)}, got {s.shape}")
+    return s
+
+
+def _softplus(x):
+    """log(1 + exp(x)), exactly (no threshold), overflow-free."""
+    return np.logaddexp(0.0, x)
+
+
+def _l2norm(x):
+    """x / sqrt(sum x^2 + 1e-6) over the last axis (DESIGN: qk_l2norm)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# feature maps
+
+
+def feature_map(x, kind, **params):
+    """phi(x) over the last (feature) axis; float64.
+
+    * ``"identity"``: x.                      * ``"elu1"``: elu(x) + 1.
+    * ``"relu"``: max(x, 0).                  * ``"softmax"``: softmax over the feature axis.
+    * ``"focused"`` (param ``p=3``): ``|r| * r**p / |r**p|``, r = relu(x), |.| the L2 norm over
+      features; where ``|r**p| == 0`` (r = 0) the result is 0 (0/0 := 0).
+    * ``"taylor"``: ``[1, x, vec(x x^T) / sqrt(2)]``, 1 + D + D*D features (vec row-major, the
+      full outer product, not its upper triangle), so phi(q).phi(k) = 1 + q.k + (q.k)^2/2.
+    * ``"performer"`` (param ``projection`` W [m, D], required): ``exp(W x - |x|^2/2) / sqrt(m)``,
+      m features.
+    * ``"cosformer"`` (param ``max_len``, default T): x must be ``[B, T, H, D]``; at position
+      t = 0 .. T-1 along axis 1, ``[relu(x) cos(pi t / (2 max_len)), relu(x) sin(pi t / (2
+      max_len))]``, 2D features, so phi(q_t).phi(k_s) = relu(q_t).relu(k_s) cos(pi (t-s) /
+      (2 max_len)).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    allowed = {"focused": {"p"}, "performer": {"projection"}, "cosformer": {"max_len"}}
+    if kind not in FEATURE_MAPS:
+        raise ValueError(f"feature_map: kind must be one of {FEATURE_MAPS}, got {kind!r}")
+    extra = set(params) - allowed.get(kind, set())
+    if extra:
+        raise TypeError(f"feature_map: kind {kind!r} takes no parameter(s) {sorted(extra)}")
+    D = x.shape[-1]
+    if kind == "identity":
+        return x.copy()
+    if kind == "elu1":
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    if kind == "relu":
+        return np.maximum(x, 0.0)
+    if kind == "softmax":
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+    if kind == "focused":
+        p = params.get("p", 3)
+        r = np.maximum(x, 0.0)
+        rp = r ** p
+        norm_r = np.sqrt(np.sum(r * r, axis=-1, keepdims=True))
+        norm_rp = np.sqrt(np.sum(rp * rp, axis=-1, keepdims=True))
+        safe = np.where(norm_rp > 0, norm_rp, 1.0)
+        return np.where(norm_rp > 0, norm_r * rp / safe, 0.0)
+    if kind == "taylor":
+        outer = x[..., :, None] * x[..., None, :]
+        quad = outer.reshape(x.shape[:-1] + (D * D,)) / math.sqrt(2.0)
+        return np.concatenate([np.ones(x.shape[:-1] + (1,)), x, quad], axis=-1)
+    if kind == "performer":
+        if params.get("projection") is None:
+            raise ValueError("feature_map: kind 'performer' needs projection=W of shape [m, D]")
+        W = np.asarray(params["projection"], dtype=np.float64)
+        if W.ndim != 2 or W.shape[1] != D:
+            raise ValueError(f"feature_map: projection must be [m, {D}], got {W.shape}")
+        m = W.shape[0]
+        wx = np.einsum("...d,md->...m", x, W)
+        sq = 0.5 * np.sum(x * x, axis=-1, keepdims=True)
+        return np.exp(wx - sq) / math.sqrt(m)
+    # cosformer
+    if x.ndim != 4:
+        raise ValueError(f"feature_map: kind 'cosformer' needs x [B, T, H, D], got {x.shape}")
+    T = x.shape[1]
+    max_len = params.get("max_len")
+    max_len = T if max_len is None else max_len
+    r = np.maximum(x, 0.0)
+    out = np.zeros(x.shape[:-1] + (2 * D,))
+    for t in range(T):
+        angle = math.pi * t / (2.0 * max_len)
+        out[:, t, :, :D] = r[:, t] * math.cos(angle)
+        out[:, t, :, D:] = r[:, t] * math.sin(angle)
+    return out
+
+
+_feature_map = feature_map  # linear_attention's keyword argument `feature_map` shadows it
+
+
+# ---------------------------------------------------------------------------------------------
+# the gated linear engine
+
+
+def linear_attention(q, k, v, *, feature_map=None, feature_map_params=None, normalize=False,
+                     eps=1e-6, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, form=None, chunk_size=None):
+    """Linear attention, no decay: phi = feature map (None = identity) applied to q and k,
+    then ``S_t = S_{t-1} + phi(k_t) v_t^T``, ``o_t = S_t^T (scale phi(q_t))``.
+
+    * ``scale`` defaults to F**-0.5, F the feature dimension of phi(q) (D for the elementwise
+      maps, 1+D+D*D for taylor, m for performer, 2D for cosformer). The state is
+      ``[B, H, F, V]``.
+    * ``feature_map_params``: a dict passed as ``**params`` to ``feature_map``.
+    * cosformer with ``cu_seqlens``: the position t restarts at 0 in every sequence, and
+      ``max_len`` defaults to the length of each sequence (so packing equals separate calls);
+      a ``max_len`` given in ``feature_map_params`` is used for every sequence. Without
+      cu_seqlens, positions run 0 .. T-1 and max_len defaults to T.
+    * ``normalize=True``: ``z_t = z_{t-1} + phi(k_t)`` and
+      ``o_t = ((scale q_t)^T S_t) / ((scale q_t)^T z_t + eps)`` (q_t meaning phi(q_t)). The state
+      then has V+1 columns, ``[.., F, V+1]``: columns 0..V-1 are S and the last column is z.
+      ``initial_state`` must then be ``[.., F, V+1]`` too (S_0 = state[..., :V], z_0 =
+      state[..., V]); the final state has the same layout, so it can be fed back as the next
+      call's initial state. This equals the unnormalised op run on ``[v, 1]`` followed by
+      ``o[..., :V] / (o[..., V] + eps)``.
+    """
+    q, k, v = _f64(q, k, v)
+    kind = "identity" if feature_map is None else feature_map
+    fparams = dict(feature_map_params or {})
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    seqs = _sequences(B, T, cu_seqlens)
+    F = _feature_map(q, kind, **fparams).shape[-1]
+    if cu_seqlens is None:
+        pq, pk = _feature_map(q, kind, **fparams), _feature_map(k, kind, **fparams)
+    else:
+        # phi per sequence: the positions of cosformer restart at every boundary
+        pq, pk = np.zeros((B, T, H, F)), np.zeros((B, T, H, F))
+        for b, s, e in seqs:
+            pq[b, s:e] = _feature_map(q[b:b + 1, s:e], kind, **fparams)[0]
+            pk[b, s:e] = _feature_map(k[b:b + 1, s:e], kind, **fparams)[0]
+    scale = F ** -0.5 if scale is None else float(scale)
+    o = np.zeros((B, T, H, V))
+    cols = V + 1 if normalize else V
+    states = _states(initial_state, len(seqs), H, F, cols)
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h, :, :V].copy()
+            z = states[n, h, :, V].copy() if normalize else None
+            for t in range(start, end):
+                S = S + np.outer(pk[b, t, h], v[b, t, h])
+                qs = scale * pq[b, t, h]
+                if normalize:
+                    z = z + pk[b, t, h]
+                    o[b, t, h] = (S.T @ qs) / (qs @ z + eps)
+                else:
+                    o[b, t, h] = S.T @ qs
+            states[n, h, :, :V] = S
+            if normalize:
+                states[n, h, :, V] = z
+    return o, (states if output_final_state else None)
+
+
+def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, form=None, chunk_size=None):
+    """RetNet retention: ``S_t = gamma_h S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
+    ``gamma`` [H] is the decay factor itself (not its log); default
+    ``1 - 2**(-5 - arange(H))``."""
+    q, k, v = _f64(q, k, v)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    gamma = 1.0 - 2.0 ** (-5.0 - np.arange(H)) if gamma is None else np.asarray(gamma, np.float64)
+    if gamma.shape != (H,):
+        raise ValueError(f"gamma: expected shape {(H,)}, got {gamma.shape}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h]
+            for t in range(start, end):
+                S = gamma[h] * S + np.outer(k[b, t, h], v[b, t, h])
+                o[b, t, h] = S.T @ (scale * q[b, t, h])
+            states[n, h] = S
+    return o, (states if output_final_state else None)
+
+
+def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
+                        output_final_state=False, cu_seqlens=None, form=None, chunk_size=None):
+    """Lightning attention: ``S_t = exp(-slope_h) S_{t-1} + k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``; ``slopes`` [H] default ``2**(-8 (h+1) / H)``, h = 0..H-1."""
+    q, k, v = _f64(q, k, v)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if slopes is None:
+        slopes = np.array([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
+    slopes = np.asarray(slopes, np.float64)
+    if slopes.shape != (H,):
+        raise ValueError(f"slopes: expected shape {(H,)}, got {slopes.shape}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h]
+            decay = math.exp(-slopes[h])
+            for t in range(start, end):
+                S = decay * S + np.outer(k[b, t, h], v[b, t, h])
+                o[b, t, h] = S.T @ (scale * q[b, t, h])
+            states[n, h] = S
+    return o, (states if output_final_state else None)
+
+
+def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
+               cu_seqlens=None, form=None, chunk_size=None):
+    """Scalar-gated linear attention: ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``; ``g [B, T, H]`` log-space, per step."""
+    q, k, v, g = _f64(q, k, v, g)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h]
+            for t in range(start, end):
+                S = np.exp(g[b, t, h]) * S + np.outer(k[b, t, h], v[b, t, h])
+                o[b, t, h] = S.T @ (scale * q[b, t, h])
+            states[n, h] = S
+    return o, (states if output_final_state else None)
+
+
+def gla(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, form=None, chunk_size=None):
+    """Gated linear attention: ``S_t = diag(exp(g_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``; ``g [B, T, H, K]`` key-side log gate, ``gv [B, T, H, V]``
+    optional value-side log gate (None = 0)."""
+    q, k, v, g, gv = _f64(q, k, v, g, gv)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h]
+            for t in range(start, end):
+                dk = np.diag(np.exp(g[b, t, h]))
+                dv = np.diag(np.exp(gv[b, t, h])) if gv is not None else np.eye(V)
+                S = dk @ S @ dv + np.outer(k[b, t, h], v[b, t, h])
+                o[b, t, h] = S.T @ (scale * q[b, t, h])
+            states[n, h] = S
+    return o, (states if output_final_state else None)
+
+
+def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_state=None,
+           output_final_state=False, cu_seqlens=None, form=None, chunk_size=None):
+    """Mamba-2 SSD, in its own state-space form (no scale):
+
+        dt <- dt + dt_bias (when given), then softplus(dt) when dt_softplus
+        h_t = exp(dt_t A_h) h_{t-1} + dt_t B_t x_t^T          (h is N x P)
+        y_t = h_t^T C_t + D_h x_t
+
+    ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, G, N]`` with H % G == 0 (head h
+    reads group ``h // (H // G)``), ``D [H]``, ``dt_bias [H]``; state ``[B, H, N, P]``. softplus
+    is the exact log(1 + exp(.)), without the threshold some implementations use.
+    """
+    x, dt, A, Bm, Cm, D, dt_bias = _f64(x, dt, A, B, C, D, dt_bias)
+    Bsz, T, H, P = x.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    if H % G != 0:
+        raise ValueError(f"B/C: H={H} must be divisible by the number of groups G={G}")
+    rep = H // G
+    seqs = _sequences(Bsz, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, N, P)
+    y = np.zeros((Bsz, T, H, P))
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            grp = h // rep
+            hs = states[n, h]
+            for t in range(start, end):
+                d = dt[b, t, h] + (dt_bias[h] if dt_bias is not None else 0.0)
+                if dt_softplus:
+                    d = _softplus(d)
+                hs = np.exp(d * A[h]) * hs + d * np.outer(Bm[b, t, grp], x[b, t, h])
+                y[b, t, h] = hs.T @ Cm[b, t, grp]
+                if D is not None:
+                    y[b, t, h] += D[h] * x[b, t, h]
+            states[n, h] = hs
+    return y, (states if output_final_state else None)
+
+
+def efficient_attention(q, k, v, *, scale=None, form=None):
+    """Efficient attention (Shen et al.), non-causal, per (batch, head):
+    ``o = softmax_row(scale Q) (softmax_col(scale K)^T V)``, softmax_row over the features of
+    each query, softmax_col over time for each key feature. q ``[B, Tq, H, K]``, k ``[B, Tk, H,
+    K]``, v ``[B, Tk, H, V]``. Returns o only."""
+    q, k, v = _f64(q, k, v)
+    B, Tq, H, K = q.shape
+    Tk, V = k.shape[1], v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    o = np.zeros((B, Tq, H, V))
+    for b in range(B):
+        for h in range(H):
+            # softmax over time, one key feature (column) at a time
+            kc = np.zeros((Tk, K))
+            for c in range(K if Tk else 0):
+                s = scale * k[b, :, h, c]
+                e = np.exp(s - s.max())
+                kc[:, c] = e / e.sum()
+            context = np.zeros((K, V))
+            for t in range(Tk):
+                context += np.outer(kc[t], v[b, t, h])
+            for t in range(Tq):
+                s = scale * q[b, t, h]
+                e = np.exp(s - s.max())
+                o[b, t, h] = (e / e.sum()) @ context
+    return o
+
+
+# ---------------------------------------------------------------------------------------------
+# the delta-rule engine
+
+
+def gated_delta_rule(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None,
+                     output_final_state=False, cu_seqlens=None, form=None, chunk_size=None):
+    """Gated delta rule:
+    ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``; ``g, beta [B, T, H]``. With ``qk_l2norm`` q and k are first
+    replaced by ``x / sqrt(sum x^2 + 1e-6)`` over the head dimension (scale still defaults to
+    ``K**-0.5``)."""
+    q, k, v, g, beta = _f64(q, k, v, g, beta)
+    if qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    eye = np.eye(K)
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h]
+            for t in range(start, end):
+                kt, bt = k[b, t, h], beta[b, t, h]
+                S = (np.exp(g[b, t, h]) * (eye - bt * np.outer(kt, kt)) @ S
+                     + bt * np.outer(kt, v[b, t, h]))
+                o[b, t, h] = S.T @ (scale * q[b, t, h])
+            states[n, h] = S
+    return o, (states if output_final_state else None)
+
+
+def delta_rule(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state=None,
+               output_final_state=False, cu_seqlens=None, form=None, chunk_size=None):
+    """DeltaNet: ``S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``; ``beta [B, T, H]``; ``qk_l2norm`` as in gated_delta_rule."""
+    q, k, v, beta = _f64(q, k, v, beta)
+    if qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    eye = np.eye(K)
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h]
+            for t in range(start, end):
+                kt, bt = k[b, t, h], beta[b, t, h]
+                S = (eye - bt * np.outer(kt, kt)) @ S + bt * np.outer(kt, v[b, t, h])
+                o[b, t, h] = S.T @ (scale * q[b, t, h])
+            states[n, h] = S
+    return o, (states if output_final_state else None)

@@ -1,4 +1,4 @@
-"""The float64 oracles of the gated linear and delta-rule engines (pyattn.reference_linear)
+"""The float64 oracles of the gated linear and delta-rule engines (pyattn.reference)
 against independent second formulations (DESIGN sections 4 and 5):
 
 * masked parallel forms (cumulative log gates, decay matrix exp(G_i - G_j) on j <= i) for
@@ -21,7 +21,7 @@ import math
 import numpy as np
 import pytest
 
-from pyattn import reference_linear as ref
+from pyattn import reference as ref
 from pyattn.testing import assert_close
 
 TOL = 1e-12
