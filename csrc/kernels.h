@@ -24,6 +24,31 @@ typedef struct {
     int form;
 } pa_softmax_desc;
 
+/* Feature maps of linear attention (DESIGN section 4), in this order (pyattn._core.FM_*). */
+enum {
+    PA_FM_IDENTITY = 0,
+    PA_FM_ELU1 = 1,
+    PA_FM_RELU = 2,
+    PA_FM_SOFTMAX = 3,
+    PA_FM_FOCUSED = 4,
+    PA_FM_TAYLOR = 5,
+    PA_FM_PERFORMER = 6,
+    PA_FM_COSFORMER = 7,
+    PA_FM_COUNT = 8
+};
+
+/* phi over the rows of x [rows, D] (every axis but the last flattened) into y [rows, F]:
+ * F = D, except taylor 1 + D + D*D, performer m, cosformer 2 D. */
+typedef struct {
+    int kind;
+    int64_t rows, D, F;
+    int64_t p;              /* focused: the power, >= 1 */
+    int64_t T, H;           /* cosformer: x is [B, T, H, D], row r is at time (r / H) % T */
+    double max_len;         /* cosformer: > 0 */
+    int64_t m;              /* performer: rows of the projection */
+    const void *projection; /* performer: W [m, D] of the call's dtype; NULL otherwise */
+} pa_feature_map_desc;
+
 typedef struct {
     const char *isa;
     /* C = alpha op(A) op(B) + beta C, strided A and B, row-major C (see core/gemm.c) */
@@ -38,6 +63,11 @@ typedef struct {
     int (*softmax_backward)(const pa_softmax_desc *d, const void *q, const void *k,
                             const void *v, const void *o, const void *lse, const void *dout,
                             const void *dlse, void *dq, void *dk, void *dv);
+    int (*feature_map_forward)(const pa_feature_map_desc *d, const void *x, void *y);
+    /* dx [rows, D] from dy [rows, F]; dprojection: performer's dW [m, D] (overwritten), NULL
+     * for the other kinds */
+    int (*feature_map_backward)(const pa_feature_map_desc *d, const void *x, const void *dy,
+                                void *dx, void *dprojection);
 } pa_kernels;
 
 /* Chooses the tables once (at import): the widest ISA this CPU runs, or PYATTN_ISA's. */

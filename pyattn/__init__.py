@@ -12,6 +12,7 @@ import contextlib
 
 from . import _core, reference, testing
 from .autodiff import vjp
+from .feature_maps import feature_map
 from .softmax import softmax_attention
 from ._ops import OpInfo, build_ops
 
@@ -58,6 +59,7 @@ __all__ = [
     "OPS",
     "OpInfo",
     "build_info",
+    "feature_map",
     "get_num_threads",
     "num_threads",
     "reference",

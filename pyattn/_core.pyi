@@ -9,6 +9,14 @@ import numpy.typing as npt
 FORM_PARALLEL: int
 FORM_FLASH: int
 FORM_RECURRENT: int
+FM_IDENTITY: int
+FM_ELU1: int
+FM_RELU: int
+FM_SOFTMAX: int
+FM_FOCUSED: int
+FM_TAYLOR: int
+FM_PERFORMER: int
+FM_COSFORMER: int
 
 _Float = npt.NDArray[np.floating]
 _Int64 = npt.NDArray[np.int64]
@@ -36,6 +44,24 @@ def softmax_backward(
     alibi_slopes: Optional[_Float], softcap: float, scale: float, /,
 ) -> None:
     """Writes dq, dk, dv in place from the forward's o and lse."""
+
+def feature_map_forward(
+    x: _Float, y: _Float, kind: int, p: int, max_len: float,
+    projection: Optional[_Float], /,
+) -> None:
+    """Writes y = phi(x) [..., F] in place. x [..., D] (at least 1-D; [B, T, H, D] for
+    FM_COSFORMER); kind one of the FM_* constants; F = D, except 1 + D + D*D (FM_TAYLOR), m
+    (FM_PERFORMER) and 2 D (FM_COSFORMER). p (int >= 1, the power of FM_FOCUSED) and max_len
+    (float > 0, FM_COSFORMER) are checked for every kind; projection is W [m, D] for
+    FM_PERFORMER and None for the other kinds."""
+
+def feature_map_backward(
+    x: _Float, dy: _Float, dx: _Float, kind: int, p: int, max_len: float,
+    projection: Optional[_Float], dprojection: Optional[_Float], /,
+) -> None:
+    """Writes dx [..., D] from dy [..., F] in place, and for FM_PERFORMER dprojection [m, D]
+    (overwritten, not accumulated; None for the other kinds). Arguments as
+    feature_map_forward."""
 
 def gemm(a: _Float, b: _Float, c: _Float, trans_a: bool, trans_b: bool,
          alpha: float, beta: float, /) -> None:

@@ -3,6 +3,7 @@
 #include "../core/vmath.h"
 #include "../core/gemm.c"
 #include "../ops/softmax_attn.c"
+#include "../ops/feature_maps.c"
 
 static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, const void *A,
                              int64_t rsa, int64_t csa, const void *B, int64_t rsb, int64_t csb,
@@ -24,4 +25,6 @@ const pa_kernels PA_FN(pa_kernels) = {
     .fma_peak = PA_FN(fma_peak),
     .softmax_forward = PA_FN(softmax_forward),
     .softmax_backward = PA_FN(softmax_backward),
+    .feature_map_forward = PA_FN(feature_map_forward),
+    .feature_map_backward = PA_FN(feature_map_backward),
 };
