@@ -71,8 +71,9 @@ static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, in
     }
 }
 
-/* C tile (mr x nr valid) = alpha * Ap Bp + beta * C. */
-static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a,
+/* C tile (mr x nr valid) = alpha * A B + beta * C, with A(i, p) = a[p * aps + i] (aps = MR
+ * for a packed panel) and B(p, j) = b[p * NR + j]. */
+static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a, int64_t aps,
                                        const real *restrict b, real *C, int64_t ldc,
                                        int64_t mr, int64_t nr, real alpha, real beta)
 {
@@ -87,7 +88,7 @@ static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a,
         for (int v = 0; v < NV; v++) bv[v] = PA_FN(vload)(b + p * NR + v * VL);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; i++) {
-            vreal ai = PA_FN(vset)(a[p * MR + i]);
+            vreal ai = PA_FN(vset)(a[p * aps + i]);
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) acc[i][v] += ai * bv[v];
         }
@@ -127,7 +128,7 @@ static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, con
             int64_t nr = nc - jr < NR ? nc - jr : NR;
             for (int64_t ir = 0; ir < mc; ir += MR) {
                 int64_t mr = mc - ir < MR ? mc - ir : MR;
-                PA_FN(micro_kernel)(kc, Ap + ir * kc, Bp + jr / NR * bps,
+                PA_FN(micro_kernel)(kc, Ap + ir * kc, MR, Bp + jr / NR * bps,
                                     C + (ic + ir) * ldc + jr, ldc, mr, nr, alpha, beta);
             }
         }
@@ -188,10 +189,16 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
 /* Reals needed to pack an M x K matrix whole with pack_a (panels of MR rows, K each). */
 static int64_t PA_FN(packed_a_elems)(int64_t M, int64_t K) { return (M + MR - 1) / MR * MR * K; }
 
-/* gemm with both operands packed whole by the caller: A by pack_a(M, K, ...) (rows r.. of a
- * larger packing start at Ap + r * K, r a multiple of MR), B as for gemm_packed_b. */
+/* gemm with both operands laid out by the caller, nothing packed here: A(i, p) at
+ * Ap[(i / MR) * ars + p * aps + i % MR], i.e. row panels of MR rows ars apart, p-stride aps
+ * inside a panel. A pack_a(M, K, ...) packing is ars = MR * K, aps = MR (rows r.. of a larger
+ * one start at Ap + r * K, r a multiple of MR); a K x M matrix with M contiguous (A^T stored
+ * row-major with leading dimension ld) is ars = MR, aps = ld, and is read in place (its rows
+ * past M, up to the next multiple of MR, are read too and must be readable). B as for
+ * gemm_packed_b. */
 static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, const real *Ap,
-                                  const real *Bp, int64_t bps, real beta, real *C, int64_t ldc)
+                                  int64_t ars, int64_t aps, const real *Bp, int64_t bps,
+                                  real beta, real *C, int64_t ldc)
 {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
@@ -204,8 +211,9 @@ static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, c
             int64_t nr = N - jr < NR ? N - jr : NR;
             for (int64_t ir = 0; ir < M; ir += MR) {
                 int64_t mr = M - ir < MR ? M - ir : MR;
-                PA_FN(micro_kernel)(kc, Ap + ir * K + pc * MR, Bp + jr / NR * bps + pc * NR,
-                                    C + ir * ldc + jr, ldc, mr, nr, alpha, pc == 0 ? beta : 1);
+                PA_FN(micro_kernel)(kc, Ap + ir / MR * ars + pc * aps, aps,
+                                    Bp + jr / NR * bps + pc * NR, C + ir * ldc + jr, ldc, mr, nr,
+                                    alpha, pc == 0 ? beta : 1);
             }
         }
     }

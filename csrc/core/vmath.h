@@ -169,3 +169,32 @@ static inline void PA_FN(axpy)(real *y, const real *x, int64_t n, real a)
         PA_FN(vstore)(y + i, PA_FN(vload)(y + i) + a * PA_FN(vload)(x + i));
     for (; i < n; i++) y[i] += a * x[i];
 }
+
+/* m[i] = max(m[i], x[i]): a running column maximum, vectorised across columns. */
+static inline void PA_FN(vec_max_into)(real *m, const real *x, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        vreal a = PA_FN(vload)(m + i), b = PA_FN(vload)(x + i);
+        PA_FN(vstore)(m + i, PA_FN(vselect)(b > a, b, a));
+    }
+    for (; i < n; i++) m[i] = x[i] > m[i] ? x[i] : m[i];
+}
+
+/* x[i] = exp(x[i] - m[i]) in place and s[i] += x[i]: the exp+sum pass of a softmax taken
+ * down columns. */
+static inline void PA_FN(vec_exp_sub_acc)(real *x, const real *m, real *s, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        vreal e = PA_FN(vexp)(PA_FN(vload)(x + i) - PA_FN(vload)(m + i));
+        PA_FN(vstore)(x + i, e);
+        PA_FN(vstore)(s + i, PA_FN(vload)(s + i) + e);
+    }
+    if (i < n) {
+        int r = (int)(n - i);
+        vreal e = PA_FN(vexp)(PA_FN(vload_part)(x + i, r, 0) - PA_FN(vload_part)(m + i, r, 0));
+        PA_FN(vstore_part)(x + i, e, r);
+        PA_FN(vstore_part)(s + i, PA_FN(vload_part)(s + i, r, 0) + e, r);
+    }
+}

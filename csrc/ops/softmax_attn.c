@@ -2,10 +2,13 @@
  * Template body (see core/dtype.h); needs core/vmath.h and core/gemm.c before it.
  *
  * Flash (FA-2 on the CPU): work items are (sequence, head, query block), scheduled
- * dynamically, longest (latest causal) blocks first. Per item: S = scale Q K^T through the
- * packed GEMM, scores transformed (softcap, ALiBi, mask) only where a block needs it, online
- * softmax with the accumulator rescaled only when the row max grows, O += P V through the
- * GEMM; key blocks that no query of the block sees are skipped. Per-thread scratch only.
+ * dynamically, longest (latest causal) blocks first. Q, K and V are packed once per call as
+ * GEMM operands. Per item and key block: the scores are computed transposed, S^T = scale K
+ * Q^T (keys down, queries across), so the online softmax runs down columns with whole
+ * vectors of queries (no horizontal max or sum) and S^T is already the A operand of O += P V
+ * (no repacking of P); scores are transformed (softcap, ALiBi, mask) only where a block
+ * needs it, the accumulator is rescaled only where a query's max grows, and key blocks are
+ * trimmed to the keys some query of the block sees (skipped when none). Per-thread scratch.
  * The parallel form is the same tile engine with one tile covering all keys and queries of
  * a sequence: it materialises the Tq x Tk scores, and the online softmax reduces to the
  * plain one. The recurrent form is separate code: one query, keys streamed one at a time.
@@ -18,8 +21,9 @@
  * in the cotangent of the LSE.
  */
 
-#define SM_BQ 48
-#define SM_BK 256
+#define SM_BQ 96     /* forward query block: a multiple of every NR and MR */
+#define SM_BWD_BQ 48 /* backward query block: a multiple of every MR */
+#define SM_BK 192    /* key block: a multiple of every NR and MR */
 
 /* Keys visible to the query at bottom-right-aligned position ip: the window [lo, hi]
  * (empty when hi < lo) and the sinks [0, shi). */
@@ -40,18 +44,18 @@ static inline void PA_FN(sm_bounds)(const pa_softmax_desc *d, int64_t ip, int64_
 
 /* Queries ip0..ip1 against the key block [j0, j1). The window bounds grow with ip, so the
  * first and last query bound the block. Trims the block to the keys some query may see,
- * [*ja, *jb) (start kept a multiple of NR, where packed operands begin), and classifies it:
- * SM_HIDDEN is exact, SM_PARTIAL may be pessimistic. */
+ * [*ja, *jb) (start kept a multiple of `align`, where the packed operands' panels begin),
+ * and classifies it: SM_HIDDEN is exact, SM_PARTIAL may be pessimistic. */
 static inline int PA_FN(sm_block_keys)(const pa_softmax_desc *d, int64_t ip0, int64_t ip1,
-                                       int64_t j0, int64_t j1, int64_t tk, int64_t *ja,
-                                       int64_t *jb)
+                                       int64_t j0, int64_t j1, int64_t tk, int64_t align,
+                                       int64_t *ja, int64_t *jb)
 {
     int64_t lo0, hi0, shi0, lo1, hi1, shi1;
     PA_FN(sm_bounds)(d, ip0, tk, &lo0, &hi0, &shi0);
     PA_FN(sm_bounds)(d, ip1, tk, &lo1, &hi1, &shi1);
     int64_t reach = hi1 + 1 > shi1 ? hi1 + 1 : shi1;
     int64_t start = j0 < shi1 || lo0 < j0 ? j0 : lo0;
-    *ja = start / NR * NR;
+    *ja = start / align * align;
     *jb = j1 < reach ? j1 : reach;
     if (*jb <= *ja || !(lo0 < *jb || *ja < shi1)) return SM_HIDDEN;
     if ((lo1 <= *ja && hi0 >= *jb - 1) || *jb <= shi0) return SM_VISIBLE;
@@ -76,44 +80,46 @@ static inline real PA_FN(sm_slope)(const pa_softmax_desc *d, int64_t h)
     return d->alibi ? ((const real *)d->alibi)[h] : 0;
 }
 
-/* In-place score transform of a bq x bk tile (rows at ip0.., keys at j0..): masked scores
- * become -inf; with softcap, dcap (if not NULL) receives the derivative of the cap. */
-static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *S, int64_t lds,
-                                     int64_t bq, int64_t bk, int64_t ip0, int64_t j0,
-                                     int64_t tk, int visibility, real *dcap)
+/* In-place score transform of a tile of bq queries (at ip0..) by bk keys (at j0..), the
+ * score of query r and key c at S[r * rs + c * cs]: masked scores become -inf; with softcap,
+ * dcap (if not NULL, same layout) receives the derivative of the cap. */
+static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *S, int64_t rs,
+                                     int64_t cs, int64_t bq, int64_t bk, int64_t ip0,
+                                     int64_t j0, int64_t tk, int visibility, real *dcap)
 {
     real slope = PA_FN(sm_slope)(d, h);
     int plain = d->softcap <= 0 && !d->alibi;
     for (int64_t r = 0; r < bq; r++) {
         int64_t ip = ip0 + r, lo, hi, shi;
         PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
-        real *s = S + r * lds;
-        real *dc = dcap ? dcap + r * lds : NULL;
         for (int64_t c = 0; c < bk; c++) {
             int64_t j = j0 + c;
+            real *x = S + r * rs + c * cs;
             if (visibility != SM_VISIBLE && !((j >= lo && j <= hi) || j < shi))
-                s[c] = -(real)INFINITY;
+                *x = -(real)INFINITY;
             else if (!plain)
-                s[c] = PA_FN(sm_score)(s[c], d->softcap, slope, ip - j, dc ? dc + c : NULL);
+                *x = PA_FN(sm_score)(*x, d->softcap, slope, ip - j,
+                                     dcap ? dcap + r * rs + c * cs : NULL);
         }
     }
 }
 
-/* Operands packed once per call for the GEMM, so no tile repacks (or transposes) them:
- * SM_KEYS_AS_COLUMNS  B = X^T [D x tk] of each (sequence, KV head), panels of NR keys;
- * SM_KEYS_AS_ROWS     B = X [tk x D], panels of NR features;
- * SM_QUERY_ROWS       A = X [tq x D] of each (sequence, query head), panels of MR queries.
- * Blocks start at multiples of NR (keys) or MR (queries). */
-#define SM_KEYS_AS_COLUMNS 0
-#define SM_KEYS_AS_ROWS 1
-#define SM_QUERY_ROWS 2
+/* Operands packed once per call for the GEMM, so no tile repacks (or transposes) them.
+ * The rows packed are the queries of each (sequence, query head) or the keys of each
+ * (sequence, KV head), x [rows, heads, D], laid out as
+ *   SM_A_ROWS     an A operand X [t x D], panels of MR rows (blocks start at multiples of MR);
+ *   SM_B_COLUMNS  a B operand X^T [D x t], panels of NR rows (blocks at multiples of NR);
+ *   SM_B_ROWS     a B operand X [t x D], panels of NR features (blocks anywhere). */
+#define SM_A_ROWS 0
+#define SM_B_COLUMNS 1
+#define SM_B_ROWS 2
 
 typedef struct {
     const real *x; /* what is packed: [rows, heads, D] */
     real *data;
     int64_t *offset; /* [nseq * heads] */
     int64_t D;
-    int layout;
+    int queries, layout;
 } PA_FN(sm_packed);
 
 static void PA_FN(sm_packed_free)(PA_FN(sm_packed) * pk)
@@ -126,27 +132,33 @@ static void PA_FN(sm_packed_free)(PA_FN(sm_packed) * pk)
 
 static inline int64_t PA_FN(sm_pack_heads)(const PA_FN(sm_packed) * pk, const pa_softmax_desc *d)
 {
-    return pk->layout == SM_QUERY_ROWS ? d->H : d->Hk;
+    return pk->queries ? d->H : d->Hk;
+}
+
+static inline const int64_t *PA_FN(sm_pack_cu)(const PA_FN(sm_packed) * pk, const pa_softmax_desc *d)
+{
+    return pk->queries ? d->cu_q : d->cu_k;
 }
 
 /* Lays out and allocates a packing of x (filled later by sm_pack_fill); 0 if out of memory. */
 static int PA_FN(sm_pack_alloc)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d, const real *x,
-                                int64_t D, int layout)
+                                int64_t D, int queries, int layout)
 {
     pk->x = x;
     pk->D = D;
+    pk->queries = queries;
     pk->layout = layout;
     const int64_t nseq = d->nseq, heads = PA_FN(sm_pack_heads)(pk, d);
-    const int64_t *cu = layout == SM_QUERY_ROWS ? d->cu_q : d->cu_k;
+    const int64_t *cu = PA_FN(sm_pack_cu)(pk, d);
     pk->offset = malloc(sizeof(int64_t) * (nseq * heads + 1));
     if (!pk->offset) return 0;
     int64_t total = 0;
     for (int64_t u = 0; u < nseq * heads; u++) {
         int64_t t = cu[u / heads + 1] - cu[u / heads];
         pk->offset[u] = total;
-        total += layout == SM_KEYS_AS_COLUMNS ? PA_FN(packed_b_elems)(D, t)
-                 : layout == SM_KEYS_AS_ROWS  ? PA_FN(packed_b_elems)(t, D)
-                                              : PA_FN(packed_a_elems)(t, D);
+        total += layout == SM_B_COLUMNS ? PA_FN(packed_b_elems)(D, t)
+                 : layout == SM_B_ROWS  ? PA_FN(packed_b_elems)(t, D)
+                                        : PA_FN(packed_a_elems)(t, D);
     }
     pk->data = pa_alloc(sizeof(real) * (total + 1));
     if (!pk->data) {
@@ -169,54 +181,63 @@ static void PA_FN(sm_pack_fill)(PA_FN(sm_packed) * const *pks, int count, const 
         while (u >= d->nseq * PA_FN(sm_pack_heads)(pks[i], d)) u -= d->nseq * PA_FN(sm_pack_heads)(pks[i++], d);
         const PA_FN(sm_packed) *pk = pks[i];
         const int64_t heads = PA_FN(sm_pack_heads)(pk, d);
-        const int64_t *cu = pk->layout == SM_QUERY_ROWS ? d->cu_q : d->cu_k;
+        const int64_t *cu = PA_FN(sm_pack_cu)(pk, d);
         int64_t n = u / heads, hd = u % heads, r0 = cu[n], len = cu[n + 1] - r0, D = pk->D;
         const real *X = pk->x + (r0 * heads + hd) * D;
         real *dst = pk->data + pk->offset[u];
-        if (pk->layout == SM_KEYS_AS_COLUMNS)
+        if (pk->layout == SM_B_COLUMNS)
             PA_FN(pack_b)(D, len, X, 1, heads * D, dst);
-        else if (pk->layout == SM_KEYS_AS_ROWS)
+        else if (pk->layout == SM_B_ROWS)
             PA_FN(pack_b)(len, D, X, heads * D, 1, dst);
         else
             PA_FN(pack_a)(len, D, X, heads * D, 1, dst);
     }
 }
 
-/* The packed operand of rows j0.. (keys or queries) of (sequence n, head hd); *bps gets the
- * panel stride of a B operand. */
+/* The packed operand of rows j0.. (keys or queries) of (sequence n, head hd); *stride gets
+ * the panel stride: bps of a B operand, ars of an A operand (see gemm_packed_ab). */
 static inline const real *PA_FN(sm_packed_at)(const PA_FN(sm_packed) * pk,
                                               const pa_softmax_desc *d, int64_t n, int64_t hd,
-                                              int64_t j0, int64_t *bps)
+                                              int64_t j0, int64_t *stride)
 {
+    const int64_t *cu = PA_FN(sm_pack_cu)(pk, d);
     const real *base = pk->data + pk->offset[n * PA_FN(sm_pack_heads)(pk, d) + hd];
-    if (pk->layout == SM_KEYS_AS_COLUMNS) {
-        *bps = pk->D * NR;
+    if (pk->layout == SM_B_COLUMNS) {
+        *stride = pk->D * NR;
         return base + j0 / NR * pk->D * NR;
     }
-    if (pk->layout == SM_KEYS_AS_ROWS) {
-        *bps = (d->cu_k[n + 1] - d->cu_k[n]) * NR;
+    if (pk->layout == SM_B_ROWS) {
+        *stride = (cu[n + 1] - cu[n]) * NR;
         return base + j0 * NR;
     }
-    *bps = 0;
+    *stride = MR * pk->D;
     return base + j0 * pk->D;
 }
 
-/* S[bq x bk] = transformed scores of query rows i0.. of head h against keys j0.. */
+/* The scores of query rows i0.. (head h) against keys j0.., transformed. transposed = 0:
+ * S = scale Q K^T [bq x bk] from Q (SM_A_ROWS) and K (SM_B_COLUMNS); transposed = 1:
+ * S = scale K Q^T [bk x bq] from K (SM_A_ROWS) and Q (SM_B_COLUMNS). */
 static void PA_FN(sm_scores)(const pa_softmax_desc *d, int64_t n, int64_t h,
-                             const PA_FN(sm_packed) * Qp, const PA_FN(sm_packed) * KT, real *S,
-                             int64_t lds, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
-                             int64_t off, int64_t tk, int visibility, real *dcap)
+                             const PA_FN(sm_packed) * Qp, const PA_FN(sm_packed) * Kp,
+                             int transposed, real *S, int64_t lds, int64_t i0, int64_t bq,
+                             int64_t j0, int64_t bk, int64_t off, int64_t tk, int visibility,
+                             real *dcap)
 {
-    int64_t bps, unused;
-    const real *Bp = PA_FN(sm_packed_at)(KT, d, n, h / (d->H / d->Hk), j0, &bps);
-    const real *Ap = PA_FN(sm_packed_at)(Qp, d, n, h, i0, &unused);
-    PA_FN(gemm_packed_ab)(bq, bk, d->Dk, (real)d->scale, Ap, Bp, bps, 0, S, lds);
+    int64_t qs, ks;
+    const real *Qb = PA_FN(sm_packed_at)(Qp, d, n, h, i0, &qs);
+    const real *Kb = PA_FN(sm_packed_at)(Kp, d, n, h / (d->H / d->Hk), j0, &ks);
+    if (transposed)
+        PA_FN(gemm_packed_ab)(bk, bq, d->Dk, (real)d->scale, Kb, ks, MR, Qb, qs, 0, S, lds);
+    else
+        PA_FN(gemm_packed_ab)(bq, bk, d->Dk, (real)d->scale, Qb, qs, MR, Kb, ks, 0, S, lds);
     if (visibility != SM_VISIBLE || d->softcap > 0 || d->alibi)
-        PA_FN(sm_transform_tile)(d, h, S, lds, bq, bk, i0 + off, j0, tk, visibility, dcap);
+        PA_FN(sm_transform_tile)(d, h, S, transposed ? 1 : lds, transposed ? lds : 1, bq, bk,
+                                 i0 + off, j0, tk, visibility, dcap);
 }
 
 typedef struct {
     real *S, *O, *m, *l, *dP, *dcap, *dK, *dV, *work;
+    int64_t lds; /* leading dimension of S */
 } PA_FN(sm_scratch);
 
 static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
@@ -232,8 +253,9 @@ static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
     free(s->work);
 }
 
-/* Per-thread buffers for tiles of bq x bk; backward adds dP, dK, dV (and dcap with softcap).
- * Returns 0 when an allocation failed (everything is then freed). */
+/* Per-thread buffers for tiles of bq queries x bk keys: forward S^T [bk x lds] (lds = bq
+ * rounded up to MR, zeroed: the GEMM reads whole panels), O, m, l; backward S [bq x bk], dP,
+ * dK, dV (and dcap with softcap). Returns 0 when an allocation failed (all freed then). */
 static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc *d, int64_t bq,
                                    int64_t bk, int backward)
 {
@@ -243,14 +265,17 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
     int64_t w = w1 > w2 ? w1 : w2;
     w = w > w3 ? w : w3;
     memset(s, 0, sizeof *s);
-    s->S = pa_alloc(sizeof(real) * bq * bk);
+    s->lds = backward ? bk : (bq + MR - 1) / MR * MR;
+    s->S = pa_alloc(sizeof(real) * (backward ? bq : bk) * s->lds);
     s->work = pa_alloc(sizeof(real) * w);
     int ok = s->S && s->work;
+    if (s->S && !backward) memset(s->S, 0, sizeof(real) * bk * s->lds);
     if (!backward) {
         s->O = pa_alloc(sizeof(real) * bq * d->Dv);
         s->m = pa_alloc(sizeof(real) * bq);
         s->l = pa_alloc(sizeof(real) * bq);
-        ok = ok && s->O && s->m && s->l;
+        s->dP = pa_alloc(sizeof(real) * 2 * s->lds); /* the new and the finite column maxima */
+        ok = ok && s->O && s->m && s->l && s->dP;
     } else {
         s->dP = pa_alloc(sizeof(real) * bq * bk);
         s->dK = pa_alloc(sizeof(real) * bk * d->Dk);
@@ -265,17 +290,18 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
     return ok;
 }
 
-/* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax. */
+/* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax,
+ * from Q (SM_B_COLUMNS), K (SM_A_ROWS) and V (SM_B_ROWS). */
 static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_packed) * Qp,
-                                    const PA_FN(sm_packed) * KT, const PA_FN(sm_packed) * Vp,
+                                    const PA_FN(sm_packed) * Kp, const PA_FN(sm_packed) * Vp,
                                     real *o, real *lse, int64_t n, int64_t h, int64_t i0,
                                     int64_t bq, int64_t bkmax, PA_FN(sm_scratch) * s)
 {
-    const int64_t H = d->H, Hk = d->Hk, Dv = d->Dv;
+    const int64_t H = d->H, Hk = d->Hk, Dv = d->Dv, lds = s->lds;
     const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
     const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - q0);
     const int64_t kh = h / (H / Hk);
-    real *O = s->O, *m = s->m, *l = s->l, *S = s->S;
+    real *O = s->O, *m = s->m, *l = s->l, *ST = s->S;
     for (int64_t r = 0; r < bq; r++) {
         m[r] = -(real)INFINITY;
         l[r] = 0;
@@ -284,28 +310,27 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_pac
     for (int64_t jblk = 0; jblk < tk; jblk += bkmax) {
         int64_t j0, j1;
         int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, jblk,
-                                       tk - jblk < bkmax ? tk : jblk + bkmax, tk, &j0, &j1);
+                                       tk - jblk < bkmax ? tk : jblk + bkmax, tk, MR, &j0, &j1);
         if (vis == SM_HIDDEN) continue;
         const int64_t bk = j1 - j0;
-        PA_FN(sm_scores)(d, n, h, Qp, KT, S, bkmax, i0, bq, j0, bk, off, tk, vis, NULL);
+        PA_FN(sm_scores)(d, n, h, Qp, Kp, 1, ST, lds, i0, bq, j0, bk, off, tk, vis, NULL);
+        /* m <- max(m, column max); where it grew, rescale l and O; msafe: m with -inf as 0 */
+        real *mnew = s->dP, *msafe = s->dP + lds;
+        memcpy(mnew, m, sizeof(real) * bq);
+        for (int64_t c = 0; c < bk; c++) PA_FN(vec_max_into)(mnew, ST + c * lds, bq);
         for (int64_t r = 0; r < bq; r++) {
-            real *sr = S + r * bkmax;
-            real mx = PA_FN(row_max)(sr, bk);
-            if (mx == -(real)INFINITY) {
-                memset(sr, 0, sizeof(real) * bk);
-                continue;
+            if (mnew[r] > m[r]) {
+                real f = (real)exp((double)m[r] - (double)mnew[r]);
+                l[r] *= f;
+                PA_FN(row_scale)(O + r * Dv, Dv, f);
+                m[r] = mnew[r];
             }
-            if (mx > m[r]) {
-                real c = (real)exp((double)m[r] - (double)mx);
-                l[r] *= c;
-                PA_FN(row_scale)(O + r * Dv, Dv, c);
-                m[r] = mx;
-            }
-            l[r] += PA_FN(row_exp_sum)(sr, bk, m[r]);
+            msafe[r] = m[r] == -(real)INFINITY ? 0 : m[r];
         }
+        for (int64_t c = 0; c < bk; c++) PA_FN(vec_exp_sub_acc)(ST + c * lds, msafe, l, bq);
         int64_t bps;
         const real *Vb = PA_FN(sm_packed_at)(Vp, d, n, kh, j0, &bps);
-        PA_FN(gemm_packed_b)(bq, Dv, bk, 1, S, bkmax, 1, Vb, bps, 1, O, Dv, s->work);
+        PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, Vb, bps, 1, O, Dv);
     }
     for (int64_t r = 0; r < bq; r++) {
         real *orow = o + ((q0 + i0 + r) * H + h) * Dv;
@@ -388,16 +413,16 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t bqmax = bq_form < maxq ? bq_form : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL || maxk < SM_BK ? (maxk > 0 ? maxk : 1) : SM_BK;
     if (maxq == 0) return PA_OK;
-    PA_FN(sm_packed) Qp = {0}, KT = {0}, Vp = {0};
-    PA_FN(sm_packed) *const packs[] = {&Qp, &KT, &Vp};
+    PA_FN(sm_packed) Qp = {0}, Kp = {0}, Vp = {0};
+    PA_FN(sm_packed) *const packs[] = {&Qp, &Kp, &Vp};
     const int npacks = form == PA_FORM_RECURRENT ? 0 : 3;
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
-    if (!first || (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, SM_QUERY_ROWS) &&
-                               PA_FN(sm_pack_alloc)(&KT, d, k, d->Dk, SM_KEYS_AS_COLUMNS) &&
-                               PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, SM_KEYS_AS_ROWS)))) {
+    if (!first || (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS) &&
+                               PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS) &&
+                               PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, 0, SM_B_ROWS)))) {
         free(first);
         PA_FN(sm_packed_free)(&Qp);
-        PA_FN(sm_packed_free)(&KT);
+        PA_FN(sm_packed_free)(&Kp);
         PA_FN(sm_packed_free)(&Vp);
         return PA_ENOMEM;
     }
@@ -433,7 +458,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
             else
-                PA_FN(sm_forward_block)(d, &Qp, &KT, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
+                PA_FN(sm_forward_block)(d, &Qp, &Kp, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
         }
         if (form == PA_FORM_RECURRENT)
             free(acc);
@@ -442,7 +467,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     }
     free(first);
     PA_FN(sm_packed_free)(&Qp);
-    PA_FN(sm_packed_free)(&KT);
+    PA_FN(sm_packed_free)(&Kp);
     PA_FN(sm_packed_free)(&Vp);
     return failed ? PA_ENOMEM : PA_OK;
 }
@@ -480,17 +505,17 @@ static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q,
         memset(dV, 0, sizeof(real) * bk * Dv);
         for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
             for (int64_t i0 = 0; i0 < tq; i0 += bqmax) {
-                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax, ja, jb, vt_bps, k_bps, unused;
+                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax, ja, jb, vt_bps, k_bps, do_ars;
                 int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, j0, j0 + bk, tk,
-                                               &ja, &jb);
+                                               NR, &ja, &jb);
                 if (vis == SM_HIDDEN) continue;
                 const int64_t w = jb - ja; /* the keys ja..jb-1 this query block may see */
                 const real *VT = PA_FN(sm_packed_at)(&pk->VT, d, n, kh, ja, &vt_bps);
                 const real *Kp = PA_FN(sm_packed_at)(&pk->K, d, n, kh, ja, &k_bps);
-                const real *dOp = PA_FN(sm_packed_at)(&pk->dO, d, n, h, i0, &unused);
+                const real *dOp = PA_FN(sm_packed_at)(&pk->dO, d, n, h, i0, &do_ars);
                 const real *Q = q + ((q0 + i0) * H + h) * Dk;
                 const real *dO = dout + ((q0 + i0) * H + h) * Dv;
-                PA_FN(sm_scores)(d, n, h, &pk->Q, &pk->KT, S, bkmax, i0, bq, ja, w, off, tk, vis,
+                PA_FN(sm_scores)(d, n, h, &pk->Q, &pk->KT, 0, S, bkmax, i0, bq, ja, w, off, tk, vis,
                                  s->dcap);
                 for (int64_t r = 0; r < bq; r++) {
                     real L = lse[(q0 + i0 + r) * H + h];
@@ -501,7 +526,7 @@ static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q,
                 }
                 PA_FN(gemm)(w, Dv, bq, 1, S, 1, bkmax, dO, H * Dv, 1, 1, dV + (ja - j0) * Dv, Dv,
                             s->work);
-                PA_FN(gemm_packed_ab)(bq, w, Dv, 1, dOp, VT, vt_bps, 0, dP, bkmax);
+                PA_FN(gemm_packed_ab)(bq, w, Dv, 1, dOp, do_ars, MR, VT, vt_bps, 0, dP, bkmax);
                 for (int64_t r = 0; r < bq; r++) {
                     real Dr = Drow[(q0 + i0 + r) * H + h];
                     real *pr = S + r * bkmax, *dpr = dP + r * bkmax;
@@ -575,17 +600,17 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     const int64_t rows_q = d->cu_q[nseq], rows_k = d->cu_k[nseq];
     const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
     const int form = d->form, tiled = form != PA_FORM_RECURRENT && maxq > 0 && maxk > 0;
-    const int64_t bqmax = form == PA_FORM_PARALLEL ? maxq : SM_BQ < maxq ? SM_BQ : maxq;
+    const int64_t bqmax = form == PA_FORM_PARALLEL ? maxq : SM_BWD_BQ < maxq ? SM_BWD_BQ : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL ? maxk : SM_BK < maxk ? SM_BK : maxk;
     PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}, {0}, {0}};
     PA_FN(sm_packed) *const packs[] = {&pk.Q, &pk.KT, &pk.dO, &pk.VT, &pk.K};
     const int npacks = tiled ? 5 : 0;
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
-    if (!Drow || (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, SM_QUERY_ROWS) &&
-                             PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, SM_KEYS_AS_COLUMNS) &&
-                             PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, SM_QUERY_ROWS) &&
-                             PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, SM_KEYS_AS_COLUMNS) &&
-                             PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, SM_KEYS_AS_ROWS)))) {
+    if (!Drow || (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS) &&
+                             PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS) &&
+                             PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS) &&
+                             PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS) &&
+                             PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS)))) {
         free(Drow);
         PA_FN(sm_bwd_packs_free)(&pk);
         return PA_ENOMEM;
