@@ -1,0 +1,186 @@
+"""Softmax attention: pyattn (flash form; parallel form for small T) against torch's
+scaled_dot_product_attention, float32, same thread count, one run.
+
+    python benchmarks/bench_softmax.py [--quick] [--threads N] [--markdown]
+                                       [--T 512 2048 ...] [--parallel-max-t 512] [--no-check]
+
+Shapes: B=2, H=8, D=64 (Dk = Dv), Tq = Tk = T in {512, 2048, 8192} ({512, 2048} with
+--quick), causal and not, default scale D**-0.5.
+
+What is timed, per row (median of samples, see benchmarks/common.py):
+  fwd      pyattn: ``pyattn.softmax_attention(q, k, v, causal=c, form=f)`` (q, k, v
+           [B, T, H, D] float32, output allocated by the call).
+           torch: ``F.scaled_dot_product_attention(q, k, v, is_causal=c)`` on [B, H, T, D]
+           contiguous tensors without requires_grad (transposed and made contiguous once,
+           outside the timed region).
+  fwd+bwd  pyattn: ``out, pb = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=c,
+           form=f); pb(do)`` - a fresh forward every call, then the backward.
+           torch: q, k, v leaves with requires_grad; ``q.grad = k.grad = v.grad = None;
+           o = F.scaled_dot_product_attention(q, k, v, is_causal=c); o.backward(do)``.
+FLOPs counted (the usual convention; softmax/exp work not counted): forward 4*B*H*T*T*D
+(QK^T and PV, 2 GEMMs), backward 2.5x forward (5 GEMMs: QK^T recomputed, dV, dP, dQ, dK),
+so fwd+bwd = 3.5 x 4*B*H*T*T*D; causal counts half of each. "% peak" is of the float32 FMA
+peak measured in this run on the same thread count (``_core.fma_peak``; the larger of the
+measurements before and after the rows). "ratio" = torch time / pyattn time (> 1: pyattn
+faster). Causal: pyattn aligns the mask bottom-right, torch's is_causal top-left; with
+Tq == Tk they are the same mask. torch on CPU runs its flash kernel
+(aten::_scaled_dot_product_flash_attention_for_cpu) for these inputs.
+"samples": used/taken, pyattn then torch (benchmarks/common.py drops samples disturbed by
+other processes when enough quiet ones remain); "other %": the largest share of the CPUs
+other processes took during a sample used (above 5: the row was timed on a busy machine).
+Before timing (T <= 2048) pyattn's output and gradients are checked against torch in float64
+once; a rel-RMS error above 1e-4 is printed as a note under the table.
+The bars (the issue): flash >= 1.0x torch for fwd and for fwd+bwd at T=2048 causal.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402  (sets OPENBLAS_NUM_THREADS before numpy)
+from common import NA, Case, fmt, print_table, torch  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import pyattn  # noqa: E402
+
+B, H, D = 2, 8, 64
+BAR_T = 2048
+
+
+def flops(T, causal, passes):
+    f = 4.0 * B * H * T * T * D
+    if passes == "fwd+bwd":
+        f *= 3.5
+    return f / 2 if causal else f
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.mean((x - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
+
+
+def pyattn_cases(q, k, v, do, causal, form):
+    def fwd(_):
+        pyattn.softmax_attention(q, k, v, causal=causal, form=form)
+
+    def fwdbwd(_):
+        _, pb = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=causal, form=form)
+        pb(do)
+
+    return {"fwd": Case(f"pyattn {form}", fwd), "fwd+bwd": Case(f"pyattn {form}", fwdbwd)}
+
+
+def torch_cases(q, k, v, do, causal):
+    F = torch.nn.functional
+    tq, tk, tv, tdo = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v, do))
+    gq, gk, gv = (x.clone().requires_grad_(True) for x in (tq, tk, tv))
+
+    def fwd(_):
+        F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+    def fwdbwd(_):
+        gq.grad = gk.grad = gv.grad = None
+        o = F.scaled_dot_product_attention(gq, gk, gv, is_causal=causal)
+        o.backward(tdo)
+
+    return {"fwd": Case("torch sdpa", fwd), "fwd+bwd": Case("torch sdpa", fwdbwd)}, (tq, tk, tv, tdo)
+
+
+def check(q, k, v, do, causal, form):
+    """pyattn against torch (float64 torch as the reference) once, before timing."""
+    tq, tk, tv, tdo = (torch.from_numpy(x.astype(np.float64)).transpose(1, 2).requires_grad_(True)
+                       if i < 3 else torch.from_numpy(x.astype(np.float64)).transpose(1, 2)
+                       for i, x in enumerate((q, k, v, do)))
+    o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    o.backward(tdo)
+    out, pb = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=causal, form=form)
+    g = pb(do)
+    errs = [rel_err(out, o.detach().transpose(1, 2).numpy())]
+    errs += [rel_err(g[n], t.grad.transpose(1, 2).numpy()) for n, t in (("q", tq), ("k", tk), ("v", tv))]
+    return max(errs)
+
+
+def main(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0], default_threads=2)
+    p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths")
+    p.add_argument("--parallel-max-t", type=int, default=512,
+                   help="also time form='parallel' for T <= this (default 512; 0: never)")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check vs torch")
+    args = p.parse_args(argv)
+    Ts = args.T or ([512, 2048] if args.quick else [512, 2048, 8192])
+    timing = common.timing_from_args(args)
+    common.set_threads(args.threads)
+    wall0 = time.perf_counter()
+
+    peak0 = common.fma_peak(np.float32, args.threads)
+    print(common.machine_line())
+    print(f"threads: pyattn={pyattn.get_num_threads()}, "
+          f"torch={torch.get_num_threads() if torch is not None else NA}")
+    print(f"shape: B={B} H={H} D={D}, float32; FLOPs: fwd 4BHT^2D, fwd+bwd 3.5x that, causal half")
+    print(common.timing_line(timing))
+
+    rng = np.random.default_rng(0)
+    rows, bars, notes, others = [], [], [], []
+    for T in Ts:
+        q, k, v, do = (rng.standard_normal((B, T, H, D)).astype(np.float32) for _ in range(4))
+        for causal in (False, True):
+            forms = ["flash"] + (["parallel"] if T <= args.parallel_max_t else [])
+            tc, tensors = torch_cases(q, k, v, do, causal) if torch is not None else (None, None)
+            for form in forms:
+                if torch is not None and not args.no_check and T <= 2048:
+                    err = check(q, k, v, do, causal, form)
+                    if not err < 1e-4:
+                        notes.append(f"T={T} causal={causal} form={form}: rel-RMS error vs torch "
+                                     f"float64 {err:.2e}")
+                pc = pyattn_cases(q, k, v, do, causal, form)
+                for passes in ("fwd", "fwd+bwd"):
+                    cases = [pc[passes]] + ([tc[passes]] if tc is not None else [])
+                    other = common.measure(cases, timing)
+                    others.append(other)
+                    fl = flops(T, causal, passes)
+                    tp = pc[passes].median
+                    tt = tc[passes].median if tc is not None else None
+                    ratio = tt / tp if tt is not None else None
+                    rows.append([T, "yes" if causal else "no", passes, form,
+                                 fmt(tp * 1e3, ".2f"), fmt(fl / tp * 1e-9, ".1f"),
+                                 (fl / tp * 1e-9), fmt(tt * 1e3 if tt else None, ".2f"),
+                                 fmt(fl / tt * 1e-9 if tt else None, ".1f"),
+                                 (fl / tt * 1e-9) if tt else None,
+                                 fmt(ratio, ".2f") + ("x" if ratio else ""),
+                                 " ".join(c.samples_cell for c in cases), common.load_cell(other)])
+                    if form == "flash" and causal and T == BAR_T:
+                        bars.append((passes, ratio))
+                    print(f"  T={T} causal={causal} {passes} {form}: pyattn {tp * 1e3:.2f} ms, "
+                          f"torch {fmt(tt * 1e3 if tt else None, '.2f')} ms", file=sys.stderr)
+            del tc, tensors
+
+    peak1 = common.fma_peak(np.float32, args.threads)
+    peak = max(peak0, peak1)
+    print(f"float32 FMA peak, {args.threads} thread(s): {peak:.1f} GFLOP/s "
+          f"(before rows {peak0:.1f}, after {peak1:.1f}; the larger is used)")
+    print()
+    for r in rows:  # GFLOP/s -> % peak now that the peak is final
+        r[6] = fmt(100 * r[6] / peak, ".1f")
+        r[9] = fmt(100 * r[9] / peak, ".1f") if r[9] is not None else NA
+    print_table(["T", "causal", "pass", "form", "pyattn ms", "GFLOP/s", "% peak", "torch ms",
+                 "torch GFLOP/s", "torch % peak", "ratio", "samples", "other %"], rows, markdown=args.markdown)
+    print()
+    for passes, ratio in bars:
+        if ratio is None:
+            print(f"bar: flash {passes} T={BAR_T} causal vs torch: n/a (torch not installed)")
+        else:
+            print(f"bar: flash {passes} T={BAR_T} causal = {ratio:.2f}x torch, need >= 1.00x: "
+                  f"{'PASS' if ratio >= 1.0 else 'FAIL'}")
+    print(common.load_footer(others))
+    for n in notes:
+        print("note:", n)
+    print(f"wall time {time.perf_counter() - wall0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
