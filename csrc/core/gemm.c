@@ -115,8 +115,47 @@ static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a, int64
         }
 }
 
-/* C[M x nc] (op) with B already packed: the NR-wide panel j of B starts at Bp + j * bps and
- * holds kc rows of NR reals. A is packed here, MC x kc at a time, into Ap. */
+static void PA_FN(gemm_scale_c)(int64_t M, int64_t N, real beta, real *C, int64_t ldc)
+{
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta != 0 ? beta * C[i * ldc + j] : 0;
+}
+
+/* Reals needed to pack an M x K matrix whole with pack_a (panels of MR rows, K each). */
+static int64_t PA_FN(packed_a_elems)(int64_t M, int64_t K) { return (M + MR - 1) / MR * MR * K; }
+
+/* gemm with both operands laid out by the caller, nothing packed here: A(i, p) at
+ * Ap[(i / MR) * ars + p * aps + i % MR], i.e. row panels of MR rows ars apart, p-stride aps
+ * inside a panel. A pack_a(M, K, ...) packing is ars = MR * K, aps = MR (rows r.. of a larger
+ * one start at Ap + r * K, r a multiple of MR); a K x M matrix with M contiguous (A^T stored
+ * row-major with leading dimension ld) is ars = MR, aps = ld, and is read in place (its rows
+ * past M, up to the next multiple of MR, are read too and must be readable). B as for
+ * gemm_packed_b. */
+static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, const real *Ap,
+                                  int64_t ars, int64_t aps, const real *Bp, int64_t bps,
+                                  real beta, real *C, int64_t ldc)
+{
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        PA_FN(gemm_scale_c)(M, N, beta, C, ldc);
+        return;
+    }
+    for (int64_t pc = 0; pc < K; pc += KC) {
+        int64_t kc = K - pc < KC ? K - pc : KC;
+        for (int64_t jr = 0; jr < N; jr += NR) {
+            int64_t nr = N - jr < NR ? N - jr : NR;
+            for (int64_t ir = 0; ir < M; ir += MR) {
+                int64_t mr = M - ir < MR ? M - ir : MR;
+                PA_FN(micro_kernel)(kc, Ap + ir / MR * ars + pc * aps, aps,
+                                    Bp + jr / NR * bps + pc * NR, C + ir * ldc + jr, ldc, mr, nr,
+                                    alpha, pc == 0 ? beta : 1);
+            }
+        }
+    }
+}
+
+/* C[M x nc] (op) with B already packed (panel j at Bp + j * bps, kc rows of NR reals); A is
+ * packed here, MC x kc at a time, into Ap. */
 static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, const real *A,
                               int64_t rsa, int64_t csa, const real *Bp, int64_t bps, real beta,
                               real *C, int64_t ldc, real *Ap)
@@ -124,21 +163,9 @@ static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, con
     for (int64_t ic = 0; ic < M; ic += MC) {
         int64_t mc = M - ic < MC ? M - ic : MC;
         PA_FN(pack_a)(mc, kc, A + ic * rsa, rsa, csa, Ap);
-        for (int64_t jr = 0; jr < nc; jr += NR) {
-            int64_t nr = nc - jr < NR ? nc - jr : NR;
-            for (int64_t ir = 0; ir < mc; ir += MR) {
-                int64_t mr = mc - ir < MR ? mc - ir : MR;
-                PA_FN(micro_kernel)(kc, Ap + ir * kc, MR, Bp + jr / NR * bps,
-                                    C + (ic + ir) * ldc + jr, ldc, mr, nr, alpha, beta);
-            }
-        }
+        PA_FN(gemm_packed_ab)(mc, nc, kc, alpha, Ap, MR * kc, MR, Bp, bps, beta, C + ic * ldc,
+                              ldc);
     }
-}
-
-static void PA_FN(gemm_scale_c)(int64_t M, int64_t N, real beta, real *C, int64_t ldc)
-{
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta != 0 ? beta * C[i * ldc + j] : 0;
 }
 
 static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
@@ -183,39 +210,6 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
         int64_t kc = K - pc < KC ? K - pc : KC;
         PA_FN(gemm_macro)(M, N, kc, alpha, A + pc * csa, rsa, csa, Bp + pc * NR, bps,
                           pc == 0 ? beta : 1, C, ldc, work);
-    }
-}
-
-/* Reals needed to pack an M x K matrix whole with pack_a (panels of MR rows, K each). */
-static int64_t PA_FN(packed_a_elems)(int64_t M, int64_t K) { return (M + MR - 1) / MR * MR * K; }
-
-/* gemm with both operands laid out by the caller, nothing packed here: A(i, p) at
- * Ap[(i / MR) * ars + p * aps + i % MR], i.e. row panels of MR rows ars apart, p-stride aps
- * inside a panel. A pack_a(M, K, ...) packing is ars = MR * K, aps = MR (rows r.. of a larger
- * one start at Ap + r * K, r a multiple of MR); a K x M matrix with M contiguous (A^T stored
- * row-major with leading dimension ld) is ars = MR, aps = ld, and is read in place (its rows
- * past M, up to the next multiple of MR, are read too and must be readable). B as for
- * gemm_packed_b. */
-static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, const real *Ap,
-                                  int64_t ars, int64_t aps, const real *Bp, int64_t bps,
-                                  real beta, real *C, int64_t ldc)
-{
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) {
-        PA_FN(gemm_scale_c)(M, N, beta, C, ldc);
-        return;
-    }
-    for (int64_t pc = 0; pc < K; pc += KC) {
-        int64_t kc = K - pc < KC ? K - pc : KC;
-        for (int64_t jr = 0; jr < N; jr += NR) {
-            int64_t nr = N - jr < NR ? N - jr : NR;
-            for (int64_t ir = 0; ir < M; ir += MR) {
-                int64_t mr = M - ir < MR ? M - ir : MR;
-                PA_FN(micro_kernel)(kc, Ap + ir / MR * ars + pc * aps, aps,
-                                    Bp + jr / NR * bps + pc * NR, C + ir * ldc + jr, ldc, mr, nr,
-                                    alpha, pc == 0 ? beta : 1);
-            }
-        }
     }
 }
 
