@@ -389,6 +389,29 @@ static int64_t PA_FN(sm_max_len)(const int64_t *cu, int64_t nseq)
     return mx;
 }
 
+/* Work items (sequence, head, block of `block` rows of cu): sequence n owns items
+ * first[n] .. first[n+1]-1, `heads` per block; returns their number. */
+static int64_t PA_FN(sm_items)(const int64_t *cu, int64_t nseq, int64_t block, int64_t heads,
+                               int64_t *first)
+{
+    first[0] = 0;
+    for (int64_t n = 0; n < nseq; n++)
+        first[n + 1] = first[n] + (cu[n + 1] - cu[n] + block - 1) / block * heads;
+    return first[nseq];
+}
+
+/* Item t -> sequence *n (moved from its previous value: a thread's items only increase),
+ * head *hd and block index *b; reverse numbers the blocks from the end (the longest causal
+ * ones first). */
+static inline void PA_FN(sm_item)(const int64_t *first, int64_t t, int64_t heads, int reverse,
+                                  int64_t *n, int64_t *hd, int64_t *b)
+{
+    while (t >= first[*n + 1]) ++*n;
+    int64_t local = t - first[*n], nblk = (first[*n + 1] - first[*n]) / heads;
+    *hd = local % heads;
+    *b = reverse ? nblk - 1 - local / heads : local / heads;
+}
+
 /* Threads for a call: no more than work items, and about a million multiply-adds each at
  * least, so small calls do not pay for waking (or waiting on) threads. */
 static int PA_FN(sm_threads)(const pa_softmax_desc *d, int64_t items)
@@ -426,12 +449,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
         PA_FN(sm_packed_free)(&Vp);
         return PA_ENOMEM;
     }
-    first[0] = 0; /* work items of sequence n: first[n] .. first[n+1]-1, H per query block */
-    for (int64_t n = 0; n < nseq; n++) {
-        int64_t tq = d->cu_q[n + 1] - d->cu_q[n];
-        first[n + 1] = first[n] + (tq + bqmax - 1) / bqmax * H;
-    }
-    const int64_t items = first[nseq];
+    const int64_t items = PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first);
     int failed = 0;
 #pragma omp parallel num_threads(PA_FN(sm_threads)(d, items))
     {
@@ -449,10 +467,8 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++) {
             if (!ok) continue;
-            while (t >= first[n + 1]) n++;
-            while (t < first[n]) n--;
-            int64_t local = t - first[n], nblk = (first[n + 1] - first[n]) / H;
-            int64_t h = local % H, b = nblk - 1 - local / H; /* later (longer) blocks first */
+            int64_t h, b;
+            PA_FN(sm_item)(first, t, H, 1, &n, &h, &b);
             int64_t tq = d->cu_q[n + 1] - d->cu_q[n], i0 = b * bqmax;
             int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
             if (form == PA_FORM_RECURRENT)
@@ -487,67 +503,79 @@ static void PA_FN(sm_bwd_packs_free)(PA_FN(sm_bwd_packs) * pk)
     PA_FN(sm_packed_free)(&pk->K);
 }
 
-/* Backward of one unit (sequence n, KV head kh) in tiles of bqmax x bkmax. */
-static void PA_FN(sm_backward_unit)(const pa_softmax_desc *d, const real *q,
+/* One backward tile: queries i0..i0+bq-1 of head h against the key block [j0, j0+bk) of
+ * sequence n. With dK/dV (not NULL: the block's accumulators, row 0 = key j0) adds the tile's
+ * dK and dV; with_dq adds its dQ into dq. */
+static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const real *q,
                                     const PA_FN(sm_bwd_packs) * pk, const real *lse,
-                                    const real *dout, const real *Drow, real *dq, real *dk,
-                                    real *dv, int64_t n, int64_t kh, int64_t bqmax, int64_t bkmax,
-                                    PA_FN(sm_scratch) * s)
+                                    const real *dout, const real *Drow, real *dq, int with_dq,
+                                    real *dK, real *dV, int64_t n, int64_t h, int64_t i0,
+                                    int64_t bq, int64_t j0, int64_t bk, PA_FN(sm_scratch) * s)
+{
+    const int64_t H = d->H, Dk = d->Dk, Dv = d->Dv, kh = h / (H / d->Hk), lds = s->lds;
+    const int64_t q0 = d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
+    const int64_t off = tk - (d->cu_q[n + 1] - q0);
+    const real scale = (real)d->scale;
+    real *S = s->S, *dP = s->dP;
+    int64_t ja, jb, vt_bps, k_bps, do_ars;
+    int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, j0, j0 + bk, tk, NR, &ja, &jb);
+    if (vis == SM_HIDDEN) return;
+    const int64_t w = jb - ja; /* the keys ja..jb-1 this query block may see */
+    const real *VT = PA_FN(sm_packed_at)(&pk->VT, d, n, kh, ja, &vt_bps);
+    const real *dOp = PA_FN(sm_packed_at)(&pk->dO, d, n, h, i0, &do_ars);
+    const real *Q = q + ((q0 + i0) * H + h) * Dk;
+    const real *dO = dout + ((q0 + i0) * H + h) * Dv;
+    PA_FN(sm_scores)(d, n, h, &pk->Q, &pk->KT, 0, S, lds, i0, bq, ja, w, off, tk, vis, s->dcap);
+    for (int64_t r = 0; r < bq; r++) {
+        real L = lse[(q0 + i0 + r) * H + h];
+        if (L == -(real)INFINITY)
+            memset(S + r * lds, 0, sizeof(real) * w);
+        else
+            PA_FN(row_exp_sum)(S + r * lds, w, L);
+    }
+    if (dV)
+        PA_FN(gemm)(w, Dv, bq, 1, S, 1, lds, dO, H * Dv, 1, 1, dV + (ja - j0) * Dv, Dv, s->work);
+    PA_FN(gemm_packed_ab)(bq, w, Dv, 1, dOp, do_ars, MR, VT, vt_bps, 0, dP, lds);
+    for (int64_t r = 0; r < bq; r++) {
+        real Dr = Drow[(q0 + i0 + r) * H + h];
+        real *pr = S + r * lds, *dpr = dP + r * lds;
+        if (s->dcap) {
+            const real *dcr = s->dcap + r * lds;
+            for (int64_t c = 0; c < w; c++)
+                dpr[c] = pr[c] == 0 ? 0 : pr[c] * (dpr[c] - Dr) * dcr[c];
+        } else {
+            for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr);
+        }
+    }
+    if (with_dq) {
+        const real *Kp = PA_FN(sm_packed_at)(&pk->K, d, n, kh, ja, &k_bps);
+        PA_FN(gemm_packed_b)(bq, Dk, w, scale, dP, lds, 1, Kp, k_bps, 1,
+                             dq + ((q0 + i0) * H + h) * Dk, H * Dk, s->work);
+    }
+    if (dK)
+        PA_FN(gemm)(w, Dk, bq, scale, dP, 1, lds, Q, H * Dk, 1, 1, dK + (ja - j0) * Dk, Dk,
+                    s->work);
+}
+
+/* dK and dV of the key block [j0, j0+bk) of (sequence n, KV head kh), over every query of its
+ * heads; with_dq also adds the block's share of dQ. */
+static void PA_FN(sm_backward_keys)(const pa_softmax_desc *d, const real *q,
+                                    const PA_FN(sm_bwd_packs) * pk, const real *lse,
+                                    const real *dout, const real *Drow, real *dq, int with_dq,
+                                    real *dk, real *dv, int64_t n, int64_t kh, int64_t j0,
+                                    int64_t bk, int64_t bqmax, PA_FN(sm_scratch) * s)
 {
     const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, group = H / Hk;
-    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
-    const int64_t tq = d->cu_q[n + 1] - q0, tk = d->cu_k[n + 1] - k0, off = tk - tq;
-    const real scale = (real)d->scale;
-    real *S = s->S, *dP = s->dP, *dK = s->dK, *dV = s->dV;
-    for (int64_t j0 = 0; j0 < tk; j0 += bkmax) {
-        int64_t bk = tk - j0 < bkmax ? tk - j0 : bkmax;
-        memset(dK, 0, sizeof(real) * bk * Dk);
-        memset(dV, 0, sizeof(real) * bk * Dv);
-        for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
-            for (int64_t i0 = 0; i0 < tq; i0 += bqmax) {
-                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax, ja, jb, vt_bps, k_bps, do_ars;
-                int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, j0, j0 + bk, tk,
-                                               NR, &ja, &jb);
-                if (vis == SM_HIDDEN) continue;
-                const int64_t w = jb - ja; /* the keys ja..jb-1 this query block may see */
-                const real *VT = PA_FN(sm_packed_at)(&pk->VT, d, n, kh, ja, &vt_bps);
-                const real *Kp = PA_FN(sm_packed_at)(&pk->K, d, n, kh, ja, &k_bps);
-                const real *dOp = PA_FN(sm_packed_at)(&pk->dO, d, n, h, i0, &do_ars);
-                const real *Q = q + ((q0 + i0) * H + h) * Dk;
-                const real *dO = dout + ((q0 + i0) * H + h) * Dv;
-                PA_FN(sm_scores)(d, n, h, &pk->Q, &pk->KT, 0, S, bkmax, i0, bq, ja, w, off, tk, vis,
-                                 s->dcap);
-                for (int64_t r = 0; r < bq; r++) {
-                    real L = lse[(q0 + i0 + r) * H + h];
-                    if (L == -(real)INFINITY)
-                        memset(S + r * bkmax, 0, sizeof(real) * w);
-                    else
-                        PA_FN(row_exp_sum)(S + r * bkmax, w, L);
-                }
-                PA_FN(gemm)(w, Dv, bq, 1, S, 1, bkmax, dO, H * Dv, 1, 1, dV + (ja - j0) * Dv, Dv,
-                            s->work);
-                PA_FN(gemm_packed_ab)(bq, w, Dv, 1, dOp, do_ars, MR, VT, vt_bps, 0, dP, bkmax);
-                for (int64_t r = 0; r < bq; r++) {
-                    real Dr = Drow[(q0 + i0 + r) * H + h];
-                    real *pr = S + r * bkmax, *dpr = dP + r * bkmax;
-                    if (s->dcap) {
-                        const real *dcr = s->dcap + r * bkmax;
-                        for (int64_t c = 0; c < w; c++)
-                            dpr[c] = pr[c] == 0 ? 0 : pr[c] * (dpr[c] - Dr) * dcr[c];
-                    } else {
-                        for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr);
-                    }
-                }
-                PA_FN(gemm_packed_b)(bq, Dk, w, scale, dP, bkmax, 1, Kp, k_bps, 1,
-                                     dq + ((q0 + i0) * H + h) * Dk, H * Dk, s->work);
-                PA_FN(gemm)(w, Dk, bq, scale, dP, 1, bkmax, Q, H * Dk, 1, 1, dK + (ja - j0) * Dk,
-                            Dk, s->work);
-            }
-        }
-        for (int64_t c = 0; c < bk; c++) {
-            memcpy(dk + ((k0 + j0 + c) * Hk + kh) * Dk, dK + c * Dk, sizeof(real) * Dk);
-            memcpy(dv + ((k0 + j0 + c) * Hk + kh) * Dv, dV + c * Dv, sizeof(real) * Dv);
-        }
+    const int64_t tq = d->cu_q[n + 1] - d->cu_q[n], k0 = d->cu_k[n];
+    memset(s->dK, 0, sizeof(real) * bk * Dk);
+    memset(s->dV, 0, sizeof(real) * bk * Dv);
+    for (int64_t h = kh * group; h < (kh + 1) * group; h++)
+        for (int64_t i0 = 0; i0 < tq; i0 += bqmax)
+            PA_FN(sm_backward_tile)(d, q, pk, lse, dout, Drow, dq, with_dq, s->dK, s->dV, n, h,
+                                    i0, tq - i0 < bqmax ? tq - i0 : bqmax, j0, bk, s);
+    for (int64_t c = 0; c < bk; c++) {
+        memcpy(dk + ((k0 + j0 + c) * Hk + kh) * Dk, s->dK + c * Dk, sizeof(real) * Dk);
+        memcpy(dv + ((k0 + j0 + c) * Hk + kh) * Dv, s->dV + c * Dv, sizeof(real) * Dv);
     }
 }
 
@@ -605,22 +633,35 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}, {0}, {0}};
     PA_FN(sm_packed) *const packs[] = {&pk.Q, &pk.KT, &pk.dO, &pk.VT, &pk.K};
     const int npacks = tiled ? 5 : 0;
+    /* Work: one unit per (sequence, KV head) owns its dK, dV and its heads' dQ rows and does
+     * 5 GEMMs a tile. With fewer units than threads can use, split instead: items (sequence,
+     * KV head, key block) make dK and dV (4 GEMMs a tile), items (sequence, head, query block)
+     * make dQ (3 GEMMs a tile). Both add every dQ tile in the same order, so the results are
+     * the same bits either way. */
+    int64_t *first_k = malloc(sizeof(int64_t) * (nseq + 1)), *first_q = malloc(sizeof(int64_t) * (nseq + 1));
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
-    if (!Drow || (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS) &&
-                             PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS) &&
-                             PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS) &&
-                             PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS) &&
-                             PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS)))) {
+    if (!Drow || !first_k || !first_q ||
+        (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS) &&
+                    PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS) &&
+                    PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS) &&
+                    PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS) &&
+                    PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS)))) {
         free(Drow);
+        free(first_k);
+        free(first_q);
         PA_FN(sm_bwd_packs_free)(&pk);
         return PA_ENOMEM;
     }
-    if (form == PA_FORM_RECURRENT) { /* accumulated in place */
+    const int64_t items_k = PA_FN(sm_items)(d->cu_k, nseq, bkmax, Hk, first_k);
+    const int64_t items_q = PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first_q);
+    const int nthreads = PA_FN(sm_threads)(d, items_k > items_q ? items_k : items_q);
+    const int split = tiled && nseq * Hk < 2 * nthreads;
+    if (!tiled) { /* accumulated in place (recurrent), or no tile touches them */
         memset(dk, 0, sizeof(real) * rows_k * Hk * Dk);
         memset(dv, 0, sizeof(real) * rows_k * Hk * Dv);
     }
     int failed = 0;
-#pragma omp parallel num_threads(PA_FN(sm_threads)(d, nseq * Hk))
+#pragma omp parallel num_threads(nthreads)
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
         /* D = rowsum(dO * O) - dlse; dq is accumulated */
@@ -635,24 +676,47 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
 #pragma omp atomic write
             failed = 1;
         }
+        if (form == PA_FORM_RECURRENT) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < nseq * Hk; u++) {
-            if (!ok) continue;
-            int64_t n = u / Hk, kh = u % Hk;
-            if (form == PA_FORM_RECURRENT)
-                PA_FN(sm_backward_unit_recurrent)(d, q, k, v, lse, dout, Drow, dq, dk, dv, n, kh);
-            else if (d->cu_q[n + 1] > d->cu_q[n] && d->cu_k[n + 1] > d->cu_k[n])
-                PA_FN(sm_backward_unit)(d, q, &pk, lse, dout, Drow, dq, dk, dv, n, kh, bqmax,
-                                        bkmax, &s);
-            else /* keys no query sees */
-                for (int64_t j = d->cu_k[n]; j < d->cu_k[n + 1]; j++) {
-                    memset(dk + (j * Hk + kh) * Dk, 0, sizeof(real) * Dk);
-                    memset(dv + (j * Hk + kh) * Dv, 0, sizeof(real) * Dv);
-                }
+            for (int64_t u = 0; u < nseq * Hk; u++)
+                PA_FN(sm_backward_unit_recurrent)(d, q, k, v, lse, dout, Drow, dq, dk, dv, u / Hk,
+                                                  u % Hk);
+        } else if (tiled && !split) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < nseq * Hk; u++) {
+                int64_t n = u / Hk, tk = d->cu_k[n + 1] - d->cu_k[n];
+                for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
+                    PA_FN(sm_backward_keys)(d, q, &pk, lse, dout, Drow, dq, 1, dk, dv, n, u % Hk,
+                                            j0, tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
+            }
+        } else if (tiled) {
+            int64_t n = 0;
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t t = 0; t < items_k; t++) {
+                int64_t kh, b;
+                PA_FN(sm_item)(first_k, t, Hk, 0, &n, &kh, &b);
+                int64_t tk = d->cu_k[n + 1] - d->cu_k[n], j0 = b * bkmax;
+                if (ok)
+                    PA_FN(sm_backward_keys)(d, q, &pk, lse, dout, Drow, dq, 0, dk, dv, n, kh, j0,
+                                            tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
+            }
+            n = 0;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < items_q; t++) {
+                int64_t h, b;
+                PA_FN(sm_item)(first_q, t, H, 1, &n, &h, &b);
+                int64_t tq = d->cu_q[n + 1] - d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
+                int64_t i0 = b * bqmax, bq = tq - i0 < bqmax ? tq - i0 : bqmax;
+                for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
+                    PA_FN(sm_backward_tile)(d, q, &pk, lse, dout, Drow, dq, 1, NULL, NULL, n, h,
+                                            i0, bq, j0, tk - j0 < bkmax ? tk - j0 : bkmax, &s);
+            }
         }
         if (ok && tiled) PA_FN(sm_scratch_free)(&s);
     }
     free(Drow);
+    free(first_k);
+    free(first_q);
     PA_FN(sm_bwd_packs_free)(&pk);
     return failed ? PA_ENOMEM : PA_OK;
 }
