@@ -652,9 +652,11 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
         PA_FN(sm_bwd_packs_free)(&pk);
         return PA_ENOMEM;
     }
-    const int64_t items_k = PA_FN(sm_items)(d->cu_k, nseq, bkmax, Hk, first_k);
-    const int64_t items_q = PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first_q);
-    const int nthreads = PA_FN(sm_threads)(d, items_k > items_q ? items_k : items_q);
+    /* the blocks are empty (0) when a side has no rows at all: then no tile is made */
+    const int64_t items_k = tiled ? PA_FN(sm_items)(d->cu_k, nseq, bkmax, Hk, first_k) : 0;
+    const int64_t items_q = tiled ? PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first_q) : 0;
+    const int nthreads = PA_FN(sm_threads)(d, tiled ? (items_k > items_q ? items_k : items_q)
+                                                    : nseq * Hk);
     const int split = tiled && nseq * Hk < 2 * nthreads;
     if (!tiled) { /* accumulated in place (recurrent), or no tile touches them */
         memset(dk, 0, sizeof(real) * rows_k * Hk * Dk);
