@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 
 import pyattn  # noqa: E402
 
-B, H, D = 2, 8, 64
+B, H, HK, D = 2, 8, 8, 64  # --batch, --heads, --kv-heads change B, H, HK (HK < H: GQA/MQA)
 BAR_T = 2048
 
 
@@ -79,12 +79,14 @@ def torch_cases(q, k, v, do, causal):
     tq, tk, tv, tdo = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v, do))
     gq, gk, gv = (x.clone().requires_grad_(True) for x in (tq, tk, tv))
 
+    gqa = HK != H
+
     def fwd(_):
-        F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
 
     def fwdbwd(_):
         gq.grad = gk.grad = gv.grad = None
-        o = F.scaled_dot_product_attention(gq, gk, gv, is_causal=causal)
+        o = F.scaled_dot_product_attention(gq, gk, gv, is_causal=causal, enable_gqa=gqa)
         o.backward(tdo)
 
     return {"fwd": Case("torch sdpa", fwd), "fwd+bwd": Case("torch sdpa", fwdbwd)}, (tq, tk, tv, tdo)
@@ -95,7 +97,8 @@ def check(q, k, v, do, causal, form):
     tq, tk, tv, tdo = (torch.from_numpy(x.astype(np.float64)).transpose(1, 2).requires_grad_(True)
                        if i < 3 else torch.from_numpy(x.astype(np.float64)).transpose(1, 2)
                        for i, x in enumerate((q, k, v, do)))
-    o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
+                                                         enable_gqa=HK != H)
     o.backward(tdo)
     out, pb = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=causal, form=form)
     g = pb(do)
@@ -105,12 +108,18 @@ def check(q, k, v, do, causal, form):
 
 
 def main(argv=None):
+    global B, H, HK
     p = common.base_parser(__doc__.splitlines()[0], default_threads=2)
     p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths")
     p.add_argument("--parallel-max-t", type=int, default=512,
                    help="also time form='parallel' for T <= this (default 512; 0: never)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check vs torch")
+    p.add_argument("--batch", type=int, default=B, help=f"B (default {B})")
+    p.add_argument("--heads", type=int, default=H, help=f"query heads H (default {H})")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default H; fewer: GQA/MQA)")
     args = p.parse_args(argv)
+    B, H = args.batch, args.heads
+    HK = args.kv_heads or H
     Ts = args.T or ([512, 2048] if args.quick else [512, 2048, 8192])
     timing = common.timing_from_args(args)
     common.set_threads(args.threads)
@@ -120,13 +129,14 @@ def main(argv=None):
     print(common.machine_line())
     print(f"threads: pyattn={pyattn.get_num_threads()}, "
           f"torch={torch.get_num_threads() if torch is not None else NA}")
-    print(f"shape: B={B} H={H} D={D}, float32; FLOPs: fwd 4BHT^2D, fwd+bwd 3.5x that, causal half")
+    print(f"shape: B={B} H={H} Hk={HK} D={D}, float32; FLOPs: fwd 4BHT^2D, fwd+bwd 3.5x that, causal half")
     print(common.timing_line(timing))
 
     rng = np.random.default_rng(0)
     rows, bars, notes, others = [], [], [], []
     for T in Ts:
-        q, k, v, do = (rng.standard_normal((B, T, H, D)).astype(np.float32) for _ in range(4))
+        q, do = (rng.standard_normal((B, T, H, D)).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((B, T, HK, D)).astype(np.float32) for _ in range(2))
         for causal in (False, True):
             forms = ["flash"] + (["parallel"] if T <= args.parallel_max_t else [])
             tc, tensors = torch_cases(q, k, v, do, causal) if torch is not None else (None, None)
