@@ -30,7 +30,7 @@ def float_arrays(fn: str, optional=(), **arrays):
                 f"{fn}(): all float arrays must share one dtype; '{first}' is {dtype} but "
                 f"'{name}' is {a.dtype}"
             )
-        out[name] = np.ascontiguousarray(a)
+        out[name] = np.require(a, requirements="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
     return out, dtype
 
 

@@ -26,11 +26,11 @@ def _prepare(x, kind, params):
     if kind == "performer" and projection is None:
         raise ValueError(f"{fn}(): kind 'performer' needs 'projection', an array [m, D]")
     arrs, _ = V.float_arrays(fn, ("projection",), x=x, projection=projection)
+    x, projection = arrs["x"], arrs["projection"]
     if kind == "cosformer":
         V.ndim(fn, "x", x, 4, "[B, T, H, D]")
-    elif x.ndim < 1:  # the given x: np.ascontiguousarray makes a 0-d array 1-D
+    elif x.ndim < 1:
         raise ValueError(f"{fn}(): 'x' must be at least 1-D [..., D], got shape {x.shape}")
-    x, projection = arrs["x"], arrs["projection"]
     D = x.shape[-1]
     if D < 1:
         raise ValueError(f"{fn}(): 'x' needs a feature dimension D >= 1, got shape {x.shape}")
