@@ -13,12 +13,14 @@
  * a sequence: it materialises the Tq x Tk scores, and the online softmax reduces to the
  * plain one. The recurrent form is separate code: one query, keys streamed one at a time.
  *
- * Backward (flash and parallel): one pass over units (sequence, KV head); a unit owns the dK
- * and dV rows of its KV head and the dQ rows of the query heads of its group, so nothing is
- * shared between threads and the result does not depend on the thread count. Per tile: P is
- * recomputed from the forward's LSE, dV += P^T dO, dP = dO V^T, dS = P (dP - D) (times the
- * softcap derivative), dQ += scale dS K, dK += scale dS^T Q. D = rowsum(dO * O) - dlse folds
- * in the cotangent of the LSE.
+ * Backward (flash and parallel): units (sequence, KV head) each own the dK and dV rows of
+ * their KV head and the dQ rows of the query heads of their group, so no two threads write
+ * one row. Per tile: P is recomputed from the forward's LSE, dV += P^T dO, dP = dO V^T,
+ * dS = P (dP - D) (times the softcap derivative), dQ += scale dS K, dK += scale dS^T Q;
+ * D = rowsum(dO * O) - dlse folds in the cotangent of the LSE. With fewer units than threads
+ * the work splits into key-block items (dK, dV) and query-block items (dQ, recomputing P and
+ * dP). Every dQ tile is added in the same order in both schemes, so the result is the same
+ * bits for any thread count.
  */
 
 #define SM_BQ 96     /* forward query block: a multiple of every NR and MR */
