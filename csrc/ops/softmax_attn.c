@@ -26,6 +26,8 @@
 #define SM_BQ 96     /* forward query block: a multiple of every NR and MR */
 #define SM_BWD_BQ 48 /* backward query block: a multiple of every MR */
 #define SM_BK 192    /* key block: a multiple of every NR and MR */
+#define SM_DECODE_MAXQ 1 /* flash forward takes the decode path up to this many queries */
+#define SM_DECODE_KB 64  /* keys per block of the decode path */
 
 /* Keys visible to the query at bottom-right-aligned position ip: the window [lo, hi]
  * (empty when hi < lo) and the sinks [0, shi). */
@@ -384,6 +386,60 @@ static void PA_FN(sm_forward_row)(const pa_softmax_desc *d, const real *q, const
     lse[(q0 + i) * H + h] = l > 0 ? m + (real)log((double)l) : -(real)INFINITY;
 }
 
+/* Flash decode: query i of sequence n for every query head of KV head kh at once. A query
+ * row would fill one row of a GEMM tile, so no GEMM here: keys in blocks of SM_DECODE_KB,
+ * each K and V row read once for the whole group of heads, an online softmax per head with
+ * the vectorised max and exp+sum passes. buf: G * (SM_DECODE_KB + Dv + 2) reals. */
+static void PA_FN(sm_forward_group)(const pa_softmax_desc *d, const real *q, const real *k,
+                                    const real *v, real *o, real *lse, int64_t n, int64_t kh,
+                                    int64_t i, real *buf)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, G = H / Hk, KB = SM_DECODE_KB;
+    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
+    const int64_t tk = d->cu_k[n + 1] - k0, ip = i + tk - (d->cu_q[n + 1] - q0);
+    const real scale = (real)d->scale;
+    const real *qi = q + ((q0 + i) * H + kh * G) * Dk; /* the group's G query rows */
+    real *S = buf, *acc = S + G * KB, *m = acc + G * Dv, *l = m + G;
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -(real)INFINITY;
+        l[g] = 0;
+    }
+    memset(acc, 0, sizeof(real) * G * Dv);
+    int64_t lo, hi, shi;
+    PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
+    const int64_t ranges[2][2] = {{0, shi}, {lo > shi ? lo : shi, hi + 1}};
+    for (int rg = 0; rg < 2; rg++)
+        for (int64_t jb = ranges[rg][0]; jb < ranges[rg][1]; jb += KB) {
+            const int64_t nb = ranges[rg][1] - jb < KB ? ranges[rg][1] - jb : KB;
+            for (int64_t c = 0; c < nb; c++) {
+                const real *kj = k + ((k0 + jb + c) * Hk + kh) * Dk;
+                for (int64_t g = 0; g < G; g++)
+                    S[g * KB + c] = PA_FN(sm_score)(scale * PA_FN(dot)(qi + g * Dk, kj, Dk),
+                                                    d->softcap, PA_FN(sm_slope)(d, kh * G + g),
+                                                    ip - jb - c, NULL);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                real mx = PA_FN(row_max)(S + g * KB, nb);
+                if (mx > m[g]) {
+                    real f = (real)exp((double)m[g] - (double)mx);
+                    l[g] *= f;
+                    PA_FN(row_scale)(acc + g * Dv, Dv, f);
+                    m[g] = mx;
+                }
+                l[g] += PA_FN(row_exp_sum)(S + g * KB, nb, m[g]);
+            }
+            for (int64_t c = 0; c < nb; c++) {
+                const real *vj = v + ((k0 + jb + c) * Hk + kh) * Dv;
+                for (int64_t g = 0; g < G; g++) PA_FN(axpy)(acc + g * Dv, vj, Dv, S[g * KB + c]);
+            }
+        }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t row = (q0 + i) * H + kh * G + g;
+        for (int64_t c = 0; c < Dv; c++) o[row * Dv + c] = l[g] > 0 ? acc[g * Dv + c] / l[g] : 0;
+        lse[row] = l[g] > 0 ? m[g] + (real)log((double)l[g]) : -(real)INFINITY;
+    }
+}
+
 static int64_t PA_FN(sm_max_len)(const int64_t *cu, int64_t nseq)
 {
     int64_t mx = 0;
@@ -433,6 +489,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t nseq = d->nseq, H = d->H;
     const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
     const int form = d->form;
+    /* decode (one query per sequence): flash without tiles, a group of heads at a time */
+    const int decode = form == PA_FORM_FLASH && maxq <= SM_DECODE_MAXQ;
+    const int tiled = form != PA_FORM_RECURRENT && !decode;
     /* query-block and key-block sizes; the parallel form takes whole sequences */
     const int64_t bq_form = form == PA_FORM_PARALLEL ? maxq : form == PA_FORM_FLASH ? SM_BQ : 1;
     const int64_t bqmax = bq_form < maxq ? bq_form : maxq;
@@ -440,7 +499,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     if (maxq == 0) return PA_OK;
     PA_FN(sm_packed) Qp = {0}, Kp = {0}, Vp = {0};
     PA_FN(sm_packed) *const packs[] = {&Qp, &Kp, &Vp};
-    const int npacks = form == PA_FORM_RECURRENT ? 0 : 3;
+    const int npacks = tiled ? 3 : 0;
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
     if (!first || (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS) &&
                                PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS) &&
@@ -451,16 +510,17 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
         PA_FN(sm_packed_free)(&Vp);
         return PA_ENOMEM;
     }
-    const int64_t items = PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first);
+    const int64_t items = decode ? PA_FN(sm_items)(d->cu_q, nseq, 1, d->Hk, first)
+                                 : PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first);
     int failed = 0;
 #pragma omp parallel num_threads(PA_FN(sm_threads)(d, items))
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
         PA_FN(sm_scratch) s;
-        real *acc = NULL;
-        int ok = form == PA_FORM_RECURRENT
-                     ? (acc = pa_alloc(sizeof(real) * d->Dv)) != NULL
-                     : PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0);
+        real *acc = NULL; /* the untiled paths' scratch */
+        int64_t acc_size = decode ? d->H / d->Hk * (SM_DECODE_KB + d->Dv + 2) : d->Dv;
+        int ok = tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0)
+                       : (acc = pa_alloc(sizeof(real) * acc_size)) != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -470,15 +530,17 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
         for (int64_t t = 0; t < items; t++) {
             if (!ok) continue;
             int64_t h, b;
-            PA_FN(sm_item)(first, t, H, 1, &n, &h, &b);
+            PA_FN(sm_item)(first, t, decode ? d->Hk : H, 1, &n, &h, &b);
             int64_t tq = d->cu_q[n + 1] - d->cu_q[n], i0 = b * bqmax;
             int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
-            if (form == PA_FORM_RECURRENT)
+            if (decode)
+                PA_FN(sm_forward_group)(d, q, k, v, o, lse, n, h, b, acc);
+            else if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
             else
                 PA_FN(sm_forward_block)(d, &Qp, &Kp, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
         }
-        if (form == PA_FORM_RECURRENT)
+        if (!tiled)
             free(acc);
         else if (ok)
             PA_FN(sm_scratch_free)(&s);
