@@ -263,16 +263,10 @@ static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
 static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc *d, int64_t bq,
                                    int64_t bk, int backward)
 {
-    int64_t D = d->Dk > d->Dv ? d->Dk : d->Dv;
-    int64_t w1 = PA_FN(gemm_work_elems)(bq, bk, D), w2 = PA_FN(gemm_work_elems)(bq, D, bk),
-            w3 = PA_FN(gemm_work_elems)(bk, D, bq);
-    int64_t w = w1 > w2 ? w1 : w2;
-    w = w > w3 ? w : w3;
     memset(s, 0, sizeof *s);
     s->lds = backward ? bk : (bq + MR - 1) / MR * MR;
     s->S = pa_alloc(sizeof(real) * (backward ? bq : bk) * s->lds);
-    s->work = pa_alloc(sizeof(real) * w);
-    int ok = s->S && s->work;
+    int ok = s->S != NULL;
     if (s->S && !backward) memset(s->S, 0, sizeof(real) * bk * s->lds);
     if (!backward) {
         s->O = pa_alloc(sizeof(real) * bq * d->Dv);
@@ -281,10 +275,14 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
         s->dP = pa_alloc(sizeof(real) * 2 * s->lds); /* the new and the finite column maxima */
         ok = ok && s->O && s->m && s->l && s->dP;
     } else {
+        /* workspace of the GEMMs that pack an operand: dV, dQ and dK (bk x D x bq shapes) */
+        int64_t D = d->Dk > d->Dv ? d->Dk : d->Dv;
+        int64_t w1 = PA_FN(gemm_work_elems)(bk, D, bq), w2 = PA_FN(gemm_work_elems)(bq, D, bk);
+        s->work = pa_alloc(sizeof(real) * (w1 > w2 ? w1 : w2));
         s->dP = pa_alloc(sizeof(real) * bq * bk);
         s->dK = pa_alloc(sizeof(real) * bk * d->Dk);
         s->dV = pa_alloc(sizeof(real) * bk * d->Dv);
-        ok = ok && s->dP && s->dK && s->dV;
+        ok = ok && s->work && s->dP && s->dK && s->dV;
         if (d->softcap > 0) {
             s->dcap = pa_alloc(sizeof(real) * bq * bk);
             ok = ok && s->dcap;
@@ -292,6 +290,32 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
     }
     if (!ok) PA_FN(sm_scratch_free)(s);
     return ok;
+}
+
+/* The online softmax's step for one query: a new max mx rescales its sum l and accumulator
+ * acc[Dv] (only when the max grows, so the common case costs a compare). */
+static inline void PA_FN(sm_raise_max)(real *m, real *l, real *acc, int64_t Dv, real mx)
+{
+    if (mx > *m) {
+        real f = (real)exp((double)*m - (double)mx);
+        *l *= f;
+        PA_FN(row_scale)(acc, Dv, f);
+        *m = mx;
+    }
+}
+
+/* o = acc / l and lse = m + log l, or 0 and -inf for a query that saw no key. */
+static inline void PA_FN(sm_write_row)(real *orow, real *lse, const real *acc, int64_t Dv,
+                                       real m, real l)
+{
+    if (l > 0) {
+        real inv = 1 / l;
+        for (int64_t c = 0; c < Dv; c++) orow[c] = acc[c] * inv;
+        *lse = m + (real)log((double)l);
+    } else {
+        memset(orow, 0, sizeof(real) * Dv);
+        *lse = -(real)INFINITY;
+    }
 }
 
 /* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax,
@@ -323,12 +347,7 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_pac
         memcpy(mnew, m, sizeof(real) * bq);
         for (int64_t c = 0; c < bk; c++) PA_FN(vec_max_into)(mnew, ST + c * lds, bq);
         for (int64_t r = 0; r < bq; r++) {
-            if (mnew[r] > m[r]) {
-                real f = (real)exp((double)m[r] - (double)mnew[r]);
-                l[r] *= f;
-                PA_FN(row_scale)(O + r * Dv, Dv, f);
-                m[r] = mnew[r];
-            }
+            PA_FN(sm_raise_max)(m + r, l + r, O + r * Dv, Dv, mnew[r]);
             msafe[r] = m[r] == -(real)INFINITY ? 0 : m[r];
         }
         for (int64_t c = 0; c < bk; c++) PA_FN(vec_exp_sub_acc)(ST + c * lds, msafe, l, bq);
@@ -337,15 +356,8 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_pac
         PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, Vb, bps, 1, O, Dv);
     }
     for (int64_t r = 0; r < bq; r++) {
-        real *orow = o + ((q0 + i0 + r) * H + h) * Dv;
-        if (l[r] > 0) {
-            real inv = 1 / l[r];
-            for (int64_t c = 0; c < Dv; c++) orow[c] = O[r * Dv + c] * inv;
-            lse[(q0 + i0 + r) * H + h] = m[r] + (real)log((double)l[r]);
-        } else {
-            memset(orow, 0, sizeof(real) * Dv);
-            lse[(q0 + i0 + r) * H + h] = -(real)INFINITY;
-        }
+        const int64_t row = (q0 + i0 + r) * H + h;
+        PA_FN(sm_write_row)(o + row * Dv, lse + row, O + r * Dv, Dv, m[r], l[r]);
     }
 }
 
@@ -369,21 +381,13 @@ static void PA_FN(sm_forward_row)(const pa_softmax_desc *d, const real *q, const
         const real *kj = k + ((k0 + j) * Hk + kh) * Dk, *vj = v + ((k0 + j) * Hk + kh) * Dv;
         real x = PA_FN(sm_score)((real)d->scale * PA_FN(dot)(qi, kj, Dk), d->softcap, slope,
                                  ip - j, NULL);
-        if (x > m) {
-            real c = (real)exp((double)m - (double)x);
-            l = l * c + 1;
-            PA_FN(row_scale)(acc, Dv, c);
-            PA_FN(axpy)(acc, vj, Dv, 1);
-            m = x;
-        } else {
-            real p = (real)exp((double)x - (double)m);
-            l += p;
-            PA_FN(axpy)(acc, vj, Dv, p);
-        }
+        PA_FN(sm_raise_max)(&m, &l, acc, Dv, x);
+        real p = (real)exp((double)x - (double)m);
+        l += p;
+        PA_FN(axpy)(acc, vj, Dv, p);
     }
-    real *orow = o + ((q0 + i) * H + h) * Dv;
-    for (int64_t c = 0; c < Dv; c++) orow[c] = l > 0 ? acc[c] / l : 0;
-    lse[(q0 + i) * H + h] = l > 0 ? m + (real)log((double)l) : -(real)INFINITY;
+    const int64_t row = (q0 + i) * H + h;
+    PA_FN(sm_write_row)(o + row * Dv, lse + row, acc, Dv, m, l);
 }
 
 /* The K/V rows of one head are Hk * D apart, a stride the hardware prefetcher does not run
@@ -430,13 +434,7 @@ static void PA_FN(sm_forward_group)(const pa_softmax_desc *d, const real *q, con
                                                     ip - jb - c, NULL);
             }
             for (int64_t g = 0; g < G; g++) {
-                real mx = PA_FN(row_max)(S + g * KB, nb);
-                if (mx > m[g]) {
-                    real f = (real)exp((double)m[g] - (double)mx);
-                    l[g] *= f;
-                    PA_FN(row_scale)(acc + g * Dv, Dv, f);
-                    m[g] = mx;
-                }
+                PA_FN(sm_raise_max)(m + g, l + g, acc + g * Dv, Dv, PA_FN(row_max)(S + g * KB, nb));
                 l[g] += PA_FN(row_exp_sum)(S + g * KB, nb, m[g]);
             }
             for (int64_t c = 0; c < nb; c++) {
@@ -448,8 +446,7 @@ static void PA_FN(sm_forward_group)(const pa_softmax_desc *d, const real *q, con
         }
     for (int64_t g = 0; g < G; g++) {
         const int64_t row = (q0 + i) * H + kh * G + g;
-        for (int64_t c = 0; c < Dv; c++) o[row * Dv + c] = l[g] > 0 ? acc[g * Dv + c] / l[g] : 0;
-        lse[row] = l[g] > 0 ? m[g] + (real)log((double)l[g]) : -(real)INFINITY;
+        PA_FN(sm_write_row)(o + row * Dv, lse + row, acc + g * Dv, Dv, m[g], l[g]);
     }
 }
 
