@@ -182,3 +182,32 @@ def dense_softmax(q, k, v, do=None, dlse=None, *, causal=False, scale=None, wind
     if do is None:
         return o, lse
     return o, lse, grads
+
+
+# ---- bad-argument tables shared by test_errors.py and test_feature_maps.py ----------------
+
+
+def raises(exc, fn, *args, must=(), **kwargs):
+    """fn(*args, **kwargs) raises exc whose message contains every string of must."""
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    for s in must:
+        assert s in msg, f"message {msg!r} lacks {s!r}"
+    return msg
+
+
+def case_params(cases):
+    """pytest params of (id, index, bad value, exception, message parts) rows, by id."""
+    return [pytest.param(c, id=c[0]) for c in cases]
+
+
+def run_bad_arg_case(fn, make, index, bad, exc, must):
+    """Call fn with make()'s valid arguments but argument `index` replaced by bad: it must
+    raise exc naming must, or (exc None) succeed and return None."""
+    args = make()
+    args[index] = bad
+    if exc is None:
+        assert fn(*args) is None
+        return
+    raises(exc, fn, *args, must=must)

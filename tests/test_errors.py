@@ -9,6 +9,8 @@ import pytest
 import pyattn
 from pyattn import _core
 
+from conftest import case_params, raises, run_bad_arg_case
+
 F64 = np.float64
 
 
@@ -17,16 +19,6 @@ def qkv(B=2, Tq=5, Tk=5, H=4, Hk=2, Dk=8, Dv=6, dtype=F64):
     return (r.standard_normal((B, Tq, H, Dk)).astype(dtype),
             r.standard_normal((B, Tk, Hk, Dk)).astype(dtype),
             r.standard_normal((B, Tk, Hk, Dv)).astype(dtype))
-
-
-def raises(exc, fn, *args, must=(), **kwargs):
-    """fn(*args, **kwargs) raises exc whose message contains every string of must."""
-    with pytest.raises(exc) as info:
-        fn(*args, **kwargs)
-    msg = str(info.value)
-    for s in must:
-        assert s in msg, f"message {msg!r} lacks {s!r}"
-    return msg
 
 
 sa = pyattn.softmax_attention
@@ -454,34 +446,21 @@ def _bad_core_cases(names, make, outputs, inputs_readonly_ok):
     return cases
 
 
-def params(cases):
-    return [pytest.param(c, id=c[0]) for c in cases]
-
-
 FWD_CASES = _bad_core_cases(FWD_NAMES, fwd_args, outputs=("o", "lse"), inputs_readonly_ok=("q", "k", "v"))
 BWD_CASES = _bad_core_cases(BWD_NAMES, bwd_args, outputs=("dq", "dk", "dv"),
                             inputs_readonly_ok=("q", "k", "v", "o", "lse", "do", "dlse"))
 
 
-def _run_case(fn, make, index, bad, exc, must):
-    args = make()
-    args[index] = bad
-    if exc is None:
-        assert fn(*args) is None
-        return
-    raises(exc, fn, *args, must=must)
-
-
-@pytest.mark.parametrize("case", params(FWD_CASES))
+@pytest.mark.parametrize("case", case_params(FWD_CASES))
 def test_core_softmax_forward_bad_args(case):
     _, index, bad, exc, must = case
-    _run_case(_core.softmax_forward, fwd_args, index, bad, exc, must)
+    run_bad_arg_case(_core.softmax_forward, fwd_args, index, bad, exc, must)
 
 
-@pytest.mark.parametrize("case", params(BWD_CASES))
+@pytest.mark.parametrize("case", case_params(BWD_CASES))
 def test_core_softmax_backward_bad_args(case):
     _, index, bad, exc, must = case
-    _run_case(_core.softmax_backward, bwd_args, index, bad, exc, must)
+    run_bad_arg_case(_core.softmax_backward, bwd_args, index, bad, exc, must)
 
 
 @pytest.mark.parametrize("fn,make", [(_core.softmax_forward, fwd_args), (_core.softmax_backward, bwd_args)],
@@ -554,7 +533,7 @@ GEMM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", params(GEMM_CASES))
+@pytest.mark.parametrize("case", case_params(GEMM_CASES))
 def test_core_gemm_bad_args(case):
     _, index, bad, exc, must = case
     args = gemm_args()

@@ -24,7 +24,7 @@ from pyattn import _core, reference
 from pyattn.feature_maps import KINDS
 from pyattn.testing import TOLERANCES, assert_close, gradcheck
 
-from conftest import f32_exact
+from conftest import case_params, f32_exact, raises, run_bad_arg_case
 
 DTYPES = (np.float64, np.float32)
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -424,16 +424,6 @@ def test_isa_path(isa):
 fm = pyattn.feature_map
 
 
-def raises(exc, fn, *args, must=(), **kwargs):
-    """fn(*args, **kwargs) raises exc whose message contains every string of must."""
-    with pytest.raises(exc) as info:
-        fn(*args, **kwargs)
-    msg = str(info.value)
-    for s in must:
-        assert s in msg, f"message {msg!r} lacks {s!r}"
-    return msg
-
-
 def x4(dtype=F64, shape=(2, 3, 2, 4)):
     return np.random.default_rng(0).standard_normal(shape).astype(dtype)
 
@@ -629,33 +619,20 @@ def _bad_core_cases(names, make, outputs):
     return cases
 
 
-def params(cases):
-    return [pytest.param(c, id=c[0]) for c in cases]
-
-
 FWD_CASES = _bad_core_cases(FWD_NAMES, fwd_args, outputs=("y",))
 BWD_CASES = _bad_core_cases(BWD_NAMES, bwd_args, outputs=("dx", "dprojection"))
 
 
-def _run_case(fn, make, index, bad, exc, must):
-    args = make()
-    args[index] = bad
-    if exc is None:
-        assert fn(*args) is None
-        return
-    raises(exc, fn, *args, must=must)
-
-
-@pytest.mark.parametrize("case", params(FWD_CASES))
+@pytest.mark.parametrize("case", case_params(FWD_CASES))
 def test_core_feature_map_forward_bad_args(case):
     _, index, bad, exc, must = case
-    _run_case(_core.feature_map_forward, fwd_args, index, bad, exc, must)
+    run_bad_arg_case(_core.feature_map_forward, fwd_args, index, bad, exc, must)
 
 
-@pytest.mark.parametrize("case", params(BWD_CASES))
+@pytest.mark.parametrize("case", case_params(BWD_CASES))
 def test_core_feature_map_backward_bad_args(case):
     _, index, bad, exc, must = case
-    _run_case(_core.feature_map_backward, bwd_args, index, bad, exc, must)
+    run_bad_arg_case(_core.feature_map_backward, bwd_args, index, bad, exc, must)
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "performer"])
