@@ -115,10 +115,14 @@ static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a, int64
         }
 }
 
-static void PA_FN(gemm_scale_c)(int64_t M, int64_t N, real beta, real *C, int64_t ldc)
+/* Shapes with nothing to multiply, handled here for every entry: an empty C, or K = 0
+ * (C = beta C). Returns 1 when the call is done. */
+static int PA_FN(gemm_trivial)(int64_t M, int64_t N, int64_t K, real beta, real *C, int64_t ldc)
 {
-    for (int64_t i = 0; i < M; i++)
+    if (M > 0 && N > 0 && K > 0) return 0;
+    for (int64_t i = 0; i < M && K <= 0; i++)
         for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta != 0 ? beta * C[i * ldc + j] : 0;
+    return 1;
 }
 
 /* Reals needed to pack an M x K matrix whole with pack_a (panels of MR rows, K each). */
@@ -135,11 +139,7 @@ static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, c
                                   int64_t ars, int64_t aps, const real *Bp, int64_t bps,
                                   real beta, real *C, int64_t ldc)
 {
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) {
-        PA_FN(gemm_scale_c)(M, N, beta, C, ldc);
-        return;
-    }
+    if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
     for (int64_t pc = 0; pc < K; pc += KC) {
         int64_t kc = K - pc < KC ? K - pc : KC;
         for (int64_t jr = 0; jr < N; jr += NR) {
@@ -172,11 +172,7 @@ static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real 
                         int64_t rsa, int64_t csa, const real *B, int64_t rsb, int64_t csb,
                         real beta, real *C, int64_t ldc, real *work)
 {
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) {
-        PA_FN(gemm_scale_c)(M, N, beta, C, ldc);
-        return;
-    }
+    if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
     int64_t mcmax = M < MC ? (M + MR - 1) / MR * MR : MC;
     int64_t kcmax = K < KC ? K : KC;
     real *Ap = work, *Bp = work + mcmax * kcmax;
@@ -201,11 +197,7 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
                                  int64_t rsa, int64_t csa, const real *Bp, int64_t bps,
                                  real beta, real *C, int64_t ldc, real *work)
 {
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) {
-        PA_FN(gemm_scale_c)(M, N, beta, C, ldc);
-        return;
-    }
+    if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
     for (int64_t pc = 0; pc < K; pc += KC) {
         int64_t kc = K - pc < KC ? K - pc : KC;
         PA_FN(gemm_macro)(M, N, kc, alpha, A + pc * csa, rsa, csa, Bp + pc * NR, bps,
