@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 enum { PA_OK = 0, PA_ENOMEM = 1 };
-enum { PA_FORM_PARALLEL = 0, PA_FORM_FLASH = 1, PA_FORM_RECURRENT = 2 };
+enum { PA_FORM_PARALLEL = 0, PA_FORM_FLASH = 1, PA_FORM_RECURRENT = 2, PA_FORM_CHUNK = 3 };
 
 /* Softmax attention over packed rows. Sequence n owns query rows cu_q[n] .. cu_q[n+1]-1 and
  * key rows cu_k[n] .. cu_k[n+1]-1 of q [rows_q, H, Dk], k [rows_k, Hk, Dk], v [rows_k, Hk,
@@ -49,6 +49,30 @@ typedef struct {
     const void *projection; /* performer: W [m, D] of the call's dtype; NULL otherwise */
 } pa_feature_map_desc;
 
+/* The gated linear engine (ops/linear_attn.c). Sequence n owns rows cu[n] .. cu[n+1]-1 of
+ * q, k [rows, H, K], v, o [rows, H, V]; gk is NULL (PA_GATE_NONE), [rows, H] (SCALAR) or
+ * [rows, H, K] (VECTOR); gv is NULL or [rows, H, V] (VECTOR); states are [nseq, H, K, V]. */
+enum { PA_GATE_NONE = 0, PA_GATE_SCALAR = 1, PA_GATE_VECTOR = 2 };
+
+typedef struct {
+    int64_t nseq;
+    const int64_t *cu;
+    int64_t H, K, V;
+    int gk, gv;    /* PA_GATE_* */
+    double scale;
+    int form;      /* PA_FORM_PARALLEL, _RECURRENT or _CHUNK */
+    int64_t chunk; /* rows per block of the chunk form */
+} pa_linear_desc;
+
+/* Efficient attention (non-causal): o = softmax_row(scale q) (softmax_time(scale k)^T v) per
+ * sequence and head; q [rows_q, H, K], k [rows_k, H, K], v [rows_k, H, V]. */
+typedef struct {
+    int64_t nseq;
+    const int64_t *cu_q, *cu_k;
+    int64_t H, K, V;
+    double scale;
+} pa_efficient_desc;
+
 typedef struct {
     const char *isa;
     /* C = alpha op(A) op(B) + beta C, strided A and B, row-major C (see core/gemm.c) */
@@ -68,6 +92,19 @@ typedef struct {
      * for the other kinds */
     int (*feature_map_backward)(const pa_feature_map_desc *d, const void *x, const void *dy,
                                 void *dx, void *dprojection);
+    /* h0, ht may be NULL (zero initial state; final state not wanted) */
+    int (*linear_forward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
+                          const void *gk, const void *gv, const void *h0, void *o, void *ht);
+    /* o: the forward's output (read only with gv); dht, h0 may be NULL (zero); dgk, dgv are
+     * NULL exactly when their gate is; dh0 may be NULL (not wanted) */
+    int (*linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
+                           const void *v, const void *gk, const void *gv, const void *h0,
+                           const void *o, const void *dout, const void *dht, void *dq,
+                           void *dk, void *dv, void *dgk, void *dgv, void *dh0);
+    int (*efficient_forward)(const pa_efficient_desc *d, const void *q, const void *k,
+                             const void *v, void *o);
+    int (*efficient_backward)(const pa_efficient_desc *d, const void *q, const void *k,
+                              const void *v, const void *dout, void *dq, void *dk, void *dv);
 } pa_kernels;
 
 /* Chooses the tables once (at import): the widest ISA this CPU runs, or PYATTN_ISA's. */

@@ -424,6 +424,224 @@ static PyObject *py_feature_map_backward(PyObject *self, PyObject *const *args, 
     return finish(rc);
 }
 
+/* ---- the gated linear engine ---- */
+
+/* Shared by forward and backward: a = (q, k, v, gk, gv, h0), opt = (cu, form, chunk, scale).
+ * The gate kinds follow from gk's and gv's shapes (None, [B, T, H] or [B, T, H, K]). */
+static int linear_desc(const char *fn, PyObject *const *a, PyObject *const *opt, int *typenum,
+                       PyArrayObject **arr, pa_linear_desc *d)
+{
+    if (float_type(fn, "q", a[0], typenum)) return -1;
+    npy_intp four[4] = {-1, -1, -1, -1};
+    if (!(arr[0] = get_array(fn, "q", a[0], *typenum, 4, four, 0))) return -1;
+    npy_intp B = PyArray_DIM(arr[0], 0), T = PyArray_DIM(arr[0], 1), H = PyArray_DIM(arr[0], 2),
+             K = PyArray_DIM(arr[0], 3);
+    npy_intp vshape[4] = {B, T, H, -1};
+    if (!(arr[1] = get_array(fn, "k", a[1], *typenum, 4, PyArray_DIMS(arr[0]), 0)) ||
+        !(arr[2] = get_array(fn, "v", a[2], *typenum, 4, vshape, 0)))
+        return -1;
+    npy_intp V = PyArray_DIM(arr[2], 3);
+    if (K < 1 || V < 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): head dims must be >= 1, got K=%lld V=%lld", fn,
+                     (long long)K, (long long)V);
+        return -1;
+    }
+    memset(d, 0, sizeof *d);
+    d->H = H;
+    d->K = K;
+    d->V = V;
+    arr[3] = arr[4] = arr[5] = NULL;
+    if (a[3] != Py_None) {
+        int vec = PyArray_Check(a[3]) && PyArray_NDIM((PyArrayObject *)a[3]) == 4;
+        npy_intp gshape[4] = {B, T, H, K};
+        if (!(arr[3] = get_array(fn, "gk", a[3], *typenum, vec ? 4 : 3, gshape, 0))) return -1;
+        d->gk = vec ? PA_GATE_VECTOR : PA_GATE_SCALAR;
+    }
+    if (a[4] != Py_None) {
+        npy_intp gshape[4] = {B, T, H, V};
+        if (!(arr[4] = get_array(fn, "gv", a[4], *typenum, 4, gshape, 0))) return -1;
+        d->gv = PA_GATE_VECTOR;
+    }
+    if (!(d->cu = get_cu(fn, "cu_seqlens", opt[0], B * T, &d->nseq))) return -1;
+    if (a[5] != Py_None) {
+        npy_intp sshape[4] = {d->nseq, H, K, V};
+        if (!(arr[5] = get_array(fn, "initial_state", a[5], *typenum, 4, sshape, 0))) return -1;
+    }
+    long long form, chunk;
+    if (get_int(fn, "form", opt[1], 0, 3, &form) || get_int(fn, "chunk_size", opt[2], 1, 1 << 20, &chunk) ||
+        get_double(fn, "scale", opt[3], -INFINITY, &d->scale))
+        return -1;
+    if (form == PA_FORM_FLASH) {
+        PyErr_Format(PyExc_ValueError, "%s(): the linear engine has no flash form", fn);
+        return -1;
+    }
+    d->form = (int)form;
+    d->chunk = chunk;
+    return 0;
+}
+
+static const void *data_or_null(PyArrayObject *a) { return a ? PyArray_DATA(a) : NULL; }
+
+/* An optional output: None, or an array of the given shape. */
+static int optional_out(const char *fn, const char *name, PyObject *obj, int typenum, int ndim,
+                        const npy_intp *shape, PyArrayObject **out)
+{
+    *out = NULL;
+    if (obj == Py_None) return 0;
+    return (*out = get_array(fn, name, obj, typenum, ndim, shape, 1)) ? 0 : -1;
+}
+
+/* linear_forward(q, k, v, gk, gv, h0, o, ht, cu, form, chunk, scale) */
+static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "linear_forward";
+    if (expect_nargs(fn, nargs, 12)) return NULL;
+    int t;
+    PyArrayObject *in[6], *o, *ht;
+    pa_linear_desc d;
+    if (linear_desc(fn, args, args + 8, &t, in, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
+    npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
+    if (!(o = get_array(fn, "o", args[6], t, 4, oshape, 1)) ||
+        optional_out(fn, "final_state", args[7], t, 4, sshape, &ht))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->linear_forward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
+                           data_or_null(in[3]), data_or_null(in[4]), data_or_null(in[5]),
+                           PyArray_DATA(o), ht ? PyArray_DATA(ht) : NULL);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* linear_backward(q, k, v, gk, gv, h0, o, do, dht, dq, dk, dv, dgk, dgv, dh0, cu, form, chunk,
+ *                 scale) */
+static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "linear_backward";
+    if (expect_nargs(fn, nargs, 19)) return NULL;
+    int t;
+    PyArrayObject *in[6], *o, *dout, *dht = NULL, *dq, *dk, *dv, *dgk = NULL, *dgv = NULL, *dh0;
+    pa_linear_desc d;
+    if (linear_desc(fn, args, args + 15, &t, in, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
+    npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
+    if (!(o = get_array(fn, "o", args[6], t, 4, oshape, 0)) ||
+        !(dout = get_array(fn, "do", args[7], t, 4, oshape, 0)))
+        return NULL;
+    if (args[8] != Py_None && !(dht = get_array(fn, "dht", args[8], t, 4, sshape, 0))) return NULL;
+    if (!(dq = get_array(fn, "dq", args[9], t, 4, PyArray_DIMS(in[0]), 1)) ||
+        !(dk = get_array(fn, "dk", args[10], t, 4, PyArray_DIMS(in[1]), 1)) ||
+        !(dv = get_array(fn, "dv", args[11], t, 4, PyArray_DIMS(in[2]), 1)) ||
+        optional_out(fn, "dh0", args[14], t, 4, sshape, &dh0))
+        return NULL;
+    const char *gnames[2] = {"dgk", "dgv"};
+    PyArrayObject **gout[2] = {&dgk, &dgv};
+    for (int g = 0; g < 2; g++) {
+        PyArrayObject *gate = in[3 + g];
+        if (!gate && args[12 + g] != Py_None) {
+            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be None without its gate", fn,
+                         gnames[g]);
+            return NULL;
+        }
+        if (gate && !(*gout[g] = get_array(fn, gnames[g], args[12 + g], t, PyArray_NDIM(gate),
+                                           PyArray_DIMS(gate), 1)))
+            return NULL;
+    }
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->linear_backward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
+                            data_or_null(in[3]), data_or_null(in[4]), data_or_null(in[5]),
+                            PyArray_DATA(o), PyArray_DATA(dout), dht ? PyArray_DATA(dht) : NULL,
+                            PyArray_DATA(dq), PyArray_DATA(dk), PyArray_DATA(dv),
+                            dgk ? PyArray_DATA(dgk) : NULL, dgv ? PyArray_DATA(dgv) : NULL,
+                            dh0 ? PyArray_DATA(dh0) : NULL);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* Shared by forward and backward: a = (q, k, v), opt = (cu_q, cu_k, scale). */
+static int efficient_desc(const char *fn, PyObject *const *a, PyObject *const *opt,
+                          int *typenum, PyArrayObject **arr, pa_efficient_desc *d)
+{
+    if (float_type(fn, "q", a[0], typenum)) return -1;
+    npy_intp four[4] = {-1, -1, -1, -1};
+    if (!(arr[0] = get_array(fn, "q", a[0], *typenum, 4, four, 0))) return -1;
+    npy_intp B = PyArray_DIM(arr[0], 0), Tq = PyArray_DIM(arr[0], 1), H = PyArray_DIM(arr[0], 2),
+             K = PyArray_DIM(arr[0], 3);
+    npy_intp kshape[4] = {B, -1, H, K};
+    if (!(arr[1] = get_array(fn, "k", a[1], *typenum, 4, kshape, 0))) return -1;
+    npy_intp Tk = PyArray_DIM(arr[1], 1);
+    npy_intp vshape[4] = {B, Tk, H, -1};
+    if (!(arr[2] = get_array(fn, "v", a[2], *typenum, 4, vshape, 0))) return -1;
+    memset(d, 0, sizeof *d);
+    d->H = H;
+    d->K = K;
+    d->V = PyArray_DIM(arr[2], 3);
+    if (K < 1 || d->V < 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): head dims must be >= 1, got K=%lld V=%lld", fn,
+                     (long long)K, (long long)d->V);
+        return -1;
+    }
+    int64_t nk;
+    if (!(d->cu_q = get_cu(fn, "cu_seqlens_q", opt[0], B * Tq, &d->nseq)) ||
+        !(d->cu_k = get_cu(fn, "cu_seqlens_k", opt[1], B * Tk, &nk)))
+        return -1;
+    if (nk != d->nseq) {
+        PyErr_Format(PyExc_ValueError, "%s(): cu_seqlens_q and cu_seqlens_k must have the same length",
+                     fn);
+        return -1;
+    }
+    return get_double(fn, "scale", opt[2], -INFINITY, &d->scale);
+}
+
+/* efficient_forward(q, k, v, o, cu_q, cu_k, scale) */
+static PyObject *py_efficient_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "efficient_forward";
+    if (expect_nargs(fn, nargs, 7)) return NULL;
+    int t;
+    PyArrayObject *in[3], *o;
+    pa_efficient_desc d;
+    if (efficient_desc(fn, args, args + 4, &t, in, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
+    if (!(o = get_array(fn, "o", args[3], t, 4, oshape, 1))) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->efficient_forward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
+                              PyArray_DATA(o));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* efficient_backward(q, k, v, do, dq, dk, dv, cu_q, cu_k, scale) */
+static PyObject *py_efficient_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "efficient_backward";
+    if (expect_nargs(fn, nargs, 10)) return NULL;
+    int t;
+    PyArrayObject *in[3], *dout, *dq, *dk, *dv;
+    pa_efficient_desc d;
+    if (efficient_desc(fn, args, args + 7, &t, in, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
+    if (!(dout = get_array(fn, "do", args[3], t, 4, oshape, 0)) ||
+        !(dq = get_array(fn, "dq", args[4], t, 4, PyArray_DIMS(in[0]), 1)) ||
+        !(dk = get_array(fn, "dk", args[5], t, 4, PyArray_DIMS(in[1]), 1)) ||
+        !(dv = get_array(fn, "dv", args[6], t, 4, PyArray_DIMS(in[2]), 1)))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->efficient_backward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
+                               PyArray_DATA(dout), PyArray_DATA(dq), PyArray_DATA(dk),
+                               PyArray_DATA(dv));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
 /* ---- core building blocks, exposed for tests and benchmarks ---- */
 
 /* gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c, 2-D arrays */
@@ -552,6 +770,17 @@ static PyMethodDef core_methods[] = {
     {"feature_map_backward", (PyCFunction)(void (*)(void))py_feature_map_backward, METH_FASTCALL,
      "feature_map_backward(x, dy, dx, kind, p, max_len, projection, dprojection): dx (and for "
      "performer dprojection [m, D], else None) written in place from dy [..., F]"},
+    {"linear_forward", (PyCFunction)(void (*)(void))py_linear_forward, METH_FASTCALL,
+     "linear_forward(q, k, v, gk, gv, h0, o, ht, cu, form, chunk, scale): the gated linear "
+     "engine; gk None, [B, T, H] or [B, T, H, K]; gv None or [B, T, H, V]; h0, ht None or "
+     "[N, H, K, V]; o written"},
+    {"linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
+     "linear_backward(q, k, v, gk, gv, h0, o, do, dht, dq, dk, dv, dgk, dgv, dh0, cu, form, "
+     "chunk, scale): gradients written in place; dgk/dgv None exactly when their gate is"},
+    {"efficient_forward", (PyCFunction)(void (*)(void))py_efficient_forward, METH_FASTCALL,
+     "efficient_forward(q, k, v, o, cu_q, cu_k, scale)"},
+    {"efficient_backward", (PyCFunction)(void (*)(void))py_efficient_backward, METH_FASTCALL,
+     "efficient_backward(q, k, v, do, dq, dk, dv, cu_q, cu_k, scale)"},
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
      "gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c"},
     {"exp", (PyCFunction)(void (*)(void))py_exp, METH_FASTCALL,
@@ -573,7 +802,8 @@ static int core_exec(PyObject *m)
     pa_dispatch_init();
     if (PyModule_AddIntConstant(m, "FORM_PARALLEL", PA_FORM_PARALLEL) ||
         PyModule_AddIntConstant(m, "FORM_FLASH", PA_FORM_FLASH) ||
-        PyModule_AddIntConstant(m, "FORM_RECURRENT", PA_FORM_RECURRENT))
+        PyModule_AddIntConstant(m, "FORM_RECURRENT", PA_FORM_RECURRENT) ||
+        PyModule_AddIntConstant(m, "FORM_CHUNK", PA_FORM_CHUNK))
         return -1;
     for (int k = 0; k < PA_FM_COUNT; k++) {
         char name[32];

@@ -4,6 +4,7 @@
 #include "../core/gemm.c"
 #include "../ops/softmax_attn.c"
 #include "../ops/feature_maps.c"
+#include "../ops/linear_attn.c"
 
 static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, const void *A,
                              int64_t rsa, int64_t csa, const void *B, int64_t rsb, int64_t csb,
@@ -27,4 +28,8 @@ const pa_kernels PA_FN(pa_kernels) = {
     .softmax_backward = PA_FN(softmax_backward),
     .feature_map_forward = PA_FN(feature_map_forward),
     .feature_map_backward = PA_FN(feature_map_backward),
+    .linear_forward = PA_FN(linear_forward),
+    .linear_backward = PA_FN(linear_backward),
+    .efficient_forward = PA_FN(efficient_forward),
+    .efficient_backward = PA_FN(efficient_backward),
 };

@@ -1,0 +1,939 @@
+/* The gated linear engine (DESIGN section 4), forward and backward. Template body (see
+ * core/dtype.h); needs core/vmath.h and core/gemm.c before it.
+ *
+ * Per (sequence, head) unit, with S_0 = h0 (zeros when absent) and q~ = scale q:
+ *   S_t = diag(exp(gk_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T,   o_t = S_t^T q~_t
+ * gk is absent, a scalar per step or a K-vector per step; gv is absent or a V-vector per step.
+ *
+ * Forms. recurrent: the recurrence, one step at a time. chunk: blocks of L rows; with G the
+ * inclusive cumulative gate inside the block (so every exponent below is <= 0):
+ *   O   = ((q~ e^Gk) S) e^Gv  +  sum_{j<=i} A_ij e^(Gv_i - Gv_j) v_j,
+ *   A_ij = sum_k q~_ik k_jk e^(Gk_ik - Gk_jk)                         (the gated Gram)
+ *   S'  = e^Gk_L S e^Gv_L + (k e^(Gk_L - Gk))^T (v e^(Gv_L - Gv)).
+ * A scalar gate makes A a GEMM times a decay mask; a vector gate splits the block into
+ * LA_SUB-row sub-blocks: off-diagonal ones are GEMMs of operands rescaled to the sub-block's
+ * first row (bounded exponents both sides), diagonal ones are summed elementwise.
+ * parallel: the chunk algorithm with one block per sequence, i.e. the masked decay matrix.
+ *
+ * Backward. With dS_t the gradient reaching S_t: dq_t = scale S_t do_t needs the states
+ * forward in time; dk_t = dS_t v_t and dv_t = dS_t^T k_t need dS backward in time. So one
+ * forward sweep recomputes the states and emits dq, one reverse sweep carries dS and emits
+ * dk, dv, dh0: no state is stored. The chunk form is the same mirrored: its intra-block
+ * terms use the gated Gram B_ij = sum_v do_iv v_jv e^(Gv_iv - Gv_jv):
+ *   dq_i += scale sum_{j<=i} B_ij e^(Gk_i - Gk_j) k_j,  dk_j += sum_{i>=j} B_ij e^(..) q~_i,
+ *   dv_j += sum_{i>=j} A_ij e^(Gv_i - Gv_j) do_i.
+ * Gates then follow for every form from one identity: as o and S_T depend on the cumulative
+ * gate G_t only through q_t e^G_t, k_t e^-G_t (and for gv through o_t and v_t),
+ *   dgk_t = sum_{s>=t} (q_s dq_s - k_s dk_s) + rowsum(S_T * dS_T),
+ *   dgv_t = sum_{s>=t} (o_s do_s - v_s dv_s) + colsum(S_T * dS_T).
+ *
+ * Work is split over units when there are enough of them; otherwise over (unit, chunk)
+ * items, with the states passed by a scan over chunks (the only sequential part).
+ */
+
+#define LA_SUB 16     /* rows of a vector-gate sub-block: e^(gate sums over 16 steps) */
+#define LA_TRI (2 * MR) /* row block of the triangular products */
+
+typedef struct {
+    int kind;         /* PA_GATE_* */
+    int64_t D;        /* K or V */
+    const real *G;    /* vector: L x D inclusive cumulative gate of the block */
+    const double *Gs; /* scalar: L of them, in double so G_i - G_j keeps its digits */
+    const real *Dm;   /* scalar: L x L, e^(G_i - G_j) on and below the diagonal, 0 above */
+} PA_FN(la_side);
+
+/* Per-thread scratch of the chunk form for blocks of up to L rows. */
+typedef struct {
+    int64_t L, K, V, W;   /* W = max(K, V) */
+    real *Gk, *Gv, *Dm;   /* L x K, L x V, L x L */
+    double *Gs;           /* L */
+    real *X, *Y, *Tm, *U; /* L x W each */
+    real *A, *B, *M;      /* L x L each */
+    real *S, *dS, *tmp;   /* K x V each */
+    real *deck, *decv;    /* K, V: a block's total decays */
+    real *work;           /* GEMM packing */
+    void *block;
+} PA_FN(la_scratch);
+
+static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, int64_t V)
+{
+    int64_t W = K > V ? K : V, big = L > W ? L : W;
+    int64_t sizes[] = {L * K, L * V, L * L, L * W, L * W, L * W, L * W, L * L, L * L, L * L,
+                       K * V, K * V, K * V, K, V, PA_FN(gemm_work_elems)(big, big, big), L};
+    real **dst[] = {&s->Gk, &s->Gv, &s->Dm, &s->X, &s->Y, &s->Tm, &s->U, &s->A, &s->B, &s->M,
+                    &s->S, &s->dS, &s->tmp, &s->deck, &s->decv, &s->work, (real **)&s->Gs};
+    enum { N = sizeof sizes / sizeof sizes[0] };
+    int64_t total = 0;
+    for (int i = 0; i < N; i++) total += (sizes[i] * (int64_t)sizeof(double) + 63) / 64 * 64;
+    s->block = pa_alloc((size_t)total);
+    if (!s->block) return 0;
+    char *p = s->block;
+    for (int i = 0; i < N; i++) {
+        *dst[i] = (real *)p;
+        p += (sizes[i] * (int64_t)sizeof(double) + 63) / 64 * 64;
+    }
+    s->L = L;
+    s->K = K;
+    s->V = V;
+    s->W = W;
+    return 1;
+}
+
+/* ---- vector helpers: y = beta y + alpha x e^(ga - gb), a NULL exponent counting as 0 ---- */
+
+static inline vreal PA_FN(la_ld)(const real *p, int64_t left)
+{
+    return left >= VL ? PA_FN(vload)(p) : PA_FN(vload_part)(p, (int)left, 0);
+}
+
+static inline void PA_FN(la_st)(real *p, vreal x, int64_t left)
+{
+    if (left >= VL)
+        PA_FN(vstore)(p, x);
+    else
+        PA_FN(vstore_part)(p, x, (int)left);
+}
+
+static inline vreal PA_FN(la_decay)(const real *ga, const real *gb, int64_t d, int64_t left)
+{
+    vreal e = ga ? PA_FN(la_ld)(ga + d, left) : PA_FN(vset)(0);
+    if (gb) e -= PA_FN(la_ld)(gb + d, left);
+    return PA_FN(vexp)(e);
+}
+
+static inline void PA_FN(la_gated)(real *y, const real *x, const real *ga, const real *gb,
+                                   int64_t D, real alpha, real beta)
+{
+    for (int64_t d = 0; d < D; d += VL) {
+        vreal r = alpha * PA_FN(la_ld)(x + d, D - d);
+        if (ga || gb) r *= PA_FN(la_decay)(ga, gb, d, D - d);
+        if (beta != 0) r += beta * PA_FN(la_ld)(y + d, D - d);
+        PA_FN(la_st)(y + d, r, D - d);
+    }
+}
+
+static inline real PA_FN(la_dot_gated)(const real *x, const real *y, const real *ga,
+                                       const real *gb, int64_t D)
+{
+    vreal s = PA_FN(vset)(0);
+    for (int64_t d = 0; d < D; d += VL)
+        s += PA_FN(la_ld)(x + d, D - d) * PA_FN(la_ld)(y + d, D - d) *
+             PA_FN(la_decay)(ga, gb, d, D - d);
+    return PA_FN(hsum)(s);
+}
+
+/* Y_i = beta Y_i + alpha X_i f_i for the L rows of a block: f_i = e^G_i (to_end = 0) or
+ * e^(G_{L-1} - G_i) (to_end = 1) of the side's gate, 1 without one. */
+static void PA_FN(la_gate_rows)(const PA_FN(la_side) *s, int64_t L, int to_end, real alpha,
+                                const real *X, int64_t ldx, real beta, real *Y, int64_t ldy)
+{
+    const int64_t D = s->D;
+    for (int64_t i = 0; i < L; i++) {
+        const real *ga = NULL, *gb = NULL;
+        real a = alpha;
+        if (s->kind == PA_GATE_VECTOR) {
+            ga = to_end ? s->G + (L - 1) * D : s->G + i * D;
+            gb = to_end ? s->G + i * D : NULL;
+        } else if (s->kind == PA_GATE_SCALAR) {
+            a *= (real)exp(to_end ? s->Gs[L - 1] - s->Gs[i] : s->Gs[i]);
+        }
+        PA_FN(la_gated)(Y + i * ldy, X + i * ldx, ga, gb, D, a, beta);
+    }
+}
+
+/* f[0..D) = e^(G_{L-1}): the block's total decay on this side */
+static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
+{
+    for (int64_t d = 0; d < s->D; d++)
+        f[d] = s->kind == PA_GATE_VECTOR   ? (real)exp(s->G[(L - 1) * s->D + d])
+               : s->kind == PA_GATE_SCALAR ? (real)exp(s->Gs[L - 1])
+                                           : 1;
+}
+
+/* S = diag(a) S diag(b) + add (add may be NULL), S K x V */
+static void PA_FN(la_state_decay)(real *S, const real *a, const real *b, const real *add,
+                                  int64_t K, int64_t V)
+{
+    for (int64_t i = 0; i < K; i++) {
+        real *row = S + i * V;
+        for (int64_t j = 0; j < V; j++) row[j] = a[i] * row[j] * b[j] + (add ? add[i * V + j] : 0);
+    }
+}
+
+/* ---- the three block products, for any gate on their side ---- */
+
+/* W (L x L, ld L) = lower triangle of alpha sum_d X_id Y_jd e^(G_id - G_jd); 0 above. */
+static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
+                           int64_t ldx, const real *Y, int64_t ldy, real *W,
+                           PA_FN(la_scratch) *sc)
+{
+    const int64_t D = s->D;
+    if (s->kind != PA_GATE_VECTOR) {
+        for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
+            int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
+            PA_FN(gemm)(i1 - i0, i1, D, alpha, X + i0 * ldx, ldx, 1, Y, 1, ldy, 0, W + i0 * L,
+                        L, sc->work);
+        }
+        for (int64_t i = 0; i < L; i++) {
+            real *w = W + i * L;
+            if (s->kind == PA_GATE_SCALAR)
+                for (int64_t j = 0; j <= i; j++) w[j] *= s->Dm[i * L + j];
+            for (int64_t j = i + 1; j < L; j++) w[j] = 0;
+        }
+        return;
+    }
+    for (int64_t i0 = 0; i0 < L; i0 += LA_SUB) {
+        int64_t i1 = i0 + LA_SUB < L ? i0 + LA_SUB : L;
+        const real *Gn = s->G + i0 * D;
+        if (i0 > 0) { /* rows i0.. against rows ..i0-1, both rescaled to row i0 */
+            for (int64_t i = i0; i < i1; i++)
+                PA_FN(la_gated)(sc->Tm + (i - i0) * D, X + i * ldx, s->G + i * D, Gn, D, alpha, 0);
+            for (int64_t j = 0; j < i0; j++)
+                PA_FN(la_gated)(sc->U + j * D, Y + j * ldy, Gn, s->G + j * D, D, 1, 0);
+            PA_FN(gemm)(i1 - i0, i0, D, 1, sc->Tm, D, 1, sc->U, 1, D, 0, W + i0 * L, L, sc->work);
+        }
+        for (int64_t i = i0; i < i1; i++) {
+            for (int64_t j = i0; j <= i; j++)
+                W[i * L + j] = alpha * PA_FN(la_dot_gated)(X + i * ldx, Y + j * ldy,
+                                                           s->G + i * D, s->G + j * D, D);
+            for (int64_t j = i + 1; j < L; j++) W[i * L + j] = 0;
+        }
+    }
+}
+
+/* The scalar side's mask applied to W (lower triangular), into sc->M; W itself otherwise. */
+static const real *PA_FN(la_masked)(const PA_FN(la_side) *s, int64_t L, const real *W,
+                                    PA_FN(la_scratch) *sc)
+{
+    if (s->kind != PA_GATE_SCALAR) return W;
+    for (int64_t i = 0; i < L * L; i++) sc->M[i] = W[i] * s->Dm[i];
+    return sc->M;
+}
+
+/* Z_i += alpha sum_{j<=i} W_ij e^(G_i - G_j) U_j   (Z, U: L x D) */
+static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
+                            const real *U, int64_t ldu, real *Z, int64_t ldz,
+                            PA_FN(la_scratch) *sc)
+{
+    const int64_t D = s->D;
+    if (s->kind != PA_GATE_VECTOR) {
+        const real *Wm = PA_FN(la_masked)(s, L, W, sc);
+        for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
+            int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
+            PA_FN(gemm)(i1 - i0, D, i1, alpha, Wm + i0 * L, L, 1, U, ldu, 1, 1, Z + i0 * ldz,
+                        ldz, sc->work);
+        }
+        return;
+    }
+    for (int64_t i0 = 0; i0 < L; i0 += LA_SUB) {
+        int64_t i1 = i0 + LA_SUB < L ? i0 + LA_SUB : L;
+        const real *Gn = s->G + i0 * D;
+        if (i0 > 0) {
+            for (int64_t j = 0; j < i0; j++)
+                PA_FN(la_gated)(sc->U + j * D, U + j * ldu, Gn, s->G + j * D, D, 1, 0);
+            PA_FN(gemm)(i1 - i0, D, i0, alpha, W + i0 * L, L, 1, sc->U, D, 1, 0, sc->Tm, D,
+                        sc->work);
+            for (int64_t i = i0; i < i1; i++)
+                PA_FN(la_gated)(Z + i * ldz, sc->Tm + (i - i0) * D, s->G + i * D, Gn, D, 1, 1);
+        }
+        for (int64_t i = i0; i < i1; i++)
+            for (int64_t j = i0; j <= i; j++)
+                PA_FN(la_gated)(Z + i * ldz, U + j * ldu, s->G + i * D, s->G + j * D, D,
+                                alpha * W[i * L + j], 1);
+    }
+}
+
+/* Z_j += alpha sum_{i>=j} W_ij e^(G_i - G_j) U_i   (the transposed product) */
+static void PA_FN(la_apply_t)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
+                              const real *U, int64_t ldu, real *Z, int64_t ldz,
+                              PA_FN(la_scratch) *sc)
+{
+    const int64_t D = s->D;
+    if (s->kind != PA_GATE_VECTOR) {
+        const real *Wm = PA_FN(la_masked)(s, L, W, sc);
+        for (int64_t j0 = 0; j0 < L; j0 += LA_TRI) {
+            int64_t j1 = j0 + LA_TRI < L ? j0 + LA_TRI : L;
+            PA_FN(gemm)(j1 - j0, D, L - j0, alpha, Wm + j0 * L + j0, 1, L, U + j0 * ldu, ldu, 1,
+                        1, Z + j0 * ldz, ldz, sc->work);
+        }
+        return;
+    }
+    for (int64_t j0 = 0; j0 < L; j0 += LA_SUB) {
+        int64_t j1 = j0 + LA_SUB < L ? j0 + LA_SUB : L;
+        const real *Gr = s->G + (j1 - 1) * D; /* rows after the sub-block, rescaled to its last */
+        if (j1 < L) {
+            for (int64_t i = j1; i < L; i++)
+                PA_FN(la_gated)(sc->U + (i - j1) * D, U + i * ldu, s->G + i * D, Gr, D, 1, 0);
+            PA_FN(gemm)(j1 - j0, D, L - j1, alpha, W + j1 * L + j0, 1, L, sc->U, D, 1, 0, sc->Tm,
+                        D, sc->work);
+            for (int64_t j = j0; j < j1; j++)
+                PA_FN(la_gated)(Z + j * ldz, sc->Tm + (j - j0) * D, Gr, s->G + j * D, D, 1, 1);
+        }
+        for (int64_t j = j0; j < j1; j++)
+            for (int64_t i = j; i < j1; i++)
+                PA_FN(la_gated)(Z + j * ldz, U + i * ldu, s->G + i * D, s->G + j * D, D,
+                                alpha * W[i * L + j], 1);
+    }
+}
+
+/* ---- one (sequence, head) unit and its blocks ---- */
+
+typedef struct {
+    const pa_linear_desc *d;
+    int64_t T;                  /* rows of the sequence */
+    int64_t sk, sv, sg;         /* row strides: q/k/gk-vector, v/o/gv, scalar gk */
+    const real *q, *k, *v, *gk, *gv, *dout, *o; /* at the unit's first row and head */
+    real *dq, *dk, *dv, *dgk, *dgv;
+} PA_FN(la_unit);
+
+static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int64_t unit,
+                                const real *q, const real *k, const real *v, const real *gk,
+                                const real *gv, const real *dout, const real *o, real *dq,
+                                real *dk, real *dv, real *dgk, real *dgv)
+{
+    const int64_t H = d->H, n = unit / H, h = unit % H, r0 = d->cu[n];
+    u->d = d;
+    u->T = d->cu[n + 1] - r0;
+    u->sk = H * d->K;
+    u->sv = H * d->V;
+    u->sg = d->gk == PA_GATE_VECTOR ? H * d->K : H;
+    const int64_t ok = r0 * u->sk + h * d->K, ov = r0 * u->sv + h * d->V;
+    const int64_t og = d->gk == PA_GATE_VECTOR ? ok : r0 * H + h;
+    u->q = q + ok;
+    u->k = k + ok;
+    u->v = v + ov;
+    u->gk = gk ? gk + og : NULL;
+    u->gv = gv ? gv + ov : NULL;
+    u->dout = dout ? dout + ov : NULL;
+    u->o = o ? o + ov : NULL;
+    u->dq = dq ? dq + ok : NULL;
+    u->dk = dk ? dk + ok : NULL;
+    u->dv = dv ? dv + ov : NULL;
+    u->dgk = dgk ? dgk + og : NULL;
+    u->dgv = dgv ? dgv + ov : NULL;
+}
+
+/* The block of rows c0 .. c0+L-1: cumulative gates (and the scalar mask) into the scratch;
+ * the key and value sides. */
+static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+                            PA_FN(la_scratch) *sc, PA_FN(la_side) *ks, PA_FN(la_side) *vs)
+{
+    const pa_linear_desc *d = u->d;
+    const int64_t K = d->K, V = d->V;
+    *ks = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk, .Gs = sc->Gs, .Dm = sc->Dm};
+    *vs = (PA_FN(la_side)){.kind = d->gv, .D = V, .G = sc->Gv};
+    if (d->gk == PA_GATE_SCALAR) {
+        double acc = 0;
+        for (int64_t i = 0; i < L; i++) sc->Gs[i] = acc += u->gk[(c0 + i) * u->sg];
+        for (int64_t i = 0; i < L; i++) {
+            real *row = sc->Dm + i * L;
+            for (int64_t j = 0; j <= i; j++) row[j] = (real)(sc->Gs[i] - sc->Gs[j]);
+            PA_FN(exp_array)(row, row, i + 1);
+            for (int64_t j = i + 1; j < L; j++) row[j] = 0;
+        }
+    } else if (d->gk == PA_GATE_VECTOR) {
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < K; j++)
+                sc->Gk[i * K + j] = (i ? sc->Gk[(i - 1) * K + j] : 0) + u->gk[(c0 + i) * u->sg + j];
+    }
+    if (d->gv == PA_GATE_VECTOR)
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < V; j++)
+                sc->Gv[i * V + j] = (i ? sc->Gv[(i - 1) * V + j] : 0) + u->gv[(c0 + i) * u->sv + j];
+}
+
+/* o rows of the block from its start state S (o is the unit's output: the forward writes it) */
+static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
+                                   const real *S, PA_FN(la_scratch) *sc)
+{
+    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const real scale = (real)u->d->scale;
+    const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
+    real *o = (real *)u->o + c0 * sv;
+    PA_FN(la_gate_rows)(ks, L, 0, scale, q, sk, 0, sc->X, K);
+    PA_FN(gemm)(L, V, K, 1, sc->X, K, 1, S, V, 1, 0, sc->Tm, V, sc->work);
+    PA_FN(la_gate_rows)(vs, L, 0, 1, sc->Tm, V, 0, o, sv);
+    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, sc->A, sc);
+    PA_FN(la_apply)(vs, L, 1, sc->A, v, sv, o, sv, sc);
+}
+
+/* S = (decay of the block) S + the block's k^T v; keeps the decays in sc->deck, sc->decv.
+ * The block's gates must be in the scratch (la_block). */
+static void PA_FN(la_block_state)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+                                  const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *S,
+                                  PA_FN(la_scratch) *sc)
+{
+    const int64_t K = u->d->K, V = u->d->V;
+    PA_FN(la_total_decay)(ks, L, sc->deck);
+    PA_FN(la_total_decay)(vs, L, sc->decv);
+    PA_FN(la_state_decay)(S, sc->deck, sc->decv, NULL, K, V);
+    PA_FN(la_gate_rows)(ks, L, 1, 1, u->k + c0 * u->sk, u->sk, 0, sc->X, K);
+    PA_FN(la_gate_rows)(vs, L, 1, 1, u->v + c0 * u->sv, u->sv, 0, sc->Y, V);
+    PA_FN(gemm)(K, V, L, 1, sc->X, 1, K, sc->Y, V, 1, 1, S, V, sc->work);
+}
+
+/* dq rows of the block from its start state S */
+static void PA_FN(la_block_dq)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+                               const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
+                               const real *S, PA_FN(la_scratch) *sc)
+{
+    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const real scale = (real)u->d->scale;
+    const real *dout = u->dout + c0 * sv, *v = u->v + c0 * sv;
+    real *dq = u->dq + c0 * sk;
+    PA_FN(la_gate_rows)(vs, L, 0, 1, dout, sv, 0, sc->Y, V);
+    PA_FN(gemm)(L, K, V, 1, sc->Y, V, 1, S, 1, V, 0, sc->Tm, K, sc->work);
+    PA_FN(la_gate_rows)(ks, L, 0, scale, sc->Tm, K, 0, dq, sk);
+    PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, sc->B, sc);
+    PA_FN(la_apply)(ks, L, scale, sc->B, u->k + c0 * sk, sk, dq, sk, sc);
+}
+
+/* dk, dv rows of the block from dS, the gradient of its end state */
+static void PA_FN(la_block_dkdv)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+                                 const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
+                                 const real *dS, PA_FN(la_scratch) *sc)
+{
+    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const real scale = (real)u->d->scale;
+    const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
+    const real *dout = u->dout + c0 * sv;
+    real *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
+    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, sc->A, sc);
+    PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, sc->B, sc);
+    PA_FN(la_gate_rows)(vs, L, 1, 1, v, sv, 0, sc->Y, V);
+    PA_FN(gemm)(L, K, V, 1, sc->Y, V, 1, dS, 1, V, 0, sc->Tm, K, sc->work);
+    PA_FN(la_gate_rows)(ks, L, 1, 1, sc->Tm, K, 0, dk, sk);
+    PA_FN(la_apply_t)(ks, L, scale, sc->B, q, sk, dk, sk, sc);
+    PA_FN(la_gate_rows)(ks, L, 1, 1, k, sk, 0, sc->X, K);
+    PA_FN(gemm)(L, V, K, 1, sc->X, K, 1, dS, V, 1, 0, sc->Tm, V, sc->work);
+    PA_FN(la_gate_rows)(vs, L, 1, 1, sc->Tm, V, 0, dv, sv);
+    PA_FN(la_apply_t)(vs, L, 1, sc->A, dout, sv, dv, sv, sc);
+}
+
+/* dS = (decay of the block) dS + (q~ e^Gk)^T (do e^Gv): dS from the block's end to its start */
+static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *dS,
+                                   PA_FN(la_scratch) *sc)
+{
+    const int64_t K = u->d->K, V = u->d->V;
+    PA_FN(la_total_decay)(ks, L, sc->deck);
+    PA_FN(la_total_decay)(vs, L, sc->decv);
+    PA_FN(la_state_decay)(dS, sc->deck, sc->decv, NULL, K, V);
+    PA_FN(la_gate_rows)(ks, L, 0, (real)u->d->scale, u->q + c0 * u->sk, u->sk, 0, sc->X, K);
+    PA_FN(la_gate_rows)(vs, L, 0, 1, u->dout + c0 * u->sv, u->sv, 0, sc->Y, V);
+    PA_FN(gemm)(K, V, L, 1, sc->X, 1, K, sc->Y, V, 1, 1, dS, V, sc->work);
+}
+
+/* ---- the recurrent form ---- */
+
+/* a (K) and b (V): the decays of step t */
+static void PA_FN(la_step_decay)(const PA_FN(la_unit) *u, int64_t t, real *a, real *b)
+{
+    const int64_t K = u->d->K, V = u->d->V;
+    if (u->d->gk == PA_GATE_VECTOR) {
+        PA_FN(exp_array)(u->gk + t * u->sg, a, K);
+    } else {
+        real s = u->d->gk == PA_GATE_SCALAR ? (real)exp(u->gk[t * u->sg]) : 1;
+        for (int64_t i = 0; i < K; i++) a[i] = s;
+    }
+    if (u->gv)
+        PA_FN(exp_array)(u->gv + t * u->sv, b, V);
+    else
+        for (int64_t j = 0; j < V; j++) b[j] = 1;
+}
+
+/* Forward over the unit's steps from S (updated in place). With o: writes o_t. With dq
+ * (backward): writes dq_t = scale S_t do_t instead. */
+static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, real *S, real *o, real *dq,
+                                      PA_FN(la_scratch) *sc)
+{
+    const int64_t K = u->d->K, V = u->d->V;
+    const real scale = (real)u->d->scale;
+    for (int64_t t = 0; t < u->T; t++) {
+        const real *q = u->q + t * u->sk, *k = u->k + t * u->sk, *v = u->v + t * u->sv;
+        PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
+        real *acc = sc->Tm;
+        for (int64_t j = 0; j < V; j++) acc[j] = 0;
+        for (int64_t i = 0; i < K; i++) {
+            real *row = S + i * V, a = sc->deck[i], ki = k[i], qi = scale * q[i];
+            for (int64_t j = 0; j < V; j++) row[j] = a * row[j] * sc->decv[j] + ki * v[j];
+            if (dq)
+                dq[t * u->sk + i] = scale * PA_FN(dot)(row, u->dout + t * u->sv, V);
+            else
+                PA_FN(axpy)(acc, row, V, qi);
+        }
+        if (o) memcpy(o + t * u->sv, acc, sizeof(real) * V);
+    }
+}
+
+/* Reverse over the unit's steps from dS (the gradient of the final state, updated in place to
+ * that of the initial state): writes dk_t, dv_t. */
+static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, real *dS, PA_FN(la_scratch) *sc)
+{
+    const int64_t K = u->d->K, V = u->d->V;
+    const real scale = (real)u->d->scale;
+    for (int64_t t = u->T - 1; t >= 0; t--) {
+        const real *q = u->q + t * u->sk, *k = u->k + t * u->sk, *v = u->v + t * u->sv;
+        const real *dout = u->dout + t * u->sv;
+        real *dk = u->dk + t * u->sk, *dv = u->dv + t * u->sv;
+        PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
+        for (int64_t j = 0; j < V; j++) dv[j] = 0;
+        for (int64_t i = 0; i < K; i++) {
+            real *row = dS + i * V, a = sc->deck[i];
+            PA_FN(axpy)(row, dout, V, scale * q[i]);
+            dk[i] = PA_FN(dot)(row, v, V);
+            PA_FN(axpy)(dv, row, V, k[i]);
+            for (int64_t j = 0; j < V; j++) row[j] *= a * sc->decv[j];
+        }
+    }
+}
+
+/* ---- gate gradients, for every form (the identity in the header) ---- */
+
+static void PA_FN(la_gate_grads)(const PA_FN(la_unit) *u, const real *ST, const real *dST,
+                                 double *acc)
+{
+    real *dgk = u->dgk, *dgv = u->dgv;
+    const pa_linear_desc *d = u->d;
+    const int64_t K = d->K, V = d->V;
+    if (d->gk != PA_GATE_NONE) {
+        const int vec = d->gk == PA_GATE_VECTOR;
+        for (int64_t i = 0; i < K; i++) acc[i] = 0;
+        for (int64_t i = 0; i < K; i++)
+            for (int64_t j = 0; j < V; j++) acc[vec ? i : 0] += (double)ST[i * V + j] * dST[i * V + j];
+        for (int64_t t = u->T - 1; t >= 0; t--) {
+            const real *q = u->q + t * u->sk, *k = u->k + t * u->sk;
+            const real *dq = u->dq + t * u->sk, *dk = u->dk + t * u->sk;
+            for (int64_t i = 0; i < K; i++)
+                acc[vec ? i : 0] += (double)q[i] * dq[i] - (double)k[i] * dk[i];
+            if (vec)
+                for (int64_t i = 0; i < K; i++) dgk[t * u->sg + i] = (real)acc[i];
+            else
+                dgk[t * u->sg] = (real)acc[0];
+        }
+    }
+    if (d->gv != PA_GATE_NONE) {
+        for (int64_t j = 0; j < V; j++) acc[j] = 0;
+        for (int64_t i = 0; i < K; i++)
+            for (int64_t j = 0; j < V; j++) acc[j] += (double)ST[i * V + j] * dST[i * V + j];
+        for (int64_t t = u->T - 1; t >= 0; t--) {
+            const real *o = u->o + t * u->sv, *dout = u->dout + t * u->sv;
+            const real *v = u->v + t * u->sv, *dv = u->dv + t * u->sv;
+            for (int64_t j = 0; j < V; j++) {
+                acc[j] += (double)o[j] * dout[j] - (double)v[j] * dv[j];
+                dgv[t * u->sv + j] = (real)acc[j];
+            }
+        }
+    }
+}
+
+/* ---- drivers ---- */
+
+static int64_t PA_FN(la_max_len)(const pa_linear_desc *d)
+{
+    int64_t m = 0;
+    for (int64_t n = 0; n < d->nseq; n++)
+        if (d->cu[n + 1] - d->cu[n] > m) m = d->cu[n + 1] - d->cu[n];
+    return m;
+}
+
+/* Rows per block: the chunk size; the whole longest sequence for the parallel form. */
+static int64_t PA_FN(la_block_rows)(const pa_linear_desc *d)
+{
+    int64_t maxlen = PA_FN(la_max_len)(d);
+    int64_t L = d->form == PA_FORM_PARALLEL ? maxlen : d->chunk;
+    if (L > maxlen) L = maxlen;
+    return L < 1 ? 1 : L;
+}
+
+static int PA_FN(la_threads)(const pa_linear_desc *d, int64_t L, int64_t items)
+{
+    double rows = (double)d->cu[d->nseq] * (double)d->H;
+    double work = rows * (double)(d->K * d->V * 2 + (d->form == PA_FORM_RECURRENT ? 0 : L * (d->K + d->V)));
+    return pa_threads_for(work, items);
+}
+
+/* Chunk items for the chunk-parallel schedule: item i is block item_block[i] of unit
+ * item_unit[i]; returns the item count, or -1 when out of memory. */
+static int64_t PA_FN(la_items)(const pa_linear_desc *d, int64_t L, int64_t **unit,
+                               int64_t **block, int64_t **first)
+{
+    const int64_t units = d->nseq * d->H;
+    int64_t total = 0;
+    *first = malloc(sizeof(int64_t) * (units + 1));
+    if (!*first) return -1;
+    for (int64_t u = 0; u < units; u++) {
+        int64_t T = d->cu[u / d->H + 1] - d->cu[u / d->H];
+        (*first)[u] = total;
+        total += (T + L - 1) / L;
+    }
+    (*first)[units] = total;
+    *unit = malloc(sizeof(int64_t) * (total + 1));
+    *block = malloc(sizeof(int64_t) * (total + 1));
+    if (!*unit || !*block) {
+        free(*unit);
+        free(*block);
+        free(*first);
+        return -1;
+    }
+    for (int64_t u = 0; u < units; u++)
+        for (int64_t i = (*first)[u]; i < (*first)[u + 1]; i++) {
+            (*unit)[i] = u;
+            (*block)[i] = i - (*first)[u];
+        }
+    return total;
+}
+
+typedef struct {
+    const pa_linear_desc *d;
+    const real *q, *k, *v, *gk, *gv, *h0, *dout, *o, *dht; /* o: written by the forward */
+    real *ht, *dq, *dk, *dv, *dgk, *dgv, *dh0;
+} PA_FN(la_call);
+
+static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_unit) *u)
+{
+    PA_FN(la_unit_init)(u, c->d, unit, c->q, c->k, c->v, c->gk, c->gv, c->dout, c->o, c->dq,
+                        c->dk, c->dv, c->dgk, c->dgv);
+}
+
+static void PA_FN(la_load_state)(const real *src, int64_t unit, int64_t KV, real *S)
+{
+    if (src)
+        memcpy(S, src + unit * KV, sizeof(real) * KV);
+    else
+        memset(S, 0, sizeof(real) * KV);
+}
+
+/* One unit, every block in order (forward, or the whole backward), on one thread. */
+static void PA_FN(la_unit_run)(const PA_FN(la_call) *c, int64_t unit, int backward, int64_t L,
+                               PA_FN(la_scratch) *sc)
+{
+    const pa_linear_desc *d = c->d;
+    const int64_t KV = d->K * d->V;
+    PA_FN(la_unit) u;
+    PA_FN(la_unit_of)(c, unit, &u);
+    real *S = sc->S, *dS = sc->dS;
+    PA_FN(la_load_state)(c->h0, unit, KV, S);
+    const int rec = d->form == PA_FORM_RECURRENT;
+    PA_FN(la_side) ks, vs;
+    if (!backward) {
+        if (rec)
+            PA_FN(la_recurrent_sweep)(&u, S, (real *)u.o, NULL, sc);
+        for (int64_t c0 = 0; !rec && c0 < u.T; c0 += L) {
+            int64_t l = u.T - c0 < L ? u.T - c0 : L;
+            PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
+            PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
+            PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
+        }
+        if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
+        return;
+    }
+    if (rec)
+        PA_FN(la_recurrent_sweep)(&u, S, NULL, u.dq, sc);
+    for (int64_t c0 = 0; !rec && c0 < u.T; c0 += L) {
+        int64_t l = u.T - c0 < L ? u.T - c0 : L;
+        PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
+        PA_FN(la_block_dq)(&u, c0, l, &ks, &vs, S, sc);
+        PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
+    }
+    PA_FN(la_load_state)(c->dht, unit, KV, dS);
+    if (rec)
+        PA_FN(la_recurrent_reverse)(&u, dS, sc);
+    for (int64_t c0 = !rec && u.T ? (u.T - 1) / L * L : -1; c0 >= 0; c0 -= L) {
+        int64_t l = u.T - c0 < L ? u.T - c0 : L;
+        PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
+        PA_FN(la_block_dkdv)(&u, c0, l, &ks, &vs, dS, sc);
+        PA_FN(la_block_dstate)(&u, c0, l, &ks, &vs, dS, sc);
+    }
+    if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
+    PA_FN(la_load_state)(c->dht, unit, KV, sc->tmp);
+    PA_FN(la_gate_grads)(&u, S, sc->tmp, (double *)sc->Tm);
+}
+
+/* In place over a unit's nb blocks: buf[b] holds the block's own contribution (its state
+ * from a zero start, or its dS from a zero end) and dec[b] its decays (K then V); on return
+ * buf[b] holds the state entering block b in the scan's direction, and `carry` (the start
+ * value on entry) the state leaving the last. */
+static void PA_FN(la_scan)(real *buf, const real *dec, int64_t nb, int reverse, int64_t K,
+                           int64_t V, real *carry, real *tmp)
+{
+    const int64_t KV = K * V;
+    for (int64_t i = 0; i < nb; i++) {
+        int64_t b = reverse ? nb - 1 - i : i;
+        real *cur = buf + b * KV;
+        memcpy(tmp, cur, sizeof(real) * KV);
+        memcpy(cur, carry, sizeof(real) * KV);
+        PA_FN(la_state_decay)(carry, dec + b * (K + V), dec + b * (K + V) + K, tmp, K, V);
+    }
+}
+
+/* The chunk-parallel schedule, for fewer units than threads. */
+static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L, int nthreads)
+{
+    const pa_linear_desc *d = c->d;
+    const int64_t K = d->K, V = d->V, KV = K * V, units = d->nseq * d->H;
+    int64_t *iunit, *iblock, *first;
+    int64_t items = PA_FN(la_items)(d, L, &iunit, &iblock, &first);
+    if (items < 0) return PA_ENOMEM;
+    real *states = pa_alloc(sizeof(real) * (items + 1) * KV);
+    real *dstates = backward ? pa_alloc(sizeof(real) * (items + 1) * KV) : NULL;
+    real *decs = pa_alloc(sizeof(real) * (items + 1) * (K + V));
+    int failed = !states || !decs || (backward && !dstates);
+    if (!failed) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            PA_FN(la_scratch) sc;
+            int ok = PA_FN(la_scratch_alloc)(&sc, L, K, V);
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            PA_FN(la_unit) u;
+            PA_FN(la_side) ks, vs;
+            /* each block's own state contribution and decays */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; i++) {
+                if (!ok) continue;
+                PA_FN(la_unit_of)(c, iunit[i], &u);
+                int64_t c0 = iblock[i] * L, l = u.T - c0 < L ? u.T - c0 : L;
+                memset(states + i * KV, 0, sizeof(real) * KV);
+                PA_FN(la_block)(&u, c0, l, &sc, &ks, &vs);
+                PA_FN(la_block_state)(&u, c0, l, &ks, &vs, states + i * KV, &sc);
+                memcpy(decs + i * (K + V), sc.deck, sizeof(real) * K);
+                memcpy(decs + i * (K + V) + K, sc.decv, sizeof(real) * V);
+                if (backward) {
+                    memset(dstates + i * KV, 0, sizeof(real) * KV);
+                    PA_FN(la_block_dstate)(&u, c0, l, &ks, &vs, dstates + i * KV, &sc);
+                }
+            }
+            /* the scans: states forward, their gradients backward */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t un = 0; un < units; un++) {
+                if (!ok) continue;
+                int64_t nb = first[un + 1] - first[un];
+                PA_FN(la_load_state)(c->h0, un, KV, sc.S);
+                PA_FN(la_scan)(states + first[un] * KV, decs + first[un] * (K + V), nb, 0, K, V,
+                               sc.S, sc.tmp);
+                if (c->ht) memcpy(c->ht + un * KV, sc.S, sizeof(real) * KV);
+                if (!backward) continue;
+                PA_FN(la_load_state)(c->dht, un, KV, sc.dS);
+                PA_FN(la_scan)(dstates + first[un] * KV, decs + first[un] * (K + V), nb, 1, K,
+                               V, sc.dS, sc.tmp);
+                if (c->dh0) memcpy(c->dh0 + un * KV, sc.dS, sizeof(real) * KV);
+            }
+            /* the blocks' outputs (or gradients) from the states entering them */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; i++) {
+                if (!ok) continue;
+                PA_FN(la_unit_of)(c, iunit[i], &u);
+                int64_t c0 = iblock[i] * L, l = u.T - c0 < L ? u.T - c0 : L;
+                PA_FN(la_block)(&u, c0, l, &sc, &ks, &vs);
+                if (!backward) {
+                    PA_FN(la_block_output)(&u, c0, l, &ks, &vs, states + i * KV, &sc);
+                    continue;
+                }
+                PA_FN(la_block_dq)(&u, c0, l, &ks, &vs, states + i * KV, &sc);
+                PA_FN(la_block_dkdv)(&u, c0, l, &ks, &vs, dstates + i * KV, &sc);
+            }
+            /* gate gradients need the final state: the last block's entering state advanced */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t un = 0; un < units; un++) {
+                if (!ok || !backward || (d->gk == PA_GATE_NONE && d->gv == PA_GATE_NONE)) continue;
+                PA_FN(la_unit_of)(c, un, &u);
+                PA_FN(la_load_state)(c->h0, un, KV, sc.S);
+                int64_t last = first[un + 1] - 1;
+                if (last >= first[un]) {
+                    int64_t c0 = iblock[last] * L, l = u.T - c0;
+                    memcpy(sc.S, states + last * KV, sizeof(real) * KV);
+                    PA_FN(la_block)(&u, c0, l, &sc, &ks, &vs);
+                    PA_FN(la_block_state)(&u, c0, l, &ks, &vs, sc.S, &sc);
+                }
+                PA_FN(la_load_state)(c->dht, un, KV, sc.tmp);
+                PA_FN(la_gate_grads)(&u, sc.S, sc.tmp, (double *)sc.Tm);
+            }
+            if (ok) free(sc.block);
+        }
+    }
+    free(states);
+    free(dstates);
+    free(decs);
+    free(iunit);
+    free(iblock);
+    free(first);
+    return failed ? PA_ENOMEM : PA_OK;
+}
+
+static int PA_FN(la_run)(const PA_FN(la_call) *c, int backward)
+{
+    const pa_linear_desc *d = c->d;
+    const int64_t units = d->nseq * d->H;
+    if (units == 0) return PA_OK;
+    const int64_t L = PA_FN(la_block_rows)(d);
+    const int64_t blocks = d->form == PA_FORM_CHUNK ? (d->cu[d->nseq] + L - 1) / L + d->nseq : 0;
+    const int nthreads = PA_FN(la_threads)(d, L, units > blocks ? units : blocks * d->H);
+    if (d->form == PA_FORM_CHUNK && units < nthreads)
+        return PA_FN(la_run_items)(c, backward, L, nthreads);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        PA_FN(la_scratch) sc;
+        int ok = PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 1 : L, d->K, d->V);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t un = 0; un < units; un++)
+            if (ok) PA_FN(la_unit_run)(c, un, backward, L, &sc);
+        if (ok) free(sc.block);
+    }
+    return failed ? PA_ENOMEM : PA_OK;
+}
+
+static int PA_FN(linear_forward)(const pa_linear_desc *d, const void *q, const void *k,
+                                 const void *v, const void *gk, const void *gv, const void *h0,
+                                 void *o, void *ht)
+{
+    PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
+                        .o = o, .ht = ht};
+    return PA_FN(la_run)(&c, 0);
+}
+
+static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
+                                  const void *v, const void *gk, const void *gv, const void *h0,
+                                  const void *o, const void *dout, const void *dht, void *dq,
+                                  void *dk, void *dv, void *dgk, void *dgv, void *dh0)
+{
+    PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
+                        .dout = dout, .o = o, .dht = dht, .dq = dq, .dk = dk, .dv = dv,
+                        .dgk = dgk, .dgv = dgv, .dh0 = dh0};
+    return PA_FN(la_run)(&c, 1);
+}
+
+/* ---- efficient attention (Shen et al.): non-causal, so one context matrix per unit ----
+ *   Kc = softmax over time of scale k (per feature), C = Kc^T v, Qs = softmax over features of
+ *   scale q, o = Qs C. Backward: dQs = dO C^T, dC = Qs^T dO, dKc = v dC^T, dv = Kc dC, and
+ *   the two softmax backwards (down columns for Kc). */
+
+typedef struct {
+    real *Kc, *Qs, *dKc, *dQs, *C, *dC, *m, *s, *work;
+    void *block;
+} PA_FN(ea_scratch);
+
+static int PA_FN(ea_scratch_alloc)(PA_FN(ea_scratch) *s, int64_t tq, int64_t tk, int64_t K,
+                                   int64_t V)
+{
+    int64_t big = tq > tk ? tq : tk;
+    big = big > K ? big : K;
+    big = big > V ? big : V;
+    int64_t sizes[] = {tk * K, tq * K, tk * K, tq * K, K * V, K * V, K, K,
+                       PA_FN(gemm_work_elems)(big, big, big)};
+    real **dst[] = {&s->Kc, &s->Qs, &s->dKc, &s->dQs, &s->C, &s->dC, &s->m, &s->s, &s->work};
+    enum { N = sizeof sizes / sizeof sizes[0] };
+    int64_t total = 0;
+    for (int i = 0; i < N; i++) total += (sizes[i] * (int64_t)sizeof(real) + 63) / 64 * 64;
+    if (!(s->block = pa_alloc((size_t)total))) return 0;
+    char *p = s->block;
+    for (int i = 0; i < N; i++) {
+        *dst[i] = (real *)p;
+        p += (sizes[i] * (int64_t)sizeof(real) + 63) / 64 * 64;
+    }
+    return 1;
+}
+
+/* Kc, Qs and C of one unit */
+static void PA_FN(ea_prepare)(const pa_efficient_desc *d, const real *q, const real *k,
+                              const real *v, int64_t tq, int64_t tk, PA_FN(ea_scratch) *s)
+{
+    const int64_t H = d->H, K = d->K, V = d->V;
+    const real scale = (real)d->scale;
+    for (int64_t j = 0; j < K; j++) {
+        s->m[j] = -(real)INFINITY;
+        s->s[j] = 0;
+    }
+    for (int64_t t = 0; t < tk; t++) {
+        real *row = s->Kc + t * K;
+        for (int64_t j = 0; j < K; j++) row[j] = scale * k[t * H * K + j];
+        PA_FN(vec_max_into)(s->m, row, K);
+    }
+    for (int64_t t = 0; t < tk; t++) PA_FN(vec_exp_sub_acc)(s->Kc + t * K, s->m, s->s, K);
+    for (int64_t j = 0; j < K; j++) s->s[j] = 1 / s->s[j];
+    for (int64_t t = 0; t < tk; t++)
+        for (int64_t j = 0; j < K; j++) s->Kc[t * K + j] *= s->s[j];
+    PA_FN(gemm)(K, V, tk, 1, s->Kc, 1, K, v, H * V, 1, 0, s->C, V, s->work);
+    for (int64_t t = 0; t < tq; t++) {
+        real *row = s->Qs + t * K;
+        for (int64_t j = 0; j < K; j++) row[j] = scale * q[t * H * K + j];
+        PA_FN(row_scale)(row, K, 1 / PA_FN(row_exp_sum)(row, K, PA_FN(row_max)(row, K)));
+    }
+}
+
+static int PA_FN(ea_run)(const pa_efficient_desc *d, const real *q, const real *k,
+                         const real *v, real *o, const real *dout, real *dq, real *dk, real *dv)
+{
+    const int64_t H = d->H, K = d->K, V = d->V, units = d->nseq * H;
+    int64_t tqmax = 1, tkmax = 1;
+    double work = 0;
+    for (int64_t n = 0; n < d->nseq; n++) {
+        int64_t tq = d->cu_q[n + 1] - d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
+        tqmax = tq > tqmax ? tq : tqmax;
+        tkmax = tk > tkmax ? tk : tkmax;
+        work += (double)(tq + tk) * H * K * V;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(pa_threads_for(work * (dout ? 3 : 1), units))
+    {
+        PA_FN(ea_scratch) s;
+        int ok = PA_FN(ea_scratch_alloc)(&s, tqmax, tkmax, K, V);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t un = 0; un < units; un++) {
+            if (!ok) continue;
+            const int64_t n = un / H, h = un % H;
+            const int64_t rq = d->cu_q[n], rk = d->cu_k[n];
+            const int64_t tq = d->cu_q[n + 1] - rq, tk = d->cu_k[n + 1] - rk;
+            const int64_t oq = rq * H * K + h * K, ok_ = rk * H * K + h * K;
+            const int64_t oo = rq * H * V + h * V, ov = rk * H * V + h * V;
+            PA_FN(ea_prepare)(d, q + oq, k + ok_, v + ov, tq, tk, &s);
+            if (!dout) {
+                PA_FN(gemm)(tq, V, K, 1, s.Qs, K, 1, s.C, V, 1, 0, o + oo, H * V, s.work);
+                continue;
+            }
+            const real scale = (real)d->scale;
+            PA_FN(gemm)(tq, K, V, 1, dout + oo, H * V, 1, s.C, 1, V, 0, s.dQs, K, s.work);
+            for (int64_t t = 0; t < tq; t++) {
+                const real *y = s.Qs + t * K, *dy = s.dQs + t * K;
+                real c = PA_FN(dot)(y, dy, K);
+                for (int64_t j = 0; j < K; j++) dq[oq + t * H * K + j] = scale * y[j] * (dy[j] - c);
+            }
+            PA_FN(gemm)(K, V, tq, 1, s.Qs, 1, K, dout + oo, H * V, 1, 0, s.dC, V, s.work);
+            PA_FN(gemm)(tk, K, V, 1, v + ov, H * V, 1, s.dC, 1, V, 0, s.dKc, K, s.work);
+            PA_FN(gemm)(tk, V, K, 1, s.Kc, K, 1, s.dC, V, 1, 0, dv + ov, H * V, s.work);
+            for (int64_t j = 0; j < K; j++) s.s[j] = 0;
+            for (int64_t t = 0; t < tk; t++)
+                for (int64_t j = 0; j < K; j++) s.s[j] += s.Kc[t * K + j] * s.dKc[t * K + j];
+            for (int64_t t = 0; t < tk; t++)
+                for (int64_t j = 0; j < K; j++)
+                    dk[ok_ + t * H * K + j] = scale * s.Kc[t * K + j] * (s.dKc[t * K + j] - s.s[j]);
+        }
+        if (ok) free(s.block);
+    }
+    return failed ? PA_ENOMEM : PA_OK;
+}
+
+static int PA_FN(efficient_forward)(const pa_efficient_desc *d, const void *q, const void *k,
+                                    const void *v, void *o)
+{
+    return PA_FN(ea_run)(d, q, k, v, o, NULL, NULL, NULL, NULL);
+}
+
+static int PA_FN(efficient_backward)(const pa_efficient_desc *d, const void *q, const void *k,
+                                     const void *v, const void *dout, void *dq, void *dk,
+                                     void *dv)
+{
+    return PA_FN(ea_run)(d, q, k, v, NULL, dout, dq, dk, dv);
+}
