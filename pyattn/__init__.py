@@ -13,6 +13,8 @@ import contextlib
 from . import _core, reference, testing
 from .autodiff import vjp
 from .feature_maps import feature_map
+from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
+                     retention, simple_gla)
 from .softmax import softmax_attention
 from ._ops import OpInfo, build_ops
 
@@ -59,10 +61,17 @@ __all__ = [
     "OPS",
     "OpInfo",
     "build_info",
+    "efficient_attention",
     "feature_map",
     "get_num_threads",
+    "gla",
+    "lightning_attention",
+    "linear_attention",
+    "mamba2",
     "num_threads",
     "reference",
+    "retention",
+    "simple_gla",
     "testing",
     "set_num_threads",
     "softmax_attention",

@@ -43,8 +43,72 @@ def _softmax_example(rng: np.random.Generator, dtype=np.float64, tiny=False):
     return (q, k, v), dict(causal=True, window=window, sinks=2, softcap=5.0, return_lse=True)
 
 
+def _qkv(rng, dtype, tiny, K=None):
+    B, T, H, Kd, Vd = (1, 7, 2, 3, 2) if tiny else (2, 150, 3, 16, 12)
+    K = Kd if K is None else K
+    return [rng.standard_normal(s).astype(dtype) for s in ((B, T, H, K), (B, T, H, K), (B, T, H, Vd))]
+
+
+def _state(rng, dtype, q, v, extra_cols=0):
+    B, _, H, K = q.shape
+    return rng.standard_normal((B, H, K, v.shape[3] + extra_cols)).astype(dtype)
+
+
+def _linear_attention_example(rng, dtype=np.float64, tiny=False):
+    q, k, v = _qkv(rng, dtype, tiny)
+    q, k = np.abs(q), np.abs(k)  # a positive normaliser
+    h0 = np.abs(_state(rng, dtype, q, v, extra_cols=1)) * 0.1
+    return (q, k, v), dict(feature_map="elu1", normalize=True, initial_state=h0, output_final_state=True)
+
+
+def _retention_example(rng, dtype=np.float64, tiny=False):
+    q, k, v = _qkv(rng, dtype, tiny)
+    gamma = rng.uniform(0.6, 0.99, q.shape[2]).astype(dtype)
+    return (q, k, v), dict(gamma=gamma, initial_state=_state(rng, dtype, q, v), output_final_state=True)
+
+
+def _lightning_example(rng, dtype=np.float64, tiny=False):
+    q, k, v = _qkv(rng, dtype, tiny)
+    slopes = rng.uniform(0.01, 1.0, q.shape[2]).astype(dtype)
+    return (q, k, v), dict(slopes=slopes, initial_state=_state(rng, dtype, q, v), output_final_state=True)
+
+
+def _simple_gla_example(rng, dtype=np.float64, tiny=False):
+    q, k, v = _qkv(rng, dtype, tiny)
+    g = -rng.uniform(0.0, 1.0, q.shape[:3]).astype(dtype)
+    return (q, k, v, g), dict(initial_state=_state(rng, dtype, q, v), output_final_state=True)
+
+
+def _gla_example(rng, dtype=np.float64, tiny=False):
+    q, k, v = _qkv(rng, dtype, tiny)
+    g = -rng.uniform(0.0, 1.0, q.shape).astype(dtype)
+    gv = -rng.uniform(0.0, 0.5, v.shape).astype(dtype)
+    return (q, k, v, g), dict(gv=gv, initial_state=_state(rng, dtype, q, v), output_final_state=True)
+
+
+def _mamba2_example(rng, dtype=np.float64, tiny=False):
+    Bsz, T, H, G, P, N = (1, 7, 2, 1, 3, 2) if tiny else (2, 150, 4, 2, 12, 16)
+    x = rng.standard_normal((Bsz, T, H, P)).astype(dtype)
+    dt = rng.standard_normal((Bsz, T, H)).astype(dtype)
+    A = -rng.uniform(0.5, 2.0, H).astype(dtype)
+    Bm, Cm = (rng.standard_normal((Bsz, T, G, N)).astype(dtype) for _ in range(2))
+    D = rng.standard_normal(H).astype(dtype)
+    dt_bias = rng.standard_normal(H).astype(dtype)
+    h0 = rng.standard_normal((Bsz, H, N, P)).astype(dtype)
+    return (x, dt, A, Bm, Cm), dict(D=D, dt_bias=dt_bias, initial_state=h0, output_final_state=True)
+
+
+def _efficient_example(rng, dtype=np.float64, tiny=False):
+    B, Tq, Tk, H, K, Vd = (1, 5, 6, 2, 3, 2) if tiny else (2, 120, 150, 3, 16, 12)
+    q = rng.standard_normal((B, Tq, H, K)).astype(dtype)
+    k = rng.standard_normal((B, Tk, H, K)).astype(dtype)
+    v = rng.standard_normal((B, Tk, H, Vd)).astype(dtype)
+    return (q, k, v), {}
+
+
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, softmax_attention
+    from . import linear
 
     return {
         "softmax_attention": OpInfo(
@@ -57,5 +121,44 @@ def build_ops() -> Dict[str, OpInfo]:
             chunked=False,
             example=_softmax_example,
             description="softmax attention: causal/window/sinks/ALiBi/softcap, GQA, varlen",
+        ),
+        **{
+            name: OpInfo(
+                name=name,
+                fn=getattr(linear, name),
+                forms=linear.FORMS,
+                arrays=arrays,
+                differentiable=differentiable,
+                has_state=True,
+                chunked=True,
+                example=example,
+                description=description,
+            )
+            for name, arrays, differentiable, example, description in [
+                ("linear_attention", ("q", "k", "v"), ("q", "k", "v", "initial_state", "projection"),
+                 _linear_attention_example, "linear attention with feature maps, optionally normalised"),
+                ("retention", ("q", "k", "v"), ("q", "k", "v", "gamma", "initial_state"),
+                 _retention_example, "RetNet retention: a constant decay per head"),
+                ("lightning_attention", ("q", "k", "v"), ("q", "k", "v", "slopes", "initial_state"),
+                 _lightning_example, "Lightning attention: decay exp(-slope) per head"),
+                ("simple_gla", ("q", "k", "v", "g"), ("q", "k", "v", "g", "initial_state"),
+                 _simple_gla_example, "scalar-gated linear attention"),
+                ("gla", ("q", "k", "v", "g"), ("q", "k", "v", "g", "gv", "initial_state"),
+                 _gla_example, "gated linear attention: vector key gate, optional value gate"),
+                ("mamba2", ("x", "dt", "A", "B", "C"),
+                 ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state"),
+                 _mamba2_example, "Mamba-2 SSD: groups, D skip, dt_bias, softplus"),
+            ]
+        },
+        "efficient_attention": OpInfo(
+            name="efficient_attention",
+            fn=linear.efficient_attention,
+            forms=("parallel",),
+            arrays=("q", "k", "v"),
+            differentiable=("q", "k", "v"),
+            has_state=False,
+            chunked=False,
+            example=_efficient_example,
+            description="efficient attention: softmax over features (q) and time (k), non-causal",
         ),
     }

@@ -1,0 +1,567 @@
+"""The gated linear engine and its ops (DESIGN section 4).
+
+One C engine computes, per (sequence, head), with S_0 = initial_state (zeros if None):
+``S_t = diag(exp(gk_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
+Every op here is a thin wrapper: it maps its arguments onto (q, k, v, gk, gv), calls the
+engine, and maps the engine's gradients back by the chain rule (elementwise NumPy, never a
+loop over time).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from . import _validate as V
+from . import feature_maps as _fm
+from .autodiff import register_vjp, split_cotangent
+
+FORMS = ("chunk", "parallel", "recurrent")
+_FORM_CODE = {"chunk": _core.FORM_CHUNK, "parallel": _core.FORM_PARALLEL,
+              "recurrent": _core.FORM_RECURRENT}
+
+
+def _sequences(fn, B, T, cu_seqlens):
+    """(int64 offsets of the packed rows, number of sequences N)"""
+    if cu_seqlens is None:
+        return V.batch_offsets(B, T), B
+    cu = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, T, B)
+    return cu, len(cu) - 1
+
+
+class _Engine:
+    """One call of the engine: checked inputs, the forward, and the C backward."""
+
+    def __init__(self, fn, q, k, v, gk, gv, h0, want_state, cu, N, form, chunk_size, scale):
+        V.form(fn, form, FORMS)
+        V.chunk_size(fn, chunk_size)
+        B, T, H, K = q.shape
+        Vd = v.shape[3]
+        if h0 is not None and h0.shape != (N, H, K, Vd):
+            raise ValueError(f"{fn}(): 'initial_state' must have shape {(N, H, K, Vd)} [N, H, K, V], "
+                             f"got {h0.shape}")
+        self.fn, self.q, self.k, self.v, self.gk, self.gv, self.h0 = fn, q, k, v, gk, gv, h0
+        self.want_state, self.N = want_state, N
+        self.opts = (cu, _FORM_CODE[form], int(chunk_size), float(scale))
+        self.o = self.ht = None
+
+    def forward(self):
+        q, v = self.q, self.v
+        B, T, H, K = q.shape
+        self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
+        self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
+        _core.linear_forward(q, self.k, v, self.gk, self.gv, self.h0, self.o, self.ht, *self.opts)
+        return self.o, self.ht
+
+    def cotangent(self, cot):
+        """(do, dht) checked against the forward's outputs; None entries mean zero."""
+        fn = self.fn
+        do, dht = split_cotangent(fn, cot, 2)
+        if dht is not None and not self.want_state:
+            raise ValueError(f"{fn} pullback: got a cotangent for the final state, but output_final_state=False")
+        arrs, _ = V.float_arrays(f"{fn} pullback", ("do", "dht"), q=self.q, do=do, dht=dht)
+        do, dht = arrs["do"], arrs["dht"]
+        if do is None:
+            do = np.zeros_like(self.o)
+        if do.shape != self.o.shape:
+            raise ValueError(f"{fn} pullback: 'do' must have shape {self.o.shape}, got {do.shape}")
+        if dht is not None and dht.shape != self.ht.shape:
+            raise ValueError(f"{fn} pullback: the final state's cotangent must have shape {self.ht.shape}, got {dht.shape}")
+        return do, dht
+
+    def backward(self, do, dht):
+        """{q, k, v, gk, gv, h0: gradient} for the engine's own inputs (gk, gv, h0 when given)."""
+        g = {"q": np.empty_like(self.q), "k": np.empty_like(self.k), "v": np.empty_like(self.v)}
+        g["gk"] = None if self.gk is None else np.empty_like(self.gk)
+        g["gv"] = None if self.gv is None else np.empty_like(self.gv)
+        g["h0"] = None if self.h0 is None else np.empty_like(self.h0)
+        _core.linear_backward(self.q, self.k, self.v, self.gk, self.gv, self.h0, self.o, do, dht,
+                              g["q"], g["k"], g["v"], g["gk"], g["gv"], g["h0"], *self.opts)
+        return g
+
+
+def _qkv(fn, q, k, v, optional=(), **more):
+    """float arrays of one dtype; q, k [B, T, H, K] and v [B, T, H, V] checked."""
+    arrs, dtype = V.float_arrays(fn, ("initial_state",) + tuple(optional), q=q, k=k, v=v, **more)
+    q, k, v = arrs["q"], arrs["k"], arrs["v"]
+    V.ndim(fn, "q", q, 4, "[B, T, H, K]")
+    V.ndim(fn, "k", k, 4, "[B, T, H, K]")
+    V.ndim(fn, "v", v, 4, "[B, T, H, V]")
+    if k.shape != q.shape:
+        raise ValueError(f"{fn}(): 'k' must have the shape of q {q.shape}, got {k.shape}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"{fn}(): 'v' must be [B, T, H, V] = {q.shape[:3] + ('V',)}, got {v.shape}")
+    if q.shape[3] < 1 or v.shape[3] < 1:
+        raise ValueError(f"{fn}(): head dims must be >= 1, got K={q.shape[3]}, V={v.shape[3]}")
+    return arrs, dtype
+
+
+def _gate(fn, name, g, shape):
+    if g is not None and g.shape != shape:
+        raise ValueError(f"{fn}(): '{name}' must have shape {shape}, got {g.shape}")
+    return g
+
+
+def _per_head(fn, name, x, H):
+    if x is not None and x.shape != (H,):
+        raise ValueError(f"{fn}(): '{name}' must have shape ({H},), got {x.shape}")
+    return x
+
+
+def _state_out(engine, out_state):
+    return engine.o, (out_state if engine.want_state else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gate-driven ops: simple_gla, gla, retention, lightning_attention
+
+
+def _gated(fn, q, k, v, gk, gv, scale, initial_state, output_final_state, cu_seqlens, form,
+           chunk_size, **consts):
+    """Shared by the ops whose gates go to the engine as they are (or from per-head constants)."""
+    arrs, dtype = _qkv(fn, q, k, v, ("gk", "gv") + tuple(consts), gk=gk, gv=gv,
+                       initial_state=initial_state, **consts)
+    q, k, v = arrs["q"], arrs["k"], arrs["v"]
+    B, T, H, K = q.shape
+    cu, N = _sequences(fn, B, T, cu_seqlens)
+    scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
+    eng = _Engine(fn, q, k, v, arrs["gk"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
+                  cu, N, form, chunk_size, scale)
+    return eng, arrs, dtype
+
+
+def _gated_vjp(eng, names):
+    """pullback of an op whose arrays map one-to-one onto the engine's (names: op -> engine)."""
+
+    def pullback(cot):
+        g = eng.backward(*eng.cotangent(cot))
+        return {op: g[e] for op, e in names.items() if g[e] is not None}
+
+    return pullback
+
+
+def _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size):
+    fn = "simple_gla"
+    arrs, _ = V.float_arrays(fn, (), g=g)
+    g = arrs["g"]
+    eng, _, _ = _gated(fn, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
+                       form, chunk_size)
+    _gate(fn, "g", g, eng.q.shape[:3])
+    return eng
+
+
+def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
+               cu_seqlens=None, form="chunk", chunk_size=64):
+    """Scalar-gated linear attention: ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``.
+
+    q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H]`` a log-space decay per step
+    (``g <= 0``; the chunk form keeps every exponent <= 0 relative to a point inside the
+    chunk, so gates down to -20 per step and beyond are safe). ``initial_state``
+    ``[N, H, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``). Forms:
+    ``"chunk"`` (chunk_size 16/32/64/128), ``"parallel"``, ``"recurrent"``. Returns
+    ``(o [B, T, H, V], final_state or None)``.
+    """
+    eng = _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
+    return _state_out(eng, eng.forward()[1])
+
+
+@register_vjp(simple_gla)
+def _simple_gla_vjp(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, form="chunk", chunk_size=64):
+    eng = _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
+    out = _state_out(eng, eng.forward()[1])
+    return out, _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "initial_state": "h0"})
+
+
+def _gla(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size):
+    fn = "gla"
+    arrs, _ = V.float_arrays(fn, ("gv",), g=g, gv=gv)
+    eng, _, _ = _gated(fn, q, k, v, arrs["g"], arrs["gv"], scale, initial_state, output_final_state,
+                       cu_seqlens, form, chunk_size)
+    _gate(fn, "g", eng.gk, eng.q.shape)
+    _gate(fn, "gv", eng.gv, eng.v.shape)
+    return eng
+
+
+def gla(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, form="chunk", chunk_size=64):
+    """Gated linear attention: ``S_t = diag(exp(g_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``.
+
+    g ``[B, T, H, K]`` the key-side log gate, gv ``[B, T, H, V]`` an optional value-side one
+    (both ``<= 0``). The chunk form splits each chunk into 16-row sub-chunks, as fla's GLA:
+    products across sub-chunks are GEMMs with exponents relative to the sub-chunk's first
+    row, those inside one are summed elementwise, so strong gates never overflow. Other
+    arguments and the return as ``simple_gla``.
+    """
+    eng = _gla(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
+    return _state_out(eng, eng.forward()[1])
+
+
+@register_vjp(gla)
+def _gla_vjp(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_state=False,
+             cu_seqlens=None, form="chunk", chunk_size=64):
+    eng = _gla(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
+    out = _state_out(eng, eng.forward()[1])
+    return out, _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "gv": "gv",
+                                 "initial_state": "h0"})
+
+
+def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, output_final_state,
+                    cu_seqlens, form, chunk_size):
+    """retention / lightning: a log decay per head, expanded to a scalar gate per step; the
+    gradient of the constant is the sum of the gate's over (batch, time)."""
+    arrs, dtype = _qkv(fn, q, k, v, (name,), initial_state=initial_state, **{name: const})
+    B, T, H, _ = arrs["q"].shape
+    c = _per_head(fn, name, arrs[name], H)
+    logd, dlog = log_decay(H, c)
+    g = np.ascontiguousarray(np.broadcast_to(logd.astype(dtype), (B, T, H)))
+    eng, _, _ = _gated(fn, arrs["q"], arrs["k"], arrs["v"], g, None, scale, initial_state,
+                       output_final_state, cu_seqlens, form, chunk_size)
+    out = _state_out(eng, eng.forward()[1])
+
+    def pullback(cot):
+        grads = eng.backward(*eng.cotangent(cot))
+        res = {"q": grads["q"], "k": grads["k"], "v": grads["v"]}
+        if grads["h0"] is not None:
+            res["initial_state"] = grads["h0"]
+        if c is not None:
+            res[name] = (grads["gk"].sum(axis=(0, 1), dtype=np.float64) * dlog).astype(dtype)
+        return res
+
+    return out, pullback
+
+
+def _retention_decay(H, gamma):
+    if gamma is None:
+        gamma = 1.0 - 2.0 ** (-5.0 - np.arange(H))
+    elif np.any(~(gamma > 0)) or np.any(gamma > 1):
+        raise ValueError(f"retention(): 'gamma' must lie in (0, 1], got {gamma.tolist()}")
+    gamma = gamma.astype(np.float64)
+    return np.log(gamma), 1.0 / gamma
+
+
+def _lightning_decay(H, slopes):
+    if slopes is None:
+        slopes = 2.0 ** (-8.0 * (np.arange(H) + 1) / H)
+    elif np.any(~(slopes >= 0)) or np.any(~np.isfinite(slopes)):
+        raise ValueError(f"lightning_attention(): 'slopes' must be finite and >= 0, got {slopes.tolist()}")
+    return -slopes.astype(np.float64), -1.0
+
+
+def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, form="chunk", chunk_size=64):
+    """RetNet retention: ``S_t = gamma_h S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
+
+    ``gamma [H]`` (an array of q's dtype, in (0, 1]) is the decay itself; default
+    ``1 - 2**(-5 - arange(H))`` (RetNet's multi-scale decays). It goes to the engine as the
+    scalar gate ``log(gamma_h)`` at every step; a given gamma gets a gradient. Other
+    arguments and the return as ``simple_gla``.
+    """
+    out, _ = _constant_decay("retention", "gamma", q, k, v, gamma, _retention_decay, scale,
+                             initial_state, output_final_state, cu_seqlens, form, chunk_size)
+    return out
+
+
+@register_vjp(retention)
+def _retention_vjp(q, k, v, *, gamma=None, scale=None, initial_state=None, output_final_state=False,
+                   cu_seqlens=None, form="chunk", chunk_size=64):
+    return _constant_decay("retention", "gamma", q, k, v, gamma, _retention_decay, scale,
+                           initial_state, output_final_state, cu_seqlens, form, chunk_size)
+
+
+def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
+                        output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
+    """Lightning attention (MiniMax): ``S_t = exp(-slope_h) S_{t-1} + k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``.
+
+    ``slopes [H]`` (>= 0) default ``2**(-8 (h + 1) / H)``, the ALiBi geometric slopes. The chunk
+    form is Lightning's algorithm: inside a block the "left product" ``(Q K^T * decay) V``,
+    across blocks the "right product" ``Q (K^T V)`` through the carried state. A given
+    slopes array gets a gradient. Other arguments and the return as ``simple_gla``.
+    """
+    out, _ = _constant_decay("lightning_attention", "slopes", q, k, v, slopes, _lightning_decay,
+                             scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
+    return out
+
+
+@register_vjp(lightning_attention)
+def _lightning_attention_vjp(q, k, v, *, slopes=None, scale=None, initial_state=None,
+                             output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
+    return _constant_decay("lightning_attention", "slopes", q, k, v, slopes, _lightning_decay,
+                           scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_attention: feature maps and the normaliser
+
+
+def _phi(fn, x, kind, params, cu, cosformer_per_sequence):
+    """(phi(x), back) with back(dy) -> (dx, dprojection or None), by the C feature maps.
+    cosformer with cu_seqlens restarts its positions (and its default max_len) per sequence."""
+    if not cosformer_per_sequence:
+        xs, projection, opts = _fm._prepare(x, kind, params)
+        y = _fm._forward(xs, projection, opts)
+
+        def back(dy):
+            dx = np.empty_like(xs)
+            dW = None if projection is None else np.empty_like(projection)
+            _core.feature_map_backward(xs, np.ascontiguousarray(dy), dx, *opts, projection, dW)
+            return dx, dW
+
+        return y, back
+    pieces = [_phi(fn, np.ascontiguousarray(x[:, s:e]), kind, params, None, False)
+              for s, e in zip(cu[:-1], cu[1:])]
+    y = np.concatenate([p[0] for p in pieces], axis=1)
+
+    def back(dy):
+        dx = np.concatenate([p[1](dy[:, s:e])[0] for p, s, e in zip(pieces, cu[:-1], cu[1:])], axis=1)
+        return dx, None
+
+    return y, back
+
+
+def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, scale, initial_state,
+                      output_final_state, cu_seqlens, form, chunk_size):
+    fn = "linear_attention"
+    arrs, dtype = _qkv(fn, q, k, v, initial_state=initial_state)
+    q, k, v = arrs["q"], arrs["k"], arrs["v"]
+    B, T, H, _ = q.shape
+    cu, N = _sequences(fn, B, T, cu_seqlens)
+    kind = "identity" if feature_map is None else feature_map
+    if feature_map_params is not None and not isinstance(feature_map_params, dict):
+        raise TypeError(f"{fn}(): 'feature_map_params' must be a dict or None, got {type(feature_map_params).__name__}")
+    params = dict(feature_map_params or {})
+    per_seq = kind == "cosformer" and cu_seqlens is not None
+    pq, back_q = _phi(fn, q, kind, params, cu, per_seq)
+    pk, back_k = _phi(fn, k, kind, params, cu, per_seq)
+    F = pq.shape[3]
+    scale = F ** -0.5 if scale is None else V.real(fn, "scale", scale)
+    eps = V.real(fn, "eps", eps)
+    vv = np.concatenate([v, np.ones(v.shape[:3] + (1,), dtype)], axis=3) if normalize else v
+    eng = _Engine(fn, pq, pk, vv, None, None, arrs["initial_state"], bool(output_final_state), cu, N,
+                  form, chunk_size, scale)
+    o1, ht = eng.forward()
+    if normalize:
+        den = o1[..., -1:] + eps
+        o = o1[..., :-1] / den
+    else:
+        o, den = o1, None
+    out = (o, ht if eng.want_state else None)
+
+    def pullback(cot):
+        if normalize:
+            do, dht = split_cotangent(fn, cot, 2)
+            do = V.float_arrays(f"{fn} pullback", ("do",), q=q, do=do)[0]["do"]
+            do = np.zeros_like(o) if do is None else do
+            if do.shape != o.shape:
+                raise ValueError(f"{fn} pullback: 'do' must have shape {o.shape}, got {do.shape}")
+            # o = num / den: the engine's cotangent is do / den on num, -sum(do o) / den on den
+            cot = (np.concatenate([do / den, -np.sum(do * o, axis=3, keepdims=True) / den], axis=3), dht)
+        do, dht = eng.cotangent(cot)
+        g = eng.backward(do, dht)
+        dq, dWq = back_q(g["q"])
+        dk, dWk = back_k(g["k"])
+        res = {"q": dq, "k": dk, "v": g["v"][..., :v.shape[3]] if normalize else g["v"]}
+        if g["h0"] is not None:
+            res["initial_state"] = g["h0"]
+        if dWq is not None:
+            res["projection"] = dWq + dWk
+        return res
+
+    return out, pullback
+
+
+def linear_attention(q, k, v, *, feature_map=None, feature_map_params=None, normalize=False,
+                     eps=1e-6, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, form="chunk", chunk_size=64):
+    """Linear attention without decay: phi (a feature map) is applied to q and k, then
+    ``S_t = S_{t-1} + phi(k_t) v_t^T``, ``o_t = S_t^T (scale phi(q_t))``.
+
+    ``feature_map``: None (identity), or a kind of ``pyattn.feature_map`` ("identity",
+    "elu1", "relu", "softmax", "focused", "taylor", "performer", "cosformer"), with
+    ``feature_map_params`` its parameters as a dict (``{"p": 3}``, ``{"projection": W}``,
+    ``{"max_len": 512}``). ``scale`` defaults to F**-0.5, F the feature dimension of phi.
+    The state is ``[N, H, F, V]``. cosformer turns its cos re-weighting into one linear
+    attention of 2 D features (cos and sin halves: two linear attentions summed); with
+    ``cu_seqlens`` its positions, and its default max_len, restart in every sequence.
+
+    ``normalize=True``: ``o_t = ((scale q_t)^T S_t) / ((scale q_t)^T z_t + eps)`` with
+    ``z_t = z_{t-1} + phi(k_t)``, run as the engine with a column of ones appended to v; the
+    state then has V+1 columns (the last is z), initial and final alike.
+
+    Gradients (``pyattn.vjp``) for q, k, v, initial_state, and performer's projection
+    (key ``"projection"``). Returns ``(o [B, T, H, V], final_state or None)``.
+    """
+    out, _ = _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, scale,
+                               initial_state, output_final_state, cu_seqlens, form, chunk_size)
+    return out
+
+
+@register_vjp(linear_attention)
+def _linear_attention_vjp(q, k, v, *, feature_map=None, feature_map_params=None, normalize=False,
+                          eps=1e-6, scale=None, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, form="chunk", chunk_size=64):
+    return _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, scale,
+                             initial_state, output_final_state, cu_seqlens, form, chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba2: SSD as the engine with q = C, k = B, v = x dt, g = A dt, scale 1
+
+
+def _softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def _sigmoid(x):
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
+def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final_state,
+            cu_seqlens, form, chunk_size):
+    fn = "mamba2"
+    arrs, dtype = V.float_arrays(fn, ("D", "dt_bias", "initial_state"), x=x, dt=dt, A=A, B=B, C=C, D=D,
+                                 dt_bias=dt_bias, initial_state=initial_state)
+    x, dt, A, Bm, Cm = arrs["x"], arrs["dt"], arrs["A"], arrs["B"], arrs["C"]
+    V.ndim(fn, "x", x, 4, "[B, T, H, P]")
+    V.ndim(fn, "B", Bm, 4, "[B, T, G, N]")
+    nb, T, H, P = x.shape
+    if dt.shape != (nb, T, H):
+        raise ValueError(f"{fn}(): 'dt' must have shape {(nb, T, H)} [B, T, H], got {dt.shape}")
+    _per_head(fn, "A", A, H)
+    _per_head(fn, "D", arrs["D"], H)
+    _per_head(fn, "dt_bias", arrs["dt_bias"], H)
+    G, Ns = Bm.shape[2], Bm.shape[3]
+    if Bm.shape[:2] != (nb, T) or G < 1 or H % G or Ns < 1:
+        raise ValueError(f"{fn}(): 'B' must be [B, T, G, N] = [{nb}, {T}, G, N] with H={H} divisible by G "
+                         f"and N >= 1, got {Bm.shape}")
+    if Cm.shape != Bm.shape:
+        raise ValueError(f"{fn}(): 'C' must have the shape of B {Bm.shape}, got {Cm.shape}")
+    if P < 1:
+        raise ValueError(f"{fn}(): 'x' needs a head dim P >= 1, got {x.shape}")
+    cu, N = _sequences(fn, nb, T, cu_seqlens)
+    rep = H // G
+    pre = dt + arrs["dt_bias"] if arrs["dt_bias"] is not None else dt
+    dts = _softplus(pre) if dt_softplus else pre
+    q = np.ascontiguousarray(np.repeat(Cm, rep, axis=2))
+    k = np.ascontiguousarray(np.repeat(Bm, rep, axis=2))
+    v = x * dts[..., None]
+    g = np.ascontiguousarray(dts * A)
+    eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"], bool(output_final_state), cu, N, form,
+                  chunk_size, 1.0)
+    o, ht = eng.forward()
+    Dh = arrs["D"]
+    y = o + Dh[:, None] * x if Dh is not None else o
+    out = (y, ht if eng.want_state else None)
+
+    def pullback(cot):
+        dy, dht = eng.cotangent(cot)
+        ge = eng.backward(dy, dht)
+        dv, dg = ge["v"], ge["gk"]
+        f64 = np.float64  # the per-head sums below cancel heavily: accumulate them in double
+        ddts = np.einsum("bthp,bthp->bth", dv, x, dtype=f64) + dg * A.astype(f64)
+        res = {"x": dv * dts[..., None]}
+        if Dh is not None:
+            res["x"] = res["x"] + Dh[:, None] * dy
+            res["D"] = np.einsum("bthp,bthp->h", dy, x, dtype=f64).astype(dtype)
+        dpre = ddts * _sigmoid(pre.astype(f64)) if dt_softplus else ddts
+        res["dt"] = dpre.astype(dtype)
+        res["A"] = np.einsum("bth,bth->h", dg, dts, dtype=f64).astype(dtype)
+        res["B"] = ge["k"].reshape(nb, T, G, rep, Ns).sum(axis=3)
+        res["C"] = ge["q"].reshape(nb, T, G, rep, Ns).sum(axis=3)
+        if arrs["dt_bias"] is not None:
+            res["dt_bias"] = dpre.sum(axis=(0, 1)).astype(dtype)
+        if ge["h0"] is not None:
+            res["initial_state"] = ge["h0"]
+        return res
+
+    return out, pullback
+
+
+def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_state=None,
+           output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
+    """Mamba-2 (SSD): ``dt <- softplus(dt + dt_bias)`` (bias added first; softplus when
+    ``dt_softplus``), ``h_t = exp(dt_t A_h) h_{t-1} + dt_t B_t x_t^T``,
+    ``y_t = h_t^T C_t + D_h x_t`` (no scale).
+
+    x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]`` (< 0 for a decay), B and C
+    ``[B, T, G, N]`` with ``H % G == 0`` (head h reads group ``h // (H // G)``), D and
+    dt_bias ``[H]`` optional; state ``[N_seq, H, N, P]`` (fla's layout; mamba_ssm's is its
+    transpose). Runs as the engine with q = C, k = B, v = x dt, g = A dt, scale 1 (the
+    mapping fla tests). softplus is the exact ``log(1 + exp)``, without a threshold.
+    Gradients for x, dt, A, B, C, D, dt_bias and initial_state. Returns ``(y, final_state
+    or None)``.
+    """
+    out, _ = _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final_state,
+                     cu_seqlens, form, chunk_size)
+    return out
+
+
+@register_vjp(mamba2)
+def _mamba2_vjp(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_state=None,
+                output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
+    return _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final_state,
+                   cu_seqlens, form, chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# efficient attention
+
+
+def _efficient(q, k, v, scale, cu_seqlens, form):
+    fn = "efficient_attention"
+    arrs, _ = V.float_arrays(fn, (), q=q, k=k, v=v)
+    q, k, v = arrs["q"], arrs["k"], arrs["v"]
+    V.ndim(fn, "q", q, 4, "[B, Tq, H, K]")
+    V.ndim(fn, "k", k, 4, "[B, Tk, H, K]")
+    V.ndim(fn, "v", v, 4, "[B, Tk, H, V]")
+    V.form(fn, form, ("parallel",))
+    B, Tq, H, K = q.shape
+    if k.shape[0] != B or k.shape[2:] != (H, K):
+        raise ValueError(f"{fn}(): 'k' must be [B, Tk, H, K] = [{B}, Tk, {H}, {K}], got {k.shape}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"{fn}(): 'v' must be [B, Tk, H, V] = {k.shape[:3] + ('V',)}, got {v.shape}")
+    if K < 1 or v.shape[3] < 1:
+        raise ValueError(f"{fn}(): head dims must be >= 1, got K={K}, V={v.shape[3]}")
+    if cu_seqlens is None:
+        cu_q, cu_k = V.batch_offsets(B, Tq), V.batch_offsets(B, k.shape[1])
+    else:
+        if Tq != k.shape[1]:
+            raise ValueError(f"{fn}(): 'cu_seqlens' needs Tq == Tk, got Tq={Tq}, Tk={k.shape[1]}")
+        cu_q = cu_k = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, Tq, B)
+    scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
+    return q, k, v, (cu_q, cu_k, float(scale))
+
+
+def efficient_attention(q, k, v, *, scale=None, cu_seqlens=None, form="parallel"):
+    """Efficient attention (Shen et al.), non-causal:
+    ``o = softmax_row(scale q) (softmax_col(scale k)^T v)`` per (sequence, head), softmax_row
+    over the features of each query and softmax_col over time for each key feature.
+
+    q ``[B, Tq, H, K]``, k ``[B, Tk, H, K]``, v ``[B, Tk, H, V]``; with ``cu_seqlens`` (Tq == Tk,
+    B = 1) each sequence has its own context. Its only form is ``"parallel"``. Returns o.
+    """
+    q, k, v, opts = _efficient(q, k, v, scale, cu_seqlens, form)
+    o = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
+    _core.efficient_forward(q, k, v, o, *opts)
+    return o
+
+
+@register_vjp(efficient_attention)
+def _efficient_attention_vjp(q, k, v, *, scale=None, cu_seqlens=None, form="parallel"):
+    q, k, v, opts = _efficient(q, k, v, scale, cu_seqlens, form)
+    o = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
+    _core.efficient_forward(q, k, v, o, *opts)
+
+    def pullback(cot):
+        (do,) = split_cotangent("efficient_attention", cot, 1)
+        arrs, _ = V.float_arrays("efficient_attention pullback", ("do",), q=q, do=do)
+        do = np.zeros_like(o) if arrs["do"] is None else arrs["do"]
+        if do.shape != o.shape:
+            raise ValueError(f"efficient_attention pullback: 'do' must have shape {o.shape}, got {do.shape}")
+        dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+        _core.efficient_backward(q, k, v, do, dq, dk, dv, *opts)
+        return {"q": dq, "k": dk, "v": dv}
+
+    return o, pullback
