@@ -51,7 +51,12 @@ static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, in
     for (int64_t jr = 0; jr < nc; jr += NR) {
         int64_t nr = nc - jr < NR ? nc - jr : NR;
         real *dst = Bp + jr * kc;
-        if (csb == 1) {
+        if (csb == 1 && nr == NR) { /* whole rows of the panel: NV vectors each */
+            for (int64_t p = 0; p < kc; p++)
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++)
+                    PA_FN(vstore)(dst + p * NR + v * VL, PA_FN(vload)(B + p * rsb + jr + v * VL));
+        } else if (csb == 1) {
             for (int64_t p = 0; p < kc; p++) {
                 const real *src = B + p * rsb + jr;
                 int64_t j = 0;

@@ -51,6 +51,7 @@ typedef struct {
     real *A, *B, *M;      /* L x L each */
     real *S, *dS, *tmp;   /* K x V each */
     real *deck, *decv;    /* K, V: a block's total decays */
+    real *Bp;             /* one operand packed once for the row-block products */
     real *work;           /* GEMM packing */
     void *block;
 } PA_FN(la_scratch);
@@ -59,9 +60,11 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
 {
     int64_t W = K > V ? K : V, big = L > W ? L : W;
     int64_t sizes[] = {L * K, L * V, L * L, L * W, L * W, L * W, L * W, L * L, L * L, L * L,
-                       K * V, K * V, K * V, K, V, PA_FN(gemm_work_elems)(big, big, big), L};
+                       K * V, K * V, K * V, K, V, PA_FN(packed_b_elems)(big, big),
+                       PA_FN(gemm_work_elems)(big, big, big), L};
     real **dst[] = {&s->Gk, &s->Gv, &s->Dm, &s->X, &s->Y, &s->Tm, &s->U, &s->A, &s->B, &s->M,
-                    &s->S, &s->dS, &s->tmp, &s->deck, &s->decv, &s->work, (real **)&s->Gs};
+                    &s->S, &s->dS, &s->tmp, &s->deck, &s->decv, &s->Bp, &s->work,
+                    (real **)&s->Gs};
     enum { N = sizeof sizes / sizeof sizes[0] };
     int64_t total = 0;
     for (int i = 0; i < N; i++) total += (sizes[i] * (int64_t)sizeof(double) + 63) / 64 * 64;
@@ -122,22 +125,73 @@ static inline real PA_FN(la_dot_gated)(const real *x, const real *y, const real 
     return PA_FN(hsum)(s);
 }
 
-/* Y_i = beta Y_i + alpha X_i f_i for the L rows of a block: f_i = e^G_i (to_end = 0) or
- * e^(G_{L-1} - G_i) (to_end = 1) of the side's gate, 1 without one. */
+/* The factor f_i of row i of a block: e^G_i (to_end = 0) or e^(G_{L-1} - G_i) (to_end = 1).
+ * la_row_scalar is it for a scalar gate (1 otherwise); la_row_exps the exponent pair of a
+ * vector gate (NULL, NULL otherwise). */
+static inline real PA_FN(la_row_scalar)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i)
+{
+    if (s->kind != PA_GATE_SCALAR) return 1;
+    return (real)exp(to_end ? s->Gs[L - 1] - s->Gs[i] : s->Gs[i]);
+}
+
+static inline void PA_FN(la_row_exps)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i,
+                                      const real **ga, const real **gb)
+{
+    *ga = *gb = NULL;
+    if (s->kind != PA_GATE_VECTOR) return;
+    *ga = to_end ? s->G + (L - 1) * s->D : s->G + i * s->D;
+    *gb = to_end ? s->G + i * s->D : NULL;
+}
+
+/* Y_i = beta Y_i + alpha X_i f_i for the L rows of a block (rows of the side's width). */
 static void PA_FN(la_gate_rows)(const PA_FN(la_side) *s, int64_t L, int to_end, real alpha,
                                 const real *X, int64_t ldx, real beta, real *Y, int64_t ldy)
 {
-    const int64_t D = s->D;
     for (int64_t i = 0; i < L; i++) {
-        const real *ga = NULL, *gb = NULL;
-        real a = alpha;
-        if (s->kind == PA_GATE_VECTOR) {
-            ga = to_end ? s->G + (L - 1) * D : s->G + i * D;
-            gb = to_end ? s->G + i * D : NULL;
-        } else if (s->kind == PA_GATE_SCALAR) {
-            a *= (real)exp(to_end ? s->Gs[L - 1] - s->Gs[i] : s->Gs[i]);
-        }
-        PA_FN(la_gated)(Y + i * ldy, X + i * ldx, ga, gb, D, a, beta);
+        const real *ga, *gb;
+        PA_FN(la_row_exps)(s, L, to_end, i, &ga, &gb);
+        PA_FN(la_gated)(Y + i * ldy, X + i * ldx, ga, gb, s->D, alpha * PA_FN(la_row_scalar)(s, L, to_end, i), beta);
+    }
+}
+
+/* The rows X_i f_i as a GEMM operand: X itself without a gate, else a scaled copy in buf. */
+static const real *PA_FN(la_operand)(const PA_FN(la_side) *s, int64_t L, int to_end,
+                                     const real *X, int64_t ldx, real *buf, int64_t *ld)
+{
+    if (s->kind == PA_GATE_NONE) {
+        *ld = ldx;
+        return X;
+    }
+    PA_FN(la_gate_rows)(s, L, to_end, 1, X, ldx, 0, buf, s->D);
+    *ld = s->D;
+    return buf;
+}
+
+/* Z_i = alpha ((X_i f_i) M) g_i for the L rows of a block: f the factors of the input side
+ * `in` (X rows of in->D), g those of `out` (Z rows of out->D); M is in->D x out->D with strides
+ * (rsm, csm). A scalar factor moves to the output row; only a vector gate needs a copy. */
+static void PA_FN(la_rows_times)(const PA_FN(la_side) *in, const PA_FN(la_side) *out, int64_t L,
+                                 int to_end, real alpha, const real *X, int64_t ldx, const real *M,
+                                 int64_t rsm, int64_t csm, real *Z, int64_t ldz,
+                                 PA_FN(la_scratch) *sc)
+{
+    const real *A = X;
+    int64_t lda = ldx;
+    if (in->kind == PA_GATE_VECTOR) {
+        PA_FN(la_gate_rows)(in, L, to_end, 1, X, ldx, 0, sc->X, in->D);
+        A = sc->X;
+        lda = in->D;
+    }
+    const int staged = out->kind == PA_GATE_VECTOR;
+    real *C = staged ? sc->Tm : Z;
+    const int64_t ldc = staged ? out->D : ldz;
+    PA_FN(gemm)(L, out->D, in->D, alpha, A, lda, 1, M, rsm, csm, 0, C, ldc, sc->work);
+    if (!staged && in->kind != PA_GATE_SCALAR && out->kind != PA_GATE_SCALAR) return;
+    for (int64_t i = 0; i < L; i++) {
+        const real *ga, *gb;
+        PA_FN(la_row_exps)(out, L, to_end, i, &ga, &gb);
+        real f = PA_FN(la_row_scalar)(in, L, to_end, i) * PA_FN(la_row_scalar)(out, L, to_end, i);
+        PA_FN(la_gated)(Z + i * ldz, C + i * ldc, ga, gb, out->D, f, 0);
     }
 }
 
@@ -168,11 +222,12 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
                            PA_FN(la_scratch) *sc)
 {
     const int64_t D = s->D;
-    if (s->kind != PA_GATE_VECTOR) {
+    if (s->kind != PA_GATE_VECTOR) { /* Y^T packed once; row blocks stop at the diagonal */
+        PA_FN(pack_b)(D, L, Y, 1, ldy, sc->Bp);
         for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
             int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
-            PA_FN(gemm)(i1 - i0, i1, D, alpha, X + i0 * ldx, ldx, 1, Y, 1, ldy, 0, W + i0 * L,
-                        L, sc->work);
+            PA_FN(gemm_packed_b)(i1 - i0, i1, D, alpha, X + i0 * ldx, ldx, 1, sc->Bp, D * NR, 0,
+                                 W + i0 * L, L, sc->work);
         }
         for (int64_t i = 0; i < L; i++) {
             real *w = W + i * L;
@@ -218,10 +273,11 @@ static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, cons
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR) {
         const real *Wm = PA_FN(la_masked)(s, L, W, sc);
+        PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
         for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
             int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
-            PA_FN(gemm)(i1 - i0, D, i1, alpha, Wm + i0 * L, L, 1, U, ldu, 1, 1, Z + i0 * ldz,
-                        ldz, sc->work);
+            PA_FN(gemm_packed_b)(i1 - i0, D, i1, alpha, Wm + i0 * L, L, 1, sc->Bp, L * NR, 1,
+                                 Z + i0 * ldz, ldz, sc->work);
         }
         return;
     }
@@ -251,10 +307,11 @@ static void PA_FN(la_apply_t)(const PA_FN(la_side) *s, int64_t L, real alpha, co
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR) {
         const real *Wm = PA_FN(la_masked)(s, L, W, sc);
+        PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
         for (int64_t j0 = 0; j0 < L; j0 += LA_TRI) {
             int64_t j1 = j0 + LA_TRI < L ? j0 + LA_TRI : L;
-            PA_FN(gemm)(j1 - j0, D, L - j0, alpha, Wm + j0 * L + j0, 1, L, U + j0 * ldu, ldu, 1,
-                        1, Z + j0 * ldz, ldz, sc->work);
+            PA_FN(gemm_packed_b)(j1 - j0, D, L - j0, alpha, Wm + j0 * L + j0, 1, L,
+                                 sc->Bp + j0 * NR, L * NR, 1, Z + j0 * ldz, ldz, sc->work);
         }
         return;
     }
@@ -347,30 +404,49 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
                                    const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                    const real *S, PA_FN(la_scratch) *sc)
 {
-    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const int64_t V = u->d->V, sk = u->sk, sv = u->sv;
     const real scale = (real)u->d->scale;
     const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
     real *o = (real *)u->o + c0 * sv;
-    PA_FN(la_gate_rows)(ks, L, 0, scale, q, sk, 0, sc->X, K);
-    PA_FN(gemm)(L, V, K, 1, sc->X, K, 1, S, V, 1, 0, sc->Tm, V, sc->work);
-    PA_FN(la_gate_rows)(vs, L, 0, 1, sc->Tm, V, 0, o, sv);
+    PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, o, sv, sc);
     PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, sc->A, sc);
     PA_FN(la_apply)(vs, L, 1, sc->A, v, sv, o, sv, sc);
 }
 
-/* S = (decay of the block) S + the block's k^T v; keeps the decays in sc->deck, sc->decv.
- * The block's gates must be in the scratch (la_block). */
+/* S = (decay of the block) S + alpha (X f)^T (Y f') over the block's rows, f and f' the key and
+ * value sides' factors (to the block's end, or from its start); keeps the decays in sc->deck,
+ * sc->decv. The state pass (X, Y = k, v) and its reverse (q, do) alike. */
+static void PA_FN(la_state_product)(const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
+                                    int64_t L, int to_end, real alpha, const real *X,
+                                    int64_t ldx, const real *Y, int64_t ldy, real *S,
+                                    PA_FN(la_scratch) *sc)
+{
+    const int64_t K = ks->D, V = vs->D;
+    int64_t lda, ldb;
+    PA_FN(la_total_decay)(ks, L, sc->deck);
+    PA_FN(la_total_decay)(vs, L, sc->decv);
+    PA_FN(la_state_decay)(S, sc->deck, sc->decv, NULL, K, V);
+    const real *A = PA_FN(la_operand)(ks, L, to_end, X, ldx, sc->X, &lda);
+    const real *B = PA_FN(la_operand)(vs, L, to_end, Y, ldy, sc->Y, &ldb);
+    PA_FN(gemm)(K, V, L, alpha, A, 1, lda, B, ldb, 1, 1, S, V, sc->work);
+}
+
+/* S from the block's start to its end. The block's gates must be in the scratch (la_block). */
 static void PA_FN(la_block_state)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *S,
                                   PA_FN(la_scratch) *sc)
 {
-    const int64_t K = u->d->K, V = u->d->V;
-    PA_FN(la_total_decay)(ks, L, sc->deck);
-    PA_FN(la_total_decay)(vs, L, sc->decv);
-    PA_FN(la_state_decay)(S, sc->deck, sc->decv, NULL, K, V);
-    PA_FN(la_gate_rows)(ks, L, 1, 1, u->k + c0 * u->sk, u->sk, 0, sc->X, K);
-    PA_FN(la_gate_rows)(vs, L, 1, 1, u->v + c0 * u->sv, u->sv, 0, sc->Y, V);
-    PA_FN(gemm)(K, V, L, 1, sc->X, 1, K, sc->Y, V, 1, 1, S, V, sc->work);
+    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sk, u->sk, u->v + c0 * u->sv, u->sv,
+                            S, sc);
+}
+
+/* dS from the block's end to its start: decayed, plus (q~ e^Gk)^T (do e^Gv) */
+static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *dS,
+                                   PA_FN(la_scratch) *sc)
+{
+    PA_FN(la_state_product)(ks, vs, L, 0, (real)u->d->scale, u->q + c0 * u->sk, u->sk,
+                            u->dout + c0 * u->sv, u->sv, dS, sc);
 }
 
 /* dq rows of the block from its start state S */
@@ -378,13 +454,11 @@ static void PA_FN(la_block_dq)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
                                const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                const real *S, PA_FN(la_scratch) *sc)
 {
-    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const int64_t V = u->d->V, sk = u->sk, sv = u->sv;
     const real scale = (real)u->d->scale;
     const real *dout = u->dout + c0 * sv, *v = u->v + c0 * sv;
     real *dq = u->dq + c0 * sk;
-    PA_FN(la_gate_rows)(vs, L, 0, 1, dout, sv, 0, sc->Y, V);
-    PA_FN(gemm)(L, K, V, 1, sc->Y, V, 1, S, 1, V, 0, sc->Tm, K, sc->work);
-    PA_FN(la_gate_rows)(ks, L, 0, scale, sc->Tm, K, 0, dq, sk);
+    PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
     PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, sc->B, sc);
     PA_FN(la_apply)(ks, L, scale, sc->B, u->k + c0 * sk, sk, dq, sk, sc);
 }
@@ -394,35 +468,17 @@ static void PA_FN(la_block_dkdv)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
                                  const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                  const real *dS, PA_FN(la_scratch) *sc)
 {
-    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const int64_t V = u->d->V, sk = u->sk, sv = u->sv;
     const real scale = (real)u->d->scale;
     const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
     const real *dout = u->dout + c0 * sv;
     real *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
     PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, sc->A, sc);
     PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, sc->B, sc);
-    PA_FN(la_gate_rows)(vs, L, 1, 1, v, sv, 0, sc->Y, V);
-    PA_FN(gemm)(L, K, V, 1, sc->Y, V, 1, dS, 1, V, 0, sc->Tm, K, sc->work);
-    PA_FN(la_gate_rows)(ks, L, 1, 1, sc->Tm, K, 0, dk, sk);
+    PA_FN(la_rows_times)(vs, ks, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
     PA_FN(la_apply_t)(ks, L, scale, sc->B, q, sk, dk, sk, sc);
-    PA_FN(la_gate_rows)(ks, L, 1, 1, k, sk, 0, sc->X, K);
-    PA_FN(gemm)(L, V, K, 1, sc->X, K, 1, dS, V, 1, 0, sc->Tm, V, sc->work);
-    PA_FN(la_gate_rows)(vs, L, 1, 1, sc->Tm, V, 0, dv, sv);
+    PA_FN(la_rows_times)(ks, vs, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
     PA_FN(la_apply_t)(vs, L, 1, sc->A, dout, sv, dv, sv, sc);
-}
-
-/* dS = (decay of the block) dS + (q~ e^Gk)^T (do e^Gv): dS from the block's end to its start */
-static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
-                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *dS,
-                                   PA_FN(la_scratch) *sc)
-{
-    const int64_t K = u->d->K, V = u->d->V;
-    PA_FN(la_total_decay)(ks, L, sc->deck);
-    PA_FN(la_total_decay)(vs, L, sc->decv);
-    PA_FN(la_state_decay)(dS, sc->deck, sc->decv, NULL, K, V);
-    PA_FN(la_gate_rows)(ks, L, 0, (real)u->d->scale, u->q + c0 * u->sk, u->sk, 0, sc->X, K);
-    PA_FN(la_gate_rows)(vs, L, 0, 1, u->dout + c0 * u->sv, u->sv, 0, sc->Y, V);
-    PA_FN(gemm)(K, V, L, 1, sc->X, 1, K, sc->Y, V, 1, 1, dS, V, sc->work);
 }
 
 /* ---- the recurrent form ---- */
