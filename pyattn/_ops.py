@@ -12,7 +12,9 @@ class OpInfo:
     """What a test, the report or a benchmark needs to know about an op.
 
     fn: the public callable. forms: its forms, default first. arrays: its array arguments in
-    positional order; differentiable: those that get a gradient from pyattn.vjp. has_state:
+    positional order; differentiable: the array arguments, positional or keyword, that get a
+    gradient from pyattn.vjp when given (linear_attention's performer projection, passed
+    inside feature_map_params, also gets one, keyed "projection"). has_state:
     whether it takes initial_state / output_final_state. chunked: whether it has chunk_size.
     example(rng, dtype, tiny=False) -> (args, kwargs): a valid call exercising the op's options
     (tiny: small enough for finite differences), used by the self-check report.
@@ -135,7 +137,7 @@ def build_ops() -> Dict[str, OpInfo]:
                 description=description,
             )
             for name, arrays, differentiable, example, description in [
-                ("linear_attention", ("q", "k", "v"), ("q", "k", "v", "initial_state", "projection"),
+                ("linear_attention", ("q", "k", "v"), ("q", "k", "v", "initial_state"),
                  _linear_attention_example, "linear attention with feature maps, optionally normalised"),
                 ("retention", ("q", "k", "v"), ("q", "k", "v", "gamma", "initial_state"),
                  _retention_example, "RetNet retention: a constant decay per head"),

@@ -118,13 +118,13 @@ def _state_out(engine, out_state):
 def _gated(fn, q, k, v, gk, gv, scale, initial_state, output_final_state, cu_seqlens, form,
            chunk_size, **consts):
     """Shared by the ops whose gates go to the engine as they are (or from per-head constants)."""
-    arrs, dtype = _qkv(fn, q, k, v, ("gk", "gv") + tuple(consts), gk=gk, gv=gv,
+    arrs, dtype = _qkv(fn, q, k, v, ("g", "gv") + tuple(consts), g=gk, gv=gv,
                        initial_state=initial_state, **consts)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     B, T, H, K = q.shape
     cu, N = _sequences(fn, B, T, cu_seqlens)
     scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
-    eng = _Engine(fn, q, k, v, arrs["gk"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
+    eng = _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
                   cu, N, form, chunk_size, scale)
     return eng, arrs, dtype
 

@@ -654,7 +654,8 @@ def test_ops_well_formed():
         positional = [p.name for p in sig.parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         assert list(info.arrays) == positional[:len(info.arrays)]
-        assert set(info.differentiable) <= set(info.arrays)
+        assert set(info.arrays) <= set(info.differentiable) | {"cu_seqlens"}
+        assert set(info.differentiable) <= set(sig.parameters)  # keyword arrays (states, gates) too
         assert isinstance(info.has_state, bool) and isinstance(info.chunked, bool)
         assert ("initial_state" in sig.parameters) == info.has_state
         assert ("chunk_size" in sig.parameters) == info.chunked

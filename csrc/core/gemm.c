@@ -45,6 +45,27 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
     }
 }
 
+/* r[0..VL) the rows of a VL x VL block; on return its columns. log2(VL) butterfly stages,
+ * each swapping the off-diagonal s x s sub-blocks of every 2s x 2s block. */
+static inline void PA_FN(vtranspose)(vreal *r)
+{
+#pragma GCC unroll 8
+    for (int s = VL / 2; s >= 1; s /= 2) {
+        vint lo, hi;
+        for (int l = 0; l < VL; l++) {
+            lo[l] = (l & s) ? VL + l - s : l;
+            hi[l] = (l & s) ? VL + l : l + s;
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < VL; i++) {
+            if (i & s) continue;
+            vreal a = r[i], b = r[i + s];
+            r[i] = __builtin_shuffle(a, b, lo);
+            r[i + s] = __builtin_shuffle(a, b, hi);
+        }
+    }
+}
+
 static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, int64_t csb,
                           real *restrict Bp)
 {
@@ -63,6 +84,18 @@ static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, in
                 for (; j < nr; j++) dst[p * NR + j] = src[j];
                 for (; j < NR; j++) dst[p * NR + j] = 0;
             }
+        } else if (rsb == 1 && nr == NR) { /* B^T row-major: VL x VL blocks transposed */
+            int64_t p0 = 0;
+            for (; p0 + VL <= kc; p0 += VL)
+                for (int v = 0; v < NV; v++) {
+                    vreal r[VL];
+                    for (int j = 0; j < VL; j++)
+                        r[j] = PA_FN(vload)(B + (jr + v * VL + j) * csb + p0);
+                    PA_FN(vtranspose)(r);
+                    for (int p = 0; p < VL; p++) PA_FN(vstore)(dst + (p0 + p) * NR + v * VL, r[p]);
+                }
+            for (int64_t p = p0; p < kc; p++)
+                for (int64_t j = 0; j < NR; j++) dst[p * NR + j] = B[p + (jr + j) * csb];
         } else {
             for (int64_t j = 0; j < NR; j++) {
                 if (j < nr) {

@@ -37,7 +37,8 @@
 typedef struct {
     int kind;         /* PA_GATE_* */
     int64_t D;        /* K or V */
-    const real *G;    /* vector: L x D inclusive cumulative gate of the block */
+    const real *G;    /* vector: L x D inclusive cumulative gate of the block, as hi + lo */
+    int64_t lo;       /* vector: G + lo holds the lo parts (the sum is kept in double) */
     const double *Gs; /* scalar: L of them, in double so G_i - G_j keeps its digits */
     const real *Dm;   /* scalar: L x L, e^(G_i - G_j) on and below the diagonal, 0 above */
 } PA_FN(la_side);
@@ -45,7 +46,7 @@ typedef struct {
 /* Per-thread scratch of the chunk form for blocks of up to L rows. */
 typedef struct {
     int64_t L, K, V, W;   /* W = max(K, V) */
-    real *Gk, *Gv, *Dm;   /* L x K, L x V, L x L */
+    real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
     double *Gs;           /* L */
     real *X, *Y, *Tm, *U; /* L x W each */
     real *A, *B, *M;      /* L x L each */
@@ -59,7 +60,7 @@ typedef struct {
 static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, int64_t V)
 {
     int64_t W = K > V ? K : V, big = L > W ? L : W;
-    int64_t sizes[] = {L * K, L * V, L * L, L * W, L * W, L * W, L * W, L * L, L * L, L * L,
+    int64_t sizes[] = {2 * L * K, 2 * L * V, L * L, L * W, L * W, L * W, L * W, L * L, L * L, L * L,
                        K * V, K * V, K * V, K, V, PA_FN(packed_b_elems)(big, big),
                        PA_FN(gemm_work_elems)(big, big, big), L};
     real **dst[] = {&s->Gk, &s->Gv, &s->Dm, &s->X, &s->Y, &s->Tm, &s->U, &s->A, &s->B, &s->M,
@@ -97,31 +98,38 @@ static inline void PA_FN(la_st)(real *p, vreal x, int64_t left)
         PA_FN(vstore_part)(p, x, (int)left);
 }
 
-static inline vreal PA_FN(la_decay)(const real *ga, const real *gb, int64_t d, int64_t left)
+/* e^(ga - gb) from hi/lo pairs (lo parts `lo` further on): (hi_a - hi_b) + (lo_a - lo_b) keeps
+ * the digits of a small difference between two large cumulative gates. */
+static inline vreal PA_FN(la_decay)(const real *ga, const real *gb, int64_t lo, int64_t d,
+                                    int64_t left)
 {
     vreal e = ga ? PA_FN(la_ld)(ga + d, left) : PA_FN(vset)(0);
-    if (gb) e -= PA_FN(la_ld)(gb + d, left);
-    return PA_FN(vexp)(e);
+    vreal f = ga ? PA_FN(la_ld)(ga + lo + d, left) : PA_FN(vset)(0);
+    if (gb) {
+        e -= PA_FN(la_ld)(gb + d, left);
+        f -= PA_FN(la_ld)(gb + lo + d, left);
+    }
+    return PA_FN(vexp)(e + f);
 }
 
 static inline void PA_FN(la_gated)(real *y, const real *x, const real *ga, const real *gb,
-                                   int64_t D, real alpha, real beta)
+                                   int64_t lo, int64_t D, real alpha, real beta)
 {
     for (int64_t d = 0; d < D; d += VL) {
         vreal r = alpha * PA_FN(la_ld)(x + d, D - d);
-        if (ga || gb) r *= PA_FN(la_decay)(ga, gb, d, D - d);
+        if (ga || gb) r *= PA_FN(la_decay)(ga, gb, lo, d, D - d);
         if (beta != 0) r += beta * PA_FN(la_ld)(y + d, D - d);
         PA_FN(la_st)(y + d, r, D - d);
     }
 }
 
 static inline real PA_FN(la_dot_gated)(const real *x, const real *y, const real *ga,
-                                       const real *gb, int64_t D)
+                                       const real *gb, int64_t lo, int64_t D)
 {
     vreal s = PA_FN(vset)(0);
     for (int64_t d = 0; d < D; d += VL)
         s += PA_FN(la_ld)(x + d, D - d) * PA_FN(la_ld)(y + d, D - d) *
-             PA_FN(la_decay)(ga, gb, d, D - d);
+             PA_FN(la_decay)(ga, gb, lo, d, D - d);
     return PA_FN(hsum)(s);
 }
 
@@ -150,7 +158,7 @@ static void PA_FN(la_gate_rows)(const PA_FN(la_side) *s, int64_t L, int to_end, 
     for (int64_t i = 0; i < L; i++) {
         const real *ga, *gb;
         PA_FN(la_row_exps)(s, L, to_end, i, &ga, &gb);
-        PA_FN(la_gated)(Y + i * ldy, X + i * ldx, ga, gb, s->D, alpha * PA_FN(la_row_scalar)(s, L, to_end, i), beta);
+        PA_FN(la_gated)(Y + i * ldy, X + i * ldx, ga, gb, s->lo, s->D, alpha * PA_FN(la_row_scalar)(s, L, to_end, i), beta);
     }
 }
 
@@ -191,7 +199,7 @@ static void PA_FN(la_rows_times)(const PA_FN(la_side) *in, const PA_FN(la_side) 
         const real *ga, *gb;
         PA_FN(la_row_exps)(out, L, to_end, i, &ga, &gb);
         real f = PA_FN(la_row_scalar)(in, L, to_end, i) * PA_FN(la_row_scalar)(out, L, to_end, i);
-        PA_FN(la_gated)(Z + i * ldz, C + i * ldc, ga, gb, out->D, f, 0);
+        PA_FN(la_gated)(Z + i * ldz, C + i * ldc, ga, gb, out->lo, out->D, f, 0);
     }
 }
 
@@ -199,7 +207,8 @@ static void PA_FN(la_rows_times)(const PA_FN(la_side) *in, const PA_FN(la_side) 
 static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
 {
     for (int64_t d = 0; d < s->D; d++)
-        f[d] = s->kind == PA_GATE_VECTOR   ? (real)exp(s->G[(L - 1) * s->D + d])
+        f[d] = s->kind == PA_GATE_VECTOR   ? (real)exp((double)s->G[(L - 1) * s->D + d] +
+                                                   s->G[s->lo + (L - 1) * s->D + d])
                : s->kind == PA_GATE_SCALAR ? (real)exp(s->Gs[L - 1])
                                            : 1;
 }
@@ -242,15 +251,15 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
         const real *Gn = s->G + i0 * D;
         if (i0 > 0) { /* rows i0.. against rows ..i0-1, both rescaled to row i0 */
             for (int64_t i = i0; i < i1; i++)
-                PA_FN(la_gated)(sc->Tm + (i - i0) * D, X + i * ldx, s->G + i * D, Gn, D, alpha, 0);
+                PA_FN(la_gated)(sc->Tm + (i - i0) * D, X + i * ldx, s->G + i * D, Gn, s->lo, D, alpha, 0);
             for (int64_t j = 0; j < i0; j++)
-                PA_FN(la_gated)(sc->U + j * D, Y + j * ldy, Gn, s->G + j * D, D, 1, 0);
+                PA_FN(la_gated)(sc->U + j * D, Y + j * ldy, Gn, s->G + j * D, s->lo, D, 1, 0);
             PA_FN(gemm)(i1 - i0, i0, D, 1, sc->Tm, D, 1, sc->U, 1, D, 0, W + i0 * L, L, sc->work);
         }
         for (int64_t i = i0; i < i1; i++) {
             for (int64_t j = i0; j <= i; j++)
                 W[i * L + j] = alpha * PA_FN(la_dot_gated)(X + i * ldx, Y + j * ldy,
-                                                           s->G + i * D, s->G + j * D, D);
+                                                           s->G + i * D, s->G + j * D, s->lo, D);
             for (int64_t j = i + 1; j < L; j++) W[i * L + j] = 0;
         }
     }
@@ -286,15 +295,15 @@ static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, cons
         const real *Gn = s->G + i0 * D;
         if (i0 > 0) {
             for (int64_t j = 0; j < i0; j++)
-                PA_FN(la_gated)(sc->U + j * D, U + j * ldu, Gn, s->G + j * D, D, 1, 0);
+                PA_FN(la_gated)(sc->U + j * D, U + j * ldu, Gn, s->G + j * D, s->lo, D, 1, 0);
             PA_FN(gemm)(i1 - i0, D, i0, alpha, W + i0 * L, L, 1, sc->U, D, 1, 0, sc->Tm, D,
                         sc->work);
             for (int64_t i = i0; i < i1; i++)
-                PA_FN(la_gated)(Z + i * ldz, sc->Tm + (i - i0) * D, s->G + i * D, Gn, D, 1, 1);
+                PA_FN(la_gated)(Z + i * ldz, sc->Tm + (i - i0) * D, s->G + i * D, Gn, s->lo, D, 1, 1);
         }
         for (int64_t i = i0; i < i1; i++)
             for (int64_t j = i0; j <= i; j++)
-                PA_FN(la_gated)(Z + i * ldz, U + j * ldu, s->G + i * D, s->G + j * D, D,
+                PA_FN(la_gated)(Z + i * ldz, U + j * ldu, s->G + i * D, s->G + j * D, s->lo, D,
                                 alpha * W[i * L + j], 1);
     }
 }
@@ -320,15 +329,15 @@ static void PA_FN(la_apply_t)(const PA_FN(la_side) *s, int64_t L, real alpha, co
         const real *Gr = s->G + (j1 - 1) * D; /* rows after the sub-block, rescaled to its last */
         if (j1 < L) {
             for (int64_t i = j1; i < L; i++)
-                PA_FN(la_gated)(sc->U + (i - j1) * D, U + i * ldu, s->G + i * D, Gr, D, 1, 0);
+                PA_FN(la_gated)(sc->U + (i - j1) * D, U + i * ldu, s->G + i * D, Gr, s->lo, D, 1, 0);
             PA_FN(gemm)(j1 - j0, D, L - j1, alpha, W + j1 * L + j0, 1, L, sc->U, D, 1, 0, sc->Tm,
                         D, sc->work);
             for (int64_t j = j0; j < j1; j++)
-                PA_FN(la_gated)(Z + j * ldz, sc->Tm + (j - j0) * D, Gr, s->G + j * D, D, 1, 1);
+                PA_FN(la_gated)(Z + j * ldz, sc->Tm + (j - j0) * D, Gr, s->G + j * D, s->lo, D, 1, 1);
         }
         for (int64_t j = j0; j < j1; j++)
             for (int64_t i = j; i < j1; i++)
-                PA_FN(la_gated)(Z + j * ldz, U + i * ldu, s->G + i * D, s->G + j * D, D,
+                PA_FN(la_gated)(Z + j * ldz, U + i * ldu, s->G + i * D, s->G + j * D, s->lo, D,
                                 alpha * W[i * L + j], 1);
     }
 }
@@ -370,6 +379,21 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
     u->dgv = dgv ? dgv + ov : NULL;
 }
 
+/* G (L x D) = the inclusive cumulative sum of g's rows, summed in double and stored as
+ * hi + lo parts (lo at G + lo); acc: D doubles of scratch. */
+static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, real *G,
+                                  int64_t lo, double *acc)
+{
+    for (int64_t j = 0; j < D; j++) acc[j] = 0;
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t j = 0; j < D; j++) {
+            acc[j] += g[i * ldg + j];
+            real hi = (real)acc[j];
+            G[i * D + j] = hi;
+            G[lo + i * D + j] = (real)(acc[j] - hi);
+        }
+}
+
 /* The block of rows c0 .. c0+L-1: cumulative gates (and the scalar mask) into the scratch;
  * the key and value sides. */
 static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
@@ -377,8 +401,9 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
 {
     const pa_linear_desc *d = u->d;
     const int64_t K = d->K, V = d->V;
-    *ks = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk, .Gs = sc->Gs, .Dm = sc->Dm};
-    *vs = (PA_FN(la_side)){.kind = d->gv, .D = V, .G = sc->Gv};
+    *ks = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk, .lo = sc->L * K, .Gs = sc->Gs,
+                           .Dm = sc->Dm};
+    *vs = (PA_FN(la_side)){.kind = d->gv, .D = V, .G = sc->Gv, .lo = sc->L * V};
     if (d->gk == PA_GATE_SCALAR) {
         double acc = 0;
         for (int64_t i = 0; i < L; i++) sc->Gs[i] = acc += u->gk[(c0 + i) * u->sg];
@@ -389,14 +414,10 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
             for (int64_t j = i + 1; j < L; j++) row[j] = 0;
         }
     } else if (d->gk == PA_GATE_VECTOR) {
-        for (int64_t i = 0; i < L; i++)
-            for (int64_t j = 0; j < K; j++)
-                sc->Gk[i * K + j] = (i ? sc->Gk[(i - 1) * K + j] : 0) + u->gk[(c0 + i) * u->sg + j];
+        PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, (double *)sc->Tm);
     }
     if (d->gv == PA_GATE_VECTOR)
-        for (int64_t i = 0; i < L; i++)
-            for (int64_t j = 0; j < V; j++)
-                sc->Gv[i * V + j] = (i ? sc->Gv[(i - 1) * V + j] : 0) + u->gv[(c0 + i) * u->sv + j];
+        PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, (double *)sc->Tm);
 }
 
 /* o rows of the block from its start state S (o is the unit's output: the forward writes it) */
