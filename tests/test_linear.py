@@ -451,7 +451,7 @@ def test_chunk_sizes(op, T, dtype, request):
     """Every chunk size, T a multiple of it or not (a ragged last chunk): outputs and final
     state against the oracle, gradients against the float64 recurrent form's."""
     if op == "mamba2" and T == 300 and dtype == np.float32:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=GATE_SUM_F32))
+        request.applymarker(pytest.mark.xfail(strict=False, reason=GATE_SUM_F32))
     args, kw, ref, do, dht, g_ref = chunk_case(op, T)
     a, k = cast(args, kw, dtype)
     for cs in CHUNK_SIZES:
