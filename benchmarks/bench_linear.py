@@ -415,7 +415,8 @@ def sweep(args, timing):
                   f"{100 * BAR_PEAK:.0f}%: {'PASS' if frac >= BAR_PEAK else 'FAIL'}")
     for op, T, passes, tc, ttc, trec in bars:
         if T >= 1024 and trec is not None:
-            print(f"  {op} chunk vs recurrent {passes} T={T}: {trec / tc:.2f}x faster, need > 1x: "
+            print(f"  {op} chunk vs recurrent {passes} T={T}: recurrent time / chunk time = "
+                  f"{trec / tc:.2f}x, need > 1x: "
                   f"{'PASS' if tc < trec else 'FAIL'}")
     if not any(T == BAR_T and p == "fwd+bwd" for _, T, p, *_ in bars):
         print(f"  (the torch chunk bar is taken at T={BAR_T}, fwd+bwd: not in this run)")
