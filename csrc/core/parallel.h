@@ -34,4 +34,17 @@ static inline void *pa_alloc(size_t bytes)
     return aligned_alloc(64, rounded ? rounded : 64);
 }
 
+/* One 64-byte aligned block carved into n parts of bytes[i] each (every part 64-byte
+ * aligned): *parts[i] points to part i. Returns the block to free, or NULL on failure. */
+static inline void *pa_alloc_parts(void **const *parts, const size_t *bytes, int n)
+{
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += (bytes[i] + 63) / 64 * 64;
+    char *block = pa_alloc(total);
+    if (!block) return NULL;
+    for (size_t i = 0, at = 0; i < (size_t)n; at += (bytes[i] + 63) / 64 * 64, i++)
+        *parts[i] = block + at;
+    return block;
+}
+
 #endif

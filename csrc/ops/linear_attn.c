@@ -48,6 +48,7 @@ typedef struct {
     int64_t L, K, V, W;   /* W = max(K, V) */
     real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
     double *Gs;           /* L */
+    double *acc;          /* max(K, V): running sums in double */
     real *X, *Y, *Tm, *U; /* L x W each */
     real *A, *B, *M;      /* L x L each */
     real *S, *dS, *tmp;   /* K x V each */
@@ -60,27 +61,23 @@ typedef struct {
 static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, int64_t V)
 {
     int64_t W = K > V ? K : V, big = L > W ? L : W;
-    int64_t sizes[] = {2 * L * K, 2 * L * V, L * L, L * W, L * W, L * W, L * W, L * L, L * L, L * L,
-                       K * V, K * V, K * V, K, V, PA_FN(packed_b_elems)(big, big),
-                       PA_FN(gemm_work_elems)(big, big, big), L};
-    real **dst[] = {&s->Gk, &s->Gv, &s->Dm, &s->X, &s->Y, &s->Tm, &s->U, &s->A, &s->B, &s->M,
-                    &s->S, &s->dS, &s->tmp, &s->deck, &s->decv, &s->Bp, &s->work,
-                    (real **)&s->Gs};
-    enum { N = sizeof sizes / sizeof sizes[0] };
-    int64_t total = 0;
-    for (int i = 0; i < N; i++) total += (sizes[i] * (int64_t)sizeof(double) + 63) / 64 * 64;
-    s->block = pa_alloc((size_t)total);
-    if (!s->block) return 0;
-    char *p = s->block;
-    for (int i = 0; i < N; i++) {
-        *dst[i] = (real *)p;
-        p += (sizes[i] * (int64_t)sizeof(double) + 63) / 64 * 64;
-    }
+    const size_t r = sizeof(real), dbl = sizeof(double);
+    size_t bytes[] = {2 * L * K * r, 2 * L * V * r, L * L * r, L * W * r, L * W * r, L * W * r,
+                      L * W * r, L * L * r, L * L * r, L * L * r, K * V * r, K * V * r,
+                      K * V * r, K * r, V * r, PA_FN(packed_b_elems)(big, big) * r,
+                      PA_FN(gemm_work_elems)(big, big, big) * r, L * dbl, W * dbl};
+    void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Dm, (void **)&s->X,
+                            (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
+                            (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
+                            (void **)&s->tmp, (void **)&s->deck, (void **)&s->decv,
+                            (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
+                            (void **)&s->acc};
+    s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     s->K = K;
     s->V = V;
     s->W = W;
-    return 1;
+    return s->block != NULL;
 }
 
 /* ---- vector helpers: y = beta y + alpha x e^(ga - gb), a NULL exponent counting as 0 ---- */
@@ -414,10 +411,10 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
             for (int64_t j = i + 1; j < L; j++) row[j] = 0;
         }
     } else if (d->gk == PA_GATE_VECTOR) {
-        PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, (double *)sc->Tm);
+        PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, sc->acc);
     }
     if (d->gv == PA_GATE_VECTOR)
-        PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, (double *)sc->Tm);
+        PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, sc->acc);
 }
 
 /* o rows of the block from its start state S (o is the unit's output: the forward writes it) */
@@ -568,40 +565,42 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, real *dS, PA_FN
 
 /* ---- gate gradients, for every form (the identity in the header) ---- */
 
+/* dg_t = sum_{s>=t} (x_s dx_s - y_s dy_s) + fin, per column (vec) or summed over the row;
+ * rows of D at stride ld, dg at stride ldg; acc: the D final-state terms on entry. */
+static void PA_FN(la_gate_cumsum)(int64_t T, int64_t D, int vec, const real *x, const real *dx,
+                                  const real *y, const real *dy, int64_t ld, real *dg,
+                                  int64_t ldg, double *acc)
+{
+    if (!vec)
+        for (int64_t i = 1; i < D; i++) acc[0] += acc[i];
+    for (int64_t t = T - 1; t >= 0; t--) {
+        const int64_t r = t * ld;
+        for (int64_t i = 0; i < D; i++)
+            acc[vec ? i : 0] += (double)x[r + i] * dx[r + i] - (double)y[r + i] * dy[r + i];
+        for (int64_t i = 0; i < (vec ? D : 1); i++) dg[t * ldg + i] = (real)acc[i];
+    }
+}
+
+/* The gates' gradients of a unit from dq, dk (dv, o), its final state ST and that state's
+ * cotangent dST (the identity in the header). */
 static void PA_FN(la_gate_grads)(const PA_FN(la_unit) *u, const real *ST, const real *dST,
                                  double *acc)
 {
-    real *dgk = u->dgk, *dgv = u->dgv;
     const pa_linear_desc *d = u->d;
     const int64_t K = d->K, V = d->V;
     if (d->gk != PA_GATE_NONE) {
-        const int vec = d->gk == PA_GATE_VECTOR;
-        for (int64_t i = 0; i < K; i++) acc[i] = 0;
-        for (int64_t i = 0; i < K; i++)
-            for (int64_t j = 0; j < V; j++) acc[vec ? i : 0] += (double)ST[i * V + j] * dST[i * V + j];
-        for (int64_t t = u->T - 1; t >= 0; t--) {
-            const real *q = u->q + t * u->sk, *k = u->k + t * u->sk;
-            const real *dq = u->dq + t * u->sk, *dk = u->dk + t * u->sk;
-            for (int64_t i = 0; i < K; i++)
-                acc[vec ? i : 0] += (double)q[i] * dq[i] - (double)k[i] * dk[i];
-            if (vec)
-                for (int64_t i = 0; i < K; i++) dgk[t * u->sg + i] = (real)acc[i];
-            else
-                dgk[t * u->sg] = (real)acc[0];
+        for (int64_t i = 0; i < K; i++) {
+            acc[i] = 0;
+            for (int64_t j = 0; j < V; j++) acc[i] += (double)ST[i * V + j] * dST[i * V + j];
         }
+        PA_FN(la_gate_cumsum)(u->T, K, d->gk == PA_GATE_VECTOR, u->q, u->dq, u->k, u->dk, u->sk,
+                              u->dgk, u->sg, acc);
     }
     if (d->gv != PA_GATE_NONE) {
         for (int64_t j = 0; j < V; j++) acc[j] = 0;
         for (int64_t i = 0; i < K; i++)
             for (int64_t j = 0; j < V; j++) acc[j] += (double)ST[i * V + j] * dST[i * V + j];
-        for (int64_t t = u->T - 1; t >= 0; t--) {
-            const real *o = u->o + t * u->sv, *dout = u->dout + t * u->sv;
-            const real *v = u->v + t * u->sv, *dv = u->dv + t * u->sv;
-            for (int64_t j = 0; j < V; j++) {
-                acc[j] += (double)o[j] * dout[j] - (double)v[j] * dv[j];
-                dgv[t * u->sv + j] = (real)acc[j];
-            }
-        }
+        PA_FN(la_gate_cumsum)(u->T, V, 1, u->o, u->dout, u->v, u->dv, u->sv, u->dgv, u->sv, acc);
     }
 }
 
@@ -725,7 +724,7 @@ static void PA_FN(la_unit_run)(const PA_FN(la_call) *c, int64_t unit, int backwa
     }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
     PA_FN(la_load_state)(c->dht, unit, KV, sc->tmp);
-    PA_FN(la_gate_grads)(&u, S, sc->tmp, (double *)sc->Tm);
+    PA_FN(la_gate_grads)(&u, S, sc->tmp, sc->acc);
 }
 
 /* In place over a unit's nb blocks: buf[b] holds the block's own contribution (its state
@@ -756,7 +755,9 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
     real *states = pa_alloc(sizeof(real) * (items + 1) * KV);
     real *dstates = backward ? pa_alloc(sizeof(real) * (items + 1) * KV) : NULL;
     real *decs = pa_alloc(sizeof(real) * (items + 1) * (K + V));
-    int failed = !states || !decs || (backward && !dstates);
+    const int gated = d->gk != PA_GATE_NONE || d->gv != PA_GATE_NONE;
+    real *finals = backward && gated ? pa_alloc(sizeof(real) * units * KV) : NULL;
+    int failed = !states || !decs || (backward && (!dstates || (gated && !finals)));
     if (!failed) {
 #pragma omp parallel num_threads(nthreads)
         {
@@ -793,6 +794,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_scan)(states + first[un] * KV, decs + first[un] * (K + V), nb, 0, K, V,
                                sc.S, sc.tmp);
                 if (c->ht) memcpy(c->ht + un * KV, sc.S, sizeof(real) * KV);
+                if (finals) memcpy(finals + un * KV, sc.S, sizeof(real) * KV);
                 if (!backward) continue;
                 PA_FN(la_load_state)(c->dht, un, KV, sc.dS);
                 PA_FN(la_scan)(dstates + first[un] * KV, decs + first[un] * (K + V), nb, 1, K,
@@ -813,21 +815,13 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_block_dq)(&u, c0, l, &ks, &vs, states + i * KV, &sc);
                 PA_FN(la_block_dkdv)(&u, c0, l, &ks, &vs, dstates + i * KV, &sc);
             }
-            /* gate gradients need the final state: the last block's entering state advanced */
+            /* the gates' gradients, from the final states the scan left */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t un = 0; un < units; un++) {
-                if (!ok || !backward || (d->gk == PA_GATE_NONE && d->gv == PA_GATE_NONE)) continue;
+                if (!ok || !finals) continue;
                 PA_FN(la_unit_of)(c, un, &u);
-                PA_FN(la_load_state)(c->h0, un, KV, sc.S);
-                int64_t last = first[un + 1] - 1;
-                if (last >= first[un]) {
-                    int64_t c0 = iblock[last] * L, l = u.T - c0;
-                    memcpy(sc.S, states + last * KV, sizeof(real) * KV);
-                    PA_FN(la_block)(&u, c0, l, &sc, &ks, &vs);
-                    PA_FN(la_block_state)(&u, c0, l, &ks, &vs, sc.S, &sc);
-                }
                 PA_FN(la_load_state)(c->dht, un, KV, sc.tmp);
-                PA_FN(la_gate_grads)(&u, sc.S, sc.tmp, (double *)sc.Tm);
+                PA_FN(la_gate_grads)(&u, finals + un * KV, sc.tmp, sc.acc);
             }
             if (ok) free(sc.block);
         }
@@ -835,6 +829,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
     free(states);
     free(dstates);
     free(decs);
+    free(finals);
     free(iunit);
     free(iblock);
     free(first);
@@ -904,19 +899,14 @@ static int PA_FN(ea_scratch_alloc)(PA_FN(ea_scratch) *s, int64_t tq, int64_t tk,
     int64_t big = tq > tk ? tq : tk;
     big = big > K ? big : K;
     big = big > V ? big : V;
-    int64_t sizes[] = {tk * K, tq * K, tk * K, tq * K, K * V, K * V, K, K,
-                       PA_FN(gemm_work_elems)(big, big, big)};
-    real **dst[] = {&s->Kc, &s->Qs, &s->dKc, &s->dQs, &s->C, &s->dC, &s->m, &s->s, &s->work};
-    enum { N = sizeof sizes / sizeof sizes[0] };
-    int64_t total = 0;
-    for (int i = 0; i < N; i++) total += (sizes[i] * (int64_t)sizeof(real) + 63) / 64 * 64;
-    if (!(s->block = pa_alloc((size_t)total))) return 0;
-    char *p = s->block;
-    for (int i = 0; i < N; i++) {
-        *dst[i] = (real *)p;
-        p += (sizes[i] * (int64_t)sizeof(real) + 63) / 64 * 64;
-    }
-    return 1;
+    const size_t r = sizeof(real);
+    size_t bytes[] = {tk * K * r, tq * K * r, tk * K * r, tq * K * r, K * V * r, K * V * r,
+                      K * r, K * r, PA_FN(gemm_work_elems)(big, big, big) * r};
+    void **const parts[] = {(void **)&s->Kc, (void **)&s->Qs, (void **)&s->dKc, (void **)&s->dQs,
+                            (void **)&s->C, (void **)&s->dC, (void **)&s->m, (void **)&s->s,
+                            (void **)&s->work};
+    s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
+    return s->block != NULL;
 }
 
 /* Kc, Qs and C of one unit */
