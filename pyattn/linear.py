@@ -107,26 +107,23 @@ def _per_head(fn, name, x, H):
     return x
 
 
-def _state_out(engine, out_state):
-    return engine.o, (out_state if engine.want_state else None)
-
-
 # ---------------------------------------------------------------------------------------------
 # the gate-driven ops: simple_gla, gla, retention, lightning_attention
 
 
-def _gated(fn, q, k, v, gk, gv, scale, initial_state, output_final_state, cu_seqlens, form,
-           chunk_size, **consts):
-    """Shared by the ops whose gates go to the engine as they are (or from per-head constants)."""
-    arrs, dtype = _qkv(fn, q, k, v, ("g", "gv") + tuple(consts), g=gk, gv=gv,
-                       initial_state=initial_state, **consts)
+def _gated(fn, q, k, v, g, vector, gv, scale, initial_state, output_final_state, cu_seqlens, form,
+           chunk_size):
+    """The engine for a key gate g ([B, T, H], or [B, T, H, K] when vector) and an optional
+    value gate gv [B, T, H, V], checked under the op's argument names."""
+    arrs, _ = _qkv(fn, q, k, v, ("gv",), g=g, gv=gv, initial_state=initial_state)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     B, T, H, K = q.shape
+    _gate(fn, "g", arrs["g"], q.shape if vector else q.shape[:3])
+    _gate(fn, "gv", arrs["gv"], v.shape)
     cu, N = _sequences(fn, B, T, cu_seqlens)
     scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
-    eng = _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
-                  cu, N, form, chunk_size, scale)
-    return eng, arrs, dtype
+    return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
+                   cu, N, form, chunk_size, scale)
 
 
 def _gated_vjp(eng, names):
@@ -137,16 +134,6 @@ def _gated_vjp(eng, names):
         return {op: g[e] for op, e in names.items() if g[e] is not None}
 
     return pullback
-
-
-def _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size):
-    fn = "simple_gla"
-    arrs, _ = V.float_arrays(fn, (), g=g)
-    g = arrs["g"]
-    eng, _, _ = _gated(fn, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
-                       form, chunk_size)
-    _gate(fn, "g", g, eng.q.shape[:3])
-    return eng
 
 
 def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
@@ -161,26 +148,16 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
     ``"chunk"`` (chunk_size 16/32/64/128), ``"parallel"``, ``"recurrent"``. Returns
     ``(o [B, T, H, V], final_state or None)``.
     """
-    eng = _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
-    return _state_out(eng, eng.forward()[1])
+    return _gated("simple_gla", q, k, v, g, False, None, scale, initial_state, output_final_state,
+                  cu_seqlens, form, chunk_size).forward()
 
 
 @register_vjp(simple_gla)
 def _simple_gla_vjp(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
                     cu_seqlens=None, form="chunk", chunk_size=64):
-    eng = _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
-    out = _state_out(eng, eng.forward()[1])
-    return out, _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "initial_state": "h0"})
-
-
-def _gla(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size):
-    fn = "gla"
-    arrs, _ = V.float_arrays(fn, ("gv",), g=g, gv=gv)
-    eng, _, _ = _gated(fn, q, k, v, arrs["g"], arrs["gv"], scale, initial_state, output_final_state,
-                       cu_seqlens, form, chunk_size)
-    _gate(fn, "g", eng.gk, eng.q.shape)
-    _gate(fn, "gv", eng.gv, eng.v.shape)
-    return eng
+    eng = _gated("simple_gla", q, k, v, g, False, None, scale, initial_state, output_final_state,
+                 cu_seqlens, form, chunk_size)
+    return eng.forward(), _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "initial_state": "h0"})
 
 
 def gla(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_state=False,
@@ -194,16 +171,16 @@ def gla(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_sta
     row, those inside one are summed elementwise, so strong gates never overflow. Other
     arguments and the return as ``simple_gla``.
     """
-    eng = _gla(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
-    return _state_out(eng, eng.forward()[1])
+    return _gated("gla", q, k, v, g, True, gv, scale, initial_state, output_final_state, cu_seqlens,
+                  form, chunk_size).forward()
 
 
 @register_vjp(gla)
 def _gla_vjp(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_state=False,
              cu_seqlens=None, form="chunk", chunk_size=64):
-    eng = _gla(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
-    out = _state_out(eng, eng.forward()[1])
-    return out, _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "gv": "gv",
+    eng = _gated("gla", q, k, v, g, True, gv, scale, initial_state, output_final_state, cu_seqlens,
+                 form, chunk_size)
+    return eng.forward(), _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "gv": "gv",
                                  "initial_state": "h0"})
 
 
@@ -216,9 +193,9 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
     c = _per_head(fn, name, arrs[name], H)
     logd, dlog = log_decay(H, c)
     g = np.ascontiguousarray(np.broadcast_to(logd.astype(dtype), (B, T, H)))
-    eng, _, _ = _gated(fn, arrs["q"], arrs["k"], arrs["v"], g, None, scale, initial_state,
-                       output_final_state, cu_seqlens, form, chunk_size)
-    out = _state_out(eng, eng.forward()[1])
+    eng = _gated(fn, arrs["q"], arrs["k"], arrs["v"], g, False, None, scale, initial_state,
+                 output_final_state, cu_seqlens, form, chunk_size)
+    out = eng.forward()
 
     def pullback(cot):
         grads = eng.backward(*eng.cotangent(cot))
@@ -347,7 +324,7 @@ def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, 
         o = o1[..., :-1] / den
     else:
         o, den = o1, None
-    out = (o, ht if eng.want_state else None)
+    out = (o, ht)
 
     def pullback(cot):
         if normalize:
@@ -453,7 +430,7 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     o, ht = eng.forward()
     Dh = arrs["D"]
     y = o + Dh[:, None] * x if Dh is not None else o
-    out = (y, ht if eng.want_state else None)
+    out = (y, ht)
 
     def pullback(cot):
         dy, dht = eng.cotangent(cot)
