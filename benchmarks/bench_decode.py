@@ -8,7 +8,7 @@ at, and the ratio torch time / pyattn time.
 from __future__ import annotations
 
 import common  # noqa: F401  (sets OPENBLAS_NUM_THREADS before numpy is imported)
-from common import NA, Case, fmt, torch  # noqa: E402
+from common import Case, fmt, torch  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -24,8 +24,7 @@ def main(argv=None):
     timing = common.timing_from_args(args)
     common.set_threads(args.threads)
     print(common.machine_line())
-    print(f"threads: pyattn={pyattn.get_num_threads()}, "
-          f"torch={torch.get_num_threads() if torch is not None else NA}")
+    print(common.threads_line())
     print(f"shape: B={B} Tq=1 H={H} Hk={HK} D={D}, float32, causal (bottom-right: the query sees "
           "the whole cache)")
     print(common.timing_line(timing))

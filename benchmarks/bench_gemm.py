@@ -42,8 +42,7 @@ def main(argv=None):
 
     peak0 = {dt: common.fma_peak(dt, args.threads) for dt in dtypes}
     print(common.machine_line())
-    print(f"threads: pyattn={common.pyattn.get_num_threads()}, "
-          f"torch={torch.get_num_threads() if torch is not None else common.NA}, numpy BLAS={nblas}")
+    print(common.threads_line(f"numpy BLAS={nblas}"))
     print(common.timing_line(timing))
 
     rng = np.random.default_rng(0)

@@ -86,7 +86,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (sets OPENBLAS_NUM_THREADS before numpy)
-from common import NA, Case, fmt, print_table, torch  # noqa: E402
+from common import Case, fmt, print_table, torch  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -300,8 +300,7 @@ def sweep(args, timing):
     wall0 = time.perf_counter()
     peak0 = common.fma_peak(np.float32, args.threads)
     print(common.machine_line())
-    print(f"threads: pyattn={pyattn.get_num_threads()}, "
-          f"torch={torch.get_num_threads() if torch is not None else NA}")
+    print(common.threads_line())
     print(f"shape: B={B} H={H} K={K} V={V}, float32, chunk size C={C}; gates logsigmoid(N(0,1))/16; "
           f"ops {', '.join(args.ops)}")
     print(f"FLOPs (chunk algorithm, pyattn chunk and torch chunk rows): fwd = 2*B*H*T*(C*(K+V) + "
@@ -432,8 +431,7 @@ def sweep(args, timing):
 
 def decode(args, timing):
     print(common.machine_line())
-    print(f"threads: pyattn={pyattn.get_num_threads()}, "
-          f"torch={torch.get_num_threads() if torch is not None else NA}")
+    print(common.threads_line())
     print(f"decode: one recurrent step of simple_gla, B={DEC_B} H={DEC_H} K={K} V={V}, float32, "
           "form='recurrent', T=1, initial_state given, output_final_state=True")
     print(common.timing_line(timing))

@@ -127,8 +127,7 @@ def main(argv=None):
 
     peak0 = common.fma_peak(np.float32, args.threads)
     print(common.machine_line())
-    print(f"threads: pyattn={pyattn.get_num_threads()}, "
-          f"torch={torch.get_num_threads() if torch is not None else NA}")
+    print(common.threads_line())
     print(f"shape: B={B} H={H} Hk={HK} D={D}, float32; FLOPs: fwd 4BHT^2D, fwd+bwd 3.5x that, causal half")
     print(common.timing_line(timing))
 

@@ -111,6 +111,12 @@ def fma_peak(dtype, threads: int, seconds: float = 0.3, tries: int = 3) -> float
     return max(_core.fma_peak(bool(is_double), float(seconds), int(threads)) for _ in range(tries))
 
 
+def threads_line(extra: str = "") -> str:
+    """The thread counts pyattn and torch run with (after set_threads)."""
+    line = f"threads: pyattn={pyattn.get_num_threads()}, torch={torch.get_num_threads() if torch is not None else NA}"
+    return line + (f", {extra}" if extra else "")
+
+
 def machine_line() -> str:
     cpu = platform.processor() or platform.machine()
     try:
