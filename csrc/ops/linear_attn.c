@@ -58,14 +58,16 @@ typedef struct {
     void *block;
 } PA_FN(la_scratch);
 
+/* L = 0: the recurrent form's scratch (states, step decays, one row), no block buffers. */
 static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, int64_t V)
 {
     int64_t W = K > V ? K : V, big = L > W ? L : W;
     const size_t r = sizeof(real), dbl = sizeof(double);
-    size_t bytes[] = {2 * L * K * r, 2 * L * V * r, L * L * r, L * W * r, L * W * r, L * W * r,
-                      L * W * r, L * L * r, L * L * r, L * L * r, K * V * r, K * V * r,
-                      K * V * r, K * r, V * r, PA_FN(packed_b_elems)(big, big) * r,
-                      PA_FN(gemm_work_elems)(big, big, big) * r, L * dbl, W * dbl};
+    const size_t packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * r : 0;
+    const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
+    size_t bytes[] = {2 * L * K * r, 2 * L * V * r, L * L * r, L * W * r, L * W * r,
+                      (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
+                      K * V * r, K * V * r, K * r, V * r, packed, work, L * dbl, W * dbl};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
                             (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
@@ -850,7 +852,7 @@ static int PA_FN(la_run)(const PA_FN(la_call) *c, int backward)
 #pragma omp parallel num_threads(nthreads)
     {
         PA_FN(la_scratch) sc;
-        int ok = PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 1 : L, d->K, d->V);
+        int ok = PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L, d->K, d->V);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
