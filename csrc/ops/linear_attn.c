@@ -16,16 +16,21 @@
  * parallel: the chunk algorithm with one block per sequence, i.e. the masked decay matrix.
  *
  * Backward. With dS_t the gradient reaching S_t: dq_t = scale S_t do_t needs the states
- * forward in time; dk_t = dS_t v_t and dv_t = dS_t^T k_t need dS backward in time. So one
- * forward sweep recomputes the states and emits dq, one reverse sweep carries dS and emits
- * dk, dv, dh0: no state is stored. The chunk form is the same mirrored: its intra-block
- * terms use the gated Gram B_ij = sum_v do_iv v_jv e^(Gv_iv - Gv_jv):
+ * forward in time; dk_t = dS_t v_t and dv_t = dS_t^T k_t need dS backward in time. So a
+ * forward pass keeps the state entering each piece of P rows (a chunk of the chunk form,
+ * LA_PIECE rows otherwise; the recurrent form emits dq on the way), and one reverse pass
+ * carries dS and emits the rest. The chunk form's intra-block terms use the gated Gram
+ * B_ij = sum_v do_iv v_jv e^(Gv_iv - Gv_jv):
  *   dq_i += scale sum_{j<=i} B_ij e^(Gk_i - Gk_j) k_j,  dk_j += sum_{i>=j} B_ij e^(..) q~_i,
  *   dv_j += sum_{i>=j} A_ij e^(Gv_i - Gv_j) do_i.
- * Gates then follow for every form from one identity: as o and S_T depend on the cumulative
- * gate G_t only through q_t e^G_t, k_t e^-G_t (and for gv through o_t and v_t),
- *   dgk_t = sum_{s>=t} (q_s dq_s - k_s dk_s) + rowsum(S_T * dS_T),
- *   dgv_t = sum_{s>=t} (o_s do_s - v_s dv_s) + colsum(S_T * dS_T).
+ * Gates then follow for every form from one identity: the outputs up to row b and S_b depend
+ * on the cumulative gate G_t (t <= b) only through q_t e^G_t, k_t e^-G_t (and for gv through
+ * o_t and v_t), so with dS_b the gradient reaching S_b from the rows after b,
+ *   dgk_t = sum_{t<=s<=b} (q_s dq_s - k_s dk_s) + rowsum(S_b * dS_b),
+ *   dgv_t = sum_{t<=s<=b} (o_s do_s - v_s dv_s) + colsum(S_b * dS_b).
+ * It is taken with b the last row of t's piece: the terms, which cancel, then sum over at most
+ * P rows rather than the whole sequence, which keeps float32 sums over time of dg (the
+ * gradient of a per-head decay) accurate at any length.
  *
  * Work is split over units when there are enough of them; otherwise over (unit, chunk)
  * items, with the states passed by a scan over chunks (the only sequential part).
@@ -33,6 +38,7 @@
 
 #define LA_SUB 16     /* rows of a vector-gate sub-block: e^(gate sums over 16 steps) */
 #define LA_TRI (2 * MR) /* row block of the triangular products */
+#define LA_PIECE 64   /* rows of a backward piece in the recurrent and parallel forms */
 
 typedef struct {
     int kind;         /* PA_GATE_* */
@@ -48,18 +54,21 @@ typedef struct {
     int64_t L, K, V, W;   /* W = max(K, V) */
     real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
     double *Gs;           /* L */
-    double *acc;          /* max(K, V): running sums in double */
+    double *acc;          /* K + V: running sums in double */
     real *X, *Y, *Tm, *U; /* L x W each */
     real *A, *B, *M;      /* L x L each */
     real *S, *dS, *tmp;   /* K x V each */
     real *deck, *decv;    /* K, V: a block's total decays */
+    real *states;         /* backward: the state entering each piece, then the final one */
     real *Bp;             /* one operand packed once for the row-block products */
     real *work;           /* GEMM packing */
     void *block;
 } PA_FN(la_scratch);
 
-/* L = 0: the recurrent form's scratch (states, step decays, one row), no block buffers. */
-static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, int64_t V)
+/* L = 0: the recurrent form's scratch (states, step decays, one row), no block buffers;
+ * nstates: room for that many K x V states (the backward's pieces). */
+static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, int64_t V,
+                                   int64_t nstates)
 {
     int64_t W = K > V ? K : V, big = L > W ? L : W;
     const size_t r = sizeof(real), dbl = sizeof(double);
@@ -67,12 +76,13 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
     const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
     size_t bytes[] = {2 * L * K * r, 2 * L * V * r, L * L * r, L * W * r, L * W * r,
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
-                      K * V * r, K * V * r, K * r, V * r, packed, work, L * dbl, W * dbl};
+                      K * V * r, K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
+                      L * dbl, (K + V) * dbl};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
                             (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
                             (void **)&s->tmp, (void **)&s->deck, (void **)&s->decv,
-                            (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
+                            (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
                             (void **)&s->acc};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
@@ -469,32 +479,21 @@ static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
                             u->dout + c0 * u->sv, u->sv, dS, sc);
 }
 
-/* dq rows of the block from its start state S */
-static void PA_FN(la_block_dq)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
-                               const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
-                               const real *S, PA_FN(la_scratch) *sc)
-{
-    const int64_t V = u->d->V, sk = u->sk, sv = u->sv;
-    const real scale = (real)u->d->scale;
-    const real *dout = u->dout + c0 * sv, *v = u->v + c0 * sv;
-    real *dq = u->dq + c0 * sk;
-    PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
-    PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, sc->B, sc);
-    PA_FN(la_apply)(ks, L, scale, sc->B, u->k + c0 * sk, sk, dq, sk, sc);
-}
-
-/* dk, dv rows of the block from dS, the gradient of its end state */
-static void PA_FN(la_block_dkdv)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
-                                 const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
-                                 const real *dS, PA_FN(la_scratch) *sc)
+/* dq, dk, dv rows of the block from S, its start state, and dS, the gradient reaching its end
+ * state from later rows; the Gram B serves dq and dk. */
+static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+                                  const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
+                                  const real *S, const real *dS, PA_FN(la_scratch) *sc)
 {
     const int64_t V = u->d->V, sk = u->sk, sv = u->sv;
     const real scale = (real)u->d->scale;
     const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
     const real *dout = u->dout + c0 * sv;
-    real *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
-    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, sc->A, sc);
+    real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
     PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, sc->B, sc);
+    PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
+    PA_FN(la_apply)(ks, L, scale, sc->B, k, sk, dq, sk, sc);
+    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, sc->A, sc);
     PA_FN(la_rows_times)(vs, ks, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
     PA_FN(la_apply_t)(ks, L, scale, sc->B, q, sk, dk, sk, sc);
     PA_FN(la_rows_times)(ks, vs, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
@@ -519,14 +518,14 @@ static void PA_FN(la_step_decay)(const PA_FN(la_unit) *u, int64_t t, real *a, re
         for (int64_t j = 0; j < V; j++) b[j] = 1;
 }
 
-/* Forward over the unit's steps from S (updated in place). With o: writes o_t. With dq
- * (backward): writes dq_t = scale S_t do_t instead. */
-static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, real *S, real *o, real *dq,
-                                      PA_FN(la_scratch) *sc)
+/* Forward over the unit's steps t0 .. t0+n-1 from S (updated in place). With o: writes o_t.
+ * With dq (backward): writes dq_t = scale S_t do_t instead. */
+static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64_t n, real *S,
+                                      real *o, real *dq, PA_FN(la_scratch) *sc)
 {
     const int64_t K = u->d->K, V = u->d->V;
     const real scale = (real)u->d->scale;
-    for (int64_t t = 0; t < u->T; t++) {
+    for (int64_t t = t0; t < t0 + n; t++) {
         const real *q = u->q + t * u->sk, *k = u->k + t * u->sk, *v = u->v + t * u->sv;
         PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
         real *acc = sc->Tm;
@@ -543,13 +542,14 @@ static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, real *S, real *o,
     }
 }
 
-/* Reverse over the unit's steps from dS (the gradient of the final state, updated in place to
- * that of the initial state): writes dk_t, dv_t. */
-static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, real *dS, PA_FN(la_scratch) *sc)
+/* Reverse over the unit's steps t0+n-1 .. t0 from dS (the gradient reaching S_{t0+n-1} from
+ * later steps, updated in place to that reaching S_{t0-1}): writes dk_t, dv_t. */
+static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int64_t n, real *dS,
+                                        PA_FN(la_scratch) *sc)
 {
     const int64_t K = u->d->K, V = u->d->V;
     const real scale = (real)u->d->scale;
-    for (int64_t t = u->T - 1; t >= 0; t--) {
+    for (int64_t t = t0 + n - 1; t >= t0; t--) {
         const real *q = u->q + t * u->sk, *k = u->k + t * u->sk, *v = u->v + t * u->sv;
         const real *dout = u->dout + t * u->sv;
         real *dk = u->dk + t * u->sk, *dv = u->dv + t * u->sv;
@@ -567,15 +567,15 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, real *dS, PA_FN
 
 /* ---- gate gradients, for every form (the identity in the header) ---- */
 
-/* dg_t = sum_{s>=t} (x_s dx_s - y_s dy_s) + fin, per column (vec) or summed over the row;
- * rows of D at stride ld, dg at stride ldg; acc: the D final-state terms on entry. */
-static void PA_FN(la_gate_cumsum)(int64_t T, int64_t D, int vec, const real *x, const real *dx,
+/* dg_t = sum_{t<=s<n} (x_s dx_s - y_s dy_s) + acc, per column (vec) or summed over the row;
+ * rows of D at stride ld, dg at stride ldg; acc: the D boundary terms on entry. */
+static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, const real *dx,
                                   const real *y, const real *dy, int64_t ld, real *dg,
                                   int64_t ldg, double *acc)
 {
     if (!vec)
         for (int64_t i = 1; i < D; i++) acc[0] += acc[i];
-    for (int64_t t = T - 1; t >= 0; t--) {
+    for (int64_t t = n - 1; t >= 0; t--) {
         const int64_t r = t * ld;
         for (int64_t i = 0; i < D; i++)
             acc[vec ? i : 0] += (double)x[r + i] * dx[r + i] - (double)y[r + i] * dy[r + i];
@@ -583,27 +583,34 @@ static void PA_FN(la_gate_cumsum)(int64_t T, int64_t D, int vec, const real *x, 
     }
 }
 
-/* The gates' gradients of a unit from dq, dk (dv, o), its final state ST and that state's
- * cotangent dST (the identity in the header). */
-static void PA_FN(la_gate_grads)(const PA_FN(la_unit) *u, const real *ST, const real *dST,
-                                 double *acc)
+/* The identity's boundary terms of a piece ending with state Sb, whose gradient from later
+ * rows is dSb: acc[0..K) = rowsum(Sb * dSb) for gk, acc[K..K+V) = colsum for gv; col: V reals
+ * of scratch. */
+static void PA_FN(la_gate_bound)(const pa_linear_desc *d, const real *Sb, const real *dSb,
+                                 double *acc, real *col)
+{
+    const int64_t K = d->K, V = d->V;
+    if (d->gk != PA_GATE_NONE)
+        for (int64_t i = 0; i < K; i++) acc[i] = PA_FN(dot)(Sb + i * V, dSb + i * V, V);
+    if (d->gv == PA_GATE_NONE) return;
+    for (int64_t j = 0; j < V; j++) col[j] = 0;
+    for (int64_t i = 0; i < K; i++)
+        for (int64_t j = 0; j < V; j++) col[j] += Sb[i * V + j] * dSb[i * V + j];
+    for (int64_t j = 0; j < V; j++) acc[K + j] = col[j];
+}
+
+/* The gates' gradients of rows r0 .. r0+n-1 of a unit, a piece whose boundary terms are in acc
+ * (la_gate_bound), from its dq, dk (and o, do, dv). */
+static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n, double *acc)
 {
     const pa_linear_desc *d = u->d;
-    const int64_t K = d->K, V = d->V;
-    if (d->gk != PA_GATE_NONE) {
-        for (int64_t i = 0; i < K; i++) {
-            acc[i] = 0;
-            for (int64_t j = 0; j < V; j++) acc[i] += (double)ST[i * V + j] * dST[i * V + j];
-        }
-        PA_FN(la_gate_cumsum)(u->T, K, d->gk == PA_GATE_VECTOR, u->q, u->dq, u->k, u->dk, u->sk,
-                              u->dgk, u->sg, acc);
-    }
-    if (d->gv != PA_GATE_NONE) {
-        for (int64_t j = 0; j < V; j++) acc[j] = 0;
-        for (int64_t i = 0; i < K; i++)
-            for (int64_t j = 0; j < V; j++) acc[j] += (double)ST[i * V + j] * dST[i * V + j];
-        PA_FN(la_gate_cumsum)(u->T, V, 1, u->o, u->dout, u->v, u->dv, u->sv, u->dgv, u->sv, acc);
-    }
+    const int64_t sk = u->sk, sv = u->sv;
+    if (d->gk != PA_GATE_NONE)
+        PA_FN(la_gate_cumsum)(n, d->K, d->gk == PA_GATE_VECTOR, u->q + r0 * sk, u->dq + r0 * sk,
+                              u->k + r0 * sk, u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc);
+    if (d->gv != PA_GATE_NONE)
+        PA_FN(la_gate_cumsum)(n, d->V, 1, u->o + r0 * sv, u->dout + r0 * sv, u->v + r0 * sv,
+                              u->dv + r0 * sv, sv, u->dgv + r0 * sv, sv, acc + d->K);
 }
 
 /* ---- drivers ---- */
@@ -683,50 +690,80 @@ static void PA_FN(la_load_state)(const real *src, int64_t unit, int64_t KV, real
         memset(S, 0, sizeof(real) * KV);
 }
 
-/* One unit, every block in order (forward, or the whole backward), on one thread. */
-static void PA_FN(la_unit_run)(const PA_FN(la_call) *c, int64_t unit, int backward, int64_t L,
-                               PA_FN(la_scratch) *sc)
+/* Rows of a backward piece: a block of the chunk form, LA_PIECE rows otherwise. */
+static int64_t PA_FN(la_piece_rows)(const pa_linear_desc *d, int64_t L)
 {
-    const pa_linear_desc *d = c->d;
-    const int64_t KV = d->K * d->V;
+    return d->form == PA_FORM_CHUNK || (d->form == PA_FORM_PARALLEL && L < LA_PIECE) ? L
+                                                                                    : LA_PIECE;
+}
+
+/* One unit's forward, every block in order, on one thread. */
+static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_t L,
+                                   PA_FN(la_scratch) *sc)
+{
+    const int64_t KV = c->d->K * c->d->V;
     PA_FN(la_unit) u;
     PA_FN(la_unit_of)(c, unit, &u);
-    real *S = sc->S, *dS = sc->dS;
+    real *S = sc->S;
     PA_FN(la_load_state)(c->h0, unit, KV, S);
-    const int rec = d->form == PA_FORM_RECURRENT;
-    PA_FN(la_side) ks, vs;
-    if (!backward) {
-        if (rec)
-            PA_FN(la_recurrent_sweep)(&u, S, (real *)u.o, NULL, sc);
-        for (int64_t c0 = 0; !rec && c0 < u.T; c0 += L) {
+    if (c->d->form == PA_FORM_RECURRENT) {
+        PA_FN(la_recurrent_sweep)(&u, 0, u.T, S, (real *)u.o, NULL, sc);
+    } else {
+        PA_FN(la_side) ks, vs;
+        for (int64_t c0 = 0; c0 < u.T; c0 += L) {
             int64_t l = u.T - c0 < L ? u.T - c0 : L;
             PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
             PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
             PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
         }
-        if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
-        return;
     }
-    if (rec)
-        PA_FN(la_recurrent_sweep)(&u, S, NULL, u.dq, sc);
-    for (int64_t c0 = 0; !rec && c0 < u.T; c0 += L) {
-        int64_t l = u.T - c0 < L ? u.T - c0 : L;
-        PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
-        PA_FN(la_block_dq)(&u, c0, l, &ks, &vs, S, sc);
-        PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
+    if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
+}
+
+/* One unit's backward on one thread: the states entering its pieces forward, then one
+ * reverse pass over the pieces. */
+static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64_t L,
+                                    PA_FN(la_scratch) *sc)
+{
+    const pa_linear_desc *d = c->d;
+    const int64_t KV = d->K * d->V, P = PA_FN(la_piece_rows)(d, L);
+    const int rec = d->form == PA_FORM_RECURRENT, chunk = d->form == PA_FORM_CHUNK;
+    PA_FN(la_unit) u;
+    PA_FN(la_unit_of)(c, unit, &u);
+    const int64_t np = (u.T + P - 1) / P;
+    real *states = sc->states, *dS = sc->dS;
+    PA_FN(la_side) ks, vs;
+    PA_FN(la_load_state)(c->h0, unit, KV, states);
+    for (int64_t p = 0; p < np; p++) {
+        const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+        real *S = states + (p + 1) * KV;
+        memcpy(S, S - KV, sizeof(real) * KV);
+        if (rec) {
+            PA_FN(la_recurrent_sweep)(&u, r0, n, S, NULL, u.dq, sc);
+        } else {
+            PA_FN(la_block)(&u, r0, n, sc, &ks, &vs);
+            PA_FN(la_block_state)(&u, r0, n, &ks, &vs, S, sc);
+        }
     }
     PA_FN(la_load_state)(c->dht, unit, KV, dS);
-    if (rec)
-        PA_FN(la_recurrent_reverse)(&u, dS, sc);
-    for (int64_t c0 = !rec && u.T ? (u.T - 1) / L * L : -1; c0 >= 0; c0 -= L) {
-        int64_t l = u.T - c0 < L ? u.T - c0 : L;
-        PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
-        PA_FN(la_block_dkdv)(&u, c0, l, &ks, &vs, dS, sc);
-        PA_FN(la_block_dstate)(&u, c0, l, &ks, &vs, dS, sc);
+    if (d->form == PA_FORM_PARALLEL && u.T) { /* one block; the pieces only for the gates */
+        PA_FN(la_block)(&u, 0, u.T, sc, &ks, &vs);
+        PA_FN(la_block_grads)(&u, 0, u.T, &ks, &vs, states, dS, sc);
+    }
+    for (int64_t p = np - 1; p >= 0; p--) {
+        const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+        if (!rec) { /* (la_block's cumulative sums use sc->acc too) */
+            PA_FN(la_block)(&u, r0, n, sc, &ks, &vs);
+            if (chunk) PA_FN(la_block_grads)(&u, r0, n, &ks, &vs, states + p * KV, dS, sc);
+        }
+        PA_FN(la_gate_bound)(d, states + (p + 1) * KV, dS, sc->acc, sc->Tm);
+        if (rec)
+            PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
+        else
+            PA_FN(la_block_dstate)(&u, r0, n, &ks, &vs, dS, sc);
+        PA_FN(la_gate_piece)(&u, r0, n, sc->acc);
     }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
-    PA_FN(la_load_state)(c->dht, unit, KV, sc->tmp);
-    PA_FN(la_gate_grads)(&u, S, sc->tmp, sc->acc);
 }
 
 /* In place over a unit's nb blocks: buf[b] holds the block's own contribution (its state
@@ -764,7 +801,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
 #pragma omp parallel num_threads(nthreads)
         {
             PA_FN(la_scratch) sc;
-            int ok = PA_FN(la_scratch_alloc)(&sc, L, K, V);
+            int ok = PA_FN(la_scratch_alloc)(&sc, L, K, V, 0);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -814,16 +851,13 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                     PA_FN(la_block_output)(&u, c0, l, &ks, &vs, states + i * KV, &sc);
                     continue;
                 }
-                PA_FN(la_block_dq)(&u, c0, l, &ks, &vs, states + i * KV, &sc);
-                PA_FN(la_block_dkdv)(&u, c0, l, &ks, &vs, dstates + i * KV, &sc);
-            }
-            /* the gates' gradients, from the final states the scan left */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t un = 0; un < units; un++) {
-                if (!ok || !finals) continue;
-                PA_FN(la_unit_of)(c, un, &u);
-                PA_FN(la_load_state)(c->dht, un, KV, sc.tmp);
-                PA_FN(la_gate_grads)(&u, finals + un * KV, sc.tmp, sc.acc);
+                PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, states + i * KV, dstates + i * KV,
+                                      &sc);
+                if (!finals) continue;
+                const real *end = i + 1 < first[iunit[i] + 1] ? states + (i + 1) * KV
+                                                              : finals + iunit[i] * KV;
+                PA_FN(la_gate_bound)(d, end, dstates + i * KV, sc.acc, sc.Tm);
+                PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
             }
             if (ok) free(sc.block);
         }
@@ -848,18 +882,27 @@ static int PA_FN(la_run)(const PA_FN(la_call) *c, int backward)
     const int nthreads = PA_FN(la_threads)(d, L, units > blocks ? units : blocks * d->H);
     if (d->form == PA_FORM_CHUNK && units < nthreads)
         return PA_FN(la_run_items)(c, backward, L, nthreads);
+    /* the backward keeps the state entering each piece of the longest sequence, and the last */
+    const int64_t P = PA_FN(la_piece_rows)(d, L);
+    const int64_t nstates = backward ? (PA_FN(la_max_len)(d) + P - 1) / P + 1 : 0;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         PA_FN(la_scratch) sc;
-        int ok = PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L, d->K, d->V);
+        int ok = PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L, d->K, d->V,
+                                         nstates);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t un = 0; un < units; un++)
-            if (ok) PA_FN(la_unit_run)(c, un, backward, L, &sc);
+        for (int64_t un = 0; un < units; un++) {
+            if (!ok) continue;
+            if (backward)
+                PA_FN(la_unit_backward)(c, un, L, &sc);
+            else
+                PA_FN(la_unit_forward)(c, un, L, &sc);
+        }
         if (ok) free(sc.block);
     }
     return failed ? PA_ENOMEM : PA_OK;
