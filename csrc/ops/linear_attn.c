@@ -518,21 +518,28 @@ static void PA_FN(la_step_decay)(const PA_FN(la_unit) *u, int64_t t, real *a, re
         for (int64_t j = 0; j < V; j++) b[j] = 1;
 }
 
-/* Forward over the unit's steps t0 .. t0+n-1 from S (updated in place). With o: writes o_t.
+/* Forward over the unit's steps t0 .. t0+n-1 (n >= 1) from the state src (NULL: zeros) into S,
+ * which may be src: a single pass over the state, as a decode step wants. With o: writes o_t.
  * With dq (backward): writes dq_t = scale S_t do_t instead. */
-static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64_t n, real *S,
-                                      real *o, real *dq, PA_FN(la_scratch) *sc)
+static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64_t n,
+                                      const real *src, real *S, real *o, real *dq,
+                                      PA_FN(la_scratch) *sc)
 {
     const int64_t K = u->d->K, V = u->d->V;
     const real scale = (real)u->d->scale;
     for (int64_t t = t0; t < t0 + n; t++) {
         const real *q = u->q + t * u->sk, *k = u->k + t * u->sk, *v = u->v + t * u->sv;
+        const real *prev = t == t0 ? src : S;
         PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
         real *acc = sc->Tm;
         for (int64_t j = 0; j < V; j++) acc[j] = 0;
         for (int64_t i = 0; i < K; i++) {
             real *row = S + i * V, a = sc->deck[i], ki = k[i], qi = scale * q[i];
-            for (int64_t j = 0; j < V; j++) row[j] = a * row[j] * sc->decv[j] + ki * v[j];
+            if (prev)
+                for (int64_t j = 0; j < V; j++)
+                    row[j] = a * prev[i * V + j] * sc->decv[j] + ki * v[j];
+            else
+                for (int64_t j = 0; j < V; j++) row[j] = ki * v[j];
             if (dq)
                 dq[t * u->sk + i] = scale * PA_FN(dot)(row, u->dout + t * u->sv, V);
             else
@@ -634,8 +641,11 @@ static int64_t PA_FN(la_block_rows)(const pa_linear_desc *d)
 
 static int PA_FN(la_threads)(const pa_linear_desc *d, int64_t L, int64_t items)
 {
-    double rows = (double)d->cu[d->nseq] * (double)d->H;
-    double work = rows * (double)(d->K * d->V * 2 + (d->form == PA_FORM_RECURRENT ? 0 : L * (d->K + d->V)));
+    double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);
+    /* multiply-adds; a recurrent step streams its K x V state through memory rather than
+     * computing, so it weighs 4 times its 2 K V: a decode step then uses every thread */
+    double work = d->form == PA_FORM_RECURRENT ? rows * KV * 8
+                                               : rows * (KV * 2 + (double)L * (d->K + d->V));
     return pa_threads_for(work, items);
 }
 
@@ -704,18 +714,20 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
     const int64_t KV = c->d->K * c->d->V;
     PA_FN(la_unit) u;
     PA_FN(la_unit_of)(c, unit, &u);
+    if (c->d->form == PA_FORM_RECURRENT && u.T) { /* h0 read and the final state written once */
+        real *S = c->ht ? c->ht + unit * KV : sc->S;
+        PA_FN(la_recurrent_sweep)(&u, 0, u.T, c->h0 ? c->h0 + unit * KV : NULL, S, (real *)u.o,
+                                  NULL, sc);
+        return;
+    }
     real *S = sc->S;
+    PA_FN(la_side) ks, vs;
     PA_FN(la_load_state)(c->h0, unit, KV, S);
-    if (c->d->form == PA_FORM_RECURRENT) {
-        PA_FN(la_recurrent_sweep)(&u, 0, u.T, S, (real *)u.o, NULL, sc);
-    } else {
-        PA_FN(la_side) ks, vs;
-        for (int64_t c0 = 0; c0 < u.T; c0 += L) {
-            int64_t l = u.T - c0 < L ? u.T - c0 : L;
-            PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
-            PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
-            PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
-        }
+    for (int64_t c0 = 0; c0 < u.T; c0 += L) {
+        int64_t l = u.T - c0 < L ? u.T - c0 : L;
+        PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
+        PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
+        PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
     }
     if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
 }
@@ -737,10 +749,10 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     for (int64_t p = 0; p < np; p++) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
-        memcpy(S, S - KV, sizeof(real) * KV);
         if (rec) {
-            PA_FN(la_recurrent_sweep)(&u, r0, n, S, NULL, u.dq, sc);
+            PA_FN(la_recurrent_sweep)(&u, r0, n, S - KV, S, NULL, u.dq, sc);
         } else {
+            memcpy(S, S - KV, sizeof(real) * KV);
             PA_FN(la_block)(&u, r0, n, sc, &ks, &vs);
             PA_FN(la_block_state)(&u, r0, n, &ks, &vs, S, sc);
         }
