@@ -64,6 +64,33 @@ typedef struct {
     int64_t chunk; /* rows per block of the chunk form */
 } pa_linear_desc;
 
+static inline int64_t pa_linear_max_len(const pa_linear_desc *d)
+{
+    int64_t m = 0;
+    for (int64_t n = 0; n < d->nseq; n++)
+        if (d->cu[n + 1] - d->cu[n] > m) m = d->cu[n + 1] - d->cu[n];
+    return m;
+}
+
+/* Rows per block: the chunk size; the whole longest sequence for the parallel form. */
+static inline int64_t pa_linear_block_rows(const pa_linear_desc *d)
+{
+    int64_t maxlen = pa_linear_max_len(d);
+    int64_t L = d->form == PA_FORM_PARALLEL ? maxlen : d->chunk;
+    if (L > maxlen) L = maxlen;
+    return L < 1 ? 1 : L;
+}
+
+/* The states a chunk-form forward can keep for its backward ([count, K, V]): per sequence and
+ * head (unit n H + h), in order, the state entering each block, then the final one. */
+static inline int64_t pa_linear_kept_states(const pa_linear_desc *d)
+{
+    const int64_t L = pa_linear_block_rows(d);
+    int64_t count = 0;
+    for (int64_t n = 0; n < d->nseq; n++) count += (d->cu[n + 1] - d->cu[n] + L - 1) / L + 1;
+    return count * d->H;
+}
+
 /* Efficient attention (non-causal): o = softmax_row(scale q) (softmax_time(scale k)^T v) per
  * sequence and head; q [rows_q, H, K], k [rows_k, H, K], v [rows_k, H, V]. */
 typedef struct {
@@ -92,15 +119,18 @@ typedef struct {
      * for the other kinds */
     int (*feature_map_backward)(const pa_feature_map_desc *d, const void *x, const void *dy,
                                 void *dx, void *dprojection);
-    /* h0, ht may be NULL (zero initial state; final state not wanted) */
+    /* h0, ht may be NULL (zero initial state; final state not wanted); states: NULL, or (chunk
+     * form) room for the pa_linear_kept_states() states the backward can reuse */
     int (*linear_forward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
-                          const void *gk, const void *gv, const void *h0, void *o, void *ht);
+                          const void *gk, const void *gv, const void *h0, void *o, void *ht,
+                          void *states);
     /* o: the forward's output (read only with gv); dht, h0 may be NULL (zero); dgk, dgv are
-     * NULL exactly when their gate is; dh0 may be NULL (not wanted) */
+     * NULL exactly when their gate is; dh0 may be NULL (not wanted); states: what a chunk
+     * forward kept, or NULL (then recomputed) */
     int (*linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
                            const void *v, const void *gk, const void *gv, const void *h0,
-                           const void *o, const void *dout, const void *dht, void *dq,
-                           void *dk, void *dv, void *dgk, void *dgv, void *dh0);
+                           const void *o, const void *dout, const void *dht, const void *states,
+                           void *dq, void *dk, void *dv, void *dgk, void *dgv, void *dh0);
     int (*efficient_forward)(const pa_efficient_desc *d, const void *q, const void *k,
                              const void *v, void *o);
     int (*efficient_backward)(const pa_efficient_desc *d, const void *q, const void *k,

@@ -9,6 +9,7 @@ import numpy.typing as npt
 FORM_PARALLEL: int
 FORM_FLASH: int
 FORM_RECURRENT: int
+FORM_CHUNK: int
 FM_IDENTITY: int
 FM_ELU1: int
 FM_RELU: int
@@ -62,6 +63,40 @@ def feature_map_backward(
     """Writes dx [..., D] from dy [..., F] in place, and for FM_PERFORMER dprojection [m, D]
     (overwritten, not accumulated; None for the other kinds). Arguments as
     feature_map_forward."""
+
+def linear_forward(
+    q: _Float, k: _Float, v: _Float, gk: Optional[_Float], gv: Optional[_Float],
+    h0: Optional[_Float], o: _Float, ht: Optional[_Float], keep: bool,
+    cu: _Int64, form: int, chunk: int, scale: float, /,
+) -> Optional[_Float]:
+    """The gated linear engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in
+    place. q, k [B, T, H, K]; v [B, T, H, V]; gk None (no key gate), [B, T, H] (scalar) or
+    [B, T, H, K] (vector); gv None or [B, T, H, V]; h0 None or [N, H, K, V]; cu the int64
+    sequence offsets [N + 1] over the B*T rows; form FORM_PARALLEL, FORM_RECURRENT or
+    FORM_CHUNK. With keep true and FORM_CHUNK returns the states the backward can reuse (a
+    new [count, K, V] array: per (sequence, head) the state entering each chunk, then the
+    final one); else None."""
+
+def linear_backward(
+    q: _Float, k: _Float, v: _Float, gk: Optional[_Float], gv: Optional[_Float],
+    h0: Optional[_Float], o: _Float, do: _Float, dht: Optional[_Float],
+    states: Optional[_Float], dq: _Float, dk: _Float, dv: _Float, dgk: Optional[_Float],
+    dgv: Optional[_Float], dh0: Optional[_Float], cu: _Int64, form: int, chunk: int,
+    scale: float, /,
+) -> None:
+    """Writes dq, dk, dv (and dgk, dgv, dh0 when given; dgk / dgv must be None exactly when
+    their gate is) in place. o is the forward's output; dht None means a zero cotangent;
+    states what linear_forward kept (FORM_CHUNK), or None to recompute them. Other arguments
+    as linear_forward."""
+
+def efficient_forward(q: _Float, k: _Float, v: _Float, o: _Float, cu_q: _Int64,
+                      cu_k: _Int64, scale: float, /) -> None:
+    """Efficient attention: writes o [B, Tq, H, V] in place; q [B, Tq, H, K], k [B, Tk, H, K],
+    v [B, Tk, H, V]; cu_q, cu_k int64 sequence offsets."""
+
+def efficient_backward(q: _Float, k: _Float, v: _Float, do: _Float, dq: _Float, dk: _Float,
+                       dv: _Float, cu_q: _Int64, cu_k: _Int64, scale: float, /) -> None:
+    """Writes dq, dk, dv in place. Arguments as efficient_forward."""
 
 def gemm(a: _Float, b: _Float, c: _Float, trans_a: bool, trans_b: bool,
          alpha: float, beta: float, /) -> None:

@@ -42,14 +42,17 @@ class _Engine:
         self.fn, self.q, self.k, self.v, self.gk, self.gv, self.h0 = fn, q, k, v, gk, gv, h0
         self.want_state, self.N = want_state, N
         self.opts = (cu, _FORM_CODE[form], int(chunk_size), float(scale))
-        self.o = self.ht = None
+        self.o = self.ht = self.states = None
 
-    def forward(self):
+    def forward(self, keep=False):
+        """(o, final state or None). keep: a pullback follows, so the chunk form keeps the
+        state entering each chunk for the backward (about T / chunk_size states per head)."""
         q, v = self.q, self.v
         B, T, H, K = q.shape
         self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
         self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
-        _core.linear_forward(q, self.k, v, self.gk, self.gv, self.h0, self.o, self.ht, *self.opts)
+        self.states = _core.linear_forward(q, self.k, v, self.gk, self.gv, self.h0, self.o, self.ht,
+                                           keep, *self.opts)
         return self.o, self.ht
 
     def cotangent(self, cot):
@@ -75,7 +78,7 @@ class _Engine:
         g["gv"] = None if self.gv is None else np.empty_like(self.gv)
         g["h0"] = None if self.h0 is None else np.empty_like(self.h0)
         _core.linear_backward(self.q, self.k, self.v, self.gk, self.gv, self.h0, self.o, do, dht,
-                              g["q"], g["k"], g["v"], g["gk"], g["gv"], g["h0"], *self.opts)
+                              self.states, g["q"], g["k"], g["v"], g["gk"], g["gv"], g["h0"], *self.opts)
         return g
 
 
@@ -157,7 +160,8 @@ def _simple_gla_vjp(q, k, v, g, *, scale=None, initial_state=None, output_final_
                     cu_seqlens=None, form="chunk", chunk_size=64):
     eng = _gated("simple_gla", q, k, v, g, False, None, scale, initial_state, output_final_state,
                  cu_seqlens, form, chunk_size)
-    return eng.forward(), _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "initial_state": "h0"})
+    return eng.forward(keep=True), _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk",
+                                                   "initial_state": "h0"})
 
 
 def gla(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_state=False,
@@ -180,12 +184,12 @@ def _gla_vjp(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_fina
              cu_seqlens=None, form="chunk", chunk_size=64):
     eng = _gated("gla", q, k, v, g, True, gv, scale, initial_state, output_final_state, cu_seqlens,
                  form, chunk_size)
-    return eng.forward(), _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "gv": "gv",
-                                 "initial_state": "h0"})
+    return eng.forward(keep=True), _gated_vjp(eng, {"q": "q", "k": "k", "v": "v", "g": "gk", "gv": "gv",
+                                                   "initial_state": "h0"})
 
 
 def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, output_final_state,
-                    cu_seqlens, form, chunk_size):
+                    cu_seqlens, form, chunk_size, keep):
     """retention / lightning: a log decay per head, expanded to a scalar gate per step; the
     gradient of the constant is the sum of the gate's over (batch, time)."""
     arrs, dtype = _qkv(fn, q, k, v, (name,), initial_state=initial_state, **{name: const})
@@ -195,7 +199,7 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
     g = np.ascontiguousarray(np.broadcast_to(logd.astype(dtype), (B, T, H)))
     eng = _gated(fn, arrs["q"], arrs["k"], arrs["v"], g, False, None, scale, initial_state,
                  output_final_state, cu_seqlens, form, chunk_size)
-    out = eng.forward()
+    out = eng.forward(keep)
 
     def pullback(cot):
         grads = eng.backward(*eng.cotangent(cot))
@@ -236,7 +240,7 @@ def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_fin
     arguments and the return as ``simple_gla``.
     """
     out, _ = _constant_decay("retention", "gamma", q, k, v, gamma, _retention_decay, scale,
-                             initial_state, output_final_state, cu_seqlens, form, chunk_size)
+                             initial_state, output_final_state, cu_seqlens, form, chunk_size, False)
     return out
 
 
@@ -244,7 +248,7 @@ def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_fin
 def _retention_vjp(q, k, v, *, gamma=None, scale=None, initial_state=None, output_final_state=False,
                    cu_seqlens=None, form="chunk", chunk_size=64):
     return _constant_decay("retention", "gamma", q, k, v, gamma, _retention_decay, scale,
-                           initial_state, output_final_state, cu_seqlens, form, chunk_size)
+                           initial_state, output_final_state, cu_seqlens, form, chunk_size, True)
 
 
 def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
@@ -258,7 +262,7 @@ def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
     slopes array gets a gradient. Other arguments and the return as ``simple_gla``.
     """
     out, _ = _constant_decay("lightning_attention", "slopes", q, k, v, slopes, _lightning_decay,
-                             scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
+                             scale, initial_state, output_final_state, cu_seqlens, form, chunk_size, False)
     return out
 
 
@@ -266,7 +270,7 @@ def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
 def _lightning_attention_vjp(q, k, v, *, slopes=None, scale=None, initial_state=None,
                              output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     return _constant_decay("lightning_attention", "slopes", q, k, v, slopes, _lightning_decay,
-                           scale, initial_state, output_final_state, cu_seqlens, form, chunk_size)
+                           scale, initial_state, output_final_state, cu_seqlens, form, chunk_size, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +303,7 @@ def _phi(fn, x, kind, params, cu, cosformer_per_sequence):
 
 
 def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, scale, initial_state,
-                      output_final_state, cu_seqlens, form, chunk_size):
+                      output_final_state, cu_seqlens, form, chunk_size, keep):
     fn = "linear_attention"
     arrs, dtype = _qkv(fn, q, k, v, initial_state=initial_state)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
@@ -318,7 +322,7 @@ def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, 
     vv = np.concatenate([v, np.ones(v.shape[:3] + (1,), dtype)], axis=3) if normalize else v
     eng = _Engine(fn, pq, pk, vv, None, None, arrs["initial_state"], bool(output_final_state), cu, N,
                   form, chunk_size, scale)
-    o1, ht = eng.forward()
+    o1, ht = eng.forward(keep)
     if normalize:
         den = o1[..., -1:] + eps
         o = o1[..., :-1] / den
@@ -371,7 +375,7 @@ def linear_attention(q, k, v, *, feature_map=None, feature_map_params=None, norm
     (key ``"projection"``). Returns ``(o [B, T, H, V], final_state or None)``.
     """
     out, _ = _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, scale,
-                               initial_state, output_final_state, cu_seqlens, form, chunk_size)
+                               initial_state, output_final_state, cu_seqlens, form, chunk_size, False)
     return out
 
 
@@ -380,7 +384,7 @@ def _linear_attention_vjp(q, k, v, *, feature_map=None, feature_map_params=None,
                           eps=1e-6, scale=None, initial_state=None, output_final_state=False,
                           cu_seqlens=None, form="chunk", chunk_size=64):
     return _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, scale,
-                             initial_state, output_final_state, cu_seqlens, form, chunk_size)
+                             initial_state, output_final_state, cu_seqlens, form, chunk_size, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +400,7 @@ def _sigmoid(x):
 
 
 def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final_state,
-            cu_seqlens, form, chunk_size):
+            cu_seqlens, form, chunk_size, keep):
     fn = "mamba2"
     arrs, dtype = V.float_arrays(fn, ("D", "dt_bias", "initial_state"), x=x, dt=dt, A=A, B=B, C=C, D=D,
                                  dt_bias=dt_bias, initial_state=initial_state)
@@ -427,7 +431,7 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     g = np.ascontiguousarray(dts * A)
     eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"], bool(output_final_state), cu, N, form,
                   chunk_size, 1.0)
-    o, ht = eng.forward()
+    o, ht = eng.forward(keep)
     Dh = arrs["D"]
     y = o + Dh[:, None] * x if Dh is not None else o
     out = (y, ht)
@@ -471,7 +475,7 @@ def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_st
     or None)``.
     """
     out, _ = _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final_state,
-                     cu_seqlens, form, chunk_size)
+                     cu_seqlens, form, chunk_size, False)
     return out
 
 
@@ -479,7 +483,7 @@ def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_st
 def _mamba2_vjp(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_state=None,
                 output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     return _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final_state,
-                   cu_seqlens, form, chunk_size)
+                   cu_seqlens, form, chunk_size, True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1402,3 +1402,68 @@ def test_threads_few_units_with_cu_seqlens(op):
     np.testing.assert_array_equal(out4[1][1], kw["initial_state"][1])
     for n in g1:
         assert_close(g4[n], g1[n], 1e-12, name=f"d{n}")
+
+
+# ------------------------------------------------------------------------------- 12. kept states
+
+
+def _engine_backward(args, states, threads):
+    """_core.linear_backward on the engine's raw arguments, with the forward's kept states or
+    None (recomputed): every gradient."""
+    q, k, v, g, gv, h0, o, do, dht, opts = args
+    out = [np.empty_like(x) if x is not None else None for x in (q, k, v, g, gv, h0)]
+    with pyattn.num_threads(threads):
+        pyattn._core.linear_backward(q, k, v, g, gv, h0, o, do, dht, states, *out, *opts)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("units", ["one", "many"])
+@pytest.mark.parametrize("gates", ["none", "scalar", "vector+gv"])
+def test_kept_states(gates, units, threads):
+    """The chunk forward under vjp keeps the state entering each chunk for the backward: per
+    (sequence, head) the states entering its chunks, then the final one. With cu_seqlens
+    (an empty sequence, ragged last chunks), one unit or several, on the per-unit and the
+    chunk-parallel (scan) schedules: the slots hold h0, the oracle's state at every chunk
+    boundary and the final state, and a backward reading them gives the same gradients,
+    bitwise, as one recomputing them."""
+    r = np.random.default_rng(7)
+    cu = np.array([0, 70, 70, 161]) if units == "many" else np.array([0, 161])
+    N, H, K, Vd, C = len(cu) - 1, 2 if units == "many" else 1, 8, 5, 32
+    T = int(cu[-1])
+    q, k = (r.standard_normal((1, T, H, K)) for _ in range(2))
+    v = r.standard_normal((1, T, H, Vd))
+    g = None if gates == "none" else -r.uniform(0, 0.5, (1, T, H) if gates == "scalar" else (1, T, H, K))
+    gv = -r.uniform(0, 0.5, (1, T, H, Vd)) if gates == "vector+gv" else None
+    h0 = r.standard_normal((N, H, K, Vd))
+    o, ht = np.empty_like(v), np.empty_like(h0)
+    opts = (cu.astype(np.int64), pyattn._core.FORM_CHUNK, C, 0.5)
+    with pyattn.num_threads(threads):
+        kept = pyattn._core.linear_forward(q, k, v, g, gv, h0, o, ht, True, *opts)
+    assert kept.shape == (H * sum(-(-(e - s) // C) + 1 for s, e in zip(cu[:-1], cu[1:])), K, Vd)
+    slot = 0
+    for n in range(N):
+        s, e = int(cu[n]), int(cu[n + 1])
+        for h in range(H):
+            S = h0[n, h].copy()
+            for t in range(s, e + 1):
+                if (t - s) % C == 0 or t == e:
+                    assert_close(kept[slot], S, 1e-12, name=f"slot {slot} (n={n} h={h} t={t})")
+                    slot += 1
+                if t < e:
+                    dk = np.exp(g[0, t, h]) if g is not None else 1.0
+                    dv = np.exp(gv[0, t, h]) if gv is not None else 1.0
+                    S = (np.reshape(dk, (-1, 1)) * S * np.reshape(dv, (1, -1))
+                         + np.outer(k[0, t, h], v[0, t, h]))
+            np.testing.assert_array_equal(kept[slot - 1], ht[n, h])
+    assert slot == len(kept)
+    do, dht = r.standard_normal(o.shape), r.standard_normal(ht.shape)
+    args = (q, k, v, g, gv, h0, o, do, dht, opts)
+    for a, b in zip(_engine_backward(args, kept, threads), _engine_backward(args, None, threads)):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+    raises(ValueError, pyattn._core.linear_backward, q, k, v, g, gv, h0, o, do, dht, kept[1:],
+           *_engine_backward(args, None, 1), *opts, must=("'states'",))
+    raises(ValueError, pyattn._core.linear_backward, q, k, v, g, gv, h0, o, do, dht, kept,
+           *_engine_backward(args, None, 1), opts[0], pyattn._core.FORM_PARALLEL, *opts[2:],
+           must=("chunk form",))

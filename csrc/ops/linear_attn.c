@@ -622,23 +622,6 @@ static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n,
 
 /* ---- drivers ---- */
 
-static int64_t PA_FN(la_max_len)(const pa_linear_desc *d)
-{
-    int64_t m = 0;
-    for (int64_t n = 0; n < d->nseq; n++)
-        if (d->cu[n + 1] - d->cu[n] > m) m = d->cu[n + 1] - d->cu[n];
-    return m;
-}
-
-/* Rows per block: the chunk size; the whole longest sequence for the parallel form. */
-static int64_t PA_FN(la_block_rows)(const pa_linear_desc *d)
-{
-    int64_t maxlen = PA_FN(la_max_len)(d);
-    int64_t L = d->form == PA_FORM_PARALLEL ? maxlen : d->chunk;
-    if (L > maxlen) L = maxlen;
-    return L < 1 ? 1 : L;
-}
-
 static int PA_FN(la_threads)(const pa_linear_desc *d, int64_t L, int64_t items)
 {
     double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);
@@ -649,33 +632,36 @@ static int PA_FN(la_threads)(const pa_linear_desc *d, int64_t L, int64_t items)
     return pa_threads_for(work, items);
 }
 
-/* Chunk items for the chunk-parallel schedule: item i is block item_block[i] of unit
- * item_unit[i]; returns the item count, or -1 when out of memory. */
-static int64_t PA_FN(la_items)(const pa_linear_desc *d, int64_t L, int64_t **unit,
-                               int64_t **block, int64_t **first)
+/* The kept-states layout (pa_linear_kept_states): first[u] is unit u's first slot, a slot per
+ * block of L rows and one for the final state; NULL when out of memory. */
+static int64_t *PA_FN(la_slots)(const pa_linear_desc *d, int64_t L)
 {
     const int64_t units = d->nseq * d->H;
-    int64_t total = 0;
-    *first = malloc(sizeof(int64_t) * (units + 1));
-    if (!*first) return -1;
-    for (int64_t u = 0; u < units; u++) {
-        int64_t T = d->cu[u / d->H + 1] - d->cu[u / d->H];
-        (*first)[u] = total;
-        total += (T + L - 1) / L;
-    }
-    (*first)[units] = total;
+    int64_t *first = malloc(sizeof(int64_t) * (units + 1));
+    if (!first) return NULL;
+    first[0] = 0;
+    for (int64_t u = 0; u < units; u++)
+        first[u + 1] = first[u] + (d->cu[u / d->H + 1] - d->cu[u / d->H] + L - 1) / L + 1;
+    return first;
+}
+
+/* Chunk items for the chunk-parallel schedule: item i is block block[i] of unit unit[i], its
+ * slot i + unit[i] (first: la_slots); returns the item count, or -1 when out of memory. */
+static int64_t PA_FN(la_items)(const pa_linear_desc *d, const int64_t *first, int64_t **unit,
+                               int64_t **block)
+{
+    const int64_t units = d->nseq * d->H, total = first[units] - units;
     *unit = malloc(sizeof(int64_t) * (total + 1));
     *block = malloc(sizeof(int64_t) * (total + 1));
     if (!*unit || !*block) {
         free(*unit);
         free(*block);
-        free(*first);
         return -1;
     }
-    for (int64_t u = 0; u < units; u++)
-        for (int64_t i = (*first)[u]; i < (*first)[u + 1]; i++) {
+    for (int64_t u = 0, i = 0; u < units; u++)
+        for (int64_t b = 0; b < first[u + 1] - first[u] - 1; b++, i++) {
             (*unit)[i] = u;
-            (*block)[i] = i - (*first)[u];
+            (*block)[i] = b;
         }
     return total;
 }
@@ -684,6 +670,8 @@ typedef struct {
     const pa_linear_desc *d;
     const real *q, *k, *v, *gk, *gv, *h0, *dout, *o, *dht; /* o: written by the forward */
     real *ht, *dq, *dk, *dv, *dgk, *dgv, *dh0;
+    real *states;        /* kept states (forward: written; backward: read), or NULL */
+    const int64_t *first; /* their layout (la_slots) when given */
 } PA_FN(la_call);
 
 static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_unit) *u)
@@ -707,7 +695,8 @@ static int64_t PA_FN(la_piece_rows)(const pa_linear_desc *d, int64_t L)
                                                                                     : LA_PIECE;
 }
 
-/* One unit's forward, every block in order, on one thread. */
+/* One unit's forward, every block in order, on one thread; with kept states each block's
+ * state goes to its own slot. */
 static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_t L,
                                    PA_FN(la_scratch) *sc)
 {
@@ -720,20 +709,24 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
                                   NULL, sc);
         return;
     }
-    real *S = sc->S;
+    real *S = c->states ? c->states + c->first[unit] * KV : sc->S;
     PA_FN(la_side) ks, vs;
     PA_FN(la_load_state)(c->h0, unit, KV, S);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         int64_t l = u.T - c0 < L ? u.T - c0 : L;
         PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
         PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
+        if (c->states) {
+            memcpy(S + KV, S, sizeof(real) * KV);
+            S += KV;
+        }
         PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
     }
     if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
 }
 
-/* One unit's backward on one thread: the states entering its pieces forward, then one
- * reverse pass over the pieces. */
+/* One unit's backward on one thread: the states entering its pieces (kept by the forward, or
+ * computed here), then one reverse pass over the pieces. */
 static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64_t L,
                                     PA_FN(la_scratch) *sc)
 {
@@ -743,10 +736,10 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     PA_FN(la_unit) u;
     PA_FN(la_unit_of)(c, unit, &u);
     const int64_t np = (u.T + P - 1) / P;
-    real *states = sc->states, *dS = sc->dS;
+    real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
     PA_FN(la_side) ks, vs;
-    PA_FN(la_load_state)(c->h0, unit, KV, states);
-    for (int64_t p = 0; p < np; p++) {
+    if (!c->states) PA_FN(la_load_state)(c->h0, unit, KV, states);
+    for (int64_t p = 0; p < np && !c->states; p++) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
         if (rec) {
@@ -795,20 +788,23 @@ static void PA_FN(la_scan)(real *buf, const real *dec, int64_t nb, int reverse, 
     }
 }
 
-/* The chunk-parallel schedule, for fewer units than threads. */
+/* The chunk-parallel schedule, for fewer units than threads. The states sit in the kept
+ * layout (the caller's when kept, else a buffer of this call): item i's at slot i + unit,
+ * the final one after a unit's last block. */
 static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L, int nthreads)
 {
     const pa_linear_desc *d = c->d;
     const int64_t K = d->K, V = d->V, KV = K * V, units = d->nseq * d->H;
-    int64_t *iunit, *iblock, *first;
-    int64_t items = PA_FN(la_items)(d, L, &iunit, &iblock, &first);
+    const int64_t *first = c->first;
+    int64_t *iunit, *iblock;
+    int64_t items = PA_FN(la_items)(d, first, &iunit, &iblock);
     if (items < 0) return PA_ENOMEM;
-    real *states = pa_alloc(sizeof(real) * (items + 1) * KV);
+    const int kept = backward && c->states; /* the forward's states: no state pass */
+    real *states = c->states ? c->states : pa_alloc(sizeof(real) * (items + units) * KV);
     real *dstates = backward ? pa_alloc(sizeof(real) * (items + 1) * KV) : NULL;
     real *decs = pa_alloc(sizeof(real) * (items + 1) * (K + V));
     const int gated = d->gk != PA_GATE_NONE || d->gv != PA_GATE_NONE;
-    real *finals = backward && gated ? pa_alloc(sizeof(real) * units * KV) : NULL;
-    int failed = !states || !decs || (backward && (!dstates || (gated && !finals)));
+    int failed = !states || !decs || (backward && !dstates);
     if (!failed) {
 #pragma omp parallel num_threads(nthreads)
         {
@@ -820,15 +816,21 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
             }
             PA_FN(la_unit) u;
             PA_FN(la_side) ks, vs;
-            /* each block's own state contribution and decays */
+            /* each block's own state contribution (and dS) and decays */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < items; i++) {
                 if (!ok) continue;
                 PA_FN(la_unit_of)(c, iunit[i], &u);
                 int64_t c0 = iblock[i] * L, l = u.T - c0 < L ? u.T - c0 : L;
-                memset(states + i * KV, 0, sizeof(real) * KV);
                 PA_FN(la_block)(&u, c0, l, &sc, &ks, &vs);
-                PA_FN(la_block_state)(&u, c0, l, &ks, &vs, states + i * KV, &sc);
+                if (kept) {
+                    PA_FN(la_total_decay)(&ks, l, sc.deck);
+                    PA_FN(la_total_decay)(&vs, l, sc.decv);
+                } else {
+                    real *S = states + (i + iunit[i]) * KV;
+                    memset(S, 0, sizeof(real) * KV);
+                    PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, &sc);
+                }
                 memcpy(decs + i * (K + V), sc.deck, sizeof(real) * K);
                 memcpy(decs + i * (K + V) + K, sc.decv, sizeof(real) * V);
                 if (backward) {
@@ -836,20 +838,20 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                     PA_FN(la_block_dstate)(&u, c0, l, &ks, &vs, dstates + i * KV, &sc);
                 }
             }
-            /* the scans: states forward, their gradients backward */
+            /* the scans: states forward (into the final slot), their gradients backward */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t un = 0; un < units; un++) {
                 if (!ok) continue;
-                int64_t nb = first[un + 1] - first[un];
-                PA_FN(la_load_state)(c->h0, un, KV, sc.S);
-                PA_FN(la_scan)(states + first[un] * KV, decs + first[un] * (K + V), nb, 0, K, V,
-                               sc.S, sc.tmp);
-                if (c->ht) memcpy(c->ht + un * KV, sc.S, sizeof(real) * KV);
-                if (finals) memcpy(finals + un * KV, sc.S, sizeof(real) * KV);
+                const int64_t nb = first[un + 1] - first[un] - 1, i0 = first[un] - un;
+                real *buf = states + first[un] * KV, *fin = buf + nb * KV;
+                if (!kept) {
+                    PA_FN(la_load_state)(c->h0, un, KV, fin);
+                    PA_FN(la_scan)(buf, decs + i0 * (K + V), nb, 0, K, V, fin, sc.tmp);
+                    if (c->ht) memcpy(c->ht + un * KV, fin, sizeof(real) * KV);
+                }
                 if (!backward) continue;
                 PA_FN(la_load_state)(c->dht, un, KV, sc.dS);
-                PA_FN(la_scan)(dstates + first[un] * KV, decs + first[un] * (K + V), nb, 1, K,
-                               V, sc.dS, sc.tmp);
+                PA_FN(la_scan)(dstates + i0 * KV, decs + i0 * (K + V), nb, 1, K, V, sc.dS, sc.tmp);
                 if (c->dh0) memcpy(c->dh0 + un * KV, sc.dS, sizeof(real) * KV);
             }
             /* the blocks' outputs (or gradients) from the states entering them */
@@ -858,46 +860,50 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 if (!ok) continue;
                 PA_FN(la_unit_of)(c, iunit[i], &u);
                 int64_t c0 = iblock[i] * L, l = u.T - c0 < L ? u.T - c0 : L;
+                const real *S = states + (i + iunit[i]) * KV;
                 PA_FN(la_block)(&u, c0, l, &sc, &ks, &vs);
                 if (!backward) {
-                    PA_FN(la_block_output)(&u, c0, l, &ks, &vs, states + i * KV, &sc);
+                    PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, &sc);
                     continue;
                 }
-                PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, states + i * KV, dstates + i * KV,
-                                      &sc);
-                if (!finals) continue;
-                const real *end = i + 1 < first[iunit[i] + 1] ? states + (i + 1) * KV
-                                                              : finals + iunit[i] * KV;
-                PA_FN(la_gate_bound)(d, end, dstates + i * KV, sc.acc, sc.Tm);
+                PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, S, dstates + i * KV, &sc);
+                if (!gated) continue;
+                PA_FN(la_gate_bound)(d, S + KV, dstates + i * KV, sc.acc, sc.Tm);
                 PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
             }
             if (ok) free(sc.block);
         }
     }
-    free(states);
+    if (!c->states) free(states);
     free(dstates);
     free(decs);
-    free(finals);
     free(iunit);
     free(iblock);
-    free(first);
     return failed ? PA_ENOMEM : PA_OK;
 }
 
-static int PA_FN(la_run)(const PA_FN(la_call) *c, int backward)
+static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
 {
     const pa_linear_desc *d = c->d;
     const int64_t units = d->nseq * d->H;
     if (units == 0) return PA_OK;
-    const int64_t L = PA_FN(la_block_rows)(d);
+    const int64_t L = pa_linear_block_rows(d);
     const int64_t blocks = d->form == PA_FORM_CHUNK ? (d->cu[d->nseq] + L - 1) / L + d->nseq : 0;
     const int nthreads = PA_FN(la_threads)(d, L, units > blocks ? units : blocks * d->H);
-    if (d->form == PA_FORM_CHUNK && units < nthreads)
-        return PA_FN(la_run_items)(c, backward, L, nthreads);
-    /* the backward keeps the state entering each piece of the longest sequence, and the last */
-    const int64_t P = PA_FN(la_piece_rows)(d, L);
-    const int64_t nstates = backward ? (PA_FN(la_max_len)(d) + P - 1) / P + 1 : 0;
+    const int items = d->form == PA_FORM_CHUNK && units < nthreads;
+    int64_t *first = NULL;
+    if ((c->states || items) && !(first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
+    c->first = first;
     int failed = 0;
+    if (items) {
+        failed = PA_FN(la_run_items)(c, backward, L, nthreads) != PA_OK;
+        free(first);
+        return failed ? PA_ENOMEM : PA_OK;
+    }
+    /* a backward without kept states keeps the state entering each piece of the longest
+     * sequence, and the last, in its scratch */
+    const int64_t P = PA_FN(la_piece_rows)(d, L);
+    const int64_t nstates = backward && !c->states ? (pa_linear_max_len(d) + P - 1) / P + 1 : 0;
 #pragma omp parallel num_threads(nthreads)
     {
         PA_FN(la_scratch) sc;
@@ -917,26 +923,29 @@ static int PA_FN(la_run)(const PA_FN(la_call) *c, int backward)
         }
         if (ok) free(sc.block);
     }
+    free(first);
     return failed ? PA_ENOMEM : PA_OK;
 }
 
 static int PA_FN(linear_forward)(const pa_linear_desc *d, const void *q, const void *k,
                                  const void *v, const void *gk, const void *gv, const void *h0,
-                                 void *o, void *ht)
+                                 void *o, void *ht, void *states)
 {
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
-                        .o = o, .ht = ht};
+                        .o = o, .ht = ht, .states = d->form == PA_FORM_CHUNK ? states : NULL};
     return PA_FN(la_run)(&c, 0);
 }
 
 static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
                                   const void *v, const void *gk, const void *gv, const void *h0,
-                                  const void *o, const void *dout, const void *dht, void *dq,
-                                  void *dk, void *dv, void *dgk, void *dgv, void *dh0)
+                                  const void *o, const void *dout, const void *dht,
+                                  const void *states, void *dq, void *dk, void *dv, void *dgk,
+                                  void *dgv, void *dh0)
 {
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
                         .dout = dout, .o = o, .dht = dht, .dq = dq, .dk = dk, .dv = dv,
-                        .dgk = dgk, .dgv = dgv, .dh0 = dh0};
+                        .dgk = dgk, .dgv = dgv, .dh0 = dh0,
+                        .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
     return PA_FN(la_run)(&c, 1);
 }
 
