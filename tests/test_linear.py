@@ -740,6 +740,34 @@ def test_gate_gradients_relative_accuracy(dtype):
                     assert_close(g[name], g_ref[name], tol_grad(dtype), name=f"{op} {form} d{name}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_gla_factored_and_split_blocks(dtype):
+    """The chunk form factors a block's vector gate through its first row when the block
+    spans at most 20 of log decay per channel, and splits it into 16-row sub-blocks
+    otherwise. Per-step gates about -0.3 (a 64-row block spans ~19: factored, factors up to
+    ~e^19) and -0.35 (~22: split) in alternate 64-row stretches, so one call mixes both:
+    outputs, final states and every gradient against the oracle at every chunk size."""
+    r = np.random.default_rng(48)
+    T, K, Vd = 256, 8, 6
+    q, k = (f32_exact(r.standard_normal((1, T, 2, K))) for _ in range(2))
+    v = f32_exact(r.standard_normal((1, T, 2, Vd)))
+    w = np.where((np.arange(T) // 64) % 2 == 0, 0.3, 0.35)[None, :, None, None]
+    g = f32_exact(-w * r.uniform(0.9, 1.1, (1, T, 2, K)))
+    gv = f32_exact(-w * r.uniform(0.9, 1.1, (1, T, 2, Vd)))
+    args, kw = (q, k, v, g), {"gv": gv, "initial_state": f32_exact(r.standard_normal((1, 2, K, Vd))),
+                               "output_final_state": True}
+    ref = oracle("gla", args, kw)
+    do, dht = cotangents(49, *ref)
+    g_ref = adjoint("gla", args, kw, do, dht)
+    a, kk = cast(args, kw, dtype)
+    for cs in CHUNK_SIZES:
+        out, pb = vjp("gla", a, kk, form="chunk", chunk_size=cs)
+        check_out(out, ref, dtype, f"chunk_size={cs}")
+        grads = pb(do.astype(dtype), dht.astype(dtype))
+        for name in g_ref:
+            assert_close(grads[name], g_ref[name], tol_grad(dtype), name=f"chunk_size={cs} d{name}")
+
+
 @functools.lru_cache(maxsize=None)
 def long_case(op):
     args, kw = build(op, 46, B=1, T=2000, H=2, K=16, V=12)

@@ -10,9 +10,12 @@
  *   O   = ((q~ e^Gk) S) e^Gv  +  sum_{j<=i} A_ij e^(Gv_i - Gv_j) v_j,
  *   A_ij = sum_k q~_ik k_jk e^(Gk_ik - Gk_jk)                         (the gated Gram)
  *   S'  = e^Gk_L S e^Gv_L + (k e^(Gk_L - Gk))^T (v e^(Gv_L - Gv)).
- * A scalar gate makes A a GEMM times a decay mask; a vector gate splits the block into
- * LA_SUB-row sub-blocks: off-diagonal ones are GEMMs of operands rescaled to the sub-block's
- * first row (bounded exponents both sides), diagonal ones are summed elementwise.
+ * A scalar gate makes A a GEMM times a decay mask. A vector gate whose block spans at most
+ * LA_FACTOR of log decay in every channel factors as e^(Gk_i - Gk_j) = e^(Gk_i - Gk_0)
+ * e^(Gk_0 - Gk_j) with no factor above e^LA_FACTOR: A is then one GEMM of rescaled operands.
+ * A stronger one splits the block into LA_SUB-row sub-blocks: off-diagonal ones are GEMMs of
+ * operands rescaled to the sub-block's first row (bounded exponents both sides), diagonal
+ * ones are summed elementwise.
  * parallel: the chunk algorithm with one block per sequence, i.e. the masked decay matrix.
  *
  * Backward. With dS_t the gradient reaching S_t: dq_t = scale S_t do_t needs the states
@@ -39,6 +42,7 @@
 #define LA_SUB 16     /* rows of a vector-gate sub-block: e^(gate sums over 16 steps) */
 #define LA_TRI (2 * MR) /* row block of the triangular products */
 #define LA_PIECE 64   /* rows of a backward piece in the recurrent and parallel forms */
+#define LA_FACTOR 20  /* the most log decay (per channel) a block's vector gate is factored over */
 
 typedef struct {
     int kind;         /* PA_GATE_* */
@@ -47,12 +51,14 @@ typedef struct {
     int64_t lo;       /* vector: G + lo holds the lo parts (the sum is kept in double) */
     const double *Gs; /* scalar: L of them, in double so G_i - G_j keeps its digits */
     const real *Dm;   /* scalar: L x L, e^(G_i - G_j) on and below the diagonal, 0 above */
+    const real *Ep, *Em; /* vector, factored: L x D, e^(G_i - G_0) and e^(G_0 - G_i); else NULL */
 } PA_FN(la_side);
 
 /* Per-thread scratch of the chunk form for blocks of up to L rows. */
 typedef struct {
     int64_t L, K, V, W;   /* W = max(K, V) */
     real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
+    real *Ek, *Ev;        /* 2 x L x K, 2 x L x V: a factored vector gate's Ep then Em */
     double *Gs;           /* L */
     double *acc;          /* K + V: running sums in double */
     real *X, *Y, *Tm, *U; /* L x W each */
@@ -74,11 +80,13 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
     const size_t r = sizeof(real), dbl = sizeof(double);
     const size_t packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * r : 0;
     const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
-    size_t bytes[] = {2 * L * K * r, 2 * L * V * r, L * L * r, L * W * r, L * W * r,
+    size_t bytes[] = {2 * L * K * r, 2 * L * V * r, 2 * L * K * r, 2 * L * V * r, L * L * r,
+                      L * W * r, L * W * r,
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
                       K * V * r, K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
                       L * dbl, (K + V) * dbl};
-    void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Dm, (void **)&s->X,
+    void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
+                            (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
                             (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
                             (void **)&s->tmp, (void **)&s->deck, (void **)&s->decv,
@@ -234,13 +242,48 @@ static void PA_FN(la_state_decay)(real *S, const real *a, const real *b, const r
 
 /* ---- the three block products, for any gate on their side ---- */
 
+/* Y_i = X_i * E_i (beta = 0) or Y_i += X_i * E_i (beta = 1) for L rows of D */
+static void PA_FN(la_rows_mul)(const real *X, int64_t ldx, const real *E, int64_t L, int64_t D,
+                               real beta, real *Y, int64_t ldy)
+{
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t d = 0; d < D; d += VL) {
+            vreal r = PA_FN(la_ld)(X + i * ldx + d, D - d) * PA_FN(la_ld)(E + i * D + d, D - d);
+            if (beta != 0) r += PA_FN(la_ld)(Y + i * ldy + d, D - d);
+            PA_FN(la_st)(Y + i * ldy + d, r, D - d);
+        }
+}
+
+/* Z (rows of ldz) = beta Z + alpha W U over the triangle of W: rows i of W up to i
+ * (trans = 0, W lower), or W^T, rows j from j (trans = 1); U packed in sc->Bp (L x D). */
+static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *W, int trans,
+                                  real beta, real *Z, int64_t ldz, PA_FN(la_scratch) *sc)
+{
+    for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
+        int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
+        if (trans)
+            PA_FN(gemm_packed_b)(i1 - i0, D, L - i0, alpha, W + i0 * L + i0, 1, L,
+                                 sc->Bp + i0 * NR, L * NR, beta, Z + i0 * ldz, ldz, sc->work);
+        else
+            PA_FN(gemm_packed_b)(i1 - i0, D, i1, alpha, W + i0 * L, L, 1, sc->Bp, L * NR, beta,
+                                 Z + i0 * ldz, ldz, sc->work);
+    }
+}
+
 /* W (L x L, ld L) = lower triangle of alpha sum_d X_id Y_jd e^(G_id - G_jd); 0 above. */
 static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
                            int64_t ldx, const real *Y, int64_t ldy, real *W,
                            PA_FN(la_scratch) *sc)
 {
     const int64_t D = s->D;
-    if (s->kind != PA_GATE_VECTOR) { /* Y^T packed once; row blocks stop at the diagonal */
+    if (s->kind != PA_GATE_VECTOR || s->Ep) { /* Y^T packed once; row blocks stop at the diagonal */
+        if (s->Ep) {
+            PA_FN(la_rows_mul)(X, ldx, s->Ep, L, D, 0, sc->Tm, D);
+            PA_FN(la_rows_mul)(Y, ldy, s->Em, L, D, 0, sc->U, D);
+            X = sc->Tm;
+            Y = sc->U;
+            ldx = ldy = D;
+        }
         PA_FN(pack_b)(D, L, Y, 1, ldy, sc->Bp);
         for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
             int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
@@ -290,13 +333,15 @@ static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, cons
 {
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR) {
-        const real *Wm = PA_FN(la_masked)(s, L, W, sc);
         PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
-        for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
-            int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
-            PA_FN(gemm_packed_b)(i1 - i0, D, i1, alpha, Wm + i0 * L, L, 1, sc->Bp, L * NR, 1,
-                                 Z + i0 * ldz, ldz, sc->work);
-        }
+        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), 0, 1, Z, ldz, sc);
+        return;
+    }
+    if (s->Ep) { /* e^(G_i - G_0) sum_j W_ij (e^(G_0 - G_j) U_j) */
+        PA_FN(la_rows_mul)(U, ldu, s->Em, L, D, 0, sc->U, D);
+        PA_FN(pack_b)(L, D, sc->U, D, 1, sc->Bp);
+        PA_FN(la_tri_product)(L, D, alpha, W, 0, 0, sc->Tm, D, sc);
+        PA_FN(la_rows_mul)(sc->Tm, D, s->Ep, L, D, 1, Z, ldz);
         return;
     }
     for (int64_t i0 = 0; i0 < L; i0 += LA_SUB) {
@@ -324,13 +369,15 @@ static void PA_FN(la_apply_t)(const PA_FN(la_side) *s, int64_t L, real alpha, co
 {
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR) {
-        const real *Wm = PA_FN(la_masked)(s, L, W, sc);
         PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
-        for (int64_t j0 = 0; j0 < L; j0 += LA_TRI) {
-            int64_t j1 = j0 + LA_TRI < L ? j0 + LA_TRI : L;
-            PA_FN(gemm_packed_b)(j1 - j0, D, L - j0, alpha, Wm + j0 * L + j0, 1, L,
-                                 sc->Bp + j0 * NR, L * NR, 1, Z + j0 * ldz, ldz, sc->work);
-        }
+        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), 1, 1, Z, ldz, sc);
+        return;
+    }
+    if (s->Ep) { /* e^(G_0 - G_j) sum_i W_ij (e^(G_i - G_0) U_i) */
+        PA_FN(la_rows_mul)(U, ldu, s->Ep, L, D, 0, sc->U, D);
+        PA_FN(pack_b)(L, D, sc->U, D, 1, sc->Bp);
+        PA_FN(la_tri_product)(L, D, alpha, W, 1, 0, sc->Tm, D, sc);
+        PA_FN(la_rows_mul)(sc->Tm, D, s->Em, L, D, 1, Z, ldz);
         return;
     }
     for (int64_t j0 = 0; j0 < L; j0 += LA_SUB) {
@@ -403,6 +450,23 @@ static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t
         }
 }
 
+/* A vector side's factors e^(G_i - G_0), e^(G_0 - G_i) into E (2 x L x D) when the block's
+ * gate spans at most LA_FACTOR in every channel (then s->Ep, s->Em point there). */
+static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
+{
+    const int64_t D = s->D;
+    for (int64_t d = 0; d < D; d++)
+        if (!(s->G[d] - s->G[(L - 1) * D + d] <= LA_FACTOR)) return;
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t d = 0; d < D; d += VL) {
+            PA_FN(la_st)(E + i * D + d, PA_FN(la_decay)(s->G + i * D, s->G, s->lo, d, D - d), D - d);
+            PA_FN(la_st)(E + (L + i) * D + d, PA_FN(la_decay)(s->G, s->G + i * D, s->lo, d, D - d),
+                         D - d);
+        }
+    s->Ep = E;
+    s->Em = E + L * D;
+}
+
 /* The block of rows c0 .. c0+L-1: cumulative gates (and the scalar mask) into the scratch;
  * the key and value sides. */
 static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
@@ -424,9 +488,12 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
         }
     } else if (d->gk == PA_GATE_VECTOR) {
         PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, sc->acc);
+        PA_FN(la_factor)(ks, L, sc->Ek);
     }
-    if (d->gv == PA_GATE_VECTOR)
+    if (d->gv == PA_GATE_VECTOR) {
         PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, sc->acc);
+        PA_FN(la_factor)(vs, L, sc->Ev);
+    }
 }
 
 /* o rows of the block from its start state S (o is the unit's output: the forward writes it) */
