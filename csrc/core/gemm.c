@@ -19,32 +19,6 @@ static int64_t PA_FN(gemm_work_elems)(int64_t M, int64_t N, int64_t K)
     return mc * kc + kc * nc;
 }
 
-static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, int64_t csa,
-                          real *restrict Ap)
-{
-    for (int64_t ir = 0; ir < mc; ir += MR) {
-        int64_t mr = mc - ir < MR ? mc - ir : MR;
-        real *dst = Ap + ir * kc;
-        if (rsa == 1) { /* A^T stored row-major: MR contiguous reals per p */
-            for (int64_t p = 0; p < kc; p++) {
-                const real *src = A + ir + p * csa;
-                int64_t i = 0;
-                for (; i < mr; i++) dst[p * MR + i] = src[i];
-                for (; i < MR; i++) dst[p * MR + i] = 0;
-            }
-            continue;
-        }
-        for (int64_t i = 0; i < MR; i++) {
-            if (i < mr) {
-                const real *src = A + (ir + i) * rsa;
-                for (int64_t p = 0; p < kc; p++) dst[p * MR + i] = src[p * csa];
-            } else {
-                for (int64_t p = 0; p < kc; p++) dst[p * MR + i] = 0;
-            }
-        }
-    }
-}
-
 /* r[0..VL) the rows of a VL x VL block; on return its columns. log2(VL) butterfly stages,
  * each swapping the off-diagonal s x s sub-blocks of every 2s x 2s block. */
 static inline void PA_FN(vtranspose)(vreal *r)
@@ -62,6 +36,51 @@ static inline void PA_FN(vtranspose)(vreal *r)
             vreal a = r[i], b = r[i + s];
             r[i] = __builtin_shuffle(a, b, lo);
             r[i + s] = __builtin_shuffle(a, b, hi);
+        }
+    }
+}
+
+static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, int64_t csa,
+                          real *restrict Ap)
+{
+    for (int64_t ir = 0; ir < mc; ir += MR) {
+        int64_t mr = mc - ir < MR ? mc - ir : MR;
+        real *dst = Ap + ir * kc;
+        if (rsa == 1) { /* A^T stored row-major: MR contiguous reals per p */
+            for (int64_t p = 0; p < kc; p++) {
+                const real *src = A + ir + p * csa;
+                int64_t i = 0;
+                for (; i < mr; i++) dst[p * MR + i] = src[i];
+                for (; i < MR; i++) dst[p * MR + i] = 0;
+            }
+            continue;
+        }
+        if (csa == 1 && mr == MR) { /* row-major A: VL x VL blocks transposed */
+            int64_t p0 = 0;
+            for (; p0 + VL <= kc; p0 += VL)
+#pragma GCC unroll 2
+                for (int i0 = 0; i0 < MR; i0 += VL) {
+                    const int m = MR - i0 < VL ? MR - i0 : VL;
+                    vreal r[VL];
+                    real t[VL][VL];
+                    for (int i = 0; i < VL; i++)
+                        r[i] = i < m ? PA_FN(vload)(A + (ir + i0 + i) * rsa + p0) : PA_FN(vset)(0);
+                    PA_FN(vtranspose)(r);
+                    for (int p = 0; p < VL; p++) PA_FN(vstore)(t[p], r[p]);
+                    for (int p = 0; p < VL; p++)
+                        memcpy(dst + (p0 + p) * MR + i0, t[p], sizeof(real) * m);
+                }
+            for (int64_t p = p0; p < kc; p++)
+                for (int64_t i = 0; i < MR; i++) dst[p * MR + i] = A[(ir + i) * rsa + p];
+            continue;
+        }
+        for (int64_t i = 0; i < MR; i++) {
+            if (i < mr) {
+                const real *src = A + (ir + i) * rsa;
+                for (int64_t p = 0; p < kc; p++) dst[p * MR + i] = src[p * csa];
+            } else {
+                for (int64_t p = 0; p < kc; p++) dst[p * MR + i] = 0;
+            }
         }
     }
 }
