@@ -12,8 +12,8 @@ A full run takes about a quarter of an hour on 2 quiet cores (the torch baseline
 T=16384 and the parallel form at T=4096 dominate; torch's GLA chunk at T=16384 fwd+bwd holds
 ~13 GB); --quick (T=1024, shorter measurements) under a minute.
 
-Shapes: B=2, H=8, K=V=128, float32, T in {1024, 4096, 16384} ({1024} with --quick), chunk
-size C=64 (pyattn's default). Inputs: q, k, v, do standard normal; gates
+Shapes: B=2, H=8 (--batch, --heads), K=V=128, float32, T in {1024, 4096, 16384} ({1024} with
+--quick), chunk size C=64 (pyattn's default). Inputs: q, k, v, do standard normal; gates
 g = logsigmoid(N(0, 1)) / 16 (fla's GLA test convention), [B, T, H] for simple_gla (scalar
 gate, the headline rows) and [B, T, H, K] for gla (vector key gate, no value gate).
 
@@ -485,8 +485,12 @@ def decode(args, timing):
 
 
 def main(argv=None):
-    global MASKS
+    global MASKS, B, H
     p = common.base_parser(__doc__.splitlines()[0], default_threads=2)
+    p.add_argument("--batch", type=int, default=B,
+                   help=f"B (default {B}); with --heads 1, one (sequence, head) unit: the chunk "
+                        "form then splits it by chunk")
+    p.add_argument("--heads", type=int, default=H, help=f"H (default {H})")
     p.add_argument("--T", type=int, nargs="+", default=None,
                    help="sequence lengths (default 1024 4096 16384; --quick 1024)")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="ops (default both)")
@@ -505,6 +509,7 @@ def main(argv=None):
     p.add_argument("--decode", action="store_true",
                    help="time the one-step recurrent decode instead of the T sweep")
     args = p.parse_args(argv)
+    B, H = args.batch, args.heads
     if args.torch_recurrent_max_t is None:
         args.torch_recurrent_max_t = 256 if args.quick else 4096
     if args.torch_recurrent_prefix is None:

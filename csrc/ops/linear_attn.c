@@ -63,7 +63,7 @@ typedef struct {
     double *acc;          /* K + V: running sums in double */
     real *X, *Y, *Tm, *U; /* L x W each */
     real *A, *B, *M;      /* L x L each */
-    real *S, *dS, *tmp;   /* K x V each */
+    real *S, *dS;         /* K x V each */
     real *deck, *decv;    /* K, V: a block's total decays */
     real *states;         /* backward: the state entering each piece, then the final one */
     real *Bp;             /* one operand packed once for the row-block products */
@@ -83,13 +83,13 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
     size_t bytes[] = {2 * L * K * r, 2 * L * V * r, 2 * L * K * r, 2 * L * V * r, L * L * r,
                       L * W * r, L * W * r,
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
-                      K * V * r, K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
+                      K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
                       L * dbl, (K + V) * dbl};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
                             (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
-                            (void **)&s->tmp, (void **)&s->deck, (void **)&s->decv,
+                            (void **)&s->deck, (void **)&s->decv,
                             (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
                             (void **)&s->acc};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
@@ -838,21 +838,36 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }
 
-/* In place over a unit's nb blocks: buf[b] holds the block's own contribution (its state
- * from a zero start, or its dS from a zero end) and dec[b] its decays (K then V); on return
- * buf[b] holds the state entering block b in the scan's direction, and `carry` (the start
- * value on entry) the state leaving the last. */
+/* In place over rows r0 .. r1-1 of a unit's nb blocks' states: buf[b] holds the block's own
+ * contribution (its state from a zero start, or its dS from a zero end) and dec[b] its decays
+ * (K then V); on return buf[b] holds the state entering block b in the scan's direction, and
+ * `carry` (the start value on entry) the state leaving the last. Rows are independent, so
+ * a unit's scan splits across threads by rows. */
 static void PA_FN(la_scan)(real *buf, const real *dec, int64_t nb, int reverse, int64_t K,
-                           int64_t V, real *carry, real *tmp)
+                           int64_t V, int64_t r0, int64_t r1, real *carry)
 {
-    const int64_t KV = K * V;
-    for (int64_t i = 0; i < nb; i++) {
-        int64_t b = reverse ? nb - 1 - i : i;
-        real *cur = buf + b * KV;
-        memcpy(tmp, cur, sizeof(real) * KV);
-        memcpy(cur, carry, sizeof(real) * KV);
-        PA_FN(la_state_decay)(carry, dec + b * (K + V), dec + b * (K + V) + K, tmp, K, V);
+    for (int64_t n = 0; n < nb; n++) {
+        const int64_t b = reverse ? nb - 1 - n : n;
+        const real *a = dec + b * (K + V), *c = a + K;
+        for (int64_t i = r0; i < r1; i++) {
+            real *restrict cur = buf + b * K * V + i * V, *restrict s = carry + i * V;
+            for (int64_t j = 0; j < V; j++) {
+                real t = cur[j];
+                cur[j] = s[j];
+                s[j] = a[i] * s[j] * c[j] + t;
+            }
+        }
     }
+}
+
+/* rows r0 .. r1-1 of unit u's K x V state in src (zeros when NULL) into S */
+static void PA_FN(la_load_rows)(const real *src, int64_t unit, int64_t K, int64_t V, int64_t r0,
+                                int64_t r1, real *S)
+{
+    if (src)
+        memcpy(S + r0 * V, src + (unit * K + r0) * V, sizeof(real) * (r1 - r0) * V);
+    else
+        memset(S + r0 * V, 0, sizeof(real) * (r1 - r0) * V);
 }
 
 /* The chunk-parallel schedule, for fewer units than threads. The states sit in the kept
@@ -867,6 +882,8 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
     int64_t items = PA_FN(la_items)(d, first, &iunit, &iblock);
     if (items < 0) return PA_ENOMEM;
     const int kept = backward && c->states; /* the forward's states: no state pass */
+    /* the scan splits each unit's rows into bands, so every thread has one */
+    const int64_t bands = (nthreads + units - 1) / units, band = (K + bands - 1) / bands;
     real *states = c->states ? c->states : pa_alloc(sizeof(real) * (items + units) * KV);
     real *dstates = backward ? pa_alloc(sizeof(real) * (items + 1) * KV) : NULL;
     real *decs = pa_alloc(sizeof(real) * (items + 1) * (K + V));
@@ -905,21 +922,24 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                     PA_FN(la_block_dstate)(&u, c0, l, &ks, &vs, dstates + i * KV, &sc);
                 }
             }
-            /* the scans: states forward (into the final slot), their gradients backward */
+            /* the scans, by bands of rows: states forward (into the final slot), their
+             * gradients backward (carried in dS: the band's rows of a K x V scratch) */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t un = 0; un < units; un++) {
-                if (!ok) continue;
+            for (int64_t w = 0; w < units * bands; w++) {
+                const int64_t un = w / bands, r0 = w % bands * band, r1 = r0 + band < K ? r0 + band : K;
+                if (!ok || r0 >= K) continue;
                 const int64_t nb = first[un + 1] - first[un] - 1, i0 = first[un] - un;
                 real *buf = states + first[un] * KV, *fin = buf + nb * KV;
                 if (!kept) {
-                    PA_FN(la_load_state)(c->h0, un, KV, fin);
-                    PA_FN(la_scan)(buf, decs + i0 * (K + V), nb, 0, K, V, fin, sc.tmp);
-                    if (c->ht) memcpy(c->ht + un * KV, fin, sizeof(real) * KV);
+                    PA_FN(la_load_rows)(c->h0, un, K, V, r0, r1, fin);
+                    PA_FN(la_scan)(buf, decs + i0 * (K + V), nb, 0, K, V, r0, r1, fin);
+                    if (c->ht) memcpy(c->ht + un * KV + r0 * V, fin + r0 * V, sizeof(real) * (r1 - r0) * V);
                 }
                 if (!backward) continue;
-                PA_FN(la_load_state)(c->dht, un, KV, sc.dS);
-                PA_FN(la_scan)(dstates + i0 * KV, decs + i0 * (K + V), nb, 1, K, V, sc.dS, sc.tmp);
-                if (c->dh0) memcpy(c->dh0 + un * KV, sc.dS, sizeof(real) * KV);
+                PA_FN(la_load_rows)(c->dht, un, K, V, r0, r1, sc.dS);
+                PA_FN(la_scan)(dstates + i0 * KV, decs + i0 * (K + V), nb, 1, K, V, r0, r1, sc.dS);
+                if (c->dh0)
+                    memcpy(c->dh0 + un * KV + r0 * V, sc.dS + r0 * V, sizeof(real) * (r1 - r0) * V);
             }
             /* the blocks' outputs (or gradients) from the states entering them */
 #pragma omp for schedule(dynamic, 1)
