@@ -124,12 +124,11 @@ typedef struct {
     int (*linear_forward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
                           const void *gk, const void *gv, const void *h0, void *o, void *ht,
                           void *states);
-    /* o: the forward's output (read only with gv); dht, h0 may be NULL (zero); dgk, dgv are
-     * NULL exactly when their gate is; dh0 may be NULL (not wanted); states: what a chunk
-     * forward kept, or NULL (then recomputed) */
+    /* dht, h0 may be NULL (zero); dgk, dgv are NULL exactly when their gate is; dh0 may be
+     * NULL (not wanted); states: what a chunk forward kept, or NULL (then recomputed) */
     int (*linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
                            const void *v, const void *gk, const void *gv, const void *h0,
-                           const void *o, const void *dout, const void *dht, const void *states,
+                           const void *dout, const void *dht, const void *states,
                            void *dq, void *dk, void *dv, void *dgk, void *dgv, void *dh0);
     int (*efficient_forward)(const pa_efficient_desc *d, const void *q, const void *k,
                              const void *v, void *o);

@@ -539,47 +539,45 @@ static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssi
     return states;
 }
 
-/* linear_backward(q, k, v, gk, gv, h0, o, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, form,
- *                 chunk, scale); states: what linear_forward kept, or None */
+/* linear_backward(q, k, v, gk, gv, h0, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, form, chunk,
+ *                 scale); states: what linear_forward kept, or None */
 static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "linear_backward";
-    if (expect_nargs(fn, nargs, 20)) return NULL;
+    if (expect_nargs(fn, nargs, 19)) return NULL;
     int t;
-    PyArrayObject *in[6], *o, *dout, *dht = NULL, *kept = NULL, *dq, *dk, *dv, *dgk = NULL,
+    PyArrayObject *in[6], *dout, *dht = NULL, *kept = NULL, *dq, *dk, *dv, *dgk = NULL,
                                     *dgv = NULL, *dh0;
     pa_linear_desc d;
-    if (linear_desc(fn, args, args + 16, &t, in, &d)) return NULL;
+    if (linear_desc(fn, args, args + 15, &t, in, &d)) return NULL;
     npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
     npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
-    if (!(o = get_array(fn, "o", args[6], t, 4, oshape, 0)) ||
-        !(dout = get_array(fn, "do", args[7], t, 4, oshape, 0)))
-        return NULL;
-    if (args[8] != Py_None && !(dht = get_array(fn, "dht", args[8], t, 4, sshape, 0))) return NULL;
-    if (args[9] != Py_None) {
+    if (!(dout = get_array(fn, "do", args[6], t, 4, oshape, 0))) return NULL;
+    if (args[7] != Py_None && !(dht = get_array(fn, "dht", args[7], t, 4, sshape, 0))) return NULL;
+    if (args[8] != Py_None) {
         npy_intp kshape[3];
         kept_shape(&d, kshape);
         if (d.form != PA_FORM_CHUNK) {
             PyErr_Format(PyExc_ValueError, "%s(): kept states exist for the chunk form only", fn);
             return NULL;
         }
-        if (!(kept = get_array(fn, "states", args[9], t, 3, kshape, 0))) return NULL;
+        if (!(kept = get_array(fn, "states", args[8], t, 3, kshape, 0))) return NULL;
     }
-    if (!(dq = get_array(fn, "dq", args[10], t, 4, PyArray_DIMS(in[0]), 1)) ||
-        !(dk = get_array(fn, "dk", args[11], t, 4, PyArray_DIMS(in[1]), 1)) ||
-        !(dv = get_array(fn, "dv", args[12], t, 4, PyArray_DIMS(in[2]), 1)) ||
-        optional_out(fn, "dh0", args[15], t, 4, sshape, &dh0))
+    if (!(dq = get_array(fn, "dq", args[9], t, 4, PyArray_DIMS(in[0]), 1)) ||
+        !(dk = get_array(fn, "dk", args[10], t, 4, PyArray_DIMS(in[1]), 1)) ||
+        !(dv = get_array(fn, "dv", args[11], t, 4, PyArray_DIMS(in[2]), 1)) ||
+        optional_out(fn, "dh0", args[14], t, 4, sshape, &dh0))
         return NULL;
     const char *gnames[2] = {"dgk", "dgv"};
     PyArrayObject **gout[2] = {&dgk, &dgv};
     for (int g = 0; g < 2; g++) {
         PyArrayObject *gate = in[3 + g];
-        if (!gate && args[13 + g] != Py_None) {
+        if (!gate && args[12 + g] != Py_None) {
             PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be None without its gate", fn,
                          gnames[g]);
             return NULL;
         }
-        if (gate && !(*gout[g] = get_array(fn, gnames[g], args[13 + g], t, PyArray_NDIM(gate),
+        if (gate && !(*gout[g] = get_array(fn, gnames[g], args[12 + g], t, PyArray_NDIM(gate),
                                            PyArray_DIMS(gate), 1)))
             return NULL;
     }
@@ -588,7 +586,7 @@ static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ss
     Py_BEGIN_ALLOW_THREADS
     rc = K->linear_backward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
                             data_or_null(in[3]), data_or_null(in[4]), data_or_null(in[5]),
-                            PyArray_DATA(o), PyArray_DATA(dout), dht ? PyArray_DATA(dht) : NULL,
+                            PyArray_DATA(dout), dht ? PyArray_DATA(dht) : NULL,
                             kept ? PyArray_DATA(kept) : NULL, PyArray_DATA(dq), PyArray_DATA(dk), PyArray_DATA(dv),
                             dgk ? PyArray_DATA(dgk) : NULL, dgv ? PyArray_DATA(dgv) : NULL,
                             dh0 ? PyArray_DATA(dh0) : NULL);
@@ -810,7 +808,7 @@ static PyMethodDef core_methods[] = {
      "or [N, H, K, V]; o written; returns the states kept for linear_backward (keep true, "
      "chunk form) or None"},
     {"linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
-     "linear_backward(q, k, v, gk, gv, h0, o, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, "
+     "linear_backward(q, k, v, gk, gv, h0, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, "
      "form, chunk, scale): gradients written in place; states: what linear_forward kept, or "
      "None; dgk/dgv None exactly when their gate is"},
     {"efficient_forward", (PyCFunction)(void (*)(void))py_efficient_forward, METH_FASTCALL,

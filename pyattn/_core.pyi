@@ -79,13 +79,13 @@ def linear_forward(
 
 def linear_backward(
     q: _Float, k: _Float, v: _Float, gk: Optional[_Float], gv: Optional[_Float],
-    h0: Optional[_Float], o: _Float, do: _Float, dht: Optional[_Float],
+    h0: Optional[_Float], do: _Float, dht: Optional[_Float],
     states: Optional[_Float], dq: _Float, dk: _Float, dv: _Float, dgk: Optional[_Float],
     dgv: Optional[_Float], dh0: Optional[_Float], cu: _Int64, form: int, chunk: int,
     scale: float, /,
 ) -> None:
     """Writes dq, dk, dv (and dgk, dgv, dh0 when given; dgk / dgv must be None exactly when
-    their gate is) in place. o is the forward's output; dht None means a zero cotangent;
+    their gate is) in place. dht None means a zero cotangent;
     states what linear_forward kept (FORM_CHUNK), or None to recompute them. Other arguments
     as linear_forward."""
 

@@ -77,8 +77,8 @@ class _Engine:
         g["gk"] = None if self.gk is None else np.empty_like(self.gk)
         g["gv"] = None if self.gv is None else np.empty_like(self.gv)
         g["h0"] = None if self.h0 is None else np.empty_like(self.h0)
-        _core.linear_backward(self.q, self.k, self.v, self.gk, self.gv, self.h0, self.o, do, dht,
-                              self.states, g["q"], g["k"], g["v"], g["gk"], g["gv"], g["h0"], *self.opts)
+        _core.linear_backward(self.q, self.k, self.v, self.gk, self.gv, self.h0, do, dht, self.states,
+                              g["q"], g["k"], g["v"], g["gk"], g["gv"], g["h0"], *self.opts)
         return g
 
 

@@ -26,14 +26,21 @@
  * B_ij = sum_v do_iv v_jv e^(Gv_iv - Gv_jv):
  *   dq_i += scale sum_{j<=i} B_ij e^(Gk_i - Gk_j) k_j,  dk_j += sum_{i>=j} B_ij e^(..) q~_i,
  *   dv_j += sum_{i>=j} A_ij e^(Gv_i - Gv_j) do_i.
- * Gates then follow for every form from one identity: the outputs up to row b and S_b depend
- * on the cumulative gate G_t (t <= b) only through q_t e^G_t, k_t e^-G_t (and for gv through
- * o_t and v_t), so with dS_b the gradient reaching S_b from the rows after b,
- *   dgk_t = sum_{t<=s<=b} (q_s dq_s - k_s dk_s) + rowsum(S_b * dS_b),
- *   dgv_t = sum_{t<=s<=b} (o_s do_s - v_s dv_s) + colsum(S_b * dS_b).
- * It is taken with b the last row of t's piece: the terms, which cancel, then sum over at most
- * P rows rather than the whole sequence, which keeps float32 sums over time of dg (the
- * gradient of a per-head decay) accurate at any length.
+ * Gates then follow for every form from one identity. The outputs after row a depend on the
+ * gates G_t (t > a, cumulative from a) only through S_a e^G_t, q_t e^G_t and k_t e^-G_t (and
+ * for gv through o_t and v_t), so with dS_a the gradient reaching S_a from the rows after a,
+ *   dgk_t = rowsum(S_a * dS_a) - sum_{a<s<t} (q_s dq_s - k_s dk_s),
+ *   dgv_t = colsum(S_a * dS_a) - sum_{a<s<t} (o_s do_s - v_s dv_s).
+ * It is taken with a the row before t's piece: the terms, which cancel, then sum over fewer
+ * than P rows rather than the whole sequence, which keeps float32 sums over time of dg (the
+ * gradient of a per-head decay) accurate at any length. Two kinds of terms would leave only
+ * their rounding where the gate is strong: those of s with itself (k_s v_s^T enters S_s
+ * undecayed), equal in q_s dq_s and k_s dk_s (and in o_s do_s and v_s dv_s), so they are left
+ * out; and those of the final state's cotangent with the last row, which this form (rather
+ * than the suffix one, with S_b and dS_b at the piece's end) never meets. So the backward
+ * first forms the off-diagonal dq, dk, dv (and o, kept in dgv until its gradient overwrites
+ * it), takes the gates' gradients, then adds the diagonal:
+ *   dq_s += scale (do_s . v_s) k_s,  dk_s += scale (do_s . v_s) q_s,  dv_s += scale (q_s . k_s) do_s.
  *
  * Work is split over units when there are enough of them; otherwise over (unit, chunk)
  * items, with the states passed by a scan over chunks (the only sequential part).
@@ -270,9 +277,10 @@ static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *
     }
 }
 
-/* W (L x L, ld L) = lower triangle of alpha sum_d X_id Y_jd e^(G_id - G_jd); 0 above. */
+/* W (L x L, ld L) = lower triangle of alpha sum_d X_id Y_jd e^(G_id - G_jd); 0 above, and on
+ * the diagonal too when strict. */
 static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
-                           int64_t ldx, const real *Y, int64_t ldy, real *W,
+                           int64_t ldx, const real *Y, int64_t ldy, int strict, real *W,
                            PA_FN(la_scratch) *sc)
 {
     const int64_t D = s->D;
@@ -294,7 +302,7 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
             real *w = W + i * L;
             if (s->kind == PA_GATE_SCALAR)
                 for (int64_t j = 0; j <= i; j++) w[j] *= s->Dm[i * L + j];
-            for (int64_t j = i + 1; j < L; j++) w[j] = 0;
+            for (int64_t j = strict ? i : i + 1; j < L; j++) w[j] = 0;
         }
         return;
     }
@@ -309,10 +317,10 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
             PA_FN(gemm)(i1 - i0, i0, D, 1, sc->Tm, D, 1, sc->U, 1, D, 0, W + i0 * L, L, sc->work);
         }
         for (int64_t i = i0; i < i1; i++) {
-            for (int64_t j = i0; j <= i; j++)
+            for (int64_t j = i0; j < i + !strict; j++)
                 W[i * L + j] = alpha * PA_FN(la_dot_gated)(X + i * ldx, Y + j * ldy,
                                                            s->G + i * D, s->G + j * D, s->lo, D);
-            for (int64_t j = i + 1; j < L; j++) W[i * L + j] = 0;
+            for (int64_t j = strict ? i : i + 1; j < L; j++) W[i * L + j] = 0;
         }
     }
 }
@@ -506,7 +514,7 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
     const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
     real *o = (real *)u->o + c0 * sv;
     PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, o, sv, sc);
-    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, sc->A, sc);
+    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 0, sc->A, sc);
     PA_FN(la_apply)(vs, L, 1, sc->A, v, sv, o, sv, sc);
 }
 
@@ -546,8 +554,9 @@ static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
                             u->dout + c0 * u->sv, u->sv, dS, sc);
 }
 
-/* dq, dk, dv rows of the block from S, its start state, and dS, the gradient reaching its end
- * state from later rows; the Gram B serves dq and dk. */
+/* The off-diagonal parts (header) of dq, dk, dv rows of the block from S, its start state,
+ * and dS, the gradient reaching its end state from later rows; with a value gate, o's too,
+ * into dgv. The Gram B serves dq and dk. */
 static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                   const real *S, const real *dS, PA_FN(la_scratch) *sc)
@@ -557,14 +566,34 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
     const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
     const real *dout = u->dout + c0 * sv;
     real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
-    PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, sc->B, sc);
+    PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, 1, sc->B, sc);
     PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
     PA_FN(la_apply)(ks, L, scale, sc->B, k, sk, dq, sk, sc);
-    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, sc->A, sc);
+    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 1, sc->A, sc);
     PA_FN(la_rows_times)(vs, ks, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
     PA_FN(la_apply_t)(ks, L, scale, sc->B, q, sk, dk, sk, sc);
     PA_FN(la_rows_times)(ks, vs, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
     PA_FN(la_apply_t)(vs, L, 1, sc->A, dout, sv, dv, sv, sc);
+    if (u->dgv) {
+        real *oo = u->dgv + c0 * sv;
+        PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, oo, sv, sc);
+        PA_FN(la_apply)(vs, L, 1, sc->A, v, sv, oo, sv, sc);
+    }
+}
+
+/* The diagonal parts (header) added to rows r0 .. r0+n-1 of dq, dk, dv */
+static void PA_FN(la_add_diagonal)(const PA_FN(la_unit) *u, int64_t r0, int64_t n)
+{
+    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const real scale = (real)u->d->scale;
+    for (int64_t t = r0; t < r0 + n; t++) {
+        const real *q = u->q + t * sk, *k = u->k + t * sk, *v = u->v + t * sv;
+        const real *dout = u->dout + t * sv;
+        const real b = scale * PA_FN(dot)(dout, v, V), a = scale * PA_FN(dot)(q, k, K);
+        PA_FN(axpy)(u->dq + t * sk, k, K, b);
+        PA_FN(axpy)(u->dk + t * sk, q, K, b);
+        PA_FN(axpy)(u->dv + t * sv, dout, V, a);
+    }
 }
 
 /* ---- the recurrent form ---- */
@@ -587,7 +616,8 @@ static void PA_FN(la_step_decay)(const PA_FN(la_unit) *u, int64_t t, real *a, re
 
 /* Forward over the unit's steps t0 .. t0+n-1 (n >= 1) from the state src (NULL: zeros) into S,
  * which may be src: a single pass over the state, as a decode step wants. With o: writes o_t.
- * With dq (backward): writes dq_t = scale S_t do_t instead. */
+ * With dq (backward): writes the off-diagonal parts (header) of dq_t = scale S_t do_t instead,
+ * and with a value gate those of o_t into dgv. */
 static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64_t n,
                                       const real *src, real *S, real *o, real *dq,
                                       PA_FN(la_scratch) *sc)
@@ -602,22 +632,28 @@ static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64
         for (int64_t j = 0; j < V; j++) acc[j] = 0;
         for (int64_t i = 0; i < K; i++) {
             real *row = S + i * V, a = sc->deck[i], ki = k[i], qi = scale * q[i];
+            if (dq) { /* S_{t-1} decayed first, then k_t v_t^T */
+                for (int64_t j = 0; j < V; j++) row[j] = prev ? a * prev[i * V + j] * sc->decv[j] : 0;
+                dq[t * u->sk + i] = scale * PA_FN(dot)(row, u->dout + t * u->sv, V);
+                if (u->dgv) PA_FN(axpy)(acc, row, V, qi);
+                PA_FN(axpy)(row, v, V, ki);
+                continue;
+            }
             if (prev)
                 for (int64_t j = 0; j < V; j++)
                     row[j] = a * prev[i * V + j] * sc->decv[j] + ki * v[j];
             else
                 for (int64_t j = 0; j < V; j++) row[j] = ki * v[j];
-            if (dq)
-                dq[t * u->sk + i] = scale * PA_FN(dot)(row, u->dout + t * u->sv, V);
-            else
-                PA_FN(axpy)(acc, row, V, qi);
+            PA_FN(axpy)(acc, row, V, qi);
         }
         if (o) memcpy(o + t * u->sv, acc, sizeof(real) * V);
+        if (dq && u->dgv) memcpy(u->dgv + t * u->sv, acc, sizeof(real) * V);
     }
 }
 
 /* Reverse over the unit's steps t0+n-1 .. t0 from dS (the gradient reaching S_{t0+n-1} from
- * later steps, updated in place to that reaching S_{t0-1}): writes dk_t, dv_t. */
+ * later steps, updated in place to that reaching S_{t0-1}): writes the off-diagonal parts
+ * (header) of dk_t, dv_t. */
 static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int64_t n, real *dS,
                                         PA_FN(la_scratch) *sc)
 {
@@ -631,9 +667,9 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int
         for (int64_t j = 0; j < V; j++) dv[j] = 0;
         for (int64_t i = 0; i < K; i++) {
             real *row = dS + i * V, a = sc->deck[i];
-            PA_FN(axpy)(row, dout, V, scale * q[i]);
             dk[i] = PA_FN(dot)(row, v, V);
             PA_FN(axpy)(dv, row, V, k[i]);
+            PA_FN(axpy)(row, dout, V, scale * q[i]);
             for (int64_t j = 0; j < V; j++) row[j] *= a * sc->decv[j];
         }
     }
@@ -641,23 +677,35 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int
 
 /* ---- gate gradients, for every form (the identity in the header) ---- */
 
-/* dg_t = sum_{t<=s<n} (x_s dx_s - y_s dy_s) + acc, per column (vec) or summed over the row;
- * rows of D at stride ld, dg at stride ldg; acc: the D boundary terms on entry. */
+/* dg_t = acc - sum_{0<=s<t} (x_s dx_s - y_s dy_s), per column (vec) or summed over the row;
+ * rows of D at stride ld, dg at stride ldg (dg may be x: x's row is read before dg's is
+ * written); acc: the D boundary terms on entry. */
 static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, const real *dx,
                                   const real *y, const real *dy, int64_t ld, real *dg,
                                   int64_t ldg, double *acc)
 {
     if (!vec)
         for (int64_t i = 1; i < D; i++) acc[0] += acc[i];
-    for (int64_t t = n - 1; t >= 0; t--) {
+    for (int64_t t = 0; t < n; t++) {
         const int64_t r = t * ld;
-        for (int64_t i = 0; i < D; i++)
-            acc[vec ? i : 0] += (double)x[r + i] * dx[r + i] - (double)y[r + i] * dy[r + i];
-        for (int64_t i = 0; i < (vec ? D : 1); i++) dg[t * ldg + i] = (real)acc[i];
+        double sum = 0;
+        for (int64_t i = 0; i < D; i++) {
+            double term = (double)x[r + i] * dx[r + i] - (double)y[r + i] * dy[r + i];
+            if (!vec) {
+                sum += term;
+                continue;
+            }
+            dg[t * ldg + i] = (real)acc[i];
+            acc[i] -= term;
+        }
+        if (!vec) {
+            dg[t * ldg] = (real)acc[0];
+            acc[0] -= sum;
+        }
     }
 }
 
-/* The identity's boundary terms of a piece ending with state Sb, whose gradient from later
+/* The identity's boundary terms of a piece entered with state Sb, whose gradient from later
  * rows is dSb: acc[0..K) = rowsum(Sb * dSb) for gk, acc[K..K+V) = colsum for gv; col: V reals
  * of scratch. */
 static void PA_FN(la_gate_bound)(const pa_linear_desc *d, const real *Sb, const real *dSb,
@@ -674,7 +722,7 @@ static void PA_FN(la_gate_bound)(const pa_linear_desc *d, const real *Sb, const 
 }
 
 /* The gates' gradients of rows r0 .. r0+n-1 of a unit, a piece whose boundary terms are in acc
- * (la_gate_bound), from its dq, dk (and o, do, dv). */
+ * (la_gate_bound), from the off-diagonal parts of its dq, dk (and of o, in dgv, and dv). */
 static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n, double *acc)
 {
     const pa_linear_desc *d = u->d;
@@ -683,7 +731,7 @@ static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n,
         PA_FN(la_gate_cumsum)(n, d->K, d->gk == PA_GATE_VECTOR, u->q + r0 * sk, u->dq + r0 * sk,
                               u->k + r0 * sk, u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc);
     if (d->gv != PA_GATE_NONE)
-        PA_FN(la_gate_cumsum)(n, d->V, 1, u->o + r0 * sv, u->dout + r0 * sv, u->v + r0 * sv,
+        PA_FN(la_gate_cumsum)(n, d->V, 1, u->dgv + r0 * sv, u->dout + r0 * sv, u->v + r0 * sv,
                               u->dv + r0 * sv, sv, u->dgv + r0 * sv, sv, acc + d->K);
 }
 
@@ -824,17 +872,18 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     }
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
-        if (!rec) { /* (la_block's cumulative sums use sc->acc too) */
+        if (rec) {
+            PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
+        } else {
             PA_FN(la_block)(&u, r0, n, sc, &ks, &vs);
             if (chunk) PA_FN(la_block_grads)(&u, r0, n, &ks, &vs, states + p * KV, dS, sc);
-        }
-        PA_FN(la_gate_bound)(d, states + (p + 1) * KV, dS, sc->acc, sc->Tm);
-        if (rec)
-            PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
-        else
             PA_FN(la_block_dstate)(&u, r0, n, &ks, &vs, dS, sc);
+        }
+        PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc, sc->Tm);
         PA_FN(la_gate_piece)(&u, r0, n, sc->acc);
+        if (!(d->form == PA_FORM_PARALLEL)) PA_FN(la_add_diagonal)(&u, r0, n);
     }
+    if (d->form == PA_FORM_PARALLEL) PA_FN(la_add_diagonal)(&u, 0, u.T);
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }
 
@@ -872,7 +921,8 @@ static void PA_FN(la_load_rows)(const real *src, int64_t unit, int64_t K, int64_
 
 /* The chunk-parallel schedule, for fewer units than threads. The states sit in the kept
  * layout (the caller's when kept, else a buffer of this call): item i's at slot i + unit,
- * the final one after a unit's last block. */
+ * the final one after a unit's last block. Their gradients sit in the same layout: the one
+ * reaching a block's start state at its slot, the final state's cotangent after the last. */
 static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L, int nthreads)
 {
     const pa_linear_desc *d = c->d;
@@ -885,7 +935,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
     /* the scan splits each unit's rows into bands, so every thread has one */
     const int64_t bands = (nthreads + units - 1) / units, band = (K + bands - 1) / bands;
     real *states = c->states ? c->states : pa_alloc(sizeof(real) * (items + units) * KV);
-    real *dstates = backward ? pa_alloc(sizeof(real) * (items + 1) * KV) : NULL;
+    real *dstates = backward ? pa_alloc(sizeof(real) * (items + units) * KV) : NULL;
     real *decs = pa_alloc(sizeof(real) * (items + 1) * (K + V));
     const int gated = d->gk != PA_GATE_NONE || d->gv != PA_GATE_NONE;
     int failed = !states || !decs || (backward && !dstates);
@@ -917,9 +967,10 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 }
                 memcpy(decs + i * (K + V), sc.deck, sizeof(real) * K);
                 memcpy(decs + i * (K + V) + K, sc.decv, sizeof(real) * V);
-                if (backward) {
-                    memset(dstates + i * KV, 0, sizeof(real) * KV);
-                    PA_FN(la_block_dstate)(&u, c0, l, &ks, &vs, dstates + i * KV, &sc);
+                if (backward) { /* into the next slot: the scan leaves the block's end there */
+                    real *dS = dstates + (i + iunit[i] + 1) * KV;
+                    memset(dS, 0, sizeof(real) * KV);
+                    PA_FN(la_block_dstate)(&u, c0, l, &ks, &vs, dS, &sc);
                 }
             }
             /* the scans, by bands of rows: states forward (into the final slot), their
@@ -936,10 +987,11 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                     if (c->ht) memcpy(c->ht + un * KV + r0 * V, fin + r0 * V, sizeof(real) * (r1 - r0) * V);
                 }
                 if (!backward) continue;
-                PA_FN(la_load_rows)(c->dht, un, K, V, r0, r1, sc.dS);
-                PA_FN(la_scan)(dstates + i0 * KV, decs + i0 * (K + V), nb, 1, K, V, r0, r1, sc.dS);
+                real *dbuf = dstates + first[un] * KV;
+                PA_FN(la_load_rows)(c->dht, un, K, V, r0, r1, dbuf);
+                PA_FN(la_scan)(dbuf + KV, decs + i0 * (K + V), nb, 1, K, V, r0, r1, dbuf);
                 if (c->dh0)
-                    memcpy(c->dh0 + un * KV + r0 * V, sc.dS + r0 * V, sizeof(real) * (r1 - r0) * V);
+                    memcpy(c->dh0 + un * KV + r0 * V, dbuf + r0 * V, sizeof(real) * (r1 - r0) * V);
             }
             /* the blocks' outputs (or gradients) from the states entering them */
 #pragma omp for schedule(dynamic, 1)
@@ -953,10 +1005,13 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                     PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, &sc);
                     continue;
                 }
-                PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, S, dstates + i * KV, &sc);
-                if (!gated) continue;
-                PA_FN(la_gate_bound)(d, S + KV, dstates + i * KV, sc.acc, sc.Tm);
-                PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
+                const real *dS = dstates + (i + iunit[i]) * KV; /* at the start; its end next */
+                PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, S, dS + KV, &sc);
+                if (gated) {
+                    PA_FN(la_gate_bound)(d, S, dS, sc.acc, sc.Tm);
+                    PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
+                }
+                PA_FN(la_add_diagonal)(&u, c0, l);
             }
             if (ok) free(sc.block);
         }
@@ -1025,12 +1080,12 @@ static int PA_FN(linear_forward)(const pa_linear_desc *d, const void *q, const v
 
 static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
                                   const void *v, const void *gk, const void *gv, const void *h0,
-                                  const void *o, const void *dout, const void *dht,
+                                  const void *dout, const void *dht,
                                   const void *states, void *dq, void *dk, void *dv, void *dgk,
                                   void *dgv, void *dh0)
 {
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
-                        .dout = dout, .o = o, .dht = dht, .dq = dq, .dk = dk, .dv = dv,
+                        .dout = dout, .dht = dht, .dq = dq, .dk = dk, .dv = dv,
                         .dgk = dgk, .dgv = dgv, .dh0 = dh0,
                         .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
     return PA_FN(la_run)(&c, 1);
