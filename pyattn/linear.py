@@ -440,12 +440,14 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
         dy, dht = eng.cotangent(cot)
         ge = eng.backward(dy, dht)
         dv, dg = ge["v"], ge["gk"]
-        f64 = np.float64  # the per-head sums below cancel heavily: accumulate them in double
-        ddts = np.einsum("bthp,bthp->bth", dv, x, dtype=f64) + dg * A.astype(f64)
+        # the per-head sums over (batch, time) below cancel heavily: accumulated in double;
+        # the sums over one row's P entries stay in the inputs' dtype
+        f64 = np.float64
+        ddts = np.einsum("bthp,bthp->bth", dv, x).astype(f64) + dg * A.astype(f64)
         res = {"x": dv * dts[..., None]}
         if Dh is not None:
-            res["x"] = res["x"] + Dh[:, None] * dy
-            res["D"] = np.einsum("bthp,bthp->h", dy, x, dtype=f64).astype(dtype)
+            res["x"] += Dh[:, None] * dy
+            res["D"] = np.einsum("bthp,bthp->bth", dy, x).sum(axis=(0, 1), dtype=f64).astype(dtype)
         dpre = ddts * _sigmoid(pre.astype(f64)) if dt_softplus else ddts
         res["dt"] = dpre.astype(dtype)
         res["A"] = np.einsum("bth,bth->h", dg, dts, dtype=f64).astype(dtype)
