@@ -881,7 +881,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
         }
         PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc, sc->Tm);
         PA_FN(la_gate_piece)(&u, r0, n, sc->acc);
-        if (!(d->form == PA_FORM_PARALLEL)) PA_FN(la_add_diagonal)(&u, r0, n);
+        if (d->form != PA_FORM_PARALLEL) PA_FN(la_add_diagonal)(&u, r0, n);
     }
     if (d->form == PA_FORM_PARALLEL) PA_FN(la_add_diagonal)(&u, 0, u.T);
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
