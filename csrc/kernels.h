@@ -82,12 +82,17 @@ static inline int64_t pa_linear_block_rows(const pa_linear_desc *d)
 }
 
 /* The states a chunk-form forward can keep for its backward ([count, K, V]): per sequence and
- * head (unit n H + h), in order, the state entering each block, then the final one. */
+ * head (unit n H + h), in order, the state entering each block of L rows, then the final one. */
+static inline int64_t pa_linear_unit_states(const pa_linear_desc *d, int64_t n, int64_t L)
+{
+    return (d->cu[n + 1] - d->cu[n] + L - 1) / L + 1;
+}
+
 static inline int64_t pa_linear_kept_states(const pa_linear_desc *d)
 {
     const int64_t L = pa_linear_block_rows(d);
     int64_t count = 0;
-    for (int64_t n = 0; n < d->nseq; n++) count += (d->cu[n + 1] - d->cu[n] + L - 1) / L + 1;
+    for (int64_t n = 0; n < d->nseq; n++) count += pa_linear_unit_states(d, n, L);
     return count * d->H;
 }
 

@@ -1430,9 +1430,10 @@ def test_threads_single_unit_chunk_parallel(op, dtype):
 @pytest.mark.parametrize("op", ["gla", "mamba2"])
 def test_threads_few_units_with_cu_seqlens(op):
     """Three sequences (one empty) x one head, fewer units than threads: the chunk-parallel
-    schedule over several units, against one thread and the oracle."""
+    schedule over several units (K = V = 32 gives the call enough work for 4 threads), against
+    one thread and the oracle."""
     cu = np.array([0, 1100, 1100, 1700])
-    args, kw = build(op, 41, B=1, T=1700, H=1, K=16, V=16, N=3)
+    args, kw = build(op, 41, B=1, T=1700, H=1, K=32, V=32, N=3)
     kw["cu_seqlens"] = cu
     ref = oracle(op, args, kw)
     do, dht = cotangents(42, *ref)
@@ -1465,13 +1466,14 @@ def _engine_backward(args, states, threads):
 def test_kept_states(gates, units, threads):
     """The chunk forward under vjp keeps the state entering each chunk for the backward: per
     (sequence, head) the states entering its chunks, then the final one. With cu_seqlens
-    (an empty sequence, ragged last chunks), one unit or several, on the per-unit and the
-    chunk-parallel (scan) schedules: the slots hold h0, the oracle's state at every chunk
-    boundary and the final state, and a backward reading them gives the same gradients,
-    bitwise, as one recomputing them."""
+    (an empty sequence, ragged last chunks), one unit or three (one head), on the per-unit
+    (1 thread) and the chunk-parallel (4 threads: fewer units than threads, and K = V = 32
+    give the call enough work for them) schedules: the slots hold h0, the oracle's state at
+    every chunk boundary and the final state, and a backward reading them gives the same
+    gradients, bitwise, as one recomputing them."""
     r = np.random.default_rng(7)
-    cu = np.array([0, 70, 70, 161]) if units == "many" else np.array([0, 161])
-    N, H, K, Vd, C = len(cu) - 1, 2 if units == "many" else 1, 8, 5, 32
+    cu = np.array([0, 500, 500, 1201]) if units == "many" else np.array([0, 1201])
+    N, H, K, Vd, C = len(cu) - 1, 1, 32, 32, 32
     T = int(cu[-1])
     q, k = (r.standard_normal((1, T, H, K)) for _ in range(2))
     v = r.standard_normal((1, T, H, Vd))

@@ -63,7 +63,7 @@ typedef struct {
 
 /* Per-thread scratch of the chunk form for blocks of up to L rows. */
 typedef struct {
-    int64_t L, K, V, W;   /* W = max(K, V) */
+    int64_t L;
     real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
     real *Ek, *Ev;        /* 2 x L x K, 2 x L x V: a factored vector gate's Ep then Em */
     double *Gs;           /* L */
@@ -101,9 +101,6 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                             (void **)&s->acc};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
-    s->K = K;
-    s->V = V;
-    s->W = W;
     return s->block != NULL;
 }
 
@@ -237,13 +234,12 @@ static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
                                            : 1;
 }
 
-/* S = diag(a) S diag(b) + add (add may be NULL), S K x V */
-static void PA_FN(la_state_decay)(real *S, const real *a, const real *b, const real *add,
-                                  int64_t K, int64_t V)
+/* S = diag(a) S diag(b), S K x V */
+static void PA_FN(la_state_decay)(real *S, const real *a, const real *b, int64_t K, int64_t V)
 {
     for (int64_t i = 0; i < K; i++) {
         real *row = S + i * V;
-        for (int64_t j = 0; j < V; j++) row[j] = a[i] * row[j] * b[j] + (add ? add[i * V + j] : 0);
+        for (int64_t j = 0; j < V; j++) row[j] = a[i] * row[j] * b[j];
     }
 }
 
@@ -412,13 +408,13 @@ typedef struct {
     const pa_linear_desc *d;
     int64_t T;                  /* rows of the sequence */
     int64_t sk, sv, sg;         /* row strides: q/k/gk-vector, v/o/gv, scalar gk */
-    const real *q, *k, *v, *gk, *gv, *dout, *o; /* at the unit's first row and head */
-    real *dq, *dk, *dv, *dgk, *dgv;
+    const real *q, *k, *v, *gk, *gv, *dout; /* at the unit's first row and head */
+    real *o, *dq, *dk, *dv, *dgk, *dgv;
 } PA_FN(la_unit);
 
 static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int64_t unit,
                                 const real *q, const real *k, const real *v, const real *gk,
-                                const real *gv, const real *dout, const real *o, real *dq,
+                                const real *gv, const real *dout, real *o, real *dq,
                                 real *dk, real *dv, real *dgk, real *dgv)
 {
     const int64_t H = d->H, n = unit / H, h = unit % H, r0 = d->cu[n];
@@ -463,8 +459,15 @@ static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t
 static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
 {
     const int64_t D = s->D;
-    for (int64_t d = 0; d < D; d++)
-        if (!(s->G[d] - s->G[(L - 1) * D + d] <= LA_FACTOR)) return;
+    const vreal lim = PA_FN(vset)(LA_FACTOR);
+    vint out = (vint){0};
+    for (int64_t i = 1; i < L; i++) /* |G_i - G_0| bounds both factors, whatever the signs */
+        for (int64_t d = 0; d < D; d += VL) {
+            vreal diff = PA_FN(la_ld)(s->G + i * D + d, D - d) - PA_FN(la_ld)(s->G + d, D - d);
+            out |= ~((diff <= lim) & (-diff <= lim));
+        }
+    for (int l = 0; l < VL; l++)
+        if (out[l]) return;
     for (int64_t i = 0; i < L; i++)
         for (int64_t d = 0; d < D; d += VL) {
             PA_FN(la_st)(E + i * D + d, PA_FN(la_decay)(s->G + i * D, s->G, s->lo, d, D - d), D - d);
@@ -512,7 +515,7 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
     const int64_t V = u->d->V, sk = u->sk, sv = u->sv;
     const real scale = (real)u->d->scale;
     const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
-    real *o = (real *)u->o + c0 * sv;
+    real *o = u->o + c0 * sv;
     PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, o, sv, sc);
     PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 0, sc->A, sc);
     PA_FN(la_apply)(vs, L, 1, sc->A, v, sv, o, sv, sc);
@@ -530,7 +533,7 @@ static void PA_FN(la_state_product)(const PA_FN(la_side) *ks, const PA_FN(la_sid
     int64_t lda, ldb;
     PA_FN(la_total_decay)(ks, L, sc->deck);
     PA_FN(la_total_decay)(vs, L, sc->decv);
-    PA_FN(la_state_decay)(S, sc->deck, sc->decv, NULL, K, V);
+    PA_FN(la_state_decay)(S, sc->deck, sc->decv, K, V);
     const real *A = PA_FN(la_operand)(ks, L, to_end, X, ldx, sc->X, &lda);
     const real *B = PA_FN(la_operand)(vs, L, to_end, Y, ldy, sc->Y, &ldb);
     PA_FN(gemm)(K, V, L, alpha, A, 1, lda, B, ldb, 1, 1, S, V, sc->work);
@@ -706,19 +709,17 @@ static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, 
 }
 
 /* The identity's boundary terms of a piece entered with state Sb, whose gradient from later
- * rows is dSb: acc[0..K) = rowsum(Sb * dSb) for gk, acc[K..K+V) = colsum for gv; col: V reals
- * of scratch. */
+ * rows is dSb: acc[0..K) = rowsum(Sb * dSb) for gk, acc[K..K+V) = colsum for gv. */
 static void PA_FN(la_gate_bound)(const pa_linear_desc *d, const real *Sb, const real *dSb,
-                                 double *acc, real *col)
+                                 double *acc)
 {
     const int64_t K = d->K, V = d->V;
     if (d->gk != PA_GATE_NONE)
         for (int64_t i = 0; i < K; i++) acc[i] = PA_FN(dot)(Sb + i * V, dSb + i * V, V);
     if (d->gv == PA_GATE_NONE) return;
-    for (int64_t j = 0; j < V; j++) col[j] = 0;
+    for (int64_t j = 0; j < V; j++) acc[K + j] = 0;
     for (int64_t i = 0; i < K; i++)
-        for (int64_t j = 0; j < V; j++) col[j] += Sb[i * V + j] * dSb[i * V + j];
-    for (int64_t j = 0; j < V; j++) acc[K + j] = col[j];
+        for (int64_t j = 0; j < V; j++) acc[K + j] += (double)Sb[i * V + j] * dSb[i * V + j];
 }
 
 /* The gates' gradients of rows r0 .. r0+n-1 of a unit, a piece whose boundary terms are in acc
@@ -756,7 +757,7 @@ static int64_t *PA_FN(la_slots)(const pa_linear_desc *d, int64_t L)
     if (!first) return NULL;
     first[0] = 0;
     for (int64_t u = 0; u < units; u++)
-        first[u + 1] = first[u] + (d->cu[u / d->H + 1] - d->cu[u / d->H] + L - 1) / L + 1;
+        first[u + 1] = first[u] + pa_linear_unit_states(d, u / d->H, L);
     return first;
 }
 
@@ -783,8 +784,8 @@ static int64_t PA_FN(la_items)(const pa_linear_desc *d, const int64_t *first, in
 
 typedef struct {
     const pa_linear_desc *d;
-    const real *q, *k, *v, *gk, *gv, *h0, *dout, *o, *dht; /* o: written by the forward */
-    real *ht, *dq, *dk, *dv, *dgk, *dgv, *dh0;
+    const real *q, *k, *v, *gk, *gv, *h0, *dout, *dht;
+    real *o, *ht, *dq, *dk, *dv, *dgk, *dgv, *dh0;
     real *states;        /* kept states (forward: written; backward: read), or NULL */
     const int64_t *first; /* their layout (la_slots) when given */
 } PA_FN(la_call);
@@ -806,8 +807,7 @@ static void PA_FN(la_load_state)(const real *src, int64_t unit, int64_t KV, real
 /* Rows of a backward piece: a block of the chunk form, LA_PIECE rows otherwise. */
 static int64_t PA_FN(la_piece_rows)(const pa_linear_desc *d, int64_t L)
 {
-    return d->form == PA_FORM_CHUNK || (d->form == PA_FORM_PARALLEL && L < LA_PIECE) ? L
-                                                                                    : LA_PIECE;
+    return d->form == PA_FORM_CHUNK ? L : LA_PIECE;
 }
 
 /* One unit's forward, every block in order, on one thread; with kept states each block's
@@ -820,7 +820,7 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
     PA_FN(la_unit_of)(c, unit, &u);
     if (c->d->form == PA_FORM_RECURRENT && u.T) { /* h0 read and the final state written once */
         real *S = c->ht ? c->ht + unit * KV : sc->S;
-        PA_FN(la_recurrent_sweep)(&u, 0, u.T, c->h0 ? c->h0 + unit * KV : NULL, S, (real *)u.o,
+        PA_FN(la_recurrent_sweep)(&u, 0, u.T, c->h0 ? c->h0 + unit * KV : NULL, S, u.o,
                                   NULL, sc);
         return;
     }
@@ -854,7 +854,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
     PA_FN(la_side) ks, vs;
     if (!c->states) PA_FN(la_load_state)(c->h0, unit, KV, states);
-    for (int64_t p = 0; p < np && !c->states; p++) {
+    for (int64_t p = 0; !c->states && p < np; p++) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
         if (rec) {
@@ -879,7 +879,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
             if (chunk) PA_FN(la_block_grads)(&u, r0, n, &ks, &vs, states + p * KV, dS, sc);
             PA_FN(la_block_dstate)(&u, r0, n, &ks, &vs, dS, sc);
         }
-        PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc, sc->Tm);
+        PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
         PA_FN(la_gate_piece)(&u, r0, n, sc->acc);
         if (d->form != PA_FORM_PARALLEL) PA_FN(la_add_diagonal)(&u, r0, n);
     }
@@ -937,7 +937,6 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
     real *states = c->states ? c->states : pa_alloc(sizeof(real) * (items + units) * KV);
     real *dstates = backward ? pa_alloc(sizeof(real) * (items + units) * KV) : NULL;
     real *decs = pa_alloc(sizeof(real) * (items + 1) * (K + V));
-    const int gated = d->gk != PA_GATE_NONE || d->gv != PA_GATE_NONE;
     int failed = !states || !decs || (backward && !dstates);
     if (!failed) {
 #pragma omp parallel num_threads(nthreads)
@@ -1007,10 +1006,8 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 }
                 const real *dS = dstates + (i + iunit[i]) * KV; /* at the start; its end next */
                 PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, S, dS + KV, &sc);
-                if (gated) {
-                    PA_FN(la_gate_bound)(d, S, dS, sc.acc, sc.Tm);
-                    PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
-                }
+                PA_FN(la_gate_bound)(d, S, dS, sc.acc);
+                PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
                 PA_FN(la_add_diagonal)(&u, c0, l);
             }
             if (ok) free(sc.block);
