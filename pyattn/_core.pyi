@@ -85,9 +85,8 @@ def linear_backward(
     scale: float, /,
 ) -> None:
     """Writes dq, dk, dv (and dgk, dgv, dh0 when given; dgk / dgv must be None exactly when
-    their gate is) in place. dht None means a zero cotangent;
-    states what linear_forward kept (FORM_CHUNK), or None to recompute them. Other arguments
-    as linear_forward."""
+    their gate is) in place. dht None means a zero cotangent; states what linear_forward kept
+    (FORM_CHUNK), or None to recompute them. Other arguments as linear_forward."""
 
 def efficient_forward(q: _Float, k: _Float, v: _Float, o: _Float, cu_q: _Int64,
                       cu_k: _Int64, scale: float, /) -> None:
