@@ -330,75 +330,61 @@ static const real *PA_FN(la_masked)(const PA_FN(la_side) *s, int64_t L, const re
     return sc->M;
 }
 
-/* Z_i += alpha sum_{j<=i} W_ij e^(G_i - G_j) U_j   (Z, U: L x D) */
+/* The sub-block form of la_apply for a vector gate that is not factored: across sub-blocks a
+ * GEMM of rows rescaled to a row of the later (trans = 0: its first) or the earlier (trans =
+ * 1: its last) sub-block, inside one the sum elementwise. */
+static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
+                                int trans, const real *U, int64_t ldu, real *Z, int64_t ldz,
+                                PA_FN(la_scratch) *sc)
+{
+    const int64_t D = s->D, lo = s->lo;
+    const real *G = s->G;
+    for (int64_t b0 = 0; b0 < L; b0 += LA_SUB) {
+        int64_t b1 = b0 + LA_SUB < L ? b0 + LA_SUB : L;
+        if (!trans && b0 > 0) { /* rows b0.. from rows ..b0-1, both to row b0 */
+            const real *Gn = G + b0 * D;
+            for (int64_t j = 0; j < b0; j++)
+                PA_FN(la_gated)(sc->U + j * D, U + j * ldu, Gn, G + j * D, lo, D, 1, 0);
+            PA_FN(gemm)(b1 - b0, D, b0, alpha, W + b0 * L, L, 1, sc->U, D, 1, 0, sc->Tm, D,
+                        sc->work);
+            for (int64_t i = b0; i < b1; i++)
+                PA_FN(la_gated)(Z + i * ldz, sc->Tm + (i - b0) * D, G + i * D, Gn, lo, D, 1, 1);
+        }
+        if (trans && b1 < L) { /* rows b0..b1-1 from rows b1.., both to row b1-1 */
+            const real *Gr = G + (b1 - 1) * D;
+            for (int64_t i = b1; i < L; i++)
+                PA_FN(la_gated)(sc->U + (i - b1) * D, U + i * ldu, G + i * D, Gr, lo, D, 1, 0);
+            PA_FN(gemm)(b1 - b0, D, L - b1, alpha, W + b1 * L + b0, 1, L, sc->U, D, 1, 0, sc->Tm,
+                        D, sc->work);
+            for (int64_t j = b0; j < b1; j++)
+                PA_FN(la_gated)(Z + j * ldz, sc->Tm + (j - b0) * D, Gr, G + j * D, lo, D, 1, 1);
+        }
+        for (int64_t i = b0; i < b1; i++) /* the pairs i >= j inside the sub-block */
+            for (int64_t j = b0; j <= i; j++) {
+                const int64_t out = trans ? j : i, in = trans ? i : j;
+                PA_FN(la_gated)(Z + out * ldz, U + in * ldu, G + i * D, G + j * D, lo, D,
+                                alpha * W[i * L + j], 1);
+            }
+    }
+}
+
+/* Z_i += alpha sum_{j<=i} W_ij e^(G_i - G_j) U_j (trans = 0), or the transposed product
+ * Z_j += alpha sum_{i>=j} W_ij e^(G_i - G_j) U_i (trans = 1); Z, U: L x D. */
 static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
-                            const real *U, int64_t ldu, real *Z, int64_t ldz,
+                            int trans, const real *U, int64_t ldu, real *Z, int64_t ldz,
                             PA_FN(la_scratch) *sc)
 {
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR) {
         PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
-        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), 0, 1, Z, ldz, sc);
-        return;
-    }
-    if (s->Ep) { /* e^(G_i - G_0) sum_j W_ij (e^(G_0 - G_j) U_j) */
-        PA_FN(la_rows_mul)(U, ldu, s->Em, L, D, 0, sc->U, D);
+        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), trans, 1, Z, ldz, sc);
+    } else if (s->Ep) { /* e^(G_i - G_j) = e^(G_i - G_0) e^(G_0 - G_j): U's side, then Z's */
+        PA_FN(la_rows_mul)(U, ldu, trans ? s->Ep : s->Em, L, D, 0, sc->U, D);
         PA_FN(pack_b)(L, D, sc->U, D, 1, sc->Bp);
-        PA_FN(la_tri_product)(L, D, alpha, W, 0, 0, sc->Tm, D, sc);
-        PA_FN(la_rows_mul)(sc->Tm, D, s->Ep, L, D, 1, Z, ldz);
-        return;
-    }
-    for (int64_t i0 = 0; i0 < L; i0 += LA_SUB) {
-        int64_t i1 = i0 + LA_SUB < L ? i0 + LA_SUB : L;
-        const real *Gn = s->G + i0 * D;
-        if (i0 > 0) {
-            for (int64_t j = 0; j < i0; j++)
-                PA_FN(la_gated)(sc->U + j * D, U + j * ldu, Gn, s->G + j * D, s->lo, D, 1, 0);
-            PA_FN(gemm)(i1 - i0, D, i0, alpha, W + i0 * L, L, 1, sc->U, D, 1, 0, sc->Tm, D,
-                        sc->work);
-            for (int64_t i = i0; i < i1; i++)
-                PA_FN(la_gated)(Z + i * ldz, sc->Tm + (i - i0) * D, s->G + i * D, Gn, s->lo, D, 1, 1);
-        }
-        for (int64_t i = i0; i < i1; i++)
-            for (int64_t j = i0; j <= i; j++)
-                PA_FN(la_gated)(Z + i * ldz, U + j * ldu, s->G + i * D, s->G + j * D, s->lo, D,
-                                alpha * W[i * L + j], 1);
-    }
-}
-
-/* Z_j += alpha sum_{i>=j} W_ij e^(G_i - G_j) U_i   (the transposed product) */
-static void PA_FN(la_apply_t)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
-                              const real *U, int64_t ldu, real *Z, int64_t ldz,
-                              PA_FN(la_scratch) *sc)
-{
-    const int64_t D = s->D;
-    if (s->kind != PA_GATE_VECTOR) {
-        PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
-        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), 1, 1, Z, ldz, sc);
-        return;
-    }
-    if (s->Ep) { /* e^(G_0 - G_j) sum_i W_ij (e^(G_i - G_0) U_i) */
-        PA_FN(la_rows_mul)(U, ldu, s->Ep, L, D, 0, sc->U, D);
-        PA_FN(pack_b)(L, D, sc->U, D, 1, sc->Bp);
-        PA_FN(la_tri_product)(L, D, alpha, W, 1, 0, sc->Tm, D, sc);
-        PA_FN(la_rows_mul)(sc->Tm, D, s->Em, L, D, 1, Z, ldz);
-        return;
-    }
-    for (int64_t j0 = 0; j0 < L; j0 += LA_SUB) {
-        int64_t j1 = j0 + LA_SUB < L ? j0 + LA_SUB : L;
-        const real *Gr = s->G + (j1 - 1) * D; /* rows after the sub-block, rescaled to its last */
-        if (j1 < L) {
-            for (int64_t i = j1; i < L; i++)
-                PA_FN(la_gated)(sc->U + (i - j1) * D, U + i * ldu, s->G + i * D, Gr, s->lo, D, 1, 0);
-            PA_FN(gemm)(j1 - j0, D, L - j1, alpha, W + j1 * L + j0, 1, L, sc->U, D, 1, 0, sc->Tm,
-                        D, sc->work);
-            for (int64_t j = j0; j < j1; j++)
-                PA_FN(la_gated)(Z + j * ldz, sc->Tm + (j - j0) * D, Gr, s->G + j * D, s->lo, D, 1, 1);
-        }
-        for (int64_t j = j0; j < j1; j++)
-            for (int64_t i = j; i < j1; i++)
-                PA_FN(la_gated)(Z + j * ldz, U + i * ldu, s->G + i * D, s->G + j * D, s->lo, D,
-                                alpha * W[i * L + j], 1);
+        PA_FN(la_tri_product)(L, D, alpha, W, trans, 0, sc->Tm, D, sc);
+        PA_FN(la_rows_mul)(sc->Tm, D, trans ? s->Em : s->Ep, L, D, 1, Z, ldz);
+    } else {
+        PA_FN(la_apply_sub)(s, L, alpha, W, trans, U, ldu, Z, ldz, sc);
     }
 }
 
@@ -518,7 +504,7 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
     real *o = u->o + c0 * sv;
     PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, o, sv, sc);
     PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 0, sc->A, sc);
-    PA_FN(la_apply)(vs, L, 1, sc->A, v, sv, o, sv, sc);
+    PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, sv, o, sv, sc);
 }
 
 /* S = (decay of the block) S + alpha (X f)^T (Y f') over the block's rows, f and f' the key and
@@ -571,16 +557,16 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
     real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
     PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, 1, sc->B, sc);
     PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
-    PA_FN(la_apply)(ks, L, scale, sc->B, k, sk, dq, sk, sc);
+    PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sk, dq, sk, sc);
     PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 1, sc->A, sc);
     PA_FN(la_rows_times)(vs, ks, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
-    PA_FN(la_apply_t)(ks, L, scale, sc->B, q, sk, dk, sk, sc);
+    PA_FN(la_apply)(ks, L, scale, sc->B, 1, q, sk, dk, sk, sc);
     PA_FN(la_rows_times)(ks, vs, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
-    PA_FN(la_apply_t)(vs, L, 1, sc->A, dout, sv, dv, sv, sc);
+    PA_FN(la_apply)(vs, L, 1, sc->A, 1, dout, sv, dv, sv, sc);
     if (u->dgv) {
         real *oo = u->dgv + c0 * sv;
         PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, oo, sv, sc);
-        PA_FN(la_apply)(vs, L, 1, sc->A, v, sv, oo, sv, sc);
+        PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, sv, oo, sv, sc);
     }
 }
 
