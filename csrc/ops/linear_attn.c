@@ -782,12 +782,14 @@ static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_un
                         c->dk, c->dv, c->dgk, c->dgv);
 }
 
-static void PA_FN(la_load_state)(const real *src, int64_t unit, int64_t KV, real *S)
+/* rows r0 .. r1-1 of unit u's K x V state in src (zeros when NULL) into S */
+static void PA_FN(la_load_rows)(const real *src, int64_t unit, int64_t K, int64_t V, int64_t r0,
+                                int64_t r1, real *S)
 {
     if (src)
-        memcpy(S, src + unit * KV, sizeof(real) * KV);
+        memcpy(S + r0 * V, src + (unit * K + r0) * V, sizeof(real) * (r1 - r0) * V);
     else
-        memset(S, 0, sizeof(real) * KV);
+        memset(S + r0 * V, 0, sizeof(real) * (r1 - r0) * V);
 }
 
 /* Rows of a backward piece: a block of the chunk form, LA_PIECE rows otherwise. */
@@ -812,7 +814,7 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
     }
     real *S = c->states ? c->states + c->first[unit] * KV : sc->S;
     PA_FN(la_side) ks, vs;
-    PA_FN(la_load_state)(c->h0, unit, KV, S);
+    PA_FN(la_load_rows)(c->h0, unit, c->d->K, c->d->V, 0, c->d->K, S);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         int64_t l = u.T - c0 < L ? u.T - c0 : L;
         PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
@@ -839,7 +841,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     const int64_t np = (u.T + P - 1) / P;
     real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
     PA_FN(la_side) ks, vs;
-    if (!c->states) PA_FN(la_load_state)(c->h0, unit, KV, states);
+    if (!c->states) PA_FN(la_load_rows)(c->h0, unit, d->K, d->V, 0, d->K, states);
     for (int64_t p = 0; !c->states && p < np; p++) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
@@ -851,7 +853,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
             PA_FN(la_block_state)(&u, r0, n, &ks, &vs, S, sc);
         }
     }
-    PA_FN(la_load_state)(c->dht, unit, KV, dS);
+    PA_FN(la_load_rows)(c->dht, unit, d->K, d->V, 0, d->K, dS);
     if (d->form == PA_FORM_PARALLEL && u.T) { /* one block; the pieces only for the gates */
         PA_FN(la_block)(&u, 0, u.T, sc, &ks, &vs);
         PA_FN(la_block_grads)(&u, 0, u.T, &ks, &vs, states, dS, sc);
@@ -893,16 +895,6 @@ static void PA_FN(la_scan)(real *buf, const real *dec, int64_t nb, int reverse, 
             }
         }
     }
-}
-
-/* rows r0 .. r1-1 of unit u's K x V state in src (zeros when NULL) into S */
-static void PA_FN(la_load_rows)(const real *src, int64_t unit, int64_t K, int64_t V, int64_t r0,
-                                int64_t r1, real *S)
-{
-    if (src)
-        memcpy(S + r0 * V, src + (unit * K + r0) * V, sizeof(real) * (r1 - r0) * V);
-    else
-        memset(S + r0 * V, 0, sizeof(real) * (r1 - r0) * V);
 }
 
 /* The chunk-parallel schedule, for fewer units than threads. The states sit in the kept
