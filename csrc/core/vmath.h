@@ -161,6 +161,21 @@ static inline real PA_FN(dot)(const real *x, const real *y, int64_t n)
     return r;
 }
 
+/* x = softmax(x) over its n entries, in place */
+static inline void PA_FN(softmax_inplace)(real *x, int64_t n)
+{
+    PA_FN(row_scale)(x, n, 1 / PA_FN(row_exp_sum)(x, n, PA_FN(row_max)(x, n)));
+}
+
+/* dx = alpha y (dy - y.dy): the softmax's backward from its output y (dx may be y) */
+static inline void PA_FN(softmax_vjp)(const real *y, const real *dy, real *dx, int64_t n,
+                                      real alpha)
+{
+    const real s = PA_FN(dot)(y, dy, n);
+    for (int64_t i = 0; i < n; i++) dx[i] = alpha * y[i] * (dy[i] - s);
+}
+
+
 /* y += a x */
 static inline void PA_FN(axpy)(real *y, const real *x, int64_t n, real a)
 {

@@ -104,19 +104,14 @@ static void PA_FN(fm_pointwise_backward)(int kind, const real *x, const real *dy
 
 static void PA_FN(fm_softmax_forward)(const real *x, real *y, int64_t D)
 {
-    real m = PA_FN(row_max)(x, D);
     PA_FN(fm_copy)(y, x, D);
-    PA_FN(row_scale)(y, D, 1 / PA_FN(row_exp_sum)(y, D, m));
+    PA_FN(softmax_inplace)(y, D);
 }
 
 static void PA_FN(fm_softmax_backward)(const real *x, const real *dy, real *dx, int64_t D)
 {
     PA_FN(fm_softmax_forward)(x, dx, D); /* y, recomputed in place of dx */
-    vreal s = PA_FN(vset)(PA_FN(dot)(dy, dx, D));
-    for (int64_t j = 0; j < D; j += VL) {
-        vreal y = PA_FN(fm_load)(dx + j, D - j, 0);
-        PA_FN(fm_store)(dx + j, y * (PA_FN(fm_load)(dy + j, D - j, 0) - s), D - j);
-    }
+    PA_FN(softmax_vjp)(dx, dy, dx, D, 1);
 }
 
 /* ---- focused (FLatten) ----

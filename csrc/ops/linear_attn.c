@@ -1115,7 +1115,7 @@ static void PA_FN(ea_prepare)(const pa_efficient_desc *d, const real *q, const r
     for (int64_t t = 0; t < tq; t++) {
         real *row = s->Qs + t * K;
         for (int64_t j = 0; j < K; j++) row[j] = scale * q[t * H * K + j];
-        PA_FN(row_scale)(row, K, 1 / PA_FN(row_exp_sum)(row, K, PA_FN(row_max)(row, K)));
+        PA_FN(softmax_inplace)(row, K);
     }
 }
 
@@ -1155,11 +1155,8 @@ static int PA_FN(ea_run)(const pa_efficient_desc *d, const real *q, const real *
             }
             const real scale = (real)d->scale;
             PA_FN(gemm)(tq, K, V, 1, dout + oo, H * V, 1, s.C, 1, V, 0, s.dQs, K, s.work);
-            for (int64_t t = 0; t < tq; t++) {
-                const real *y = s.Qs + t * K, *dy = s.dQs + t * K;
-                real c = PA_FN(dot)(y, dy, K);
-                for (int64_t j = 0; j < K; j++) dq[oq + t * H * K + j] = scale * y[j] * (dy[j] - c);
-            }
+            for (int64_t t = 0; t < tq; t++)
+                PA_FN(softmax_vjp)(s.Qs + t * K, s.dQs + t * K, dq + oq + t * H * K, K, scale);
             PA_FN(gemm)(K, V, tq, 1, s.Qs, 1, K, dout + oo, H * V, 1, 0, s.dC, V, s.work);
             PA_FN(gemm)(tk, K, V, 1, v + ov, H * V, 1, s.dC, 1, V, 0, s.dKc, K, s.work);
             PA_FN(gemm)(tk, V, K, 1, s.Kc, K, 1, s.dC, V, 1, 0, dv + ov, H * V, s.work);
