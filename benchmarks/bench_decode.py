@@ -23,11 +23,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     timing = common.timing_from_args(args)
     common.set_threads(args.threads)
-    print(common.machine_line())
-    print(common.threads_line())
-    print(f"shape: B={B} Tq=1 H={H} Hk={HK} D={D}, float32, causal (bottom-right: the query sees "
-          "the whole cache)")
-    print(common.timing_line(timing))
+    common.print_header(timing, f"shape: B={B} Tq=1 H={H} Hk={HK} D={D}, float32, causal (bottom-right: "
+                                "the query sees the whole cache)")
     rng = np.random.default_rng(0)
     rows, others = [], []
     for T in args.T:

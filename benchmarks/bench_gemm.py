@@ -41,9 +41,7 @@ def main(argv=None):
     dtypes = (np.float32, np.float64)
 
     peak0 = {dt: common.fma_peak(dt, args.threads) for dt in dtypes}
-    print(common.machine_line())
-    print(common.threads_line(f"numpy BLAS={nblas}"))
-    print(common.timing_line(timing))
+    common.print_header(timing, threads_extra=f"numpy BLAS={nblas}")
 
     rng = np.random.default_rng(0)
     results = []  # (name, dtype, n, case or None, other)

@@ -86,7 +86,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (sets OPENBLAS_NUM_THREADS before numpy)
-from common import Case, fmt, print_table, torch  # noqa: E402
+from common import Case, fmt, print_table, rel_err, torch  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -111,11 +111,6 @@ def flops(T, passes):
     K^T V; fwd+bwd counted as 3x the forward."""
     f = 2.0 * B * H * T * (C * (K + V) + 2 * K * V)
     return 3 * f if passes == "fwd+bwd" else f
-
-
-def rel_err(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.sqrt(np.mean((x - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
 
 
 def logsigmoid(x):
@@ -249,33 +244,6 @@ def from_torch(t, like):
 # ---- cases ----------------------------------------------------------------------------------
 
 
-def pyattn_case(op, form, passes, q, k, v, g, do):
-    f = getattr(pyattn, op)
-    if passes == "fwd":
-        def run(_):
-            f(q, k, v, g, form=form)
-    else:
-        def run(_):
-            _, pb = pyattn.vjp(f, q, k, v, g, form=form)
-            pb(do)
-    return Case(f"pyattn {form}", run)
-
-
-def torch_case(name, fn, passes, tensors, scale):
-    tq, tk, tv, tg, tdo = tensors
-    if passes == "fwd":
-        def run(_):
-            fn(tq, tk, tv, tg, scale)
-    else:
-        leaves = [x.clone().requires_grad_(True) for x in (tq, tk, tv, tg)]
-
-        def run(_):
-            for x in leaves:
-                x.grad = None
-            fn(*leaves, scale).backward(tdo)
-    return Case(name, run)
-
-
 def check(op, fn, q, k, v, g, do, scale):
     """rel-RMS errors of torch ``fn`` against pyattn's chunk form: {"o", "dq", "dk", "dv", "dg"}"""
     out, pb = pyattn.vjp(getattr(pyattn, op), q, k, v, g, form="chunk")
@@ -299,14 +267,13 @@ def sweep(args, timing):
         raise SystemExit(f"--T must be multiples of the chunk size {C}, got {bad}")
     wall0 = time.perf_counter()
     peak0 = common.fma_peak(np.float32, args.threads)
-    print(common.machine_line())
-    print(common.threads_line())
-    print(f"shape: B={B} H={H} K={K} V={V}, float32, chunk size C={C}; gates logsigmoid(N(0,1))/16; "
-          f"ops {', '.join(args.ops)}")
-    print(f"FLOPs (chunk algorithm, pyattn chunk and torch chunk rows): fwd = 2*B*H*T*(C*(K+V) + "
-          f"2*K*V) (causal-halved intra-chunk QK^T and AV + inter-chunk QS and K^T V); "
-          f"fwd+bwd = 3 x fwd")
-    print(common.timing_line(timing))
+    common.print_header(
+        timing,
+        f"shape: B={B} H={H} K={K} V={V}, float32, chunk size C={C}; gates logsigmoid(N(0,1))/16; "
+        f"ops {', '.join(args.ops)}",
+        f"FLOPs (chunk algorithm, pyattn chunk and torch chunk rows): fwd = 2*B*H*T*(C*(K+V) + "
+        f"2*K*V) (causal-halved intra-chunk QK^T and AV + inter-chunk QS and K^T V); "
+        f"fwd+bwd = 3 x fwd")
     if torch is None:
         print("torch is not installed: no baselines")
     print()
@@ -350,12 +317,15 @@ def sweep(args, timing):
                                              f"(rel-RMS {worst:.1e} >= {TOL:g}); not timing it")
             for passes in args.passes:
                 forms = [f for f in args.forms if f != "parallel" or T <= args.parallel_max_t]
-                pcs = {f: pyattn_case(op, f, passes, q, k, v, g, do) for f in forms}
+                pcs = {f: common.pyattn_case(f"pyattn {f}", getattr(pyattn, op), (q, k, v, g),
+                                             {"form": f}, passes, do) for f in forms}
                 cases = list(pcs.values())
                 tcc = trc = None
                 if torch is not None:
-                    tcc = torch_case("torch chunk", TORCH_CHUNK[op], passes, full, scale)
-                    trc = torch_case("torch recurrent", torch_recurrent, passes, pre, scale)
+                    tcc = common.torch_case("torch chunk", TORCH_CHUNK[op], passes,
+                                            dict(zip("qkvg", full)), full[4], scale=scale)
+                    trc = common.torch_case("torch recurrent", torch_recurrent, passes,
+                                            dict(zip("qkvg", pre)), pre[4], scale=scale)
                     cases += [tcc, trc]
                 other = common.measure(cases, timing)
                 others.append(other)
@@ -387,14 +357,10 @@ def sweep(args, timing):
                     f"{c.name} {c.median * 1e3 * (rec_scale if c is trc else 1):.1f} ms" for c in cases),
                     file=sys.stderr, flush=True)
 
-    peak1 = common.fma_peak(np.float32, args.threads)
-    peak = max(peak0, peak1)
     print()
-    print(f"float32 FMA peak, {args.threads} thread(s): {peak:.1f} GFLOP/s "
-          f"(before rows {peak0:.1f}, after {peak1:.1f}; the larger is used)")
+    peak = common.final_peak(np.float32, args.threads, peak0)
     print()
-    for r in rows:  # GFLOP/s -> % peak now that the peak is final
-        r[6] = fmt(100 * r[6] / peak, ".1f") if isinstance(r[6], float) else (r[6] or "")
+    common.percent_of_peak(rows, [6], peak)
     print_table(["op", "T", "pass", "impl", "ms", "GFLOP/s", "% peak", "vs torch chunk",
                  "vs torch rec", "samples", "other %"], rows, markdown=args.markdown)
     print()
@@ -430,11 +396,9 @@ def sweep(args, timing):
 
 
 def decode(args, timing):
-    print(common.machine_line())
-    print(common.threads_line())
-    print(f"decode: one recurrent step of simple_gla, B={DEC_B} H={DEC_H} K={K} V={V}, float32, "
-          "form='recurrent', T=1, initial_state given, output_final_state=True")
-    print(common.timing_line(timing))
+    common.print_header(timing,
+                        f"decode: one recurrent step of simple_gla, B={DEC_B} H={DEC_H} K={K} V={V}, "
+                        "float32, form='recurrent', T=1, initial_state given, output_final_state=True")
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((DEC_B, 1, DEC_H, D)).astype(np.float32) for D in (K, K, V))
     g = (logsigmoid(rng.standard_normal((DEC_B, 1, DEC_H))) / 16).astype(np.float32)

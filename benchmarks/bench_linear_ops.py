@@ -88,12 +88,12 @@ from typing import Callable, Dict, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (sets OPENBLAS_NUM_THREADS before numpy)
-from common import Case, fmt, print_table, torch  # noqa: E402
+from common import fmt, print_table, rel_err, torch  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import bench_linear as bl  # noqa: E402
-from bench_linear import B, C, H, K, V, TOL, from_torch, rel_err, to_torch  # noqa: E402
+from bench_linear import B, C, H, K, V, TOL, from_torch, to_torch  # noqa: E402
 from bench_linear import torch_chunk_simple_gla  # noqa: E402
 
 import pyattn  # noqa: E402
@@ -256,35 +256,6 @@ def _output(out):
 # ---- cases ----------------------------------------------------------------------------------
 
 
-def pyattn_case(op, form, passes, arrs):
-    f, pos, kw = op.call(arrs)
-    do = arrs["do"]
-    if passes == "fwd":
-        def run(_):
-            f(*pos, form=form, **kw)
-    else:
-        def run(_):
-            _, pb = pyattn.vjp(f, *pos, form=form, **kw)
-            pb(do)
-    return Case(f"pyattn {form}", run)
-
-
-def torch_case(op, passes, tensors):
-    ins = {n: tensors[n] for n in op.names}
-    if passes == "fwd":
-        def run(_):
-            op.torch_fn(**ins)
-    else:
-        leaves = {n: x.clone().requires_grad_(True) for n, x in ins.items()}
-        tdo = tensors["do"]
-
-        def run(_):
-            for x in leaves.values():
-                x.grad = None
-            op.torch_fn(**leaves).backward(tdo)
-    return Case(op.torch_name, run)
-
-
 def check(op, arrs):
     """rel-RMS errors of op's torch baseline against pyattn's first form (chunk / parallel):
     {"o": ..., "d<name>": ...} for every array argument"""
@@ -312,14 +283,13 @@ def sweep(args, timing):
     ops = [OPS[k] for k in args.ops]
     wall0 = time.perf_counter()
     peak0 = common.fma_peak(np.float32, args.threads)
-    print(common.machine_line())
-    print(common.threads_line())
-    print(f"shape: B={B} H={H} K={K} V={V} (mamba2: P={P} G={G} N={NS}), float32, chunk size C={C}; "
-          f"ops {', '.join(args.ops)}")
-    print("FLOPs (pyattn chunk and torch chunk rows): fwd = 2*B*H*T*(C*(K+V) + 2*K*V); "
-          "efficient_attention (pyattn parallel and torch rows): fwd = 2*B*H*T*2*K*V; "
-          "fwd+bwd = 3 x fwd")
-    print(common.timing_line(timing))
+    common.print_header(
+        timing,
+        f"shape: B={B} H={H} K={K} V={V} (mamba2: P={P} G={G} N={NS}), float32, chunk size C={C}; "
+        f"ops {', '.join(args.ops)}",
+        "FLOPs (pyattn chunk and torch chunk rows): fwd = 2*B*H*T*(C*(K+V) + 2*K*V); "
+        "efficient_attention (pyattn parallel and torch rows): fwd = 2*B*H*T*2*K*V; "
+        "fwd+bwd = 3 x fwd")
     if torch is None:
         print("torch is not installed: no baselines")
     print()
@@ -342,11 +312,14 @@ def sweep(args, timing):
             tensors = {n: _t(x) for n, x in arrs.items()} if torch is not None else None
             forms = [f for f in op.forms if f in args.forms or f == "parallel"]
             for passes in args.passes:
-                pcs = {f: pyattn_case(op, f, passes, arrs) for f in forms}
+                fn, pos, kw = op.call(arrs)
+                pcs = {f: common.pyattn_case(f"pyattn {f}", fn, pos, dict(kw, form=f), passes,
+                                             arrs["do"]) for f in forms}
                 cases = list(pcs.values())
                 tc = None
                 if torch is not None:
-                    tc = torch_case(op, passes, tensors)
+                    tc = common.torch_case(op.torch_name, op.torch_fn, passes,
+                                           {n: tensors[n] for n in op.names}, tensors["do"])
                     cases.append(tc)
                 other = common.measure(cases, timing)
                 others.append(other)
@@ -370,14 +343,10 @@ def sweep(args, timing):
                 print(f"  {op.key} T={T} {passes}: " + ", ".join(
                     f"{c.name} {c.median * 1e3:.1f} ms" for c in cases), file=sys.stderr, flush=True)
 
-    peak1 = common.fma_peak(np.float32, args.threads)
-    peak = max(peak0, peak1)
     print()
-    print(f"float32 FMA peak, {args.threads} thread(s): {peak:.1f} GFLOP/s "
-          f"(before rows {peak0:.1f}, after {peak1:.1f}; the larger is used)")
+    peak = common.final_peak(np.float32, args.threads, peak0)
     print()
-    for r in rows:  # GFLOP/s -> % peak now that the peak is final
-        r[6] = fmt(100 * r[6] / peak, ".1f") if isinstance(r[6], float) else (r[6] or "")
+    common.percent_of_peak(rows, [6], peak)
     print_table(["op", "T", "pass", "impl", "ms", "GFLOP/s", "% peak", "vs torch", "samples",
                  "other %"], rows, markdown=args.markdown)
     print()

@@ -41,7 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (sets OPENBLAS_NUM_THREADS before numpy)
-from common import NA, Case, fmt, print_table, torch  # noqa: E402
+from common import NA, fmt, print_table, rel_err, torch  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -58,38 +58,17 @@ def flops(T, causal, passes):
     return f / 2 if causal else f
 
 
-def rel_err(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.sqrt(np.mean((x - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
-
-
 def pyattn_cases(q, k, v, do, causal, form):
-    def fwd(_):
-        pyattn.softmax_attention(q, k, v, causal=causal, form=form)
-
-    def fwdbwd(_):
-        _, pb = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=causal, form=form)
-        pb(do)
-
-    return {"fwd": Case(f"pyattn {form}", fwd), "fwd+bwd": Case(f"pyattn {form}", fwdbwd)}
+    return {p: common.pyattn_case(f"pyattn {form}", pyattn.softmax_attention, (q, k, v),
+                                  {"causal": causal, "form": form}, p, do) for p in ("fwd", "fwd+bwd")}
 
 
 def torch_cases(q, k, v, do, causal):
-    F = torch.nn.functional
     tq, tk, tv, tdo = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v, do))
-    gq, gk, gv = (x.clone().requires_grad_(True) for x in (tq, tk, tv))
-
-    gqa = HK != H
-
-    def fwd(_):
-        F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
-
-    def fwdbwd(_):
-        gq.grad = gk.grad = gv.grad = None
-        o = F.scaled_dot_product_attention(gq, gk, gv, is_causal=causal, enable_gqa=gqa)
-        o.backward(tdo)
-
-    return {"fwd": Case("torch sdpa", fwd), "fwd+bwd": Case("torch sdpa", fwdbwd)}, (tq, tk, tv, tdo)
+    ins = {"query": tq, "key": tk, "value": tv}
+    return {p: common.torch_case("torch sdpa", torch.nn.functional.scaled_dot_product_attention, p,
+                                 ins, tdo, is_causal=causal, enable_gqa=HK != H)
+            for p in ("fwd", "fwd+bwd")}, (tq, tk, tv, tdo)
 
 
 def check(q, k, v, do, causal, form):
@@ -126,10 +105,8 @@ def main(argv=None):
     wall0 = time.perf_counter()
 
     peak0 = common.fma_peak(np.float32, args.threads)
-    print(common.machine_line())
-    print(common.threads_line())
-    print(f"shape: B={B} H={H} Hk={HK} D={D}, float32; FLOPs: fwd 4BHT^2D, fwd+bwd 3.5x that, causal half")
-    print(common.timing_line(timing))
+    common.print_header(timing, f"shape: B={B} H={H} Hk={HK} D={D}, float32; FLOPs: fwd 4BHT^2D, "
+                                "fwd+bwd 3.5x that, causal half")
 
     rng = np.random.default_rng(0)
     rows, bars, notes, others = [], [], [], []
@@ -167,14 +144,9 @@ def main(argv=None):
                           f"torch {fmt(tt * 1e3 if tt else None, '.2f')} ms", file=sys.stderr)
             del tc, tensors
 
-    peak1 = common.fma_peak(np.float32, args.threads)
-    peak = max(peak0, peak1)
-    print(f"float32 FMA peak, {args.threads} thread(s): {peak:.1f} GFLOP/s "
-          f"(before rows {peak0:.1f}, after {peak1:.1f}; the larger is used)")
+    peak = common.final_peak(np.float32, args.threads, peak0)
     print()
-    for r in rows:  # GFLOP/s -> % peak now that the peak is final
-        r[6] = fmt(100 * r[6] / peak, ".1f")
-        r[9] = fmt(100 * r[9] / peak, ".1f") if r[9] is not None else NA
+    common.percent_of_peak(rows, [6, 9], peak, missing=NA)
     print_table(["T", "causal", "pass", "form", "pyattn ms", "GFLOP/s", "% peak", "torch ms",
                  "torch GFLOP/s", "torch % peak", "ratio", "samples", "other %"], rows, markdown=args.markdown)
     print()

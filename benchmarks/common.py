@@ -351,6 +351,41 @@ WINDOW_S = 0.25
 # ---- formatting ---------------------------------------------------------------------------
 
 
+def rel_err(x, ref) -> float:
+    """relative RMS error of x against ref, in float64"""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.mean((x - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30))
+
+
+def pyattn_case(name: str, f: Callable, args: Sequence, kwargs: dict, passes: str, do) -> Case:
+    """Times pyattn's ``f(*args, **kwargs)`` ("fwd"), or ``pyattn.vjp`` of it then the
+    pullback of ``do`` ("fwd+bwd")."""
+    if passes == "fwd":
+        def run(_):
+            f(*args, **kwargs)
+    else:
+        def run(_):
+            _, pb = pyattn.vjp(f, *args, **kwargs)
+            pb(do)
+    return Case(name, run)
+
+
+def torch_case(name: str, fn: Callable, passes: str, inputs: dict, do, **consts) -> Case:
+    """Times torch's ``fn(**inputs, **consts)`` ("fwd"), or the same on leaf copies of the
+    ``inputs`` tensors then ``.backward(do)`` ("fwd+bwd"; the grads reset every call)."""
+    if passes == "fwd":
+        def run(_):
+            fn(**inputs, **consts)
+    else:
+        leaves = {n: x.clone().requires_grad_(True) for n, x in inputs.items()}
+
+        def run(_):
+            for x in leaves.values():
+                x.grad = None
+            fn(**leaves, **consts).backward(do)
+    return Case(name, run)
+
+
 def fmt(x, spec: str = ".2f") -> str:
     if x is None:
         return NA
@@ -408,6 +443,34 @@ def timing_line(timing: Timing) -> str:
             f"after {timing.warmup} untimed warm-up call(s); cases of a row interleaved; "
             f"samples disturbed by other processes (> {100 * QUIET['max_other']:.0f}% of the "
             f"CPUs) replaced by extra ones and dropped when >= {QUIET['min_quiet']} quiet remain")
+
+
+def print_header(timing: Timing, *lines: str, threads_extra: str = "") -> None:
+    """The opening lines of every benchmark: the machine, the threads, the benchmark's own
+    lines (shape, FLOPs), the timing method."""
+    print(machine_line())
+    print(threads_line(threads_extra))
+    for line in lines:
+        print(line)
+    print(timing_line(timing))
+
+
+def final_peak(dtype, threads: int, peak0: float) -> float:
+    """The FMA peak measured again after the rows; prints both measurements and returns the
+    larger, the one the "% peak" columns use."""
+    peak1 = fma_peak(dtype, threads)
+    peak = max(peak0, peak1)
+    print(f"{np.dtype(dtype).name} FMA peak, {threads} thread(s): {peak:.1f} GFLOP/s "
+          f"(before rows {peak0:.1f}, after {peak1:.1f}; the larger is used)")
+    return peak
+
+
+def percent_of_peak(rows: List[list], cols: Sequence[int], peak: float, missing: str = "") -> None:
+    """In place: the GFLOP/s floats in columns ``cols`` of ``rows`` become "% of peak" cells;
+    other entries stay, None or "" becoming ``missing``."""
+    for r in rows:
+        for c in cols:
+            r[c] = fmt(100 * r[c] / peak, ".1f") if isinstance(r[c], float) else (r[c] or missing)
 
 
 def build_line() -> str:
