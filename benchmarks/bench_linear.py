@@ -148,15 +148,18 @@ def _state_scan(kv, decay):
     return torch.stack(states, 1)
 
 
+def chunked(q, k, v, scale):
+    """[BH, T, *] tensors as [BH, T / C, C, *] chunks, q scaled"""
+    BHn, T = q.shape[:2]
+    return ((q * scale).view(BHn, T // C, C, -1), k.view(BHn, T // C, C, -1),
+            v.view(BHn, T // C, C, -1))
+
+
 def torch_chunk_simple_gla(q, k, v, g, scale):
     """Chunkwise simple GLA in torch (scalar gate), chunk C, batched over BH and chunks."""
     tri = MASKS[0]
-    BHn, T, Kd = q.shape
-    Vd = v.shape[-1]
-    N = T // C
-    q = (q * scale).view(BHn, N, C, Kd)
-    k = k.view(BHn, N, C, Kd)
-    v = v.view(BHn, N, C, Vd)
+    BHn, T, Vd, N = *q.shape[:2], v.shape[-1], q.shape[1] // C
+    q, k, v = chunked(q, k, v, scale)
     G = g.view(BHn, N, C).cumsum(-1)                     # inclusive cumsum inside the chunk
     Gl = G[:, :, -1:]                                    # [BH, N, 1]
     # intra-chunk: ((Q K^T) * exp(G_i - G_j) * causal) V
@@ -176,9 +179,7 @@ def torch_chunk_gla(q, k, v, g, scale):
     BHn, T, Kd = q.shape
     Vd = v.shape[-1]
     N, ns = T // C, C // SUB
-    q = (q * scale).view(BHn, N, C, Kd)
-    k = k.view(BHn, N, C, Kd)
-    v = v.view(BHn, N, C, Vd)
+    q, k, v = chunked(q, k, v, scale)
     G = g.view(BHn, N, C, Kd).cumsum(2)                  # per-channel inclusive cumsum
     Gl = G[:, :, -1:, :]                                 # [BH, N, 1, K]
     # inter-chunk: state scan with a per-row (key channel) decay, then (Q * exp(G)) S

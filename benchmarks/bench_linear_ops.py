@@ -120,10 +120,7 @@ def torch_chunk_linear(q, k, v, scale):
     states S the exclusive cumsum of the chunks' K^T V."""
     BHn, T, Kd = q.shape
     Vd = v.shape[-1]
-    N = T // C
-    q = (q * scale).view(BHn, N, C, Kd)
-    k = k.view(BHn, N, C, Kd)
-    v = v.view(BHn, N, C, Vd)
+    q, k, v = bl.chunked(q, k, v, scale)
     o = (q @ k.transpose(-1, -2)).tril() @ v
     kv = k.transpose(-1, -2) @ v                                  # [BH, N, K, V]
     states = torch.cat([kv.new_zeros(BHn, 1, Kd, Vd), kv[:, :-1].cumsum(1)], 1)
