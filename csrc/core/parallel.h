@@ -27,6 +27,17 @@ static inline int pa_thread_id(void)
 #endif
 }
 
+/* Inside a parallel region, after a thread's scratch allocation: ok as given, and *failed
+ * set (atomically, shared by the team) when it is 0, so the kernel reports PA_ENOMEM. */
+static inline int pa_scratch_ok(int ok, int *failed)
+{
+    if (!ok) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return ok;
+}
+
 /* 64-byte aligned allocation; NULL on failure (the caller reports PA_ENOMEM). */
 static inline void *pa_alloc(size_t bytes)
 {

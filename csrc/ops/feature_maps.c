@@ -295,10 +295,7 @@ static int PA_FN(fm_performer_forward)(const pa_feature_map_desc *d, const real 
 #pragma omp parallel num_threads(pa_threads_for(PA_FN(fm_work)(d, 0), nblk))
     {
         real *work = pa_alloc(sizeof(real) * PA_FN(gemm_work_elems)(FM_BLOCK, m, D));
-        if (!work) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        pa_scratch_ok(work != NULL, &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < nblk; b++) {
             if (!work) continue;
@@ -339,11 +336,7 @@ static int PA_FN(fm_performer_backward)(const pa_feature_map_desc *d, const real
 #pragma omp parallel num_threads(pa_threads_for(PA_FN(fm_work)(d, 1), nparts))
     {
         real *G = pa_alloc(sizeof(real) * FM_BLOCK * m), *work = pa_alloc(sizeof(real) * wmax);
-        const int ok = G && work;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        const int ok = pa_scratch_ok(G && work, &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < nparts; c++) {
             if (!ok) continue;

@@ -920,11 +920,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
 #pragma omp parallel num_threads(nthreads)
         {
             PA_FN(la_scratch) sc;
-            int ok = PA_FN(la_scratch_alloc)(&sc, L, K, V, 0);
-            if (!ok) {
-#pragma omp atomic write
-                failed = 1;
-            }
+            int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, L, K, V, 0), &failed);
             PA_FN(la_unit) u;
             PA_FN(la_side) ks, vs;
             /* each block's own state contribution (and dS) and decays */
@@ -1024,12 +1020,9 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
 #pragma omp parallel num_threads(nthreads)
     {
         PA_FN(la_scratch) sc;
-        int ok = PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L, d->K, d->V,
-                                         nstates);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L,
+                                                       d->K, d->V, nstates),
+                               &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
             if (!ok) continue;
@@ -1135,11 +1128,7 @@ static int PA_FN(ea_run)(const pa_efficient_desc *d, const real *q, const real *
 #pragma omp parallel num_threads(pa_threads_for(work * (dout ? 3 : 1), units))
     {
         PA_FN(ea_scratch) s;
-        int ok = PA_FN(ea_scratch_alloc)(&s, tqmax, tkmax, K, V);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        int ok = pa_scratch_ok(PA_FN(ea_scratch_alloc)(&s, tqmax, tkmax, K, V), &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
             if (!ok) continue;

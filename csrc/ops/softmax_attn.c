@@ -529,12 +529,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
         PA_FN(sm_scratch) s;
         real *acc = NULL; /* the untiled paths' scratch */
         int64_t acc_size = decode ? d->H / d->Hk * (SM_DECODE_KB + d->Dv + 2) : d->Dv;
-        int ok = tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0)
-                       : (acc = pa_alloc(sizeof(real) * acc_size)) != NULL;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        int ok = pa_scratch_ok(tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0)
+                                     : (acc = pa_alloc(sizeof(real) * acc_size)) != NULL,
+                               &failed);
         int64_t n = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++) {
@@ -747,11 +744,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
             memset(dq + r * Dk, 0, sizeof(real) * Dk);
         }
         PA_FN(sm_scratch) s;
-        int ok = !tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        int ok = pa_scratch_ok(!tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1), &failed);
         if (form == PA_FORM_RECURRENT) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < nseq * Hk; u++)
