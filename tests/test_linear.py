@@ -1034,6 +1034,20 @@ def test_linear_attention_normalize_is_a_ones_column(form):
 # ------------------------------------------------------------------------------- 9. relations
 
 
+def same_as(op, a, k, other, a2, k2, form, dtype, seed):
+    """op(a, k) and other(a2, k2) give the same outputs, final states and q/k/v/state
+    gradients; returns both gradient dicts (for their gate arguments' relation)."""
+    out, pb = vjp(op, a, k, form=form)
+    out2, pb2 = vjp(other, a2, k2, form=form)
+    assert_close(out[0], out2[0], tol_out(dtype))
+    assert_close(out[1], out2[1], tol_out(dtype))
+    do, dht = (x.astype(dtype) for x in cotangents(seed, *out))
+    g, g2 = pb(do, dht), pb2(do, dht)
+    for n in ("q", "k", "v", "initial_state"):
+        assert_close(g[n], g2[n], tol_grad(dtype), name=f"{op} d{n}")
+    return g, g2
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("form", FORMS)
 def test_retention_and_lightning_are_simple_gla(form, dtype):
@@ -1048,14 +1062,7 @@ def test_retention_and_lightning_are_simple_gla(form, dtype):
         logd = np.log(c.astype(np.float64)) if name == "gamma" else -c.astype(np.float64)
         g = np.ascontiguousarray(np.broadcast_to(logd, (B, T, H))).astype(dtype)
         ks = {n: x for n, x in k.items() if n != name}
-        out, pb = vjp(op, a, k, form=form)
-        out_s, pb_s = vjp("simple_gla", a + (g,), ks, form=form)
-        assert_close(out[0], out_s[0], tol_out(dtype))
-        assert_close(out[1], out_s[1], tol_out(dtype))
-        do, dht = (x.astype(dtype) for x in cotangents(24, *out))
-        gr, gs = pb(do, dht), pb_s(do, dht)
-        for n in ("q", "k", "v", "initial_state"):
-            assert_close(gr[n], gs[n], tol_grad(dtype), name=f"{op} d{n}")
+        gr, gs = same_as(op, a, k, "simple_gla", a + (g,), ks, form, dtype, 24)
         dsum = gs["g"].sum(axis=(0, 1), dtype=np.float64)
         expected = dsum / c.astype(np.float64) if name == "gamma" else -dsum
         assert_close(gr[name], expected, tol_grad(dtype), name=f"d{name}")
@@ -1094,14 +1101,7 @@ def test_gla_constant_across_k_is_simple_gla(form, dtype):
     a, k = cast(args, kw, dtype)
     q, kk, v, g = a
     gk = np.ascontiguousarray(np.repeat(g[..., None], 8, axis=3))
-    out_s, pb_s = vjp("simple_gla", a, k, form=form)
-    out_g, pb_g = vjp("gla", (q, kk, v, gk), k, form=form)
-    assert_close(out_g[0], out_s[0], tol_out(dtype))
-    assert_close(out_g[1], out_s[1], tol_out(dtype))
-    do, dht = (x.astype(dtype) for x in cotangents(27, *out_s))
-    gs, gg = pb_s(do, dht), pb_g(do, dht)
-    for n in ("q", "k", "v", "initial_state"):
-        assert_close(gg[n], gs[n], tol_grad(dtype), name=f"d{n}")
+    gs, gg = same_as("simple_gla", a, k, "gla", (q, kk, v, gk), k, form, dtype, 27)
     assert_close(gg["g"].sum(axis=3, dtype=np.float64), gs["g"], tol_grad(dtype), name="dg")
 
 
