@@ -464,9 +464,10 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
     s->Em = E + L * D;
 }
 
-/* The block of rows c0 .. c0+L-1: cumulative gates (and the scalar mask) into the scratch;
- * the key and value sides. */
-static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
+/* The block of rows c0 .. c0+L-1: cumulative gates into the scratch, and with `products`
+ * (the Gram and triangular products follow) the scalar mask and a vector gate's factors; the
+ * key and value sides. */
+static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int products,
                             PA_FN(la_scratch) *sc, PA_FN(la_side) *ks, PA_FN(la_side) *vs)
 {
     const pa_linear_desc *d = u->d;
@@ -477,7 +478,7 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
     if (d->gk == PA_GATE_SCALAR) {
         double acc = 0;
         for (int64_t i = 0; i < L; i++) sc->Gs[i] = acc += u->gk[(c0 + i) * u->sg];
-        for (int64_t i = 0; i < L; i++) {
+        for (int64_t i = 0; products && i < L; i++) {
             real *row = sc->Dm + i * L;
             for (int64_t j = 0; j <= i; j++) row[j] = (real)(sc->Gs[i] - sc->Gs[j]);
             PA_FN(exp_array)(row, row, i + 1);
@@ -485,11 +486,11 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
         }
     } else if (d->gk == PA_GATE_VECTOR) {
         PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, sc->acc);
-        PA_FN(la_factor)(ks, L, sc->Ek);
+        if (products) PA_FN(la_factor)(ks, L, sc->Ek);
     }
     if (d->gv == PA_GATE_VECTOR) {
         PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, sc->acc);
-        PA_FN(la_factor)(vs, L, sc->Ev);
+        if (products) PA_FN(la_factor)(vs, L, sc->Ev);
     }
 }
 
@@ -817,7 +818,7 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
     PA_FN(la_load_rows)(c->h0, unit, c->d->K, c->d->V, 0, c->d->K, S);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         int64_t l = u.T - c0 < L ? u.T - c0 : L;
-        PA_FN(la_block)(&u, c0, l, sc, &ks, &vs);
+        PA_FN(la_block)(&u, c0, l, 1, sc, &ks, &vs);
         PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
         if (c->states) {
             memcpy(S + KV, S, sizeof(real) * KV);
@@ -849,13 +850,13 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
             PA_FN(la_recurrent_sweep)(&u, r0, n, S - KV, S, NULL, u.dq, sc);
         } else {
             memcpy(S, S - KV, sizeof(real) * KV);
-            PA_FN(la_block)(&u, r0, n, sc, &ks, &vs);
+            PA_FN(la_block)(&u, r0, n, 0, sc, &ks, &vs);
             PA_FN(la_block_state)(&u, r0, n, &ks, &vs, S, sc);
         }
     }
     PA_FN(la_load_rows)(c->dht, unit, d->K, d->V, 0, d->K, dS);
     if (d->form == PA_FORM_PARALLEL && u.T) { /* one block; the pieces only for the gates */
-        PA_FN(la_block)(&u, 0, u.T, sc, &ks, &vs);
+        PA_FN(la_block)(&u, 0, u.T, 1, sc, &ks, &vs);
         PA_FN(la_block_grads)(&u, 0, u.T, &ks, &vs, states, dS, sc);
     }
     for (int64_t p = np - 1; p >= 0; p--) {
@@ -863,7 +864,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
         if (rec) {
             PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
         } else {
-            PA_FN(la_block)(&u, r0, n, sc, &ks, &vs);
+            PA_FN(la_block)(&u, r0, n, chunk, sc, &ks, &vs);
             if (chunk) PA_FN(la_block_grads)(&u, r0, n, &ks, &vs, states + p * KV, dS, sc);
             PA_FN(la_block_dstate)(&u, r0, n, &ks, &vs, dS, sc);
         }
@@ -929,7 +930,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 if (!ok) continue;
                 PA_FN(la_unit_of)(c, iunit[i], &u);
                 int64_t c0 = iblock[i] * L, l = u.T - c0 < L ? u.T - c0 : L;
-                PA_FN(la_block)(&u, c0, l, &sc, &ks, &vs);
+                PA_FN(la_block)(&u, c0, l, 0, &sc, &ks, &vs);
                 if (kept) {
                     PA_FN(la_total_decay)(&ks, l, sc.deck);
                     PA_FN(la_total_decay)(&vs, l, sc.decv);
@@ -973,7 +974,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_unit_of)(c, iunit[i], &u);
                 int64_t c0 = iblock[i] * L, l = u.T - c0 < L ? u.T - c0 : L;
                 const real *S = states + (i + iunit[i]) * KV;
-                PA_FN(la_block)(&u, c0, l, &sc, &ks, &vs);
+                PA_FN(la_block)(&u, c0, l, 1, &sc, &ks, &vs);
                 if (!backward) {
                     PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, &sc);
                     continue;
