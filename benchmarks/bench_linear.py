@@ -261,11 +261,17 @@ def check(op, fn, q, k, v, g, do, scale):
 # ---- the T sweep ----------------------------------------------------------------------------
 
 
-def sweep(args, timing):
-    Ts = args.T or ([1024] if args.quick else [1024, 4096, 16384])
+def lengths(args, full):
+    """the T of the sweep: --T, else 1024 with --quick, else ``full``; multiples of C"""
+    Ts = args.T or ([1024] if args.quick else full)
     bad = [T for T in Ts if T % C]
     if bad:
         raise SystemExit(f"--T must be multiples of the chunk size {C}, got {bad}")
+    return Ts
+
+
+def sweep(args, timing):
+    Ts = lengths(args, [1024, 4096, 16384])
     wall0 = time.perf_counter()
     peak0 = common.fma_peak(np.float32, args.threads)
     common.print_header(

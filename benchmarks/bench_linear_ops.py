@@ -273,10 +273,7 @@ def check(op, arrs):
 
 
 def sweep(args, timing):
-    Ts = args.T or ([1024] if args.quick else [1024, 4096])
-    bad = [T for T in Ts if T % C]
-    if bad:
-        raise SystemExit(f"--T must be multiples of the chunk size {C}, got {bad}")
+    Ts = bl.lengths(args, [1024, 4096])
     ops = [OPS[k] for k in args.ops]
     wall0 = time.perf_counter()
     peak0 = common.fma_peak(np.float32, args.threads)
