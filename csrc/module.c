@@ -594,6 +594,84 @@ static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ss
     return finish(rc);
 }
 
+/* ---- the delta-rule engine ---- */
+
+/* Shared by forward and backward: a = (q, k, v, g, beta, h0), opt = (cu, form, chunk, scale);
+ * the linear engine's description with g as its scalar key gate. */
+static int delta_desc(const char *fn, PyObject *const *a, PyObject *const *opt, int *typenum,
+                      PyArrayObject **arr, PyArrayObject **beta, pa_linear_desc *d)
+{
+    PyObject *const lin[6] = {a[0], a[1], a[2], a[3], Py_None, a[5]};
+    if (a[3] != Py_None && PyArray_Check(a[3]) && PyArray_NDIM((PyArrayObject *)a[3]) != 3) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument 'g' must be 3-D [B, T, H]", fn);
+        return -1;
+    }
+    if (linear_desc(fn, lin, opt, typenum, arr, d)) return -1;
+    npy_intp bshape[3] = {PyArray_DIM(arr[0], 0), PyArray_DIM(arr[0], 1), d->H};
+    return (*beta = get_array(fn, "beta", a[4], *typenum, 3, bshape, 0)) ? 0 : -1;
+}
+
+/* delta_forward(q, k, v, g, beta, h0, o, ht, cu, form, chunk, scale) */
+static PyObject *py_delta_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "delta_forward";
+    if (expect_nargs(fn, nargs, 12)) return NULL;
+    int t;
+    PyArrayObject *in[6], *beta, *o, *ht;
+    pa_linear_desc d;
+    if (delta_desc(fn, args, args + 8, &t, in, &beta, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
+    npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
+    if (!(o = get_array(fn, "o", args[6], t, 4, oshape, 1)) ||
+        optional_out(fn, "final_state", args[7], t, 4, sshape, &ht))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->delta_forward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
+                          data_or_null(in[3]), PyArray_DATA(beta), data_or_null(in[5]),
+                          PyArray_DATA(o), ht ? PyArray_DATA(ht) : NULL);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* delta_backward(q, k, v, g, beta, h0, do, dht, dq, dk, dv, dg, dbeta, dh0, cu, form, chunk,
+ *                scale) */
+static PyObject *py_delta_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "delta_backward";
+    if (expect_nargs(fn, nargs, 18)) return NULL;
+    int t;
+    PyArrayObject *in[6], *beta, *dout, *dht = NULL, *dq, *dk, *dv, *dg = NULL, *dbeta, *dh0;
+    pa_linear_desc d;
+    if (delta_desc(fn, args, args + 14, &t, in, &beta, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
+    npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
+    if (!(dout = get_array(fn, "do", args[6], t, 4, oshape, 0))) return NULL;
+    if (args[7] != Py_None && !(dht = get_array(fn, "dht", args[7], t, 4, sshape, 0))) return NULL;
+    if (!(dq = get_array(fn, "dq", args[8], t, 4, PyArray_DIMS(in[0]), 1)) ||
+        !(dk = get_array(fn, "dk", args[9], t, 4, PyArray_DIMS(in[1]), 1)) ||
+        !(dv = get_array(fn, "dv", args[10], t, 4, PyArray_DIMS(in[2]), 1)) ||
+        !(dbeta = get_array(fn, "dbeta", args[12], t, 3, PyArray_DIMS(beta), 1)) ||
+        optional_out(fn, "dh0", args[13], t, 4, sshape, &dh0))
+        return NULL;
+    if (!in[3] != (args[11] == Py_None)) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument 'dg' must be given exactly when 'g' is", fn);
+        return NULL;
+    }
+    if (in[3] && !(dg = get_array(fn, "dg", args[11], t, 3, PyArray_DIMS(beta), 1))) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->delta_backward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
+                           data_or_null(in[3]), PyArray_DATA(beta), data_or_null(in[5]),
+                           PyArray_DATA(dout), data_or_null(dht), PyArray_DATA(dq),
+                           PyArray_DATA(dk), PyArray_DATA(dv), dg ? PyArray_DATA(dg) : NULL,
+                           PyArray_DATA(dbeta), dh0 ? PyArray_DATA(dh0) : NULL);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
 /* Shared by forward and backward: a = (q, k, v), opt = (cu_q, cu_k, scale). */
 static int efficient_desc(const char *fn, PyObject *const *a, PyObject *const *opt,
                           int *typenum, PyArrayObject **arr, pa_efficient_desc *d)
@@ -807,6 +885,12 @@ static PyMethodDef core_methods[] = {
      "linear engine; gk None, [B, T, H] or [B, T, H, K]; gv None or [B, T, H, V]; h0, ht None "
      "or [N, H, K, V]; o written; returns the states kept for linear_backward (keep true, "
      "chunk form) or None"},
+    {"delta_forward", (PyCFunction)(void (*)(void))py_delta_forward, METH_FASTCALL,
+     "delta_forward(q, k, v, g, beta, h0, o, ht, cu, form, chunk, scale): the delta-rule "
+     "engine; g None or [B, T, H]; beta [B, T, H]; h0, ht None or [N, H, K, V]; o written"},
+    {"delta_backward", (PyCFunction)(void (*)(void))py_delta_backward, METH_FASTCALL,
+     "delta_backward(q, k, v, g, beta, h0, do, dht, dq, dk, dv, dg, dbeta, dh0, cu, form, "
+     "chunk, scale): gradients written in place; dg None exactly when g is"},
     {"linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
      "linear_backward(q, k, v, gk, gv, h0, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, "
      "form, chunk, scale): gradients written in place; states: what linear_forward kept, or "

@@ -12,6 +12,7 @@ import contextlib
 
 from . import _core, reference, testing
 from .autodiff import vjp
+from .delta import delta_rule, gated_delta_rule
 from .feature_maps import feature_map
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
                      retention, simple_gla)
@@ -61,8 +62,10 @@ __all__ = [
     "OPS",
     "OpInfo",
     "build_info",
+    "delta_rule",
     "efficient_attention",
     "feature_map",
+    "gated_delta_rule",
     "get_num_threads",
     "gla",
     "lightning_attention",

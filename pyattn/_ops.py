@@ -100,6 +100,20 @@ def _mamba2_example(rng, dtype=np.float64, tiny=False):
     return (x, dt, A, Bm, Cm), dict(D=D, dt_bias=dt_bias, initial_state=h0, output_final_state=True)
 
 
+def _delta_example(rng, dtype=np.float64, tiny=False, gated=True):
+    q, k, v = _qkv(rng, dtype, tiny)
+    beta = rng.uniform(0.1, 1.0, q.shape[:3]).astype(dtype)
+    kw = dict(qk_l2norm=True, initial_state=_state(rng, dtype, q, v), output_final_state=True)
+    if not gated:
+        return (q, k, v, beta), kw
+    g = -rng.uniform(0.0, 1.0, q.shape[:3]).astype(dtype)
+    return (q, k, v, g, beta), kw
+
+
+def _delta_rule_example(rng, dtype=np.float64, tiny=False):
+    return _delta_example(rng, dtype, tiny, gated=False)
+
+
 def _efficient_example(rng, dtype=np.float64, tiny=False):
     B, Tq, Tk, H, K, Vd = (1, 5, 6, 2, 3, 2) if tiny else (2, 120, 150, 3, 16, 12)
     q = rng.standard_normal((B, Tq, H, K)).astype(dtype)
@@ -110,7 +124,7 @@ def _efficient_example(rng, dtype=np.float64, tiny=False):
 
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, softmax_attention
-    from . import linear
+    from . import delta, linear
 
     return {
         "softmax_attention": OpInfo(
@@ -150,6 +164,25 @@ def build_ops() -> Dict[str, OpInfo]:
                 ("mamba2", ("x", "dt", "A", "B", "C"),
                  ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state"),
                  _mamba2_example, "Mamba-2 SSD: groups, D skip, dt_bias, softplus"),
+            ]
+        },
+        **{
+            name: OpInfo(
+                name=name,
+                fn=getattr(delta, name),
+                forms=delta.FORMS,
+                arrays=arrays,
+                differentiable=arrays + ("initial_state",),
+                has_state=True,
+                chunked=True,
+                example=example,
+                description=description,
+            )
+            for name, arrays, example, description in [
+                ("delta_rule", ("q", "k", "v", "beta"), _delta_rule_example,
+                 "DeltaNet: the delta rule, WY/UT chunk form"),
+                ("gated_delta_rule", ("q", "k", "v", "g", "beta"), _delta_example,
+                 "Gated DeltaNet: the delta rule with a scalar decay per step"),
             ]
         },
         "efficient_attention": OpInfo(

@@ -5,6 +5,8 @@
 #include "../ops/softmax_attn.c"
 #include "../ops/feature_maps.c"
 #include "../ops/linear_attn.c"
+#include "../ops/decay.h"
+#include "../ops/delta_rule.c"
 
 static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, const void *A,
                              int64_t rsa, int64_t csa, const void *B, int64_t rsb, int64_t csb,
@@ -30,6 +32,8 @@ const pa_kernels PA_FN(pa_kernels) = {
     .feature_map_backward = PA_FN(feature_map_backward),
     .linear_forward = PA_FN(linear_forward),
     .linear_backward = PA_FN(linear_backward),
+    .delta_forward = PA_FN(delta_forward),
+    .delta_backward = PA_FN(delta_backward),
     .efficient_forward = PA_FN(efficient_forward),
     .efficient_backward = PA_FN(efficient_backward),
 };

@@ -1,0 +1,556 @@
+/* The delta-rule engine (DeltaNet, Gated DeltaNet), forward and backward. Template body (see
+ * core/dtype.h); needs core/vmath.h, core/gemm.c and ops/decay.h before it.
+ *
+ * Per (sequence, head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a scalar log
+ * gate g per step (absent: 0):
+ *   S_t = e^g_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q~_t,
+ * i.e. with the decayed state D_t = e^g_t S_{t-1} and the step's new value
+ * u_t = beta_t (v_t - D_t^T k_t):  S_t = D_t + k_t u_t^T.
+ *
+ * Forms. recurrent: that step, one pass over S per step (the pass that writes S_t also forms
+ * S_t^T k_{t+1} for the next step). chunk (the WY / UT form): blocks of l rows, G the inclusive
+ * cumulative gate inside the block (every exponent below is <= 0), Dm_ij = e^(G_i - G_j):
+ *   A = strictly-lower(diag(beta) K K^T * Dm),
+ *   Z = [W | U] = (I + A)^-1 [diag(beta e^G) K | diag(beta) V]   (forward substitution by
+ *       DR_SUB-row diagonal blocks, GEMMs below them; the inverse is never formed),
+ *   V' = U - W S  (the rows' u_t, from the state S entering the block),
+ *   O  = diag(e^G) Q~ S + (Q~ K^T * Dm, j <= i) V',
+ *   S' = e^G_last S + K^T diag(e^(G_last - G)) V'.
+ * parallel: the chunk algorithm with one block per sequence.
+ *
+ * Backward. chunk and parallel: a forward pass keeps the state entering each block (one K x V
+ * state per block of the unit in progress); blocks in reverse then recompute A, Z, V' and,
+ * with dS' the gradient reaching S' and lam = e^(G_last - G):
+ *   dV' = P^T dO + diag(lam) K dS'   (P = Q~ K^T * Dm, lower),   dW = -dV' S^T,
+ *   dR = [dX | dY] = (I + A)^-T [dW | dV'],   dA = -strictly-lower(dR Z^T),
+ *   dS = e^G_last dS' + (diag(e^G) Q~)^T dO - W^T dV',
+ * and q, k, v, beta take the products' derivatives. The gate's gradient is the derivative of
+ * every factor with respect to G (each exponent's two ends), summed in reverse inside the
+ * block: only bounded factors appear, so strong gates neither overflow nor cancel.
+ * recurrent: states kept every DR_PIECE steps; each piece's states recomputed, then stepped
+ * back one row at a time.
+ *
+ * Work is split over (sequence, head) units, each on one thread.
+ */
+
+#define DR_SUB 16   /* rows of a diagonal block of the triangular solves */
+#define DR_PIECE 64 /* recurrent backward: steps between kept states */
+
+typedef struct {
+    int64_t T;          /* rows of the sequence */
+    int64_t sk, sv, sg; /* row strides: q/k, v/o, g/beta */
+    const real *q, *k, *v, *g, *beta, *dout;
+    real *o, *dq, *dk, *dv, *dg, *dbeta;
+} PA_FN(dr_unit);
+
+typedef struct {
+    const pa_linear_desc *d;
+    const real *q, *k, *v, *g, *beta, *h0, *dout, *dht;
+    real *o, *ht, *dq, *dk, *dv, *dg, *dbeta, *dh0;
+} PA_FN(dr_call);
+
+static void PA_FN(dr_unit_of)(const PA_FN(dr_call) *c, int64_t unit, PA_FN(dr_unit) *u)
+{
+    const pa_linear_desc *d = c->d;
+    const int64_t H = d->H, n = unit / H, h = unit % H, r0 = d->cu[n];
+    u->T = d->cu[n + 1] - r0;
+    u->sk = H * d->K;
+    u->sv = H * d->V;
+    u->sg = H;
+    const int64_t ok = r0 * u->sk + h * d->K, ov = r0 * u->sv + h * d->V, og = r0 * H + h;
+    u->q = c->q + ok;
+    u->k = c->k + ok;
+    u->v = c->v + ov;
+    u->g = c->g ? c->g + og : NULL;
+    u->beta = c->beta + og;
+    u->dout = c->dout ? c->dout + ov : NULL;
+    u->o = c->o ? c->o + ov : NULL;
+    u->dq = c->dq ? c->dq + ok : NULL;
+    u->dk = c->dk ? c->dk + ok : NULL;
+    u->dv = c->dv ? c->dv + ov : NULL;
+    u->dg = c->dg ? c->dg + og : NULL;
+    u->dbeta = c->dbeta ? c->dbeta + og : NULL;
+}
+
+/* Per-thread scratch for blocks of up to L rows (L = 0: the recurrent form's). */
+typedef struct {
+    int64_t L, K, V;
+    double *G, *dG;        /* L each: the cumulative gate, its gradient */
+    real *gam, *lam, *bet; /* L each: e^G_i, e^(G_last - G_i), beta_i */
+    real *Dm, *M, *A, *P, *E; /* L x L each */
+    real *Z, *R;           /* L x (K + V) each: [W | U], then [dW | dV'] and [dX | dY] */
+    real *Vn, *Tv;         /* L x V each: V', a scratch */
+    real *Tk;              /* L x K */
+    real *w, *uv, *du;     /* V each: a recurrent step's S^T k, u, du */
+    real *S, *dS;          /* K x V each */
+    real *states;          /* backward: the kept states */
+    real *work;            /* GEMM packing */
+    void *block;
+} PA_FN(dr_scratch);
+
+static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, int64_t V,
+                                   int64_t nstates)
+{
+    const int64_t W = K + V, big = L > W ? L : W;
+    const size_t r = sizeof(real), dbl = sizeof(double);
+    const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
+    size_t bytes[] = {L * dbl,   L * dbl,   L * r,     L * r,     L * r,     L * L * r,
+                      L * L * r, L * L * r, L * L * r, L * L * r, L * W * r, L * W * r,
+                      L * V * r, L * V * r, L * K * r, V * r,     V * r,     V * r,
+                      K * V * r, K * V * r, nstates * K * V * r, work};
+    void **const parts[] = {(void **)&s->G,  (void **)&s->dG, (void **)&s->gam, (void **)&s->lam,
+                            (void **)&s->bet, (void **)&s->Dm, (void **)&s->M,  (void **)&s->A,
+                            (void **)&s->P,  (void **)&s->E,  (void **)&s->Z,   (void **)&s->R,
+                            (void **)&s->Vn, (void **)&s->Tv, (void **)&s->Tk,  (void **)&s->w,
+                            (void **)&s->uv, (void **)&s->du, (void **)&s->S,   (void **)&s->dS,
+                            (void **)&s->states, (void **)&s->work};
+    s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
+    s->L = L;
+    s->K = K;
+    s->V = V;
+    return s->block != NULL;
+}
+
+/* e^g of one step (1 without a gate), clamped as the block's cumulative sums are */
+static inline real PA_FN(dr_step_decay)(const PA_FN(dr_unit) *u, int64_t t)
+{
+    if (!u->g) return 1;
+    double x = u->g[t * u->sg];
+    return (real)exp(x < PA_GATE_FLOOR ? PA_GATE_FLOOR : x);
+}
+
+/* ---- the recurrent form ---- */
+
+/* Steps t0 .. t0+n-1 from the state S (updated in place); o rows written when u->o; with
+ * trail, the state after each step goes to trail + i K V. */
+static void PA_FN(dr_recurrent)(const PA_FN(dr_unit) *u, int64_t t0, int64_t n, double scale,
+                                real *restrict S, real *trail, PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V;
+    real *restrict w = sc->w, *restrict uv = sc->uv;
+    for (int64_t j = 0; j < V; j++) w[j] = 0;
+    for (int64_t r = 0; n > 0 && r < K; r++) {
+        const real kr = u->k[t0 * u->sk + r];
+        for (int64_t j = 0; j < V; j++) w[j] += kr * S[r * V + j];
+    }
+    for (int64_t t = t0; t < t0 + n; t++) {
+        const real e = PA_FN(dr_step_decay)(u, t), b = u->beta[t * u->sg];
+        const real *restrict kt = u->k + t * u->sk, *restrict qt = u->q + t * u->sk;
+        const real *restrict vt = u->v + t * u->sv;
+        const real *restrict kn = t + 1 < t0 + n ? u->k + (t + 1) * u->sk : NULL;
+        real *restrict ot = u->o ? u->o + t * u->sv : NULL;
+        for (int64_t j = 0; j < V; j++) {
+            uv[j] = b * (vt[j] - e * w[j]);
+            w[j] = 0;
+        }
+        if (ot)
+            for (int64_t j = 0; j < V; j++) ot[j] = 0;
+        for (int64_t r = 0; r < K; r++) {
+            real *restrict row = S + r * V;
+            const real kr = kt[r], qr = (real)scale * qt[r], knr = kn ? kn[r] : 0;
+            for (int64_t j = 0; j < V; j++) row[j] = e * row[j] + kr * uv[j];
+            if (ot)
+                for (int64_t j = 0; j < V; j++) ot[j] += qr * row[j];
+            for (int64_t j = 0; j < V; j++) w[j] += knr * row[j];
+        }
+        if (trail) memcpy(trail + (t - t0) * K * V, S, sizeof(real) * K * V);
+    }
+}
+
+/* Steps t0+n-1 down to t0 in reverse, from their states (trail: the state entering t0, then
+ * the state after each step) and dS, the gradient reaching the last one (on return, the one
+ * reaching the state entering t0). */
+static void PA_FN(dr_recurrent_reverse)(const PA_FN(dr_unit) *u, int64_t t0, int64_t n,
+                                        double scale, const real *trail, real *restrict dS,
+                                        PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, KV = K * V;
+    real *restrict w = sc->w, *restrict uv = sc->uv, *restrict du = sc->du;
+    const real sc_ = (real)scale;
+    for (int64_t t = t0 + n - 1; t >= t0; t--) {
+        const real *restrict Sp = trail + (t - t0) * KV, *restrict Sc = Sp + KV;
+        const real e = PA_FN(dr_step_decay)(u, t), b = u->beta[t * u->sg];
+        const real *restrict kt = u->k + t * u->sk, *restrict qt = u->q + t * u->sk;
+        const real *restrict vt = u->v + t * u->sv, *restrict dot_ = u->dout + t * u->sv;
+        real *restrict dqt = u->dq + t * u->sk, *restrict dkt = u->dk + t * u->sk;
+        real *restrict dvt = u->dv + t * u->sv;
+        for (int64_t j = 0; j < V; j++) w[j] = du[j] = 0;
+        for (int64_t r = 0; r < K; r++) { /* dS += q~ do^T; du = dS^T k; S_{t-1}^T k */
+            real *restrict row = dS + r * V;
+            const real qr = sc_ * qt[r], kr = kt[r];
+            dqt[r] = sc_ * PA_FN(dot)(Sc + r * V, dot_, V);
+            for (int64_t j = 0; j < V; j++) {
+                row[j] += qr * dot_[j];
+                du[j] += kr * row[j];
+                w[j] += kr * Sp[r * V + j];
+            }
+        }
+        double db = 0;
+        for (int64_t j = 0; j < V; j++) {
+            const real res = vt[j] - e * w[j]; /* v - D^T k */
+            uv[j] = b * res;
+            db += (double)du[j] * res;
+            dvt[j] = b * du[j];
+        }
+        u->dbeta[t * u->sg] = (real)db;
+        double dg = 0;
+        for (int64_t r = 0; r < K; r++) { /* dD = dS - beta k du^T; dS_{t-1} = e dD */
+            real *restrict row = dS + r * V;
+            const real *restrict sp = Sp + r * V;
+            const real kr = b * kt[r];
+            dkt[r] = PA_FN(dot)(row, uv, V) - b * e * PA_FN(dot)(sp, du, V);
+            for (int64_t j = 0; j < V; j++) row[j] -= kr * du[j];
+            if (u->dg) dg += (double)PA_FN(dot)(sp, row, V);
+            for (int64_t j = 0; j < V; j++) row[j] *= e;
+        }
+        if (u->dg) {
+            const double x = u->g[t * u->sg];
+            u->dg[t * u->sg] = x < PA_GATE_FLOOR ? 0 : (real)(e * dg);
+        }
+    }
+}
+
+/* ---- the chunk form's building blocks ---- */
+
+/* Solves (I + A) X = X in place for the unit lower triangular I + A (A l x l strictly lower,
+ * leading dimension l; X l x W): DR_SUB-row blocks, a GEMM for everything left of a block's
+ * diagonal, substitution inside it. */
+static void PA_FN(dr_solve_lower)(const real *A, int64_t l, real *X, int64_t W, real *work)
+{
+    for (int64_t b0 = 0; b0 < l; b0 += DR_SUB) {
+        const int64_t b1 = b0 + DR_SUB < l ? b0 + DR_SUB : l;
+        PA_FN(gemm)(b1 - b0, W, b0, -1, A + b0 * l, l, 1, X, W, 1, 1, X + b0 * W, W, work);
+        for (int64_t i = b0 + 1; i < b1; i++)
+            for (int64_t j = b0; j < i; j++) PA_FN(axpy)(X + i * W, X + j * W, W, -A[i * l + j]);
+    }
+}
+
+/* Solves (I + A)^T X = X in place: the same blocks from the last, transposed. */
+static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, real *work)
+{
+    for (int64_t b0 = (l - 1) / DR_SUB * DR_SUB; b0 >= 0; b0 -= DR_SUB) {
+        const int64_t b1 = b0 + DR_SUB < l ? b0 + DR_SUB : l;
+        PA_FN(gemm)(b1 - b0, W, l - b1, -1, A + b1 * l + b0, 1, l, X + b1 * W, W, 1, 1,
+                    X + b0 * W, W, work);
+        for (int64_t i = b1 - 2; i >= b0; i--)
+            for (int64_t j = i + 1; j < b1; j++) PA_FN(axpy)(X + i * W, X + j * W, W, -A[j * l + i]);
+    }
+}
+
+/* The block of rows c0 .. c0+l-1: G and its factors, beta, the decay mask Dm, the Gram
+ * M = K K^T, A, and Z = [W | U]. */
+static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, W = K + V, sk = u->sk, sv = u->sv;
+    const real *k = u->k + c0 * sk, *v = u->v + c0 * sv;
+    PA_FN(gate_cumsum)(u->g ? u->g + c0 * u->sg : NULL, u->sg, l, sc->G);
+    for (int64_t i = 0; i < l; i++) {
+        sc->gam[i] = (real)exp(sc->G[i]);
+        sc->lam[i] = (real)exp(sc->G[l - 1] - sc->G[i]);
+        sc->bet[i] = u->beta[(c0 + i) * u->sg];
+    }
+    PA_FN(decay_mask)(sc->G, l, sc->Dm);
+    PA_FN(gemm)(l, l, K, 1, k, sk, 1, k, 1, sk, 0, sc->M, l, sc->work);
+    for (int64_t i = 0; i < l; i++) {
+        real *a = sc->A + i * l;
+        const real *m = sc->M + i * l, *dm = sc->Dm + i * l;
+        for (int64_t j = 0; j < i; j++) a[j] = sc->bet[i] * dm[j] * m[j];
+        for (int64_t j = i; j < l; j++) a[j] = 0;
+        real *z = sc->Z + i * W;
+        const real bg = sc->bet[i] * sc->gam[i];
+        for (int64_t c = 0; c < K; c++) z[c] = bg * k[i * sk + c];
+        for (int64_t c = 0; c < V; c++) z[K + c] = sc->bet[i] * v[i * sv + c];
+    }
+    PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->work);
+}
+
+/* V' = U - W S */
+static void PA_FN(dr_values)(int64_t l, const real *S, PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, W = K + V;
+    for (int64_t i = 0; i < l; i++) memcpy(sc->Vn + i * V, sc->Z + i * W + K, sizeof(real) * V);
+    PA_FN(gemm)(l, V, K, -1, sc->Z, W, 1, S, V, 1, 1, sc->Vn, V, sc->work);
+}
+
+/* P = scale Q K^T * Dm (lower, diagonal included; 0 above) */
+static void PA_FN(dr_scores)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
+                             PA_FN(dr_scratch) *sc)
+{
+    const real *q = u->q + c0 * u->sk, *k = u->k + c0 * u->sk;
+    PA_FN(gemm)(l, l, sc->K, (real)scale, q, u->sk, 1, k, 1, u->sk, 0, sc->P, l, sc->work);
+    for (int64_t i = 0; i < l; i++) { /* by selection above: a later row's NaN stays there */
+        real *p = sc->P + i * l;
+        const real *dm = sc->Dm + i * l;
+        for (int64_t j = 0; j <= i; j++) p[j] *= dm[j];
+        for (int64_t j = i + 1; j < l; j++) p[j] = 0;
+    }
+}
+
+/* C (rows of ldc) = alpha L B + beta C for the l x l lower triangular L (diagonal included)
+ * by row blocks, each reading only the rows of B its block of L reaches. */
+static void PA_FN(dr_lower_product)(int64_t l, int64_t N, real alpha, const real *Lm,
+                                    const real *B, int64_t ldb, real beta, real *C, int64_t ldc,
+                                    real *work)
+{
+    for (int64_t r0 = 0; r0 < l; r0 += DR_SUB) {
+        const int64_t r1 = r0 + DR_SUB < l ? r0 + DR_SUB : l;
+        PA_FN(gemm)(r1 - r0, N, r1, alpha, Lm + r0 * l, l, 1, B, ldb, 1, beta, C + r0 * ldc, ldc,
+                    work);
+    }
+}
+
+/* The block's o rows from its entering state S (dr_block and dr_values done) */
+static void PA_FN(dr_output)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
+                             const real *S, PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, sv = u->sv;
+    real *o = u->o + c0 * sv;
+    PA_FN(gemm)(l, V, K, (real)scale, u->q + c0 * u->sk, u->sk, 1, S, V, 1, 0, o, sv, sc->work);
+    if (u->g)
+        for (int64_t i = 0; i < l; i++) PA_FN(row_scale)(o + i * sv, V, sc->gam[i]);
+    PA_FN(dr_scores)(u, c0, l, scale, sc);
+    PA_FN(dr_lower_product)(l, V, 1, sc->P, sc->Vn, V, 1, o, sv, sc->work);
+}
+
+/* S <- e^G_last S + K^T diag(lam) V' */
+static void PA_FN(dr_state)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, real *S,
+                            PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V;
+    if (u->g) PA_FN(row_scale)(S, K * V, sc->gam[l - 1]);
+    for (int64_t i = 0; i < l; i++)
+        for (int64_t j = 0; j < V; j++) sc->Tv[i * V + j] = sc->lam[i] * sc->Vn[i * V + j];
+    PA_FN(gemm)(K, V, l, 1, u->k + c0 * u->sk, 1, u->sk, sc->Tv, V, 1, 1, S, V, sc->work);
+}
+
+/* The block's gradients: dq, dk, dv, dbeta, dg of its rows from its entering state S and dS,
+ * the gradient reaching its end state (on return, the one reaching S). */
+static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
+                                  const real *S, real *dS, PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, W = K + V, KV = K * V, sk = u->sk, sv = u->sv;
+    const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
+    const real *dO = u->dout + c0 * sv;
+    real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
+    real *work = sc->work, *dVn = sc->R + K;
+    double *dG = sc->dG;
+    const int gated = u->g != NULL;
+    PA_FN(dr_block)(u, c0, l, sc);
+    PA_FN(dr_values)(l, S, sc);
+    PA_FN(dr_scores)(u, c0, l, scale, sc);
+    for (int64_t i = 0; i < l; i++) dG[i] = 0;
+
+    /* dV' = P^T dO + diag(lam) K dS' */
+    PA_FN(gemm)(l, V, l, 1, sc->P, 1, l, dO, sv, 1, 0, dVn, W, work);
+    PA_FN(gemm)(l, V, K, 1, k, sk, 1, dS, V, 1, 0, sc->Tv, V, work);
+    for (int64_t i = 0; i < l; i++) PA_FN(axpy)(dVn + i * W, sc->Tv + i * V, V, sc->lam[i]);
+
+    /* dq = scale diag(e^G) dO S^T + scale (dP * Dm) K, dP = dO V'^T; dk from dP */
+    PA_FN(gemm)(l, K, V, (real)scale, dO, sv, 1, S, 1, V, 0, dq, sk, work);
+    for (int64_t i = 0; gated && i < l; i++) {
+        PA_FN(row_scale)(dq + i * sk, K, sc->gam[i]);
+        dG[i] += PA_FN(dot)(q + i * sk, dq + i * sk, K);
+    }
+    PA_FN(gemm)(l, l, V, 1, dO, sv, 1, sc->Vn, 1, V, 0, sc->E, l, work);
+    for (int64_t i = 0; i < l; i++) {
+        real *e = sc->E + i * l;
+        const real *p = sc->P + i * l, *dm = sc->Dm + i * l;
+        for (int64_t j = 0; gated && j < i; j++) {
+            const double x = (double)e[j] * p[j];
+            dG[i] += x;
+            dG[j] -= x;
+        }
+        for (int64_t j = 0; j <= i; j++) e[j] *= dm[j];
+        for (int64_t j = i + 1; j < l; j++) e[j] = 0;
+    }
+    PA_FN(dr_lower_product)(l, K, (real)scale, sc->E, k, sk, 1, dq, sk, work);
+    PA_FN(gemm)(l, K, l, (real)scale, sc->E, 1, l, q, sk, 1, 0, dk, sk, work);
+
+    /* the end state's terms: dk += diag(lam) V' dS'^T, and the gate's through lam and e^G_last */
+    PA_FN(gemm)(l, K, V, 1, sc->Vn, V, 1, dS, 1, V, 0, sc->Tk, K, work);
+    for (int64_t i = 0; i < l; i++) {
+        const real *tk = sc->Tk + i * K;
+        if (gated) {
+            const double x = (double)sc->lam[i] * PA_FN(dot)(k + i * sk, tk, K);
+            dG[l - 1] += x;
+            dG[i] -= x;
+        }
+        PA_FN(axpy)(dk + i * sk, tk, K, sc->lam[i]);
+    }
+    if (gated) {
+        double s = 0;
+        for (int64_t i = 0; i < KV; i++) s += (double)S[i] * dS[i];
+        dG[l - 1] += sc->gam[l - 1] * s;
+    }
+
+    /* dW = -dV' S^T, then dS = e^G_last dS' + Q~^T diag(e^G) dO - W^T dV' */
+    PA_FN(gemm)(l, K, V, -1, dVn, W, 1, S, 1, V, 0, sc->R, W, work);
+    if (gated) PA_FN(row_scale)(dS, KV, sc->gam[l - 1]);
+    for (int64_t i = 0; i < l; i++)
+        for (int64_t j = 0; j < V; j++) sc->Tv[i * V + j] = sc->gam[i] * dO[i * sv + j];
+    PA_FN(gemm)(K, V, l, (real)scale, q, 1, sk, sc->Tv, V, 1, 1, dS, V, work);
+    PA_FN(gemm)(K, V, l, -1, sc->Z, 1, W, dVn, W, 1, 1, dS, V, work);
+
+    /* [dX | dY] = (I + A)^-T [dW | dV'];  dA = -strictly-lower([dX | dY] Z^T) */
+    PA_FN(dr_solve_upper)(sc->A, l, sc->R, W, work);
+    PA_FN(gemm)(l, l, W, -1, sc->R, W, 1, sc->Z, 1, W, 0, sc->E, l, work);
+    /* A_ij = beta_i Dm_ij M_ij: beta's and the gate's terms, and dM (symmetrised, in P) */
+    for (int64_t i = 0; i < l; i++) {
+        const real *da = sc->E + i * l, *a = sc->A + i * l, *dm = sc->Dm + i * l, *m = sc->M + i * l;
+        double db = 0;
+        for (int64_t j = 0; j < i; j++) {
+            const real x = da[j] * dm[j];
+            db += (double)x * m[j];
+            if (gated) {
+                dG[i] += (double)da[j] * a[j];
+                dG[j] -= (double)da[j] * a[j];
+            }
+            sc->P[i * l + j] = sc->P[j * l + i] = sc->bet[i] * x;
+        }
+        sc->P[i * l + i] = 0;
+        const real *dx = sc->R + i * W, *dy = dx + K;
+        const real xk = PA_FN(dot)(dx, k + i * sk, K);
+        db += (double)sc->gam[i] * xk + PA_FN(dot)(dy, v + i * sv, V);
+        u->dbeta[(c0 + i) * u->sg] = (real)db;
+        if (gated) dG[i] += (double)sc->bet[i] * sc->gam[i] * xk;
+        PA_FN(axpy)(dk + i * sk, dx, K, sc->bet[i] * sc->gam[i]);
+        for (int64_t j = 0; j < V; j++) dv[i * sv + j] = sc->bet[i] * dy[j];
+    }
+    PA_FN(gemm)(l, K, l, 1, sc->P, l, 1, k, sk, 1, 1, dk, sk, work);
+
+    /* g_s enters G_i for every i >= s of the block */
+    if (gated) {
+        double acc = 0;
+        for (int64_t i = l - 1; i >= 0; i--) {
+            acc += dG[i];
+            const double x = u->g[(c0 + i) * u->sg];
+            u->dg[(c0 + i) * u->sg] = x < PA_GATE_FLOOR ? 0 : (real)acc;
+        }
+    }
+}
+
+/* ---- drivers ---- */
+
+static void PA_FN(dr_load)(const real *src, int64_t unit, int64_t KV, real *S)
+{
+    if (src)
+        memcpy(S, src + unit * KV, sizeof(real) * KV);
+    else
+        memset(S, 0, sizeof(real) * KV);
+}
+
+static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_t L,
+                                   PA_FN(dr_scratch) *sc)
+{
+    const pa_linear_desc *d = c->d;
+    const int64_t KV = d->K * d->V;
+    PA_FN(dr_unit) u;
+    PA_FN(dr_unit_of)(c, unit, &u);
+    real *S = c->ht ? c->ht + unit * KV : sc->S; /* h0 read and the final state written once */
+    if (!c->h0 || S != c->h0 + unit * KV) PA_FN(dr_load)(c->h0, unit, KV, S);
+    if (d->form == PA_FORM_RECURRENT) {
+        PA_FN(dr_recurrent)(&u, 0, u.T, d->scale, S, NULL, sc);
+        return;
+    }
+    for (int64_t c0 = 0; c0 < u.T; c0 += L) {
+        const int64_t l = u.T - c0 < L ? u.T - c0 : L;
+        PA_FN(dr_block)(&u, c0, l, sc);
+        PA_FN(dr_values)(l, S, sc);
+        PA_FN(dr_output)(&u, c0, l, d->scale, S, sc);
+        PA_FN(dr_state)(&u, c0, l, S, sc);
+    }
+}
+
+/* The backward of one unit: the states entering its blocks (or pieces), then one reverse
+ * pass carrying dS. */
+static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64_t L,
+                                    PA_FN(dr_scratch) *sc)
+{
+    const pa_linear_desc *d = c->d;
+    const int64_t KV = d->K * d->V;
+    const int rec = d->form == PA_FORM_RECURRENT;
+    const int64_t P = rec ? DR_PIECE : L;
+    PA_FN(dr_unit) u;
+    PA_FN(dr_unit_of)(c, unit, &u);
+    const int64_t np = (u.T + P - 1) / P;
+    real *states = sc->states, *dS = sc->dS;
+    PA_FN(dr_load)(c->h0, unit, KV, states);
+    for (int64_t p = 0; p < np; p++) {
+        const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+        real *S = states + (p + 1) * KV;
+        memcpy(S, S - KV, sizeof(real) * KV);
+        if (rec) {
+            PA_FN(dr_recurrent)(&u, r0, n, d->scale, S, NULL, sc);
+        } else {
+            PA_FN(dr_block)(&u, r0, n, sc);
+            PA_FN(dr_values)(n, S - KV, sc);
+            PA_FN(dr_state)(&u, r0, n, S, sc);
+        }
+    }
+    PA_FN(dr_load)(c->dht, unit, KV, dS);
+    real *trail = states + (np + 1) * KV; /* recurrent: a piece's states */
+    for (int64_t p = np - 1; p >= 0; p--) {
+        const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+        if (rec) {
+            memcpy(trail, states + p * KV, sizeof(real) * KV);
+            memcpy(sc->S, trail, sizeof(real) * KV);
+            PA_FN(dr_recurrent)(&u, r0, n, d->scale, sc->S, trail + KV, sc);
+            PA_FN(dr_recurrent_reverse)(&u, r0, n, d->scale, trail, dS, sc);
+        } else {
+            PA_FN(dr_block_grads)(&u, r0, n, d->scale, states + p * KV, dS, sc);
+        }
+    }
+    if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
+}
+
+static int PA_FN(dr_run)(const PA_FN(dr_call) *c, int backward)
+{
+    const pa_linear_desc *d = c->d;
+    const int64_t units = d->nseq * d->H;
+    if (units == 0) return PA_OK;
+    const int rec = d->form == PA_FORM_RECURRENT;
+    const int64_t L = rec ? 0 : pa_linear_block_rows(d), maxlen = pa_linear_max_len(d);
+    const int64_t P = rec ? DR_PIECE : L;
+    /* backward: the state entering each block or piece and the last; recurrent: a piece's */
+    const int64_t nstates = backward ? (maxlen + P - 1) / P + 1 + (rec ? DR_PIECE + 1 : 0) : 0;
+    const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);
+    /* multiply-adds; a recurrent step streams its state through memory, so it weighs more */
+    const double work = rec ? rows * KV * 8 : rows * (KV * 3 + (double)L * (2 * d->K + d->V));
+    const int nthreads = pa_threads_for(backward ? 3 * work : work, units);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        PA_FN(dr_scratch) sc;
+        int ok = pa_scratch_ok(PA_FN(dr_scratch_alloc)(&sc, L, d->K, d->V, nstates), &failed);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t un = 0; un < units; un++) {
+            if (!ok) continue;
+            if (backward)
+                PA_FN(dr_unit_backward)(c, un, L, &sc);
+            else
+                PA_FN(dr_unit_forward)(c, un, L, &sc);
+        }
+        if (ok) free(sc.block);
+    }
+    return failed ? PA_ENOMEM : PA_OK;
+}
+
+static int PA_FN(delta_forward)(const pa_linear_desc *d, const void *q, const void *k,
+                                const void *v, const void *g, const void *beta, const void *h0,
+                                void *o, void *ht)
+{
+    PA_FN(dr_call) c = {.d = d, .q = q, .k = k, .v = v, .g = g, .beta = beta, .h0 = h0,
+                        .o = o, .ht = ht};
+    return PA_FN(dr_run)(&c, 0);
+}
+
+static int PA_FN(delta_backward)(const pa_linear_desc *d, const void *q, const void *k,
+                                 const void *v, const void *g, const void *beta, const void *h0,
+                                 const void *dout, const void *dht, void *dq, void *dk, void *dv,
+                                 void *dg, void *dbeta, void *dh0)
+{
+    PA_FN(dr_call) c = {.d = d, .q = q, .k = k, .v = v, .g = g, .beta = beta, .h0 = h0,
+                        .dout = dout, .dht = dht, .dq = dq, .dk = dk, .dv = dv, .dg = dg,
+                        .dbeta = dbeta, .dh0 = dh0};
+    return PA_FN(dr_run)(&c, 1);
+}

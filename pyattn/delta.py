@@ -1,0 +1,139 @@
+"""The delta-rule engine and its ops: DeltaNet and Gated DeltaNet.
+
+One C engine computes, per (sequence, head), with S_0 = initial_state (zeros if None):
+``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T (scale q_t)``
+(``g = 0`` for ``delta_rule``). The wrappers here check arguments, apply the optional L2
+normalisation of q and k (and its backward) in NumPy, and call the engine's forward and
+backward; they never loop over time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from . import _validate as V
+from .autodiff import register_vjp
+from .linear import FORMS, _Engine, _qkv, _sequences
+
+L2_EPS = 1e-6  # qk_l2norm: x / sqrt(sum x^2 + L2_EPS) over the head dimension
+
+
+def _l2norm(x):
+    """(x / n, n) with n = sqrt(sum x^2 + L2_EPS) over the last axis."""
+    n = np.sqrt(np.einsum("...k,...k->...", x, x)[..., None] + x.dtype.type(L2_EPS))
+    return x / n, n
+
+
+def _l2norm_backward(y, n, dy):
+    """The gradient reaching x = y n from dy: (dy - y (y . dy)) / n."""
+    return (dy - y * np.einsum("...k,...k->...", y, dy)[..., None]) / n
+
+
+class _DeltaEngine(_Engine):
+    """One call of the delta-rule engine: the linear engine's checked call with the gate g as
+    its scalar key gate, plus beta."""
+
+    def __init__(self, fn, q, k, v, g, beta, h0, want_state, cu, N, form, chunk_size, scale):
+        super().__init__(fn, q, k, v, g, None, h0, want_state, cu, N, form, chunk_size, scale)
+        self.beta = beta
+
+    def forward(self, keep=False):
+        q, v = self.q, self.v
+        B, T, H, K = q.shape
+        self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
+        self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
+        _core.delta_forward(q, self.k, v, self.gk, self.beta, self.h0, self.o, self.ht, *self.opts)
+        return self.o, self.ht
+
+    def backward(self, do, dht):
+        """{q, k, v, g, beta, h0: gradient} (g and h0 when given)."""
+        g = {"q": np.empty_like(self.q), "k": np.empty_like(self.k), "v": np.empty_like(self.v),
+             "beta": np.empty_like(self.beta)}
+        g["g"] = None if self.gk is None else np.empty_like(self.gk)
+        g["h0"] = None if self.h0 is None else np.empty_like(self.h0)
+        _core.delta_backward(self.q, self.k, self.v, self.gk, self.beta, self.h0, do, dht,
+                             g["q"], g["k"], g["v"], g["g"], g["beta"], g["h0"], *self.opts)
+        return g
+
+
+def _delta(fn, q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_state, cu_seqlens,
+           form, chunk_size):
+    """(engine, the normalisation's (q, nq, k, nk) or None), arguments checked under the op's
+    names."""
+    optional = () if fn == "gated_delta_rule" else ("g",)
+    arrs, _ = _qkv(fn, q, k, v, optional, g=g, beta=beta, initial_state=initial_state)
+    q, k, v, g, beta = arrs["q"], arrs["k"], arrs["v"], arrs["g"], arrs["beta"]
+    B, T, H, K = q.shape
+    for name, x in (("g", g), ("beta", beta)):
+        if x is not None and x.shape != (B, T, H):
+            raise ValueError(f"{fn}(): '{name}' must have shape {(B, T, H)} [B, T, H], got {x.shape}")
+    if g is not None and np.any(g > 0):
+        raise ValueError(f"{fn}(): 'g' is a log-space decay and must be <= 0, got a maximum of "
+                         f"{float(np.nanmax(g))}")
+    cu, N = _sequences(fn, B, T, cu_seqlens)
+    scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
+    norm = None
+    if qk_l2norm:
+        (q, nq), (k, nk) = _l2norm(q), _l2norm(k)
+        norm = (q, nq, k, nk)
+    eng = _DeltaEngine(fn, q, k, v, g, beta, arrs["initial_state"], bool(output_final_state), cu, N,
+                       form, chunk_size, scale)
+    return eng, norm
+
+
+def _delta_vjp(eng, norm):
+    def pullback(cot):
+        g = eng.backward(*eng.cotangent(cot))
+        if norm is not None:
+            q, nq, k, nk = norm
+            g["q"], g["k"] = _l2norm_backward(q, nq, g["q"]), _l2norm_backward(k, nk, g["k"])
+        names = {"q": "q", "k": "k", "v": "v", "g": "g", "beta": "beta", "initial_state": "h0"}
+        return {op: g[e] for op, e in names.items() if g[e] is not None}
+
+    return pullback
+
+
+def gated_delta_rule(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None,
+                     output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
+    """Gated DeltaNet: ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``.
+
+    q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H]`` a log-space decay per step
+    (``g <= 0``; ``-inf`` is a full reset), beta ``[B, T, H]`` the writing strength (in
+    ``(0, 1)`` for DeltaNet; up to 2 gives the negative eigenvalues of DeltaProduct / RWKV-7).
+    With ``qk_l2norm=True`` q and k are first replaced by ``x / sqrt(sum x^2 + 1e-6)`` over the
+    head dimension (differentiated). ``scale`` defaults to ``K ** -0.5``; ``initial_state``
+    ``[N, H, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``, which restarts the
+    recurrence at each boundary; B must then be 1). Forms: ``"chunk"`` (the WY / UT form,
+    chunk_size 16/32/64/128, any T), ``"parallel"`` (one block per sequence), ``"recurrent"``
+    (step by step: the decode form). Returns ``(o [B, T, H, V], final_state or None)``.
+    """
+    eng, _ = _delta("gated_delta_rule", q, k, v, g, beta, qk_l2norm, scale, initial_state,
+                    output_final_state, cu_seqlens, form, chunk_size)
+    return eng.forward()
+
+
+@register_vjp(gated_delta_rule)
+def _gated_delta_rule_vjp(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None,
+                          output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
+    eng, norm = _delta("gated_delta_rule", q, k, v, g, beta, qk_l2norm, scale, initial_state,
+                       output_final_state, cu_seqlens, form, chunk_size)
+    return eng.forward(keep=True), _delta_vjp(eng, norm)
+
+
+def delta_rule(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state=None,
+               output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
+    """DeltaNet: ``S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``: ``gated_delta_rule`` without the gate; the same arguments,
+    forms and returns."""
+    eng, _ = _delta("delta_rule", q, k, v, None, beta, qk_l2norm, scale, initial_state,
+                    output_final_state, cu_seqlens, form, chunk_size)
+    return eng.forward()
+
+
+@register_vjp(delta_rule)
+def _delta_rule_vjp(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state=None,
+                    output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
+    eng, norm = _delta("delta_rule", q, k, v, None, beta, qk_l2norm, scale, initial_state,
+                       output_final_state, cu_seqlens, form, chunk_size)
+    return eng.forward(keep=True), _delta_vjp(eng, norm)
