@@ -111,6 +111,12 @@ def fma_peak(dtype, threads: int, seconds: float = 0.3, tries: int = 3) -> float
     return max(_core.fma_peak(bool(is_double), float(seconds), int(threads)) for _ in range(tries))
 
 
+def read_bandwidth(threads: int, seconds: float = 0.5, nbytes: int = 512 << 20) -> float:
+    """GB/s reading a buffer of ``nbytes`` (far beyond the caches) on ``threads`` threads
+    (``_core.read_bandwidth``: the best pass over ``seconds``)."""
+    return _core.read_bandwidth(float(seconds), int(threads), int(nbytes))
+
+
 def threads_line(extra: str = "") -> str:
     """The thread counts pyattn and torch run with (after set_threads)."""
     line = f"threads: pyattn={pyattn.get_num_threads()}, torch={torch.get_num_threads() if torch is not None else NA}"

@@ -113,6 +113,8 @@ typedef struct {
                 int64_t ldc);
     void (*exp)(const void *x, void *y, int64_t n);
     double (*fma_peak)(double seconds, int threads);
+    /* GB/s reading a buffer of `bytes` on `threads` threads; -1: no memory for it */
+    double (*read_bandwidth)(double seconds, int threads, int64_t bytes);
     int (*softmax_forward)(const pa_softmax_desc *d, const void *q, const void *k,
                            const void *v, void *o, void *lse);
     /* dlse may be NULL (zero cotangent of the log-sum-exp) */

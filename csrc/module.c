@@ -827,6 +827,25 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyFloat_FromDouble(g);
 }
 
+/* read_bandwidth(seconds, threads, bytes) -> GB/s reading a buffer of that size */
+static PyObject *py_read_bandwidth(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "read_bandwidth";
+    if (expect_nargs(fn, nargs, 3)) return NULL;
+    double seconds;
+    long long threads, bytes;
+    if (get_double(fn, "seconds", args[0], 0.0, &seconds) ||
+        get_int(fn, "threads", args[1], 1, 4096, &threads) ||
+        get_int(fn, "bytes", args[2], 1 << 20, 1LL << 40, &bytes))
+        return NULL;
+    double g;
+    Py_BEGIN_ALLOW_THREADS
+    g = kernels_for(NPY_FLOAT32)->read_bandwidth(seconds, (int)threads, bytes);
+    Py_END_ALLOW_THREADS
+    if (g < 0) return PyErr_NoMemory();
+    return PyFloat_FromDouble(g);
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     long long n;
@@ -905,6 +924,8 @@ static PyMethodDef core_methods[] = {
      "exp(x, out): the vectorised exp of the kernels"},
     {"fma_peak", (PyCFunction)(void (*)(void))py_fma_peak, METH_FASTCALL,
      "fma_peak(double, seconds, threads) -> GFLOP/s of independent FMA chains"},
+    {"read_bandwidth", (PyCFunction)(void (*)(void))py_read_bandwidth, METH_FASTCALL,
+     "read_bandwidth(seconds, threads, bytes) -> GB/s reading a buffer of that size"},
     {"set_num_threads", (PyCFunction)(void (*)(void))py_set_num_threads, METH_FASTCALL,
      "set_num_threads(n)"},
     {"get_num_threads", (PyCFunction)(void (*)(void))py_get_num_threads, METH_FASTCALL,

@@ -88,6 +88,24 @@ def linear_backward(
     their gate is) in place. dht None means a zero cotangent; states what linear_forward kept
     (FORM_CHUNK), or None to recompute them. Other arguments as linear_forward."""
 
+def delta_forward(
+    q: _Float, k: _Float, v: _Float, g: Optional[_Float], beta: _Float, h0: Optional[_Float],
+    o: _Float, ht: Optional[_Float], cu: _Int64, form: int, chunk: int, scale: float, /,
+) -> None:
+    """The delta-rule engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in place.
+    q, k [B, T, H, K]; v [B, T, H, V]; g None (DeltaNet) or [B, T, H] (log decay per step);
+    beta [B, T, H]; h0 None or [N, H, K, V]; cu the int64 sequence offsets [N + 1]; form
+    FORM_PARALLEL, FORM_RECURRENT or FORM_CHUNK; chunk the chunk form's rows per block."""
+
+def delta_backward(
+    q: _Float, k: _Float, v: _Float, g: Optional[_Float], beta: _Float, h0: Optional[_Float],
+    do: _Float, dht: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,
+    dg: Optional[_Float], dbeta: _Float, dh0: Optional[_Float], cu: _Int64, form: int,
+    chunk: int, scale: float, /,
+) -> None:
+    """Writes dq, dk, dv, dbeta (and dg, dh0 when given; dg must be None exactly when g is)
+    in place. dht None means a zero cotangent. Other arguments as delta_forward."""
+
 def efficient_forward(q: _Float, k: _Float, v: _Float, o: _Float, cu_q: _Int64,
                       cu_k: _Int64, scale: float, /) -> None:
     """Efficient attention: writes o [B, Tq, H, V] in place; q [B, Tq, H, K], k [B, Tk, H, K],
@@ -107,6 +125,9 @@ def exp(x: _Float, out: _Float, /) -> None:
 
 def fma_peak(double: bool, seconds: float, threads: int, /) -> float:
     """GFLOP/s of independent FMA chains on `threads` threads: the machine's FMA peak."""
+
+def read_bandwidth(seconds: float, threads: int, bytes: int, /) -> float:
+    """GB/s reading a buffer of `bytes` on `threads` threads: the machine's read bandwidth."""
 
 def set_num_threads(n: int, /) -> None: ...
 def get_num_threads() -> int: ...

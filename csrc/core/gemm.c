@@ -295,3 +295,38 @@ static double PA_FN(fma_peak)(double seconds, int threads)
     (void)sink;
     return total_flops / elapsed * 1e-9;
 }
+
+/* GB/s of reading a `bytes` buffer (split evenly over `threads` threads, each touching its own
+ * part first) with vector loads, the best of repeated passes over about `seconds`: the
+ * machine's read bandwidth, the yardstick of the memory-bound benchmarks (a decode step).
+ * Returns -1 when the buffer cannot be allocated. */
+static double PA_FN(read_bandwidth)(double seconds, int threads, int64_t bytes)
+{
+    const int64_t n = bytes / (int64_t)sizeof(vreal) / threads * threads, per = n / threads;
+    vreal *buf = pa_alloc(sizeof(vreal) * (size_t)(n ? n : 1));
+    if (!buf) return -1;
+    volatile real sink = 0;
+#pragma omp parallel num_threads(threads)
+    for (int64_t i = pa_thread_id() * per, e = i + per; i < e; i++) buf[i] = PA_FN(vset)((real)1e-3);
+    double best = 0, start = pa_wtime();
+    do {
+        double t0 = pa_wtime();
+#pragma omp parallel num_threads(threads)
+        {
+            vreal a0 = PA_FN(vset)(0), a1 = a0, a2 = a0, a3 = a0;
+            const vreal *p = buf + pa_thread_id() * per;
+            for (int64_t i = 0; i + 4 <= per; i += 4) {
+                a0 += p[i];
+                a1 += p[i + 1];
+                a2 += p[i + 2];
+                a3 += p[i + 3];
+            }
+            sink = PA_FN(hsum)(a0 + a1 + a2 + a3);
+        }
+        double t = pa_wtime() - t0, gbs = (double)(per / 4 * 4) * threads * sizeof(vreal) / t * 1e-9;
+        if (gbs > best) best = gbs;
+    } while (pa_wtime() - start < seconds);
+    (void)sink;
+    free(buf);
+    return best;
+}

@@ -26,6 +26,7 @@ const pa_kernels PA_FN(pa_kernels) = {
     .gemm = PA_FN(gemm_entry),
     .exp = PA_FN(exp_entry),
     .fma_peak = PA_FN(fma_peak),
+    .read_bandwidth = PA_FN(read_bandwidth),
     .softmax_forward = PA_FN(softmax_forward),
     .softmax_backward = PA_FN(softmax_backward),
     .feature_map_forward = PA_FN(feature_map_forward),
