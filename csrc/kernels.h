@@ -139,14 +139,17 @@ typedef struct {
                            void *dq, void *dk, void *dv, void *dgk, void *dgv, void *dh0);
     /* The delta-rule engine (ops/delta_rule.c) over the linear engine's description (gk
      * PA_GATE_NONE or PA_GATE_SCALAR, gv PA_GATE_NONE): g NULL or [rows, H], beta [rows, H];
-     * h0, ht may be NULL (zero initial state; final state not wanted) */
+     * h0, ht may be NULL (zero initial state; final state not wanted); states as the linear
+     * engine's (pa_linear_kept_states) */
     int (*delta_forward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
-                         const void *g, const void *beta, const void *h0, void *o, void *ht);
-    /* dht, h0 may be NULL (zero); dg is NULL exactly when g is; dh0 may be NULL */
+                         const void *g, const void *beta, const void *h0, void *o, void *ht,
+                         void *states);
+    /* dht, h0 may be NULL (zero); dg is NULL exactly when g is; dh0 may be NULL; states: what
+     * a chunk forward kept, or NULL (then recomputed) */
     int (*delta_backward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
                           const void *g, const void *beta, const void *h0, const void *dout,
-                          const void *dht, void *dq, void *dk, void *dv, void *dg, void *dbeta,
-                          void *dh0);
+                          const void *dht, const void *states, void *dq, void *dk, void *dv,
+                          void *dg, void *dbeta, void *dh0);
     int (*efficient_forward)(const pa_efficient_desc *d, const void *q, const void *k,
                              const void *v, void *o);
     int (*efficient_backward)(const pa_efficient_desc *d, const void *q, const void *k,

@@ -499,6 +499,33 @@ static void kept_shape(const pa_linear_desc *d, npy_intp *shape)
     shape[2] = d->V;
 }
 
+/* A new array for the states a chunk forward keeps when `keep` is true, else None (a new
+ * reference either way; NULL with an exception set) */
+static PyObject *kept_states_new(const pa_linear_desc *d, PyObject *keep, int typenum)
+{
+    int want = PyObject_IsTrue(keep);
+    if (want < 0) return NULL;
+    if (!want || d->form != PA_FORM_CHUNK) Py_RETURN_NONE;
+    npy_intp kshape[3];
+    kept_shape(d, kshape);
+    return PyArray_SimpleNew(3, kshape, typenum);
+}
+
+/* The kept states given to a backward: None, or what a chunk forward of the same call kept */
+static int get_kept_states(const char *fn, const pa_linear_desc *d, PyObject *obj, int typenum,
+                           PyArrayObject **kept)
+{
+    *kept = NULL;
+    if (obj == Py_None) return 0;
+    if (d->form != PA_FORM_CHUNK) {
+        PyErr_Format(PyExc_ValueError, "%s(): kept states exist for the chunk form only", fn);
+        return -1;
+    }
+    npy_intp kshape[3];
+    kept_shape(d, kshape);
+    return (*kept = get_array(fn, "states", obj, typenum, 3, kshape, 0)) ? 0 : -1;
+}
+
 /* linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale) -> the states kept
  * for the backward (a new array; keep true and the chunk form), or None */
 static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -514,16 +541,8 @@ static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssi
     if (!(o = get_array(fn, "o", args[6], t, 4, oshape, 1)) ||
         optional_out(fn, "final_state", args[7], t, 4, sshape, &ht))
         return NULL;
-    int keep = PyObject_IsTrue(args[8]);
-    if (keep < 0) return NULL;
-    PyObject *states = Py_None;
-    if (keep && d.form == PA_FORM_CHUNK) {
-        npy_intp kshape[3];
-        kept_shape(&d, kshape);
-        if (!(states = PyArray_SimpleNew(3, kshape, t))) return NULL;
-    } else {
-        Py_INCREF(states);
-    }
+    PyObject *states = kept_states_new(&d, args[8], t);
+    if (!states) return NULL;
     const pa_kernels *K = kernels_for(t);
     void *kept = states == Py_None ? NULL : PyArray_DATA((PyArrayObject *)states);
     int rc;
@@ -554,15 +573,7 @@ static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ss
     npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
     if (!(dout = get_array(fn, "do", args[6], t, 4, oshape, 0))) return NULL;
     if (args[7] != Py_None && !(dht = get_array(fn, "dht", args[7], t, 4, sshape, 0))) return NULL;
-    if (args[8] != Py_None) {
-        npy_intp kshape[3];
-        kept_shape(&d, kshape);
-        if (d.form != PA_FORM_CHUNK) {
-            PyErr_Format(PyExc_ValueError, "%s(): kept states exist for the chunk form only", fn);
-            return NULL;
-        }
-        if (!(kept = get_array(fn, "states", args[8], t, 3, kshape, 0))) return NULL;
-    }
+    if (get_kept_states(fn, &d, args[8], t, &kept)) return NULL;
     if (!(dq = get_array(fn, "dq", args[9], t, 4, PyArray_DIMS(in[0]), 1)) ||
         !(dk = get_array(fn, "dk", args[10], t, 4, PyArray_DIMS(in[1]), 1)) ||
         !(dv = get_array(fn, "dv", args[11], t, 4, PyArray_DIMS(in[2]), 1)) ||
@@ -611,61 +622,71 @@ static int delta_desc(const char *fn, PyObject *const *a, PyObject *const *opt, 
     return (*beta = get_array(fn, "beta", a[4], *typenum, 3, bshape, 0)) ? 0 : -1;
 }
 
-/* delta_forward(q, k, v, g, beta, h0, o, ht, cu, form, chunk, scale) */
+/* delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale) -> the states kept
+ * for the backward (keep true and the chunk form), or None */
 static PyObject *py_delta_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "delta_forward";
-    if (expect_nargs(fn, nargs, 12)) return NULL;
+    if (expect_nargs(fn, nargs, 13)) return NULL;
     int t;
     PyArrayObject *in[6], *beta, *o, *ht;
     pa_linear_desc d;
-    if (delta_desc(fn, args, args + 8, &t, in, &beta, &d)) return NULL;
+    if (delta_desc(fn, args, args + 9, &t, in, &beta, &d)) return NULL;
     npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
     npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
     if (!(o = get_array(fn, "o", args[6], t, 4, oshape, 1)) ||
         optional_out(fn, "final_state", args[7], t, 4, sshape, &ht))
         return NULL;
+    PyObject *states = kept_states_new(&d, args[8], t);
+    if (!states) return NULL;
     const pa_kernels *K = kernels_for(t);
+    void *kept = states == Py_None ? NULL : PyArray_DATA((PyArrayObject *)states);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = K->delta_forward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
                           data_or_null(in[3]), PyArray_DATA(beta), data_or_null(in[5]),
-                          PyArray_DATA(o), ht ? PyArray_DATA(ht) : NULL);
+                          PyArray_DATA(o), ht ? PyArray_DATA(ht) : NULL, kept);
     Py_END_ALLOW_THREADS
-    return finish(rc);
+    if (rc != PA_OK) {
+        Py_DECREF(states);
+        return finish(rc);
+    }
+    return states;
 }
 
-/* delta_backward(q, k, v, g, beta, h0, do, dht, dq, dk, dv, dg, dbeta, dh0, cu, form, chunk,
- *                scale) */
+/* delta_backward(q, k, v, g, beta, h0, do, dht, states, dq, dk, dv, dg, dbeta, dh0, cu, form,
+ *                chunk, scale); states: what delta_forward kept, or None */
 static PyObject *py_delta_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "delta_backward";
-    if (expect_nargs(fn, nargs, 18)) return NULL;
+    if (expect_nargs(fn, nargs, 19)) return NULL;
     int t;
-    PyArrayObject *in[6], *beta, *dout, *dht = NULL, *dq, *dk, *dv, *dg = NULL, *dbeta, *dh0;
+    PyArrayObject *in[6], *beta, *dout, *dht = NULL, *kept = NULL, *dq, *dk, *dv, *dg = NULL,
+                                    *dbeta, *dh0;
     pa_linear_desc d;
-    if (delta_desc(fn, args, args + 14, &t, in, &beta, &d)) return NULL;
+    if (delta_desc(fn, args, args + 15, &t, in, &beta, &d)) return NULL;
     npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
     npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
     if (!(dout = get_array(fn, "do", args[6], t, 4, oshape, 0))) return NULL;
     if (args[7] != Py_None && !(dht = get_array(fn, "dht", args[7], t, 4, sshape, 0))) return NULL;
-    if (!(dq = get_array(fn, "dq", args[8], t, 4, PyArray_DIMS(in[0]), 1)) ||
-        !(dk = get_array(fn, "dk", args[9], t, 4, PyArray_DIMS(in[1]), 1)) ||
-        !(dv = get_array(fn, "dv", args[10], t, 4, PyArray_DIMS(in[2]), 1)) ||
-        !(dbeta = get_array(fn, "dbeta", args[12], t, 3, PyArray_DIMS(beta), 1)) ||
-        optional_out(fn, "dh0", args[13], t, 4, sshape, &dh0))
+    if (get_kept_states(fn, &d, args[8], t, &kept)) return NULL;
+    if (!(dq = get_array(fn, "dq", args[9], t, 4, PyArray_DIMS(in[0]), 1)) ||
+        !(dk = get_array(fn, "dk", args[10], t, 4, PyArray_DIMS(in[1]), 1)) ||
+        !(dv = get_array(fn, "dv", args[11], t, 4, PyArray_DIMS(in[2]), 1)) ||
+        !(dbeta = get_array(fn, "dbeta", args[13], t, 3, PyArray_DIMS(beta), 1)) ||
+        optional_out(fn, "dh0", args[14], t, 4, sshape, &dh0))
         return NULL;
-    if (!in[3] != (args[11] == Py_None)) {
+    if (!in[3] != (args[12] == Py_None)) {
         PyErr_Format(PyExc_ValueError, "%s(): argument 'dg' must be given exactly when 'g' is", fn);
         return NULL;
     }
-    if (in[3] && !(dg = get_array(fn, "dg", args[11], t, 3, PyArray_DIMS(beta), 1))) return NULL;
+    if (in[3] && !(dg = get_array(fn, "dg", args[12], t, 3, PyArray_DIMS(beta), 1))) return NULL;
     const pa_kernels *K = kernels_for(t);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = K->delta_backward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
                            data_or_null(in[3]), PyArray_DATA(beta), data_or_null(in[5]),
-                           PyArray_DATA(dout), data_or_null(dht), PyArray_DATA(dq),
+                           PyArray_DATA(dout), data_or_null(dht), data_or_null(kept), PyArray_DATA(dq),
                            PyArray_DATA(dk), PyArray_DATA(dv), dg ? PyArray_DATA(dg) : NULL,
                            PyArray_DATA(dbeta), dh0 ? PyArray_DATA(dh0) : NULL);
     Py_END_ALLOW_THREADS
@@ -905,11 +926,13 @@ static PyMethodDef core_methods[] = {
      "or [N, H, K, V]; o written; returns the states kept for linear_backward (keep true, "
      "chunk form) or None"},
     {"delta_forward", (PyCFunction)(void (*)(void))py_delta_forward, METH_FASTCALL,
-     "delta_forward(q, k, v, g, beta, h0, o, ht, cu, form, chunk, scale): the delta-rule "
-     "engine; g None or [B, T, H]; beta [B, T, H]; h0, ht None or [N, H, K, V]; o written"},
+     "delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale): the delta-rule "
+     "engine; g None or [B, T, H]; beta [B, T, H]; h0, ht None or [N, H, K, V]; o written; "
+     "returns the states kept for delta_backward (keep true, chunk form) or None"},
     {"delta_backward", (PyCFunction)(void (*)(void))py_delta_backward, METH_FASTCALL,
-     "delta_backward(q, k, v, g, beta, h0, do, dht, dq, dk, dv, dg, dbeta, dh0, cu, form, "
-     "chunk, scale): gradients written in place; dg None exactly when g is"},
+     "delta_backward(q, k, v, g, beta, h0, do, dht, states, dq, dk, dv, dg, dbeta, dh0, cu, "
+     "form, chunk, scale): gradients written in place; dg None exactly when g is; states: what "
+     "delta_forward kept, or None"},
     {"linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
      "linear_backward(q, k, v, gk, gv, h0, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, "
      "form, chunk, scale): gradients written in place; states: what linear_forward kept, or "

@@ -90,21 +90,25 @@ def linear_backward(
 
 def delta_forward(
     q: _Float, k: _Float, v: _Float, g: Optional[_Float], beta: _Float, h0: Optional[_Float],
-    o: _Float, ht: Optional[_Float], cu: _Int64, form: int, chunk: int, scale: float, /,
-) -> None:
-    """The delta-rule engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in place.
+    o: _Float, ht: Optional[_Float], keep: bool, cu: _Int64, form: int, chunk: int,
+    scale: float, /,
+) -> Optional[_Float]:
+    """The delta-rule engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in place;
+    returns the states kept for delta_backward (keep true and FORM_CHUNK, as linear_forward's),
+    else None.
     q, k [B, T, H, K]; v [B, T, H, V]; g None (DeltaNet) or [B, T, H] (log decay per step);
     beta [B, T, H]; h0 None or [N, H, K, V]; cu the int64 sequence offsets [N + 1]; form
     FORM_PARALLEL, FORM_RECURRENT or FORM_CHUNK; chunk the chunk form's rows per block."""
 
 def delta_backward(
     q: _Float, k: _Float, v: _Float, g: Optional[_Float], beta: _Float, h0: Optional[_Float],
-    do: _Float, dht: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,
+    do: _Float, dht: Optional[_Float], states: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,
     dg: Optional[_Float], dbeta: _Float, dh0: Optional[_Float], cu: _Int64, form: int,
     chunk: int, scale: float, /,
 ) -> None:
     """Writes dq, dk, dv, dbeta (and dg, dh0 when given; dg must be None exactly when g is)
-    in place. dht None means a zero cotangent. Other arguments as delta_forward."""
+    in place. dht None means a zero cotangent; states what delta_forward kept (FORM_CHUNK), or
+    None to recompute them. Other arguments as delta_forward."""
 
 def efficient_forward(q: _Float, k: _Float, v: _Float, o: _Float, cu_q: _Int64,
                       cu_k: _Int64, scale: float, /) -> None:

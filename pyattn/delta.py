@@ -42,7 +42,8 @@ class _DeltaEngine(_Engine):
         B, T, H, K = q.shape
         self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
         self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
-        _core.delta_forward(q, self.k, v, self.gk, self.beta, self.h0, self.o, self.ht, *self.opts)
+        self.states = _core.delta_forward(q, self.k, v, self.gk, self.beta, self.h0, self.o, self.ht,
+                                          keep, *self.opts)
         return self.o, self.ht
 
     def backward(self, do, dht):
@@ -52,7 +53,7 @@ class _DeltaEngine(_Engine):
         g["g"] = None if self.gk is None else np.empty_like(self.gk)
         g["h0"] = None if self.h0 is None else np.empty_like(self.h0)
         _core.delta_backward(self.q, self.k, self.v, self.gk, self.beta, self.h0, do, dht,
-                             g["q"], g["k"], g["v"], g["g"], g["beta"], g["h0"], *self.opts)
+                             self.states, g["q"], g["k"], g["v"], g["g"], g["beta"], g["h0"], *self.opts)
         return g
 
 

@@ -34,6 +34,7 @@
  */
 
 #define DR_SUB 16   /* rows of a diagonal block of the triangular solves */
+#define DR_TRI (2 * MR) /* row block of the triangular products: whole micro-tiles */
 #define DR_PIECE 64 /* recurrent backward: steps between kept states */
 
 typedef struct {
@@ -47,6 +48,8 @@ typedef struct {
     const pa_linear_desc *d;
     const real *q, *k, *v, *g, *beta, *h0, *dout, *dht;
     real *o, *ht, *dq, *dk, *dv, *dg, *dbeta, *dh0;
+    real *states;         /* chunk form: the kept states (forward: written; backward: read) */
+    const int64_t *first; /* their layout (la_slots) when given */
 } PA_FN(dr_call);
 
 static void PA_FN(dr_unit_of)(const PA_FN(dr_call) *c, int64_t unit, PA_FN(dr_unit) *u)
@@ -237,6 +240,46 @@ static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, 
     }
 }
 
+/* ---- products with a triangle, by DR_TRI-row blocks: about half a full GEMM's work, and a
+ * row reads no operand row its triangle does not reach, beyond its own block ---- */
+
+/* C = alpha L B + beta C for the l x l lower triangular L (leading dimension l, diagonal
+ * included); B and C rows of ldb and ldc. */
+static void PA_FN(dr_lower_product)(int64_t l, int64_t N, real alpha, const real *Lm,
+                                    const real *B, int64_t ldb, real beta, real *C, int64_t ldc,
+                                    real *work)
+{
+    for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
+        const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
+        PA_FN(gemm)(r1 - r0, N, r1, alpha, Lm + r0 * l, l, 1, B, ldb, 1, beta, C + r0 * ldc, ldc,
+                    work);
+    }
+}
+
+/* C = alpha L^T B + beta C, L as in dr_lower_product */
+static void PA_FN(dr_lower_t_product)(int64_t l, int64_t N, real alpha, const real *Lm,
+                                      const real *B, int64_t ldb, real beta, real *C,
+                                      int64_t ldc, real *work)
+{
+    for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
+        const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
+        PA_FN(gemm)(r1 - r0, N, l - r0, alpha, Lm + r0 * l + r0, 1, l, B + r0 * ldb, ldb, 1, beta,
+                    C + r0 * ldc, ldc, work);
+    }
+}
+
+/* The lower triangle (and the diagonal blocks whole) of C = alpha X Y^T, l x l of leading
+ * dimension l, X and Y l x D with rows of ldx and ldy; above the diagonal blocks C is not
+ * written. */
+static void PA_FN(dr_lower_gram)(int64_t l, int64_t D, real alpha, const real *X, int64_t ldx,
+                                 const real *Y, int64_t ldy, real *C, real *work)
+{
+    for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
+        const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
+        PA_FN(gemm)(r1 - r0, r1, D, alpha, X + r0 * ldx, ldx, 1, Y, 1, ldy, 0, C + r0 * l, l, work);
+    }
+}
+
 /* The block of rows c0 .. c0+l-1: G and its factors, beta, the decay mask Dm, the Gram
  * M = K K^T, A, and Z = [W | U]. */
 static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_FN(dr_scratch) *sc)
@@ -250,7 +293,7 @@ static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_F
         sc->bet[i] = u->beta[(c0 + i) * u->sg];
     }
     PA_FN(decay_mask)(sc->G, l, sc->Dm);
-    PA_FN(gemm)(l, l, K, 1, k, sk, 1, k, 1, sk, 0, sc->M, l, sc->work);
+    PA_FN(dr_lower_gram)(l, K, 1, k, sk, k, sk, sc->M, sc->work);
     for (int64_t i = 0; i < l; i++) {
         real *a = sc->A + i * l;
         const real *m = sc->M + i * l, *dm = sc->Dm + i * l;
@@ -277,25 +320,12 @@ static void PA_FN(dr_scores)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, dou
                              PA_FN(dr_scratch) *sc)
 {
     const real *q = u->q + c0 * u->sk, *k = u->k + c0 * u->sk;
-    PA_FN(gemm)(l, l, sc->K, (real)scale, q, u->sk, 1, k, 1, u->sk, 0, sc->P, l, sc->work);
+    PA_FN(dr_lower_gram)(l, sc->K, (real)scale, q, u->sk, k, u->sk, sc->P, sc->work);
     for (int64_t i = 0; i < l; i++) { /* by selection above: a later row's NaN stays there */
         real *p = sc->P + i * l;
         const real *dm = sc->Dm + i * l;
         for (int64_t j = 0; j <= i; j++) p[j] *= dm[j];
         for (int64_t j = i + 1; j < l; j++) p[j] = 0;
-    }
-}
-
-/* C (rows of ldc) = alpha L B + beta C for the l x l lower triangular L (diagonal included)
- * by row blocks, each reading only the rows of B its block of L reaches. */
-static void PA_FN(dr_lower_product)(int64_t l, int64_t N, real alpha, const real *Lm,
-                                    const real *B, int64_t ldb, real beta, real *C, int64_t ldc,
-                                    real *work)
-{
-    for (int64_t r0 = 0; r0 < l; r0 += DR_SUB) {
-        const int64_t r1 = r0 + DR_SUB < l ? r0 + DR_SUB : l;
-        PA_FN(gemm)(r1 - r0, N, r1, alpha, Lm + r0 * l, l, 1, B, ldb, 1, beta, C + r0 * ldc, ldc,
-                    work);
     }
 }
 
@@ -341,7 +371,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     for (int64_t i = 0; i < l; i++) dG[i] = 0;
 
     /* dV' = P^T dO + diag(lam) K dS' */
-    PA_FN(gemm)(l, V, l, 1, sc->P, 1, l, dO, sv, 1, 0, dVn, W, work);
+    PA_FN(dr_lower_t_product)(l, V, 1, sc->P, dO, sv, 0, dVn, W, work);
     PA_FN(gemm)(l, V, K, 1, k, sk, 1, dS, V, 1, 0, sc->Tv, V, work);
     for (int64_t i = 0; i < l; i++) PA_FN(axpy)(dVn + i * W, sc->Tv + i * V, V, sc->lam[i]);
 
@@ -351,7 +381,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         PA_FN(row_scale)(dq + i * sk, K, sc->gam[i]);
         dG[i] += PA_FN(dot)(q + i * sk, dq + i * sk, K);
     }
-    PA_FN(gemm)(l, l, V, 1, dO, sv, 1, sc->Vn, 1, V, 0, sc->E, l, work);
+    PA_FN(dr_lower_gram)(l, V, 1, dO, sv, sc->Vn, V, sc->E, work);
     for (int64_t i = 0; i < l; i++) {
         real *e = sc->E + i * l;
         const real *p = sc->P + i * l, *dm = sc->Dm + i * l;
@@ -364,7 +394,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         for (int64_t j = i + 1; j < l; j++) e[j] = 0;
     }
     PA_FN(dr_lower_product)(l, K, (real)scale, sc->E, k, sk, 1, dq, sk, work);
-    PA_FN(gemm)(l, K, l, (real)scale, sc->E, 1, l, q, sk, 1, 0, dk, sk, work);
+    PA_FN(dr_lower_t_product)(l, K, (real)scale, sc->E, q, sk, 0, dk, sk, work);
 
     /* the end state's terms: dk += diag(lam) V' dS'^T, and the gate's through lam and e^G_last */
     PA_FN(gemm)(l, K, V, 1, sc->Vn, V, 1, dS, 1, V, 0, sc->Tk, K, work);
@@ -393,7 +423,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
 
     /* [dX | dY] = (I + A)^-T [dW | dV'];  dA = -strictly-lower([dX | dY] Z^T) */
     PA_FN(dr_solve_upper)(sc->A, l, sc->R, W, work);
-    PA_FN(gemm)(l, l, W, -1, sc->R, W, 1, sc->Z, 1, W, 0, sc->E, l, work);
+    PA_FN(dr_lower_gram)(l, W, -1, sc->R, W, sc->Z, W, sc->E, work);
     /* A_ij = beta_i Dm_ij M_ij: beta's and the gate's terms, and dM (symmetrised, in P) */
     for (int64_t i = 0; i < l; i++) {
         const real *da = sc->E + i * l, *a = sc->A + i * l, *dm = sc->Dm + i * l, *m = sc->M + i * l;
@@ -446,7 +476,8 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
     const int64_t KV = d->K * d->V;
     PA_FN(dr_unit) u;
     PA_FN(dr_unit_of)(c, unit, &u);
-    real *S = c->ht ? c->ht + unit * KV : sc->S; /* h0 read and the final state written once */
+    /* h0 read and the final state written once, unless the states are kept */
+    real *S = c->states ? c->states + c->first[unit] * KV : c->ht ? c->ht + unit * KV : sc->S;
     if (!c->h0 || S != c->h0 + unit * KV) PA_FN(dr_load)(c->h0, unit, KV, S);
     if (d->form == PA_FORM_RECURRENT) {
         PA_FN(dr_recurrent)(&u, 0, u.T, d->scale, S, NULL, sc);
@@ -457,8 +488,13 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
         PA_FN(dr_block)(&u, c0, l, sc);
         PA_FN(dr_values)(l, S, sc);
         PA_FN(dr_output)(&u, c0, l, d->scale, S, sc);
+        if (c->states) {
+            memcpy(S + KV, S, sizeof(real) * KV);
+            S += KV;
+        }
         PA_FN(dr_state)(&u, c0, l, S, sc);
     }
+    if (c->states && c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
 }
 
 /* The backward of one unit: the states entering its blocks (or pieces), then one reverse
@@ -473,9 +509,9 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
     PA_FN(dr_unit) u;
     PA_FN(dr_unit_of)(c, unit, &u);
     const int64_t np = (u.T + P - 1) / P;
-    real *states = sc->states, *dS = sc->dS;
-    PA_FN(dr_load)(c->h0, unit, KV, states);
-    for (int64_t p = 0; p < np; p++) {
+    real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
+    if (!c->states) PA_FN(dr_load)(c->h0, unit, KV, states);
+    for (int64_t p = 0; !c->states && p < np; p++) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
         memcpy(S, S - KV, sizeof(real) * KV);
@@ -488,7 +524,7 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
         }
     }
     PA_FN(dr_load)(c->dht, unit, KV, dS);
-    real *trail = states + (np + 1) * KV; /* recurrent: a piece's states */
+    real *trail = sc->states + (np + 1) * KV; /* recurrent: a piece's states */
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         if (rec) {
@@ -503,7 +539,7 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }
 
-static int PA_FN(dr_run)(const PA_FN(dr_call) *c, int backward)
+static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
 {
     const pa_linear_desc *d = c->d;
     const int64_t units = d->nseq * d->H;
@@ -511,8 +547,11 @@ static int PA_FN(dr_run)(const PA_FN(dr_call) *c, int backward)
     const int rec = d->form == PA_FORM_RECURRENT;
     const int64_t L = rec ? 0 : pa_linear_block_rows(d), maxlen = pa_linear_max_len(d);
     const int64_t P = rec ? DR_PIECE : L;
-    /* backward: the state entering each block or piece and the last; recurrent: a piece's */
-    const int64_t nstates = backward ? (maxlen + P - 1) / P + 1 + (rec ? DR_PIECE + 1 : 0) : 0;
+    if (c->states && !(c->first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
+    /* backward without kept states: the state entering each block or piece and the last;
+     * recurrent: also a piece's states */
+    const int64_t nstates = !backward ? 0
+                            : (c->states ? 0 : (maxlen + P - 1) / P + 1) + (rec ? DR_PIECE + 1 : 0);
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);
     /* multiply-adds; a recurrent step streams its state through memory, so it weighs more */
     const double work = rec ? rows * KV * 8 : rows * (KV * 3 + (double)L * (2 * d->K + d->V));
@@ -532,25 +571,27 @@ static int PA_FN(dr_run)(const PA_FN(dr_call) *c, int backward)
         }
         if (ok) free(sc.block);
     }
+    free((void *)c->first);
     return failed ? PA_ENOMEM : PA_OK;
 }
 
 static int PA_FN(delta_forward)(const pa_linear_desc *d, const void *q, const void *k,
                                 const void *v, const void *g, const void *beta, const void *h0,
-                                void *o, void *ht)
+                                void *o, void *ht, void *states)
 {
     PA_FN(dr_call) c = {.d = d, .q = q, .k = k, .v = v, .g = g, .beta = beta, .h0 = h0,
-                        .o = o, .ht = ht};
+                        .o = o, .ht = ht, .states = d->form == PA_FORM_CHUNK ? states : NULL};
     return PA_FN(dr_run)(&c, 0);
 }
 
 static int PA_FN(delta_backward)(const pa_linear_desc *d, const void *q, const void *k,
                                  const void *v, const void *g, const void *beta, const void *h0,
-                                 const void *dout, const void *dht, void *dq, void *dk, void *dv,
-                                 void *dg, void *dbeta, void *dh0)
+                                 const void *dout, const void *dht, const void *states, void *dq,
+                                 void *dk, void *dv, void *dg, void *dbeta, void *dh0)
 {
     PA_FN(dr_call) c = {.d = d, .q = q, .k = k, .v = v, .g = g, .beta = beta, .h0 = h0,
                         .dout = dout, .dht = dht, .dq = dq, .dk = dk, .dv = dv, .dg = dg,
-                        .dbeta = dbeta, .dh0 = dh0};
+                        .dbeta = dbeta, .dh0 = dh0,
+                        .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
     return PA_FN(dr_run)(&c, 1);
 }
