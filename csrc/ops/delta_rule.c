@@ -243,12 +243,38 @@ static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, 
 /* ---- products with a triangle, by DR_TRI-row blocks: about half a full GEMM's work, and a
  * row reads no operand row its triangle does not reach, beyond its own block ---- */
 
+/* Whether the l x N rows of B (of ldb) are all finite: x * 0 is NaN exactly when x is not. */
+static int PA_FN(dr_finite)(int64_t l, int64_t N, const real *B, int64_t ldb)
+{
+    vreal z = PA_FN(vset)(0);
+    for (int64_t i = 0; i < l; i++) {
+        int64_t c = 0;
+        for (; c + VL <= N; c += VL) z += PA_FN(vload)(B + i * ldb + c) * 0;
+        if (c < N) z += PA_FN(vload_part)(B + i * ldb + c, (int)(N - c), 0) * 0;
+    }
+    const real t = PA_FN(hsum)(z);
+    return t == t;
+}
+
 /* C = alpha L B + beta C for the l x l lower triangular L (leading dimension l, diagonal
- * included); B and C rows of ldb and ldc. */
+ * included); B and C rows of ldb and ldc. A row block's GEMM also multiplies the zeros above
+ * its diagonal with later rows of B, and 0 * NaN would carry a non-finite later row to rows
+ * that cannot see it: when B has one, every row sums only the rows it sees. */
 static void PA_FN(dr_lower_product)(int64_t l, int64_t N, real alpha, const real *Lm,
                                     const real *B, int64_t ldb, real beta, real *C, int64_t ldc,
                                     real *work)
 {
+    if (!PA_FN(dr_finite)(l, N, B, ldb)) {
+        for (int64_t i = 0; i < l; i++) {
+            real *c = C + i * ldc;
+            if (beta == 0)
+                memset(c, 0, sizeof(real) * N);
+            else
+                PA_FN(row_scale)(c, N, beta);
+            for (int64_t j = 0; j <= i; j++) PA_FN(axpy)(c, B + j * ldb, N, alpha * Lm[i * l + j]);
+        }
+        return;
+    }
     for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
         const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
         PA_FN(gemm)(r1 - r0, N, r1, alpha, Lm + r0 * l, l, 1, B, ldb, 1, beta, C + r0 * ldc, ldc,
