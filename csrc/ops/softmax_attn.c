@@ -21,6 +21,11 @@
  * the work splits into key-block items (dK, dV) and query-block items (dQ, recomputing P and
  * dP). Every dQ tile is added in the same order in both schemes, so the result is the same
  * bits for any thread count.
+ *
+ * Non-finite values follow the float64 formula over each query's visible keys: a NaN or +inf
+ * score (or visible scores all -inf) makes the row NaN, and a key the query cannot see never
+ * reaches it. Masks are therefore applied by selection (never by adding -inf or multiplying
+ * by 0), and the GEMMs of partially masked tiles keep 0 * NaN out (sm_add_nonfinite_rows).
  */
 
 #define SM_BQ 96     /* forward query block: a multiple of every NR and MR */
