@@ -31,6 +31,9 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
         raise ValueError(f"{fn}(): head dims must be >= 1, got Dk={Dk}, Dv={Dv}")
     if alibi is not None and alibi.shape != (H,):
         raise ValueError(f"{fn}(): 'alibi_slopes' must have shape ({H},), got {alibi.shape}")
+    if alibi is not None and not np.all(np.isfinite(alibi)):
+        # a NaN slope would make every score of its head NaN: a silent dead head, or NaN rows
+        raise ValueError(f"{fn}(): 'alibi_slopes' must be finite, got {alibi}")
     V.form(fn, form, FORMS)
     if window is None:
         left, right = -1, -1
@@ -83,14 +86,17 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
     With ``i' = i + Tk - Tq`` (bottom-right alignment, as flash-attn), key j is visible iff
     ``(not causal or j <= i')`` and (``i' - left <= j <= i' + right`` for ``window=(left,
     right)``, -1 unbounded, or ``j < sinks``). A query with no visible key gets ``o = 0`` and
-    ``lse = -inf``.
+    ``lse = -inf``. NaN and inf propagate as in the float64 formula: a NaN or +inf score, or
+    visible scores that are all -inf, make the query's row of ``o`` and its ``lse`` NaN; a
+    non-finite value in a row of q, k or v (or of the cotangents) reaches only the outputs
+    and gradients that depend on it, never a query that cannot see that key.
     ``cu_seqlens`` (B must be 1) packs sequences of equal query and key lengths;
     ``cu_seqlens_q``/``cu_seqlens_k`` (flash-attn's names) pack them separately.
     Forms: ``"flash"`` (tiled online softmax, never Tq x Tk memory), ``"parallel"``
     (materialised scores), ``"recurrent"`` (keys streamed one by one, the decode form).
     Returns ``o [B, Tq, H, Dv]``, or ``(o, lse)`` with ``return_lse=True``, ``lse [B, Tq, H]``
-    the natural-log log-sum-exp of the scores. ``alibi_slopes [H]`` is a constant: it gets no
-    gradient.
+    the natural-log log-sum-exp of the scores. ``alibi_slopes [H]`` (finite) is a constant: it
+    gets no gradient.
     """
     q, k, v, opts = _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap,
                              cu_seqlens, cu_seqlens_q, cu_seqlens_k, form)

@@ -161,13 +161,16 @@ static inline real PA_FN(dot)(const real *x, const real *y, int64_t n)
     return r;
 }
 
-/* x = softmax(x) over its n entries, in place */
+/* x = softmax(x) over its n entries, in place. A NaN or +inf entry, or all entries -inf,
+ * give NaN everywhere, as exp(x - max x) does in float64: row_max skips NaN, but then
+ * exp(NaN - m), exp(inf - inf) and the sum are NaN; never a silent 0. */
 static inline void PA_FN(softmax_inplace)(real *x, int64_t n)
 {
     PA_FN(row_scale)(x, n, 1 / PA_FN(row_exp_sum)(x, n, PA_FN(row_max)(x, n)));
 }
 
-/* dx = alpha y (dy - y.dy): the softmax's backward from its output y (dx may be y) */
+/* dx = alpha y (dy - y.dy): the softmax's backward from its output y (dx may be y); a NaN in
+ * y or dy reaches every dx through y.dy */
 static inline void PA_FN(softmax_vjp)(const real *y, const real *dy, real *dx, int64_t n,
                                       real alpha)
 {

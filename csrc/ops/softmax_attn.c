@@ -21,6 +21,11 @@
  * the work splits into key-block items (dK, dV) and query-block items (dQ, recomputing P and
  * dP). Every dQ tile is added in the same order in both schemes, so the result is the same
  * bits for any thread count.
+ *
+ * Non-finite values follow the float64 formula over each query's visible keys: a NaN or +inf
+ * score (or visible scores all -inf) makes the row NaN, and a key the query cannot see never
+ * reaches it. Masks are therefore applied by selection (never by adding -inf or multiplying
+ * by 0), and the GEMMs of partially masked tiles keep 0 * NaN out (sm_add_nonfinite_rows).
  */
 
 #define SM_BQ 96     /* forward query block: a multiple of every NR and MR */
@@ -30,16 +35,59 @@
 #define SM_DECODE_KB 64  /* keys per block of the decode path */
 
 /* Keys visible to the query at bottom-right-aligned position ip: the window [lo, hi]
- * (empty when hi < lo) and the sinks [0, shi). */
+ * (empty when hi < lo) and the sinks [0, shi). Written so that no sum overflows for any
+ * window or sinks value up to INT64_MAX: a bound beyond the keys is compared, never added. */
 static inline void PA_FN(sm_bounds)(const pa_softmax_desc *d, int64_t ip, int64_t tk,
                                     int64_t *lo, int64_t *hi, int64_t *shi)
 {
     int64_t chi = d->causal ? (ip < tk - 1 ? ip : tk - 1) : tk - 1;
-    int64_t l = d->window_left < 0 ? 0 : ip - d->window_left;
-    int64_t h = d->window_right < 0 ? chi : ip + d->window_right;
-    *lo = l < 0 ? 0 : l;
-    *hi = h < chi ? h : chi;
+    int64_t wl = d->window_left, wr = d->window_right;
+    *lo = wl < 0 || wl >= ip ? 0 : ip - wl;
+    *hi = wr < 0 || wr >= chi - ip ? chi : ip + wr;
     *shi = d->sinks < chi + 1 ? d->sinks : chi + 1;
+}
+
+/* The keys of [j0, j1) visible to the query at ip, relative to j0: the sinks [r[0][0],
+ * r[0][1]), then the window [r[1][0], r[1][1]), in order and disjoint, either maybe empty. */
+static inline void PA_FN(sm_row_ranges)(const pa_softmax_desc *d, int64_t ip, int64_t tk,
+                                        int64_t j0, int64_t j1, int64_t r[2][2])
+{
+    int64_t lo, hi, shi;
+    PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
+    int64_t sinks_end = shi < j0 ? j0 : shi < j1 ? shi : j1;
+    int64_t start = lo > sinks_end ? lo : sinks_end;
+    start = start < j1 ? start : j1;
+    int64_t end = hi + 1 < start ? start : hi + 1 < j1 ? hi + 1 : j1;
+    r[0][0] = 0;
+    r[0][1] = sinks_end - j0;
+    r[1][0] = start - j0;
+    r[1][1] = end - j0;
+}
+
+/* x[c * stride] = value for the c in [0, n) outside the ranges r (as sm_row_ranges gives). */
+static inline void PA_FN(sm_fill_hidden)(real *x, int64_t stride, int64_t n,
+                                         const int64_t r[2][2], real value)
+{
+    int64_t c = 0;
+    for (int s = 0; s < 2; s++) {
+        for (; c < r[s][0]; c++) x[c * stride] = value;
+        c = c > r[s][1] ? c : r[s][1];
+    }
+    for (; c < n; c++) x[c * stride] = value;
+}
+
+/* 1 when the n values at x are all finite: x - x is 0 for finite x, NaN for inf and NaN. */
+static inline int PA_FN(sm_all_finite)(const real *x, int64_t n)
+{
+    vreal acc = PA_FN(vset)(0);
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        vreal v = PA_FN(vload)(x + i);
+        acc += v - v;
+    }
+    real sum = PA_FN(hsum)(acc);
+    for (; i < n; i++) sum += x[i] - x[i];
+    return sum == 0;
 }
 
 #define SM_HIDDEN 0
@@ -85,8 +133,9 @@ static inline real PA_FN(sm_slope)(const pa_softmax_desc *d, int64_t h)
 }
 
 /* In-place score transform of a tile of bq queries (at ip0..) by bk keys (at j0..), the
- * score of query r and key c at S[r * rs + c * cs]: masked scores become -inf; with softcap,
- * dcap (if not NULL, same layout) receives the derivative of the cap. */
+ * score of query r and key c at S[r * rs + c * cs]: masked scores become -inf, by selection
+ * (a NaN score of a key the query cannot see is replaced, not carried); with softcap, dcap
+ * (if not NULL, same layout) receives the derivative of the cap at the visible scores. */
 static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *S, int64_t rs,
                                      int64_t cs, int64_t bq, int64_t bk, int64_t ip0,
                                      int64_t j0, int64_t tk, int visibility, real *dcap)
@@ -94,17 +143,16 @@ static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *
     real slope = PA_FN(sm_slope)(d, h);
     int plain = d->softcap <= 0 && !d->alibi;
     for (int64_t r = 0; r < bq; r++) {
-        int64_t ip = ip0 + r, lo, hi, shi;
-        PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
-        for (int64_t c = 0; c < bk; c++) {
-            int64_t j = j0 + c;
-            real *x = S + r * rs + c * cs;
-            if (visibility != SM_VISIBLE && !((j >= lo && j <= hi) || j < shi))
-                *x = -(real)INFINITY;
-            else if (!plain)
-                *x = PA_FN(sm_score)(*x, d->softcap, slope, ip - j,
-                                     dcap ? dcap + r * rs + c * cs : NULL);
+        int64_t ip = ip0 + r, rg[2][2] = {{0, 0}, {0, bk}};
+        if (visibility != SM_VISIBLE) {
+            PA_FN(sm_row_ranges)(d, ip, tk, j0, j0 + bk, rg);
+            PA_FN(sm_fill_hidden)(S + r * rs, cs, bk, rg, -(real)INFINITY);
         }
+        for (int s = 0; s < 2 && !plain; s++)
+            for (int64_t c = rg[s][0]; c < rg[s][1]; c++)
+                S[r * rs + c * cs] = PA_FN(sm_score)(S[r * rs + c * cs], d->softcap, slope,
+                                                     ip - j0 - c,
+                                                     dcap ? dcap + r * rs + c * cs : NULL);
     }
 }
 
@@ -121,7 +169,10 @@ static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *
 typedef struct {
     const real *x; /* what is packed: [rows, heads, D] */
     real *data;
-    int64_t *offset; /* [nseq * heads] */
+    int64_t *offset; /* [nseq * heads + 1] */
+    /* [2 * nseq * heads], or NULL when not asked for: per (sequence, head), rows [first, end)
+     * hold every row with a non-finite value (first = end when none); see sm_bad_rows */
+    int64_t *nonfinite;
     int64_t D;
     int queries, layout;
 } PA_FN(sm_packed);
@@ -130,8 +181,10 @@ static void PA_FN(sm_packed_free)(PA_FN(sm_packed) * pk)
 {
     free(pk->data);
     free(pk->offset);
+    free(pk->nonfinite);
     pk->data = NULL;
     pk->offset = NULL;
+    pk->nonfinite = NULL;
 }
 
 static inline int64_t PA_FN(sm_pack_heads)(const PA_FN(sm_packed) * pk, const pa_softmax_desc *d)
@@ -144,9 +197,10 @@ static inline const int64_t *PA_FN(sm_pack_cu)(const PA_FN(sm_packed) * pk, cons
     return pk->queries ? d->cu_q : d->cu_k;
 }
 
-/* Lays out and allocates a packing of x (filled later by sm_pack_fill); 0 if out of memory. */
+/* Lays out and allocates a packing of x (filled later by sm_pack_fill, which also finds its
+ * non-finite rows when find_nonfinite); 0 if out of memory. */
 static int PA_FN(sm_pack_alloc)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d, const real *x,
-                                int64_t D, int queries, int layout)
+                                int64_t D, int queries, int layout, int find_nonfinite)
 {
     pk->x = x;
     pk->D = D;
@@ -155,7 +209,11 @@ static int PA_FN(sm_pack_alloc)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d,
     const int64_t nseq = d->nseq, heads = PA_FN(sm_pack_heads)(pk, d);
     const int64_t *cu = PA_FN(sm_pack_cu)(pk, d);
     pk->offset = malloc(sizeof(int64_t) * (nseq * heads + 1));
-    if (!pk->offset) return 0;
+    pk->nonfinite = find_nonfinite ? malloc(sizeof(int64_t) * (2 * nseq * heads + 1)) : NULL;
+    if (!pk->offset || (find_nonfinite && !pk->nonfinite)) {
+        PA_FN(sm_packed_free)(pk);
+        return 0;
+    }
     int64_t total = 0;
     for (int64_t u = 0; u < nseq * heads; u++) {
         int64_t t = cu[u / heads + 1] - cu[u / heads];
@@ -164,6 +222,7 @@ static int PA_FN(sm_pack_alloc)(PA_FN(sm_packed) * pk, const pa_softmax_desc *d,
                  : layout == SM_B_ROWS  ? PA_FN(packed_b_elems)(t, D)
                                         : PA_FN(packed_a_elems)(t, D);
     }
+    pk->offset[nseq * heads] = total;
     pk->data = pa_alloc(sizeof(real) * (total + 1));
     if (!pk->data) {
         PA_FN(sm_packed_free)(pk);
@@ -195,7 +254,38 @@ static void PA_FN(sm_pack_fill)(PA_FN(sm_packed) * const *pks, int count, const 
             PA_FN(pack_b)(len, D, X, heads * D, 1, dst);
         else
             PA_FN(pack_a)(len, D, X, heads * D, 1, dst);
+        if (pk->nonfinite) {
+            /* one pass over the packing just written (in cache); rows only if it fails */
+            int64_t first = 0, end = 0;
+            if (!PA_FN(sm_all_finite)(dst, pk->offset[u + 1] - pk->offset[u])) {
+                while (PA_FN(sm_all_finite)(X + first * heads * D, D)) first++;
+                end = len;
+                while (PA_FN(sm_all_finite)(X + (end - 1) * heads * D, D)) end--;
+            }
+            pk->nonfinite[2 * u] = first;
+            pk->nonfinite[2 * u + 1] = end;
+        }
     }
+}
+
+/* The rows [a, b) of (sequence n, head hd) that may hold non-finite values, as [*lo, *hi)
+ * relative to a; 0 when there are none. */
+static inline int PA_FN(sm_bad_rows)(const PA_FN(sm_packed) * pk, const pa_softmax_desc *d,
+                                     int64_t n, int64_t hd, int64_t a, int64_t b, int64_t *lo,
+                                     int64_t *hi)
+{
+    const int64_t *r = pk->nonfinite + 2 * (n * PA_FN(sm_pack_heads)(pk, d) + hd);
+    *lo = (r[0] > a ? r[0] : a) - a;
+    *hi = (r[1] < b ? r[1] : b) - a;
+    return *lo < *hi;
+}
+
+/* Row p (of the sequence) of (sequence n, head hd) of what pk packs, unpacked. */
+static inline const real *PA_FN(sm_raw_row)(const PA_FN(sm_packed) * pk, const pa_softmax_desc *d,
+                                            int64_t n, int64_t hd, int64_t p)
+{
+    const int64_t heads = PA_FN(sm_pack_heads)(pk, d);
+    return pk->x + ((PA_FN(sm_pack_cu)(pk, d)[n] + p) * heads + hd) * pk->D;
 }
 
 /* The packed operand of rows j0.. (keys or queries) of (sequence n, head hd); *stride gets
@@ -241,7 +331,8 @@ static void PA_FN(sm_scores)(const pa_softmax_desc *d, int64_t n, int64_t h,
 
 typedef struct {
     real *S, *O, *m, *l, *dP, *dcap, *dK, *dV, *work;
-    int64_t lds; /* leading dimension of S */
+    real *finite_b; /* a tile's B operand without its non-finite rows (sm_pack_finite_rows) */
+    int64_t lds;    /* leading dimension of S */
 } PA_FN(sm_scratch);
 
 static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
@@ -255,11 +346,13 @@ static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
     free(s->dK);
     free(s->dV);
     free(s->work);
+    free(s->finite_b);
 }
 
 /* Per-thread buffers for tiles of bq queries x bk keys: forward S^T [bk x lds] (lds = bq
  * rounded up to MR, zeroed: the GEMM reads whole panels), O, m, l; backward S [bq x bk], dP,
- * dK, dV (and dcap with softcap). Returns 0 when an allocation failed (all freed then). */
+ * dK, dV (and dcap with softcap); both a B operand of the tile's keys or queries. Returns 0
+ * when an allocation failed (all freed then). */
 static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc *d, int64_t bq,
                                    int64_t bk, int backward)
 {
@@ -273,7 +366,8 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
         s->m = pa_alloc(sizeof(real) * bq);
         s->l = pa_alloc(sizeof(real) * bq);
         s->dP = pa_alloc(sizeof(real) * 2 * s->lds); /* the new and the finite column maxima */
-        ok = ok && s->O && s->m && s->l && s->dP;
+        s->finite_b = pa_alloc(sizeof(real) * PA_FN(packed_b_elems)(bk, d->Dv));
+        ok = ok && s->O && s->m && s->l && s->dP && s->finite_b;
     } else {
         /* workspace of the GEMMs that pack an operand: dV, dQ and dK (bk x D x bq shapes) */
         int64_t D = d->Dk > d->Dv ? d->Dk : d->Dv;
@@ -282,7 +376,9 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
         s->dP = pa_alloc(sizeof(real) * bq * bk);
         s->dK = pa_alloc(sizeof(real) * bk * d->Dk);
         s->dV = pa_alloc(sizeof(real) * bk * d->Dv);
-        ok = ok && s->work && s->dP && s->dK && s->dV;
+        int64_t b1 = PA_FN(packed_b_elems)(bk, d->Dk), b2 = PA_FN(packed_b_elems)(bq, D);
+        s->finite_b = pa_alloc(sizeof(real) * (b1 > b2 ? b1 : b2));
+        ok = ok && s->work && s->dP && s->dK && s->dV && s->finite_b;
         if (d->softcap > 0) {
             s->dcap = pa_alloc(sizeof(real) * bq * bk);
             ok = ok && s->dcap;
@@ -304,17 +400,78 @@ static inline void PA_FN(sm_raise_max)(real *m, real *l, real *acc, int64_t Dv, 
     }
 }
 
-/* o = acc / l and lse = m + log l, or 0 and -inf for a query that saw no key. */
+/* 1 when the query at ip sees some key of its sequence of tk keys. */
+static inline int PA_FN(sm_sees_keys)(const pa_softmax_desc *d, int64_t ip, int64_t tk)
+{
+    int64_t rg[2][2];
+    PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, rg);
+    return rg[0][1] > 0 || rg[1][1] > rg[1][0];
+}
+
+/* o = acc / l and lse = m + log l; 0 and -inf for a query that sees no key. Otherwise l is
+ * NaN (a NaN or +inf score: exp(NaN - m), exp(inf - inf)) or 0 (every score -inf), and the
+ * softmax is NaN, as the oracle's exp(s - max s) makes it: never a silent 0. */
 static inline void PA_FN(sm_write_row)(real *orow, real *lse, const real *acc, int64_t Dv,
-                                       real m, real l)
+                                       real m, real l, int sees_keys)
 {
     if (l > 0) {
         real inv = 1 / l;
         for (int64_t c = 0; c < Dv; c++) orow[c] = acc[c] * inv;
         *lse = m + (real)log((double)l);
     } else {
-        memset(orow, 0, sizeof(real) * Dv);
-        *lse = -(real)INFINITY;
+        real fill = sees_keys ? (real)NAN : 0;
+        for (int64_t c = 0; c < Dv; c++) orow[c] = fill;
+        *lse = sees_keys ? (real)NAN : -(real)INFINITY;
+    }
+}
+
+/* A partially masked tile multiplies exact zeros (the pairs a query cannot see) into its B
+ * operand, and 0 * inf = 0 * NaN = NaN would carry a key's (a query's) non-finite value to
+ * the queries (keys) that cannot see it: a NaN in the future of a causal row, or the garbage
+ * past the end of a KV cache. Tested per tile in O(1) against the rows sm_pack_fill found
+ * when it packed the operand, so finite inputs pay one pass over each operand per call.
+ * Such a tile's GEMM takes the B operand with those rows set to 0 (every output that does
+ * not see them gets the same bits as with a finite input), and sm_add_nonfinite_rows adds
+ * the rows' products with the visible pairs by hand. */
+
+/* Packs rows [0, n) of B (ldb apart, D features) as a B operand (bps = n * NR) into dst,
+ * the rows of [lo, hi) that are not finite set to 0. */
+static void PA_FN(sm_pack_finite_rows)(int64_t n, int64_t D, const real *B, int64_t ldb,
+                                       int64_t lo, int64_t hi, real *dst)
+{
+    PA_FN(pack_b)(n, D, B, ldb, 1, dst);
+    for (int64_t p = lo; p < hi; p++)
+        if (!PA_FN(sm_all_finite)(B + p * ldb, D))
+            for (int64_t jr = 0; jr < D; jr += NR)
+                memset(dst + jr * n + p * NR, 0, sizeof(real) * NR);
+}
+
+/* C += alpha A(r, c) B(row) over the visible pairs (query r, key c) of the tile of bq queries
+ * at ip0.. by w keys at j0.. (A(r, c) = A[r * ars + c * acs]), for the rows of B in [lo, hi)
+ * that are not finite. B's rows are the tile's queries (query_rows; C's rows its keys) or
+ * its keys (C's rows its queries). */
+static void PA_FN(sm_add_nonfinite_rows)(const pa_softmax_desc *d, int64_t ip0, int64_t bq,
+                                         int64_t j0, int64_t w, int64_t tk, const real *A,
+                                         int64_t ars, int64_t acs, const real *B, int64_t ldb,
+                                         int64_t D, int64_t lo, int64_t hi, int query_rows,
+                                         real alpha, real *C, int64_t ldc)
+{
+    for (int64_t p = lo; p < hi; p++) {
+        const real *b = B + p * ldb;
+        if (PA_FN(sm_all_finite)(b, D)) continue;
+        int64_t rg[2][2];
+        if (query_rows) {
+            PA_FN(sm_row_ranges)(d, ip0 + p, tk, j0, j0 + w, rg);
+            for (int s = 0; s < 2; s++)
+                for (int64_t c = rg[s][0]; c < rg[s][1]; c++)
+                    PA_FN(axpy)(C + c * ldc, b, D, alpha * A[p * ars + c * acs]);
+            continue;
+        }
+        for (int64_t r = 0; r < bq; r++) {
+            PA_FN(sm_row_ranges)(d, ip0 + r, tk, j0, j0 + w, rg);
+            if ((p >= rg[0][0] && p < rg[0][1]) || (p >= rg[1][0] && p < rg[1][1]))
+                PA_FN(axpy)(C + r * ldc, b, D, alpha * A[r * ars + p * acs]);
+        }
     }
 }
 
@@ -351,13 +508,22 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_pac
             msafe[r] = m[r] == -(real)INFINITY ? 0 : m[r];
         }
         for (int64_t c = 0; c < bk; c++) PA_FN(vec_exp_sub_acc)(ST + c * lds, msafe, l, bq);
-        int64_t bps;
+        int64_t bps, lo, hi;
         const real *Vb = PA_FN(sm_packed_at)(Vp, d, n, kh, j0, &bps);
-        PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, Vb, bps, 1, O, Dv);
+        if (vis == SM_PARTIAL && PA_FN(sm_bad_rows)(Vp, d, n, kh, j0, j1, &lo, &hi)) {
+            const real *V = PA_FN(sm_raw_row)(Vp, d, n, kh, j0);
+            PA_FN(sm_pack_finite_rows)(bk, Dv, V, Hk * Dv, lo, hi, s->finite_b);
+            PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, s->finite_b, bk * NR, 1, O, Dv);
+            PA_FN(sm_add_nonfinite_rows)(d, i0 + off, bq, j0, bk, tk, ST, 1, lds, V, Hk * Dv, Dv,
+                                         lo, hi, 0, 1, O, Dv);
+        } else {
+            PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, Vb, bps, 1, O, Dv);
+        }
     }
     for (int64_t r = 0; r < bq; r++) {
         const int64_t row = (q0 + i0 + r) * H + h;
-        PA_FN(sm_write_row)(o + row * Dv, lse + row, O + r * Dv, Dv, m[r], l[r]);
+        PA_FN(sm_write_row)(o + row * Dv, lse + row, O + r * Dv, Dv, m[r], l[r],
+                            PA_FN(sm_sees_keys)(d, i0 + r + off, tk));
     }
 }
 
@@ -372,22 +538,22 @@ static void PA_FN(sm_forward_row)(const pa_softmax_desc *d, const real *q, const
     const int64_t kh = h / (H / Hk);
     const real *qi = q + ((q0 + i) * H + h) * Dk;
     real slope = PA_FN(sm_slope)(d, h), m = -(real)INFINITY, l = 0;
-    int64_t lo, hi, shi;
-    PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
+    int64_t ranges[2][2];
+    PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, ranges);
     memset(acc, 0, sizeof(real) * Dv);
-    const int64_t ranges[2][2] = {{0, shi}, {lo > shi ? lo : shi, hi + 1}};
     for (int rg = 0; rg < 2; rg++)
     for (int64_t j = ranges[rg][0]; j < ranges[rg][1]; j++) {
         const real *kj = k + ((k0 + j) * Hk + kh) * Dk, *vj = v + ((k0 + j) * Hk + kh) * Dv;
         real x = PA_FN(sm_score)((real)d->scale * PA_FN(dot)(qi, kj, Dk), d->softcap, slope,
                                  ip - j, NULL);
         PA_FN(sm_raise_max)(&m, &l, acc, Dv, x);
-        real p = (real)exp((double)x - (double)m);
+        /* m = -inf only while every score so far is -inf: exp(-inf - -inf) would be NaN */
+        real p = (real)exp((double)x - (m == -(real)INFINITY ? 0 : (double)m));
         l += p;
         PA_FN(axpy)(acc, vj, Dv, p);
     }
     const int64_t row = (q0 + i) * H + h;
-    PA_FN(sm_write_row)(o + row * Dv, lse + row, acc, Dv, m, l);
+    PA_FN(sm_write_row)(o + row * Dv, lse + row, acc, Dv, m, l, PA_FN(sm_sees_keys)(d, ip, tk));
 }
 
 /* The K/V rows of one head are Hk * D apart, a stride the hardware prefetcher does not run
@@ -418,9 +584,8 @@ static void PA_FN(sm_forward_group)(const pa_softmax_desc *d, const real *q, con
         l[g] = 0;
     }
     memset(acc, 0, sizeof(real) * G * Dv);
-    int64_t lo, hi, shi;
-    PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
-    const int64_t ranges[2][2] = {{0, shi}, {lo > shi ? lo : shi, hi + 1}};
+    int64_t ranges[2][2];
+    PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, ranges);
     for (int rg = 0; rg < 2; rg++)
         for (int64_t jb = ranges[rg][0]; jb < ranges[rg][1]; jb += KB) {
             const int64_t nb = ranges[rg][1] - jb < KB ? ranges[rg][1] - jb : KB;
@@ -435,7 +600,8 @@ static void PA_FN(sm_forward_group)(const pa_softmax_desc *d, const real *q, con
             }
             for (int64_t g = 0; g < G; g++) {
                 PA_FN(sm_raise_max)(m + g, l + g, acc + g * Dv, Dv, PA_FN(row_max)(S + g * KB, nb));
-                l[g] += PA_FN(row_exp_sum)(S + g * KB, nb, m[g]);
+                /* m = -inf only while every score so far is -inf (see sm_forward_row) */
+                l[g] += PA_FN(row_exp_sum)(S + g * KB, nb, m[g] == -(real)INFINITY ? 0 : m[g]);
             }
             for (int64_t c = 0; c < nb; c++) {
                 const real *vj = v + ((k0 + jb + c) * Hk + kh) * Dv;
@@ -446,7 +612,8 @@ static void PA_FN(sm_forward_group)(const pa_softmax_desc *d, const real *q, con
         }
     for (int64_t g = 0; g < G; g++) {
         const int64_t row = (q0 + i) * H + kh * G + g;
-        PA_FN(sm_write_row)(o + row * Dv, lse + row, acc + g * Dv, Dv, m[g], l[g]);
+        PA_FN(sm_write_row)(o + row * Dv, lse + row, acc + g * Dv, Dv, m[g], l[g],
+                            PA_FN(sm_sees_keys)(d, ip, tk));
     }
 }
 
@@ -511,9 +678,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     PA_FN(sm_packed) *const packs[] = {&Qp, &Kp, &Vp};
     const int npacks = tiled ? 3 : 0;
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
-    if (!first || (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS) &&
-                               PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS) &&
-                               PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, 0, SM_B_ROWS)))) {
+    if (!first || (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS, 0) &&
+                               PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS, 0) &&
+                               PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, 0, SM_B_ROWS, 1)))) {
         free(first);
         PA_FN(sm_packed_free)(&Qp);
         PA_FN(sm_packed_free)(&Kp);
@@ -576,63 +743,97 @@ static void PA_FN(sm_bwd_packs_free)(PA_FN(sm_bwd_packs) * pk)
 
 /* One backward tile: queries i0..i0+bq-1 of head h against the key block [j0, j0+bk) of
  * sequence n. With dK/dV (not NULL: the block's accumulators, row 0 = key j0) adds the tile's
- * dK and dV; with_dq adds its dQ into dq. */
-static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const real *q,
-                                    const PA_FN(sm_bwd_packs) * pk, const real *lse,
-                                    const real *dout, const real *Drow, real *dq, int with_dq,
+ * dK and dV; with_dq adds its dQ into dq. In a partially masked tile P and dS are 0 at the
+ * pairs a query cannot see by selection (a NaN LSE, dP or D would reach them otherwise), and
+ * the products with non-finite rows of dO, K or Q go as sm_add_nonfinite_rows explains. */
+static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd_packs) * pk,
+                                    const real *lse, const real *Drow, real *dq, int with_dq,
                                     real *dK, real *dV, int64_t n, int64_t h, int64_t i0,
                                     int64_t bq, int64_t j0, int64_t bk, PA_FN(sm_scratch) * s)
 {
     const int64_t H = d->H, Dk = d->Dk, Dv = d->Dv, kh = h / (H / d->Hk), lds = s->lds;
     const int64_t q0 = d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
-    const int64_t off = tk - (d->cu_q[n + 1] - q0);
+    const int64_t off = tk - (d->cu_q[n + 1] - q0), ip0 = i0 + off;
     const real scale = (real)d->scale;
     real *S = s->S, *dP = s->dP;
-    int64_t ja, jb, vt_bps, k_bps, do_ars;
-    int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, j0, j0 + bk, tk, NR, &ja, &jb);
+    int64_t ja, jb, vt_bps, k_bps, do_ars, lo, hi;
+    int vis = PA_FN(sm_block_keys)(d, ip0, ip0 + bq - 1, j0, j0 + bk, tk, NR, &ja, &jb);
     if (vis == SM_HIDDEN) return;
+    const int partial = vis == SM_PARTIAL;
     const int64_t w = jb - ja; /* the keys ja..jb-1 this query block may see */
     const real *VT = PA_FN(sm_packed_at)(&pk->VT, d, n, kh, ja, &vt_bps);
     const real *dOp = PA_FN(sm_packed_at)(&pk->dO, d, n, h, i0, &do_ars);
-    const real *Q = q + ((q0 + i0) * H + h) * Dk;
-    const real *dO = dout + ((q0 + i0) * H + h) * Dv;
+    const real *Q = PA_FN(sm_raw_row)(&pk->Q, d, n, h, i0);
+    const real *dO = PA_FN(sm_raw_row)(&pk->dO, d, n, h, i0);
     PA_FN(sm_scores)(d, n, h, &pk->Q, &pk->KT, 0, S, lds, i0, bq, ja, w, off, tk, vis, s->dcap);
     for (int64_t r = 0; r < bq; r++) {
         real L = lse[(q0 + i0 + r) * H + h];
-        if (L == -(real)INFINITY)
+        if (L == -(real)INFINITY) {
             memset(S + r * lds, 0, sizeof(real) * w);
-        else
-            PA_FN(row_exp_sum)(S + r * lds, w, L);
+            continue;
+        }
+        PA_FN(row_exp_sum)(S + r * lds, w, L);
+        if (partial && L - L != 0) { /* a NaN row: exp(-inf - NaN) is NaN at hidden pairs too */
+            int64_t rg[2][2];
+            PA_FN(sm_row_ranges)(d, ip0 + r, tk, ja, jb, rg);
+            PA_FN(sm_fill_hidden)(S + r * lds, 1, w, rg, 0);
+        }
     }
-    if (dV)
+    if (dV && partial && PA_FN(sm_bad_rows)(&pk->dO, d, n, h, i0, i0 + bq, &lo, &hi)) {
+        PA_FN(sm_pack_finite_rows)(bq, Dv, dO, H * Dv, lo, hi, s->finite_b);
+        PA_FN(gemm_packed_b)(w, Dv, bq, 1, S, 1, lds, s->finite_b, bq * NR, 1, dV + (ja - j0) * Dv,
+                             Dv, s->work);
+        PA_FN(sm_add_nonfinite_rows)(d, ip0, bq, ja, w, tk, S, lds, 1, dO, H * Dv, Dv, lo, hi, 1,
+                                     1, dV + (ja - j0) * Dv, Dv);
+    } else if (dV) {
         PA_FN(gemm)(w, Dv, bq, 1, S, 1, lds, dO, H * Dv, 1, 1, dV + (ja - j0) * Dv, Dv, s->work);
+    }
     PA_FN(gemm_packed_ab)(bq, w, Dv, 1, dOp, do_ars, MR, VT, vt_bps, 0, dP, lds);
     for (int64_t r = 0; r < bq; r++) {
         real Dr = Drow[(q0 + i0 + r) * H + h];
         real *pr = S + r * lds, *dpr = dP + r * lds;
         if (s->dcap) {
             const real *dcr = s->dcap + r * lds;
-            for (int64_t c = 0; c < w; c++)
-                dpr[c] = pr[c] == 0 ? 0 : pr[c] * (dpr[c] - Dr) * dcr[c];
+            for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr) * dcr[c];
         } else {
             for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr);
         }
+        if (partial) { /* dS = 0 where hidden, whatever dP and D hold (dcap is unset there) */
+            int64_t rg[2][2];
+            PA_FN(sm_row_ranges)(d, ip0 + r, tk, ja, jb, rg);
+            PA_FN(sm_fill_hidden)(dpr, 1, w, rg, 0);
+        }
     }
     if (with_dq) {
+        real *dQ = dq + ((q0 + i0) * H + h) * Dk;
         const real *Kp = PA_FN(sm_packed_at)(&pk->K, d, n, kh, ja, &k_bps);
-        PA_FN(gemm_packed_b)(bq, Dk, w, scale, dP, lds, 1, Kp, k_bps, 1,
-                             dq + ((q0 + i0) * H + h) * Dk, H * Dk, s->work);
+        if (partial && PA_FN(sm_bad_rows)(&pk->K, d, n, kh, ja, jb, &lo, &hi)) {
+            const real *K = PA_FN(sm_raw_row)(&pk->K, d, n, kh, ja);
+            PA_FN(sm_pack_finite_rows)(w, Dk, K, d->Hk * Dk, lo, hi, s->finite_b);
+            PA_FN(gemm_packed_b)(bq, Dk, w, scale, dP, lds, 1, s->finite_b, w * NR, 1, dQ, H * Dk,
+                                 s->work);
+            PA_FN(sm_add_nonfinite_rows)(d, ip0, bq, ja, w, tk, dP, lds, 1, K, d->Hk * Dk, Dk, lo,
+                                         hi, 0, scale, dQ, H * Dk);
+        } else {
+            PA_FN(gemm_packed_b)(bq, Dk, w, scale, dP, lds, 1, Kp, k_bps, 1, dQ, H * Dk, s->work);
+        }
     }
-    if (dK)
+    if (dK && partial && PA_FN(sm_bad_rows)(&pk->Q, d, n, h, i0, i0 + bq, &lo, &hi)) {
+        PA_FN(sm_pack_finite_rows)(bq, Dk, Q, H * Dk, lo, hi, s->finite_b);
+        PA_FN(gemm_packed_b)(w, Dk, bq, scale, dP, 1, lds, s->finite_b, bq * NR, 1,
+                             dK + (ja - j0) * Dk, Dk, s->work);
+        PA_FN(sm_add_nonfinite_rows)(d, ip0, bq, ja, w, tk, dP, lds, 1, Q, H * Dk, Dk, lo, hi, 1,
+                                     scale, dK + (ja - j0) * Dk, Dk);
+    } else if (dK) {
         PA_FN(gemm)(w, Dk, bq, scale, dP, 1, lds, Q, H * Dk, 1, 1, dK + (ja - j0) * Dk, Dk,
                     s->work);
+    }
 }
 
 /* dK and dV of the key block [j0, j0+bk) of (sequence n, KV head kh), over every query of its
  * heads; with_dq also adds the block's share of dQ. */
-static void PA_FN(sm_backward_keys)(const pa_softmax_desc *d, const real *q,
-                                    const PA_FN(sm_bwd_packs) * pk, const real *lse,
-                                    const real *dout, const real *Drow, real *dq, int with_dq,
+static void PA_FN(sm_backward_keys)(const pa_softmax_desc *d, const PA_FN(sm_bwd_packs) * pk,
+                                    const real *lse, const real *Drow, real *dq, int with_dq,
                                     real *dk, real *dv, int64_t n, int64_t kh, int64_t j0,
                                     int64_t bk, int64_t bqmax, PA_FN(sm_scratch) * s)
 {
@@ -642,8 +843,8 @@ static void PA_FN(sm_backward_keys)(const pa_softmax_desc *d, const real *q,
     memset(s->dV, 0, sizeof(real) * bk * Dv);
     for (int64_t h = kh * group; h < (kh + 1) * group; h++)
         for (int64_t i0 = 0; i0 < tq; i0 += bqmax)
-            PA_FN(sm_backward_tile)(d, q, pk, lse, dout, Drow, dq, with_dq, s->dK, s->dV, n, h,
-                                    i0, tq - i0 < bqmax ? tq - i0 : bqmax, j0, bk, s);
+            PA_FN(sm_backward_tile)(d, pk, lse, Drow, dq, with_dq, s->dK, s->dV, n, h, i0,
+                                    tq - i0 < bqmax ? tq - i0 : bqmax, j0, bk, s);
     for (int64_t c = 0; c < bk; c++) {
         memcpy(dk + ((k0 + j0 + c) * Hk + kh) * Dk, s->dK + c * Dk, sizeof(real) * Dk);
         memcpy(dv + ((k0 + j0 + c) * Hk + kh) * Dv, s->dV + c * Dv, sizeof(real) * Dv);
@@ -669,9 +870,8 @@ static void PA_FN(sm_backward_unit_recurrent)(const pa_softmax_desc *d, const re
             real *dqi = dq + row * Dk;
             real L = lse[row], Dr = Drow[row];
             if (L == -(real)INFINITY) continue;
-            int64_t lo, hi, shi;
-            PA_FN(sm_bounds)(d, ip, tk, &lo, &hi, &shi);
-            const int64_t ranges[2][2] = {{0, shi}, {lo > shi ? lo : shi, hi + 1}};
+            int64_t ranges[2][2];
+            PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, ranges);
             for (int rg = 0; rg < 2; rg++)
             for (int64_t j = ranges[rg][0]; j < ranges[rg][1]; j++) {
                 const int64_t krow = (k0 + j) * Hk + kh;
@@ -712,11 +912,11 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     int64_t *first_k = malloc(sizeof(int64_t) * (nseq + 1)), *first_q = malloc(sizeof(int64_t) * (nseq + 1));
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
     if (!Drow || !first_k || !first_q ||
-        (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS) &&
-                    PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS) &&
-                    PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS) &&
-                    PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS) &&
-                    PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS)))) {
+        (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS, 1) &&
+                    PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS, 0) &&
+                    PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS, 1) &&
+                    PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS, 0) &&
+                    PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS, 1)))) {
         free(Drow);
         free(first_k);
         free(first_q);
@@ -755,8 +955,8 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
             for (int64_t u = 0; u < nseq * Hk; u++) {
                 int64_t n = u / Hk, tk = d->cu_k[n + 1] - d->cu_k[n];
                 for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
-                    PA_FN(sm_backward_keys)(d, q, &pk, lse, dout, Drow, dq, 1, dk, dv, n, u % Hk,
-                                            j0, tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
+                    PA_FN(sm_backward_keys)(d, &pk, lse, Drow, dq, 1, dk, dv, n, u % Hk, j0,
+                                            tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
             }
         } else if (tiled) {
             int64_t n = 0;
@@ -766,7 +966,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
                 PA_FN(sm_item)(first_k, t, Hk, 0, &n, &kh, &b);
                 int64_t tk = d->cu_k[n + 1] - d->cu_k[n], j0 = b * bkmax;
                 if (ok)
-                    PA_FN(sm_backward_keys)(d, q, &pk, lse, dout, Drow, dq, 0, dk, dv, n, kh, j0,
+                    PA_FN(sm_backward_keys)(d, &pk, lse, Drow, dq, 0, dk, dv, n, kh, j0,
                                             tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
             }
             n = 0;
@@ -777,8 +977,8 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
                 int64_t tq = d->cu_q[n + 1] - d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
                 int64_t i0 = b * bqmax, bq = tq - i0 < bqmax ? tq - i0 : bqmax;
                 for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
-                    PA_FN(sm_backward_tile)(d, q, &pk, lse, dout, Drow, dq, 1, NULL, NULL, n, h,
-                                            i0, bq, j0, tk - j0 < bkmax ? tk - j0 : bkmax, &s);
+                    PA_FN(sm_backward_tile)(d, &pk, lse, Drow, dq, 1, NULL, NULL, n, h, i0, bq, j0,
+                                            tk - j0 < bkmax ? tk - j0 : bkmax, &s);
             }
         }
         if (ok && tiled) PA_FN(sm_scratch_free)(&s);
