@@ -50,13 +50,20 @@
 #define LA_TRI (2 * MR) /* row block of the triangular products */
 #define LA_PIECE 64   /* rows of a backward piece in the recurrent and parallel forms */
 #define LA_FACTOR 20  /* the most log decay (per channel) a block's vector gate is factored over */
+/* A step's log gate below -LA_RESET counts as -LA_RESET. exp underflows to exactly 0 below
+ * -745.2 in double and -104 in float, so such a step still resets the state exactly, as
+ * exp(-inf) does in the recurrence; but a gate of -inf no longer makes the cumulative sums
+ * -inf (whose differences are NaN), and one of -1e30 no longer absorbs the later steps' gates
+ * in them. The gradient of a clamped step is 0, as exp's is there. */
+#define LA_RESET 1024
 
 typedef struct {
     int kind;         /* PA_GATE_* */
     int64_t D;        /* K or V */
     const real *G;    /* vector: L x D inclusive cumulative gate of the block, as hi + lo */
     int64_t lo;       /* vector: G + lo holds the lo parts (the sum is kept in double) */
-    const double *Gs; /* scalar: L of them, in double so G_i - G_j keeps its digits */
+    const double *Gs, *Gl; /* scalar: L of them as hi + lo doubles (la_sum2), so G_i - G_j
+                            * keeps its digits */
     const real *Dm;   /* scalar: L x L, e^(G_i - G_j) on and below the diagonal, 0 above */
     const real *Ep, *Em; /* vector, factored: L x D, e^(G_i - G_0) and e^(G_0 - G_i); else NULL */
 } PA_FN(la_side);
@@ -66,8 +73,9 @@ typedef struct {
     int64_t L;
     real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
     real *Ek, *Ev;        /* 2 x L x K, 2 x L x V: a factored vector gate's Ep then Em */
-    double *Gs;           /* L */
-    double *acc;          /* K + V: running sums in double */
+    double *Gs;           /* 2 x L: a scalar gate's cumulative sums, hi then lo parts */
+    double *acc;          /* 2 x (K + V): running sums in double (hi, lo pairs) */
+    int64_t *rows;        /* L: the non-finite rows of a triangular product's operand */
     real *X, *Y, *Tm, *U; /* L x W each */
     real *A, *B, *M;      /* L x L each */
     real *S, *dS;         /* K x V each */
@@ -91,17 +99,31 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       L * W * r, L * W * r,
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
-                      L * dbl, (K + V) * dbl};
+                      2 * L * dbl, 2 * (K + V) * dbl, L * sizeof(int64_t)};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
                             (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
                             (void **)&s->deck, (void **)&s->decv,
                             (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
-                            (void **)&s->acc};
+                            (void **)&s->acc, (void **)&s->rows};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     return s->block != NULL;
+}
+
+/* ---- cumulative gates ---- */
+
+/* g clamped at -LA_RESET; NaN stays NaN */
+static inline double PA_FN(la_step)(double g) { return g < -LA_RESET ? -LA_RESET : g; }
+
+/* (hi, lo) += x, lo collecting the rounding error of hi (Knuth's TwoSum): a cumulative gate
+ * keeps the digits of small steps that follow large ones. */
+static inline void PA_FN(la_sum2)(double *hi, double *lo, double x)
+{
+    const double s = *hi + x, b = s - *hi;
+    *lo += (*hi - (s - b)) + (x - b);
+    *hi = s;
 }
 
 /* ---- vector helpers: y = beta y + alpha x e^(ga - gb), a NULL exponent counting as 0 ---- */
@@ -157,10 +179,16 @@ static inline real PA_FN(la_dot_gated)(const real *x, const real *y, const real 
 /* The factor f_i of row i of a block: e^G_i (to_end = 0) or e^(G_{L-1} - G_i) (to_end = 1).
  * la_row_scalar is it for a scalar gate (1 otherwise); la_row_exps the exponent pair of a
  * vector gate (NULL, NULL otherwise). */
+/* G_i - G_j of a scalar side from its hi and lo parts; j < 0: G_i */
+static inline double PA_FN(la_gs)(const PA_FN(la_side) *s, int64_t i, int64_t j)
+{
+    return j < 0 ? s->Gs[i] + s->Gl[i] : (s->Gs[i] - s->Gs[j]) + (s->Gl[i] - s->Gl[j]);
+}
+
 static inline real PA_FN(la_row_scalar)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i)
 {
     if (s->kind != PA_GATE_SCALAR) return 1;
-    return (real)exp(to_end ? s->Gs[L - 1] - s->Gs[i] : s->Gs[i]);
+    return (real)exp(to_end ? PA_FN(la_gs)(s, L - 1, i) : PA_FN(la_gs)(s, i, -1));
 }
 
 static inline void PA_FN(la_row_exps)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i,
@@ -230,7 +258,7 @@ static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
     for (int64_t d = 0; d < s->D; d++)
         f[d] = s->kind == PA_GATE_VECTOR   ? (real)exp((double)s->G[(L - 1) * s->D + d] +
                                                    s->G[s->lo + (L - 1) * s->D + d])
-               : s->kind == PA_GATE_SCALAR ? (real)exp(s->Gs[L - 1])
+               : s->kind == PA_GATE_SCALAR ? (real)exp(PA_FN(la_gs)(s, L - 1, -1))
                                            : 1;
 }
 
@@ -257,19 +285,65 @@ static void PA_FN(la_rows_mul)(const real *X, int64_t ldx, const real *E, int64_
         }
 }
 
-/* Z (rows of ldz) = beta Z + alpha W U over the triangle of W: rows i of W up to i
- * (trans = 0, W lower), or W^T, rows j from j (trans = 1); U packed in sc->Bp (L x D). */
-static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *W, int trans,
-                                  real beta, real *Z, int64_t ldz, PA_FN(la_scratch) *sc)
+/* The rows of U (L x D) holding a NaN or an infinity, in order, into rows; returns their count */
+static int64_t PA_FN(la_nonfinite_rows)(const real *U, int64_t ldu, int64_t L, int64_t D,
+                                        int64_t *rows)
 {
+    int64_t n = 0;
+    for (int64_t i = 0; i < L; i++) {
+        vreal z = PA_FN(vset)(0); /* x * 0 is NaN exactly when x is not finite */
+        for (int64_t d = 0; d < D; d += VL) z += PA_FN(la_ld)(U + i * ldu + d, D - d) * 0;
+        const real t = PA_FN(hsum)(z);
+        if (t != t) rows[n++] = i;
+    }
+    return n;
+}
+
+/* Row p of pack_b(L, D, U, ldu, 1, Bp): U's (zero = 0) or zeros (zero = 1) */
+static void PA_FN(la_repack_row)(real *Bp, int64_t L, int64_t D, const real *U, int64_t ldu,
+                                 int64_t p, int zero)
+{
+    for (int64_t c = 0; c < D; c++)
+        Bp[c / NR * L * NR + p * NR + c % NR] = zero ? 0 : U[p * ldu + c];
+}
+
+/* Z (rows of ldz) = beta Z + alpha W U over the triangle of W: rows i of W up to i
+ * (trans = 0, W lower), or W^T, rows j from j (trans = 1); U is L x D, packed here into sc->Bp.
+ * A row block's GEMM also multiplies the zeros above the diagonal of its diagonal block, and
+ * 0 * NaN or 0 * inf would carry a non-finite row of U to the rows that cannot see it. So the
+ * packing looks for non-finite rows (one pass over U), and a block that meets one inside its
+ * diagonal block runs with those rows zeroed in the packing, then adds them to the rows that
+ * see them. Finite rows take the one GEMM per block, and the rows that cannot see a non-finite
+ * one get the same bits as in a run without it: the zeroed terms are exact zeros either way. */
+static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *W, int trans,
+                                  real beta, real *Z, int64_t ldz, const real *U, int64_t ldu,
+                                  PA_FN(la_scratch) *sc)
+{
+    PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
+    const int64_t nbad = PA_FN(la_nonfinite_rows)(U, ldu, L, D, sc->rows);
+    int64_t b = 0; /* the first non-finite row not before the block */
     for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
-        int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
+        const int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
+        while (b < nbad && sc->rows[b] < i0) b++;
+        /* rows [lo, hi) of U reach rows of the block that cannot see them */
+        const int64_t lo = trans ? i0 : i0 + 1, hi = trans ? i1 - 1 : i1;
+        int64_t b1 = b;
+        for (; b1 < nbad && sc->rows[b1] < hi; b1++)
+            if (sc->rows[b1] >= lo) PA_FN(la_repack_row)(sc->Bp, L, D, U, ldu, sc->rows[b1], 1);
         if (trans)
             PA_FN(gemm_packed_b)(i1 - i0, D, L - i0, alpha, W + i0 * L + i0, 1, L,
                                  sc->Bp + i0 * NR, L * NR, beta, Z + i0 * ldz, ldz, sc->work);
         else
             PA_FN(gemm_packed_b)(i1 - i0, D, i1, alpha, W + i0 * L, L, 1, sc->Bp, L * NR, beta,
                                  Z + i0 * ldz, ldz, sc->work);
+        for (int64_t r = b; r < b1; r++) {
+            const int64_t p = sc->rows[r];
+            if (p < lo) continue;
+            PA_FN(la_repack_row)(sc->Bp, L, D, U, ldu, p, 0);
+            /* trans = 0: rows p .. i1-1 see U_p through W_ip; trans = 1: rows i0 .. p through W_pj */
+            for (int64_t i = trans ? i0 : p; i < (trans ? p + 1 : i1); i++)
+                PA_FN(axpy)(Z + i * ldz, U + p * ldu, D, alpha * (trans ? W[p * L + i] : W[i * L + p]));
+        }
     }
 }
 
@@ -376,12 +450,11 @@ static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, cons
 {
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR) {
-        PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
-        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), trans, 1, Z, ldz, sc);
+        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), trans, 1, Z, ldz, U,
+                              ldu, sc);
     } else if (s->Ep) { /* e^(G_i - G_j) = e^(G_i - G_0) e^(G_0 - G_j): U's side, then Z's */
         PA_FN(la_rows_mul)(U, ldu, trans ? s->Ep : s->Em, L, D, 0, sc->U, D);
-        PA_FN(pack_b)(L, D, sc->U, D, 1, sc->Bp);
-        PA_FN(la_tri_product)(L, D, alpha, W, trans, 0, sc->Tm, D, sc);
+        PA_FN(la_tri_product)(L, D, alpha, W, trans, 0, sc->Tm, D, sc->U, D, sc);
         PA_FN(la_rows_mul)(sc->Tm, D, trans ? s->Em : s->Ep, L, D, 1, Z, ldz);
     } else {
         PA_FN(la_apply_sub)(s, L, alpha, W, trans, U, ldu, Z, ldz, sc);
@@ -425,18 +498,20 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
     u->dgv = dgv ? dgv + ov : NULL;
 }
 
-/* G (L x D) = the inclusive cumulative sum of g's rows, summed in double and stored as
- * hi + lo parts (lo at G + lo); acc: D doubles of scratch. */
+/* G (L x D) = the inclusive cumulative sum of g's clamped rows (la_step), summed as
+ * double hi + lo pairs (la_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
+ * doubles of scratch. */
 static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, real *G,
                                   int64_t lo, double *acc)
 {
-    for (int64_t j = 0; j < D; j++) acc[j] = 0;
+    double *acc_lo = acc + D;
+    for (int64_t j = 0; j < D; j++) acc[j] = acc_lo[j] = 0;
     for (int64_t i = 0; i < L; i++)
         for (int64_t j = 0; j < D; j++) {
-            acc[j] += g[i * ldg + j];
+            PA_FN(la_sum2)(acc + j, acc_lo + j, PA_FN(la_step)(g[i * ldg + j]));
             real hi = (real)acc[j];
             G[i * D + j] = hi;
-            G[lo + i * D + j] = (real)(acc[j] - hi);
+            G[lo + i * D + j] = (real)((acc[j] - hi) + acc_lo[j]);
         }
 }
 
@@ -473,14 +548,18 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
     const pa_linear_desc *d = u->d;
     const int64_t K = d->K, V = d->V;
     *ks = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk, .lo = sc->L * K, .Gs = sc->Gs,
-                           .Dm = sc->Dm};
+                           .Gl = sc->Gs + sc->L, .Dm = sc->Dm};
     *vs = (PA_FN(la_side)){.kind = d->gv, .D = V, .G = sc->Gv, .lo = sc->L * V};
     if (d->gk == PA_GATE_SCALAR) {
-        double acc = 0;
-        for (int64_t i = 0; i < L; i++) sc->Gs[i] = acc += u->gk[(c0 + i) * u->sg];
+        double hi = 0, lo = 0;
+        for (int64_t i = 0; i < L; i++) {
+            PA_FN(la_sum2)(&hi, &lo, PA_FN(la_step)(u->gk[(c0 + i) * u->sg]));
+            sc->Gs[i] = hi;
+            sc->Gs[sc->L + i] = lo;
+        }
         for (int64_t i = 0; products && i < L; i++) {
             real *row = sc->Dm + i * L;
-            for (int64_t j = 0; j <= i; j++) row[j] = (real)(sc->Gs[i] - sc->Gs[j]);
+            for (int64_t j = 0; j <= i; j++) row[j] = (real)PA_FN(la_gs)(ks, i, j);
             PA_FN(exp_array)(row, row, i + 1);
             for (int64_t j = i + 1; j < L; j++) row[j] = 0;
         }
@@ -709,18 +788,31 @@ static void PA_FN(la_gate_bound)(const pa_linear_desc *d, const real *Sb, const 
         for (int64_t j = 0; j < V; j++) acc[K + j] += (double)Sb[i * V + j] * dSb[i * V + j];
 }
 
+/* dg = 0 where the step's gate was clamped (la_step): n rows of D at stride ld */
+static void PA_FN(la_clamped_grads)(const real *g, real *dg, int64_t n, int64_t D, int64_t ld)
+{
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < D; i++)
+            if (g[t * ld + i] < -LA_RESET) dg[t * ld + i] = 0;
+}
+
 /* The gates' gradients of rows r0 .. r0+n-1 of a unit, a piece whose boundary terms are in acc
  * (la_gate_bound), from the off-diagonal parts of its dq, dk (and of o, in dgv, and dv). */
 static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n, double *acc)
 {
     const pa_linear_desc *d = u->d;
     const int64_t sk = u->sk, sv = u->sv;
-    if (d->gk != PA_GATE_NONE)
-        PA_FN(la_gate_cumsum)(n, d->K, d->gk == PA_GATE_VECTOR, u->q + r0 * sk, u->dq + r0 * sk,
-                              u->k + r0 * sk, u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc);
-    if (d->gv != PA_GATE_NONE)
+    if (d->gk != PA_GATE_NONE) {
+        const int vec = d->gk == PA_GATE_VECTOR;
+        PA_FN(la_gate_cumsum)(n, d->K, vec, u->q + r0 * sk, u->dq + r0 * sk, u->k + r0 * sk,
+                              u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc);
+        PA_FN(la_clamped_grads)(u->gk + r0 * u->sg, u->dgk + r0 * u->sg, n, vec ? d->K : 1, u->sg);
+    }
+    if (d->gv != PA_GATE_NONE) {
         PA_FN(la_gate_cumsum)(n, d->V, 1, u->dgv + r0 * sv, u->dout + r0 * sv, u->v + r0 * sv,
                               u->dv + r0 * sv, sv, u->dgv + r0 * sv, sv, acc + d->K);
+        PA_FN(la_clamped_grads)(u->gv + r0 * sv, u->dgv + r0 * sv, n, d->V, sv);
+    }
 }
 
 /* ---- drivers ---- */
