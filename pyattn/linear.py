@@ -104,6 +104,15 @@ def _gate(fn, name, g, shape):
     return g
 
 
+def _log_gate(fn, name, g):
+    """A log-space gate must be <= 0 (a decay); NaN passes, to propagate as NaN."""
+    if g is not None and np.any(g > 0):
+        idx = tuple(int(i) for i in np.argwhere(g > 0)[0])
+        raise ValueError(f"{fn}(): '{name}' is a log-space decay and must be <= 0 (or -inf, a full reset), "
+                         f"got {g[idx]!r} at index {idx}")
+    return g
+
+
 def _per_head(fn, name, x, H):
     if x is not None and x.shape != (H,):
         raise ValueError(f"{fn}(): '{name}' must have shape ({H},), got {x.shape}")
@@ -121,8 +130,8 @@ def _gated(fn, q, k, v, g, vector, gv, scale, initial_state, output_final_state,
     arrs, _ = _qkv(fn, q, k, v, ("gv",), g=g, gv=gv, initial_state=initial_state)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     B, T, H, K = q.shape
-    _gate(fn, "g", arrs["g"], q.shape if vector else q.shape[:3])
-    _gate(fn, "gv", arrs["gv"], v.shape)
+    _log_gate(fn, "g", _gate(fn, "g", arrs["g"], q.shape if vector else q.shape[:3]))
+    _log_gate(fn, "gv", _gate(fn, "gv", arrs["gv"], v.shape))
     cu, N = _sequences(fn, B, T, cu_seqlens)
     scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
     return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
@@ -216,17 +225,19 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
 def _retention_decay(H, gamma):
     if gamma is None:
         gamma = 1.0 - 2.0 ** (-5.0 - np.arange(H))
-    elif np.any(~(gamma > 0)) or np.any(gamma > 1):
-        raise ValueError(f"retention(): 'gamma' must lie in (0, 1], got {gamma.tolist()}")
+    elif np.any(gamma < 0) or np.any(gamma > 1):
+        raise ValueError(f"retention(): 'gamma' must lie in [0, 1] (NaN passes), got {gamma.tolist()}")
     gamma = gamma.astype(np.float64)
-    return np.log(gamma), 1.0 / gamma
+    with np.errstate(divide="ignore"):  # gamma = 0, a reset at every step: log 0 = -inf
+        return np.log(gamma), 1.0 / gamma
 
 
 def _lightning_decay(H, slopes):
     if slopes is None:
         slopes = 2.0 ** (-8.0 * (np.arange(H) + 1) / H)
-    elif np.any(~(slopes >= 0)) or np.any(~np.isfinite(slopes)):
-        raise ValueError(f"lightning_attention(): 'slopes' must be finite and >= 0, got {slopes.tolist()}")
+    elif np.any(slopes < 0):
+        raise ValueError(f"lightning_attention(): 'slopes' must be >= 0 (inf: a reset at every step; NaN "
+                         f"passes), got {slopes.tolist()}")
     return -slopes.astype(np.float64), -1.0
 
 
@@ -410,7 +421,7 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     nb, T, H, P = x.shape
     if dt.shape != (nb, T, H):
         raise ValueError(f"{fn}(): 'dt' must have shape {(nb, T, H)} [B, T, H], got {dt.shape}")
-    _per_head(fn, "A", A, H)
+    _log_gate(fn, "A", _per_head(fn, "A", A, H))
     _per_head(fn, "D", arrs["D"], H)
     _per_head(fn, "dt_bias", arrs["dt_bias"], H)
     G, Ns = Bm.shape[2], Bm.shape[3]
@@ -443,7 +454,11 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
         # the per-head sums over (batch, time) below cancel heavily: accumulated in double;
         # the sums over one row's P entries stay in the inputs' dtype
         f64 = np.float64
-        ddts = np.einsum("bthp,bthp->bth", dv, x).astype(f64) + dg * A.astype(f64)
+        # a step with A dt = -inf resets the state; its dg is 0 and so is its term here (the
+        # limit of A e^(A dt)), not 0 * -inf
+        with np.errstate(invalid="ignore"):
+            dg_A = np.where(dg == 0, 0.0, dg * A.astype(f64))
+        ddts = np.einsum("bthp,bthp->bth", dv, x).astype(f64) + dg_A
         res = {"x": dv * dts[..., None]}
         if Dh is not None:
             res["x"] += Dh[:, None] * dy

@@ -74,7 +74,8 @@ typedef struct {
     real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
     real *Ek, *Ev;        /* 2 x L x K, 2 x L x V: a factored vector gate's Ep then Em */
     double *Gs;           /* 2 x L: a scalar gate's cumulative sums, hi then lo parts */
-    double *acc;          /* 2 x (K + V): running sums in double (hi, lo pairs) */
+    double *acc;          /* 4 x (K + V): the gate gradients' boundary terms (start, end), then
+                           * the cumulative gates' running hi, lo sums */
     int64_t *rows;        /* L: the non-finite rows of a triangular product's operand */
     real *X, *Y, *Tm, *U; /* L x W each */
     real *A, *B, *M;      /* L x L each */
@@ -99,7 +100,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       L * W * r, L * W * r,
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
-                      2 * L * dbl, 2 * (K + V) * dbl, L * sizeof(int64_t)};
+                      2 * L * dbl, 4 * (K + V) * dbl, L * sizeof(int64_t)};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
@@ -185,9 +186,11 @@ static inline double PA_FN(la_gs)(const PA_FN(la_side) *s, int64_t i, int64_t j)
     return j < 0 ? s->Gs[i] + s->Gl[i] : (s->Gs[i] - s->Gs[j]) + (s->Gl[i] - s->Gl[j]);
 }
 
+/* A row's decay to itself is e^0 = 1 exactly: here and in the diagonals below it is never
+ * formed as e^(G_i - G_i), which a NaN gate earlier in the block would make NaN. */
 static inline real PA_FN(la_row_scalar)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i)
 {
-    if (s->kind != PA_GATE_SCALAR) return 1;
+    if (s->kind != PA_GATE_SCALAR || (to_end && i == L - 1)) return 1;
     return (real)exp(to_end ? PA_FN(la_gs)(s, L - 1, i) : PA_FN(la_gs)(s, i, -1));
 }
 
@@ -195,7 +198,7 @@ static inline void PA_FN(la_row_exps)(const PA_FN(la_side) *s, int64_t L, int to
                                       const real **ga, const real **gb)
 {
     *ga = *gb = NULL;
-    if (s->kind != PA_GATE_VECTOR) return;
+    if (s->kind != PA_GATE_VECTOR || (to_end && i == L - 1)) return;
     *ga = to_end ? s->G + (L - 1) * s->D : s->G + i * s->D;
     *gb = to_end ? s->G + i * s->D : NULL;
 }
@@ -389,7 +392,8 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
         for (int64_t i = i0; i < i1; i++) {
             for (int64_t j = i0; j < i + !strict; j++)
                 W[i * L + j] = alpha * PA_FN(la_dot_gated)(X + i * ldx, Y + j * ldy,
-                                                           s->G + i * D, s->G + j * D, s->lo, D);
+                                                           j < i ? s->G + i * D : NULL,
+                                                           j < i ? s->G + j * D : NULL, s->lo, D);
             for (int64_t j = strict ? i : i + 1; j < L; j++) W[i * L + j] = 0;
         }
     }
@@ -436,8 +440,8 @@ static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, 
         for (int64_t i = b0; i < b1; i++) /* the pairs i >= j inside the sub-block */
             for (int64_t j = b0; j <= i; j++) {
                 const int64_t out = trans ? j : i, in = trans ? i : j;
-                PA_FN(la_gated)(Z + out * ldz, U + in * ldu, G + i * D, G + j * D, lo, D,
-                                alpha * W[i * L + j], 1);
+                PA_FN(la_gated)(Z + out * ldz, U + in * ldu, j < i ? G + i * D : NULL,
+                                j < i ? G + j * D : NULL, lo, D, alpha * W[i * L + j], 1);
             }
     }
 }
@@ -559,16 +563,17 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
         }
         for (int64_t i = 0; products && i < L; i++) {
             real *row = sc->Dm + i * L;
-            for (int64_t j = 0; j <= i; j++) row[j] = (real)PA_FN(la_gs)(ks, i, j);
-            PA_FN(exp_array)(row, row, i + 1);
+            for (int64_t j = 0; j < i; j++) row[j] = (real)PA_FN(la_gs)(ks, i, j);
+            PA_FN(exp_array)(row, row, i);
+            row[i] = 1;
             for (int64_t j = i + 1; j < L; j++) row[j] = 0;
         }
     } else if (d->gk == PA_GATE_VECTOR) {
-        PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, sc->acc);
+        PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, sc->acc + 2 * (K + V));
         if (products) PA_FN(la_factor)(ks, L, sc->Ek);
     }
     if (d->gv == PA_GATE_VECTOR) {
-        PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, sc->acc);
+        PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, sc->acc + 2 * (K + V));
         if (products) PA_FN(la_factor)(vs, L, sc->Ev);
     }
 }
@@ -748,13 +753,37 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int
 
 /* dg_t = acc - sum_{0<=s<t} (x_s dx_s - y_s dy_s), per column (vec) or summed over the row;
  * rows of D at stride ld, dg at stride ldg (dg may be x: x's row is read before dg's is
- * written); acc: the D boundary terms on entry. */
+ * written); acc, end: the D boundary terms at the piece's start and at its end.
+ * A start term that is not finite while the end's is means a NaN or inf of q, do (or a row's
+ * own k, v) inside the piece reached dS_a; the rows after it cannot see it, so that channel
+ * is summed back from the end instead, dg_t = end + sum_{t<=s<n} (x_s dx_s - y_s dy_s) (the
+ * same values where both are finite). */
 static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, const real *dx,
                                   const real *y, const real *dy, int64_t ld, real *dg,
-                                  int64_t ldg, double *acc)
+                                  int64_t ldg, double *acc, double *end)
 {
     if (!vec)
-        for (int64_t i = 1; i < D; i++) acc[0] += acc[i];
+        for (int64_t i = 1; i < D; i++) {
+            acc[0] += acc[i];
+            end[0] += end[i];
+        }
+    int from_end = 0;
+    for (int64_t c = 0; c < (vec ? D : 1); c++) {
+        if (isfinite(acc[c]) || !isfinite(end[c])) {
+            end[c] = 0;
+            continue;
+        }
+        double run = end[c];
+        for (int64_t t = n - 1; t >= 0; t--) {
+            const int64_t r = t * ld;
+            for (int64_t i = vec ? c : 0; i < (vec ? c + 1 : D); i++)
+                run += (double)x[r + i] * dx[r + i] - (double)y[r + i] * dy[r + i];
+            dg[t * ldg + c] = (real)run;
+        }
+        end[c] = NAN; /* marks the channel done for the pass below */
+        from_end = 1;
+    }
+    if (from_end && !vec) return;
     for (int64_t t = 0; t < n; t++) {
         const int64_t r = t * ld;
         double sum = 0;
@@ -764,6 +793,7 @@ static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, 
                 sum += term;
                 continue;
             }
+            if (from_end && end[i] != end[i]) continue;
             dg[t * ldg + i] = (real)acc[i];
             acc[i] -= term;
         }
@@ -797,7 +827,8 @@ static void PA_FN(la_clamped_grads)(const real *g, real *dg, int64_t n, int64_t 
 }
 
 /* The gates' gradients of rows r0 .. r0+n-1 of a unit, a piece whose boundary terms are in acc
- * (la_gate_bound), from the off-diagonal parts of its dq, dk (and of o, in dgv, and dv). */
+ * (la_gate_bound: those of its start, then at acc + K + V those of its end), from the
+ * off-diagonal parts of its dq, dk (and of o, in dgv, and dv). */
 static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n, double *acc)
 {
     const pa_linear_desc *d = u->d;
@@ -805,12 +836,14 @@ static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n,
     if (d->gk != PA_GATE_NONE) {
         const int vec = d->gk == PA_GATE_VECTOR;
         PA_FN(la_gate_cumsum)(n, d->K, vec, u->q + r0 * sk, u->dq + r0 * sk, u->k + r0 * sk,
-                              u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc);
+                              u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc,
+                              acc + d->K + d->V);
         PA_FN(la_clamped_grads)(u->gk + r0 * u->sg, u->dgk + r0 * u->sg, n, vec ? d->K : 1, u->sg);
     }
     if (d->gv != PA_GATE_NONE) {
         PA_FN(la_gate_cumsum)(n, d->V, 1, u->dgv + r0 * sv, u->dout + r0 * sv, u->v + r0 * sv,
-                              u->dv + r0 * sv, sv, u->dgv + r0 * sv, sv, acc + d->K);
+                              u->dv + r0 * sv, sv, u->dgv + r0 * sv, sv, acc + d->K,
+                              acc + 2 * d->K + d->V);
         PA_FN(la_clamped_grads)(u->gv + r0 * sv, u->dgv + r0 * sv, n, d->V, sv);
     }
 }
@@ -953,6 +986,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     }
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+        PA_FN(la_gate_bound)(d, states + (p + 1) * KV, dS, sc->acc + d->K + d->V);
         if (rec) {
             PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
         } else {
@@ -1073,6 +1107,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 }
                 const real *dS = dstates + (i + iunit[i]) * KV; /* at the start; its end next */
                 PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, S, dS + KV, &sc);
+                PA_FN(la_gate_bound)(d, S + KV, dS + KV, sc.acc + K + V);
                 PA_FN(la_gate_bound)(d, S, dS, sc.acc);
                 PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
                 PA_FN(la_add_diagonal)(&u, c0, l);
