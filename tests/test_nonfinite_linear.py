@@ -79,10 +79,12 @@ def bad_cases(op, values=(np.nan,)):
 
 
 def unseen_rows(op, name, r):
-    """[B, T] mask of the output rows a bad entry of name (bad_index) cannot reach"""
-    m = np.ones((B, T), bool)
-    if name not in PER_STEP:
+    """[B, T, H] mask of the output rows a bad entry of name (bad_index) cannot reach"""
+    m = np.ones((B, T, H), bool)
+    if name == "initial_state":
         m[1] = False
+    elif name not in PER_STEP:  # a per-head constant of head 1
+        m[:, :, 1] = False
     elif op == "efficient_attention" and name not in QUERY_SIDE:
         m[1] = False  # non-causal: a key reaches every query of its sequence
     elif name in QUERY_SIDE:

@@ -77,6 +77,11 @@ typedef struct {
     double *acc;          /* 4 x (K + V): the gate gradients' boundary terms (start, end), then
                            * the cumulative gates' running hi, lo sums */
     int64_t *rows;        /* L: the non-finite rows of a triangular product's operand */
+    real *Gk2, *Gv2, *Dm2; /* as Gk, Gv, Dm: the sides of ke, ve */
+    double *Gs2;          /* as Gs, for ke */
+    int ends;             /* the block has a NaN gate: ke, ve below serve the products that
+                           * look forward (la_block) */
+    PA_FN(la_side) ke, ve;
     real *X, *Y, *Tm, *U; /* L x W each */
     real *A, *B, *M;      /* L x L each */
     real *S, *dS;         /* K x V each */
@@ -100,14 +105,16 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       L * W * r, L * W * r,
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
-                      2 * L * dbl, 4 * (K + V) * dbl, L * sizeof(int64_t)};
+                      2 * L * dbl, 4 * (K + V) * dbl, L * sizeof(int64_t), 2 * L * K * r,
+                      2 * L * V * r, L * L * r, 2 * L * dbl};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
                             (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
                             (void **)&s->deck, (void **)&s->decv,
                             (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
-                            (void **)&s->acc, (void **)&s->rows};
+                            (void **)&s->acc, (void **)&s->rows, (void **)&s->Gk2,
+                            (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     return s->block != NULL;
@@ -504,19 +511,61 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
 
 /* G (L x D) = the inclusive cumulative sum of g's clamped rows (la_step), summed as
  * double hi + lo pairs (la_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
- * doubles of scratch. */
-static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, real *G,
-                                  int64_t lo, double *acc)
+ * doubles of scratch. suffix: G_i = -(the sum over the rows after i) instead, the same
+ * differences G_i - G_j, but NaN only before a NaN gate rather than from it on. */
+static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, int suffix,
+                                  real *G, int64_t lo, double *acc)
 {
     double *acc_lo = acc + D;
     for (int64_t j = 0; j < D; j++) acc[j] = acc_lo[j] = 0;
-    for (int64_t i = 0; i < L; i++)
+    for (int64_t n = 0; n < L; n++) {
+        const int64_t i = suffix ? L - 1 - n : n;
         for (int64_t j = 0; j < D; j++) {
-            PA_FN(la_sum2)(acc + j, acc_lo + j, PA_FN(la_step)(g[i * ldg + j]));
-            real hi = (real)acc[j];
+            const double x = PA_FN(la_step)(g[i * ldg + j]);
+            if (!suffix) PA_FN(la_sum2)(acc + j, acc_lo + j, x);
+            const double sh = suffix ? -acc[j] : acc[j], sl = suffix ? -acc_lo[j] : acc_lo[j];
+            const real hi = (real)sh;
             G[i * D + j] = hi;
-            G[lo + i * D + j] = (real)((acc[j] - hi) + acc_lo[j]);
+            G[lo + i * D + j] = (real)((sh - hi) + sl);
+            if (suffix) PA_FN(la_sum2)(acc + j, acc_lo + j, x);
         }
+    }
+}
+
+/* A scalar side over L rows of g (stride ldg): its cumulative gates as la_cumsum_hilo's (hi in
+ * Gs, lo at Gs + Lmax, as doubles) and, with Dm, its mask e^(G_i - G_j) on and below the
+ * diagonal, 0 above. */
+static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg, int64_t L,
+                                  int suffix, double *Gs, int64_t Lmax, real *Dm)
+{
+    s->Gs = Gs;
+    s->Gl = Gs + Lmax;
+    s->Dm = Dm;
+    double hi = 0, lo = 0;
+    for (int64_t n = 0; n < L; n++) {
+        const int64_t i = suffix ? L - 1 - n : n;
+        const double x = PA_FN(la_step)(g[i * ldg]);
+        if (!suffix) PA_FN(la_sum2)(&hi, &lo, x);
+        Gs[i] = suffix ? -hi : hi;
+        Gs[Lmax + i] = suffix ? -lo : lo;
+        if (suffix) PA_FN(la_sum2)(&hi, &lo, x);
+    }
+    for (int64_t i = 0; Dm && i < L; i++) {
+        real *row = Dm + i * L;
+        for (int64_t j = 0; j < i; j++) row[j] = (real)PA_FN(la_gs)(s, i, j);
+        PA_FN(exp_array)(row, row, i);
+        row[i] = 1;
+        for (int64_t j = i + 1; j < L; j++) row[j] = 0;
+    }
+}
+
+/* whether a side's gates over the block's L rows hold a NaN (it reaches the last cumulative row) */
+static int PA_FN(la_has_nan)(const PA_FN(la_side) *s, int64_t L)
+{
+    if (s->kind == PA_GATE_SCALAR) return s->Gs[L - 1] != s->Gs[L - 1];
+    for (int64_t d = 0; s->kind == PA_GATE_VECTOR && d < s->D; d++)
+        if (s->G[(L - 1) * s->D + d] != s->G[(L - 1) * s->D + d]) return 1;
+    return 0;
 }
 
 /* A vector side's factors e^(G_i - G_0), e^(G_0 - G_i) into E (2 x L x D) when the block's
@@ -529,7 +578,8 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
     for (int64_t i = 1; i < L; i++) /* |G_i - G_0| bounds both factors, whatever the signs */
         for (int64_t d = 0; d < D; d += VL) {
             vreal diff = PA_FN(la_ld)(s->G + i * D + d, D - d) - PA_FN(la_ld)(s->G + d, D - d);
-            out |= ~((diff <= lim) & (-diff <= lim));
+            out |= (diff > lim) | (-diff > lim); /* a NaN gate counts as in range: a block
+                                                    * factors as it would without it */
         }
     for (int l = 0; l < VL; l++)
         if (out[l]) return;
@@ -545,37 +595,38 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
 
 /* The block of rows c0 .. c0+L-1: cumulative gates into the scratch, and with `products`
  * (the Gram and triangular products follow) the scalar mask and a vector gate's factors; the
- * key and value sides. */
+ * key and value sides. A NaN gate at row s makes G NaN from s on, so that the pairs after it
+ * (which cannot see it) would meet NaN - NaN: with products, such a block also gets sides
+ * summed from its end (sc->ke, sc->ve, la_cumsum_hilo's suffix), whose G is NaN only before
+ * s, for the products whose rows look forward (the backward's dk, dv). */
 static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int products,
                             PA_FN(la_scratch) *sc, PA_FN(la_side) *ks, PA_FN(la_side) *vs)
 {
     const pa_linear_desc *d = u->d;
     const int64_t K = d->K, V = d->V;
-    *ks = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk, .lo = sc->L * K, .Gs = sc->Gs,
-                           .Gl = sc->Gs + sc->L, .Dm = sc->Dm};
+    double *acc = sc->acc + 2 * (K + V);
+    const real *gk = u->gk ? u->gk + c0 * u->sg : NULL, *gv = u->gv ? u->gv + c0 * u->sv : NULL;
+    *ks = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk, .lo = sc->L * K};
     *vs = (PA_FN(la_side)){.kind = d->gv, .D = V, .G = sc->Gv, .lo = sc->L * V};
     if (d->gk == PA_GATE_SCALAR) {
-        double hi = 0, lo = 0;
-        for (int64_t i = 0; i < L; i++) {
-            PA_FN(la_sum2)(&hi, &lo, PA_FN(la_step)(u->gk[(c0 + i) * u->sg]));
-            sc->Gs[i] = hi;
-            sc->Gs[sc->L + i] = lo;
-        }
-        for (int64_t i = 0; products && i < L; i++) {
-            real *row = sc->Dm + i * L;
-            for (int64_t j = 0; j < i; j++) row[j] = (real)PA_FN(la_gs)(ks, i, j);
-            PA_FN(exp_array)(row, row, i);
-            row[i] = 1;
-            for (int64_t j = i + 1; j < L; j++) row[j] = 0;
-        }
+        PA_FN(la_scalar_side)(ks, gk, u->sg, L, 0, sc->Gs, sc->L, products ? sc->Dm : NULL);
     } else if (d->gk == PA_GATE_VECTOR) {
-        PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, sc->acc + 2 * (K + V));
+        PA_FN(la_cumsum_hilo)(gk, u->sg, L, K, 0, sc->Gk, ks->lo, acc);
         if (products) PA_FN(la_factor)(ks, L, sc->Ek);
     }
     if (d->gv == PA_GATE_VECTOR) {
-        PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, sc->acc + 2 * (K + V));
+        PA_FN(la_cumsum_hilo)(gv, u->sv, L, V, 0, sc->Gv, vs->lo, acc);
         if (products) PA_FN(la_factor)(vs, L, sc->Ev);
     }
+    sc->ends = products && (PA_FN(la_has_nan)(ks, L) || PA_FN(la_has_nan)(vs, L));
+    if (!sc->ends) return;
+    sc->ke = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk2, .lo = sc->L * K};
+    sc->ve = (PA_FN(la_side)){.kind = d->gv, .D = V, .G = sc->Gv2, .lo = sc->L * V};
+    if (d->gk == PA_GATE_SCALAR)
+        PA_FN(la_scalar_side)(&sc->ke, gk, u->sg, L, 1, sc->Gs2, sc->L, sc->Dm2);
+    else if (d->gk == PA_GATE_VECTOR)
+        PA_FN(la_cumsum_hilo)(gk, u->sg, L, K, 1, sc->Gk2, sc->ke.lo, acc);
+    if (d->gv == PA_GATE_VECTOR) PA_FN(la_cumsum_hilo)(gv, u->sv, L, V, 1, sc->Gv2, sc->ve.lo, acc);
 }
 
 /* o rows of the block from its start state S (o is the unit's output: the forward writes it) */
@@ -643,13 +694,16 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
     PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, 1, sc->B, sc);
     PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
     PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sk, dq, sk, sc);
-    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 1, sc->A, sc);
-    PA_FN(la_rows_times)(vs, ks, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
-    PA_FN(la_apply)(ks, L, scale, sc->B, 1, q, sk, dk, sk, sc);
-    PA_FN(la_rows_times)(ks, vs, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
-    PA_FN(la_apply)(vs, L, 1, sc->A, 1, dout, sv, dv, sv, sc);
+    const PA_FN(la_side) *ke = sc->ends ? &sc->ke : ks, *ve = sc->ends ? &sc->ve : vs;
+    if (sc->ends) PA_FN(la_gram)(ve, L, 1, dout, sv, v, sv, 1, sc->B, sc);
+    PA_FN(la_gram)(ke, L, scale, q, sk, k, sk, 1, sc->A, sc);
+    PA_FN(la_rows_times)(ve, ke, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
+    PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, sk, dk, sk, sc);
+    PA_FN(la_rows_times)(ke, ve, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
+    PA_FN(la_apply)(ve, L, 1, sc->A, 1, dout, sv, dv, sv, sc);
     if (u->dgv) {
         real *oo = u->dgv + c0 * sv;
+        if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 1, sc->A, sc);
         PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, oo, sv, sc);
         PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, sv, oo, sv, sc);
     }
