@@ -211,15 +211,45 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
     out = eng.forward(keep)
 
     def pullback(cot):
-        grads = eng.backward(*eng.cotangent(cot))
+        do, dht = eng.cotangent(cot)
+        grads = eng.backward(do, dht)
         res = {"q": grads["q"], "k": grads["k"], "v": grads["v"]}
         if grads["h0"] is not None:
             res["initial_state"] = grads["h0"]
         if c is not None:
-            res[name] = (grads["gk"].sum(axis=(0, 1), dtype=np.float64) * dlog).astype(dtype)
+            with np.errstate(invalid="ignore"):
+                dc = grads["gk"].sum(axis=(0, 1), dtype=np.float64) * dlog
+            if name == "gamma" and np.any(c == 0):  # dlog = 1 / 0: the gradient at gamma = 0 itself
+                dc = np.where(c == 0, _gamma_zero_grad(eng, do, dht), dc)
+            res[name] = dc.astype(dtype)
         return res
 
     return out, pullback
+
+
+def _gamma_zero_grad(eng, do, dht):
+    """d/dgamma_h at gamma_h = 0 (a reset at every step), where the log gate's chain rule is
+    0 / 0: sum_t <dS_t, S_{t-1}> with S_{t-1} = k_{t-1} v_{t-1}^T (h0 at a sequence's first
+    row) and dS_t = scale q_t do_t^T (plus dht at its last row)."""
+    cu, scale = eng.opts[0], eng.opts[3]
+    q, k, v, do = (x.reshape((-1,) + x.shape[2:]).astype(np.float64) for x in (eng.q, eng.k, eng.v, do))
+    starts, ends = cu[:-1][cu[:-1] < cu[1:]], cu[1:][cu[:-1] < cu[1:]]
+    seqs = np.nonzero(cu[:-1] < cu[1:])[0]
+    first = np.zeros(len(q), bool)
+    first[starts] = True
+    t = np.nonzero(~first)[0]
+    grad = scale * np.sum(np.einsum("thk,thk->th", q[t], k[t - 1]) * np.einsum("thv,thv->th", do[t], v[t - 1]),
+                          axis=0)
+    h0 = None if eng.h0 is None else eng.h0.astype(np.float64)[seqs]
+    if h0 is not None:
+        grad += scale * np.einsum("shk,shkv,shv->h", q[starts], h0, do[starts])
+    if dht is not None:
+        dh = dht.astype(np.float64)[seqs]
+        longer = ends - starts > 1
+        grad += np.einsum("shk,shkv,shv->h", k[ends - 2][longer], dh[longer], v[ends - 2][longer])
+        if h0 is not None:
+            grad += np.einsum("shkv,shkv->h", dh[~longer], h0[~longer])
+    return grad
 
 
 def _retention_decay(H, gamma):
@@ -403,11 +433,13 @@ def _linear_attention_vjp(q, k, v, *, feature_map=None, feature_map_params=None,
 
 
 def _softplus(x):
-    return np.logaddexp(0.0, x)
+    with np.errstate(invalid="ignore"):  # NaN in, NaN out, without a warning
+        return np.logaddexp(0.0, x)
 
 
 def _sigmoid(x):
-    return np.exp(-np.logaddexp(0.0, -x))
+    with np.errstate(invalid="ignore"):
+        return np.exp(-np.logaddexp(0.0, -x))
 
 
 def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final_state,
