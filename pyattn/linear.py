@@ -104,6 +104,15 @@ def _gate(fn, name, g, shape):
     return g
 
 
+def _log_gate(fn, name, g):
+    """A log-space gate must be <= 0 (a decay); NaN passes, to propagate as NaN."""
+    if g is not None and np.any(g > 0):
+        idx = tuple(int(i) for i in np.argwhere(g > 0)[0])
+        raise ValueError(f"{fn}(): '{name}' is a log-space decay and must be <= 0 (or -inf, a full reset), "
+                         f"got {g[idx]!r} at index {idx}")
+    return g
+
+
 def _per_head(fn, name, x, H):
     if x is not None and x.shape != (H,):
         raise ValueError(f"{fn}(): '{name}' must have shape ({H},), got {x.shape}")
@@ -121,8 +130,8 @@ def _gated(fn, q, k, v, g, vector, gv, scale, initial_state, output_final_state,
     arrs, _ = _qkv(fn, q, k, v, ("gv",), g=g, gv=gv, initial_state=initial_state)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     B, T, H, K = q.shape
-    _gate(fn, "g", arrs["g"], q.shape if vector else q.shape[:3])
-    _gate(fn, "gv", arrs["gv"], v.shape)
+    _log_gate(fn, "g", _gate(fn, "g", arrs["g"], q.shape if vector else q.shape[:3]))
+    _log_gate(fn, "gv", _gate(fn, "gv", arrs["gv"], v.shape))
     cu, N = _sequences(fn, B, T, cu_seqlens)
     scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
     return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
@@ -202,31 +211,63 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
     out = eng.forward(keep)
 
     def pullback(cot):
-        grads = eng.backward(*eng.cotangent(cot))
+        do, dht = eng.cotangent(cot)
+        grads = eng.backward(do, dht)
         res = {"q": grads["q"], "k": grads["k"], "v": grads["v"]}
         if grads["h0"] is not None:
             res["initial_state"] = grads["h0"]
         if c is not None:
-            res[name] = (grads["gk"].sum(axis=(0, 1), dtype=np.float64) * dlog).astype(dtype)
+            with np.errstate(invalid="ignore"):
+                dc = grads["gk"].sum(axis=(0, 1), dtype=np.float64) * dlog
+            if name == "gamma" and np.any(c == 0):  # dlog = 1 / 0: the gradient at gamma = 0 itself
+                dc = np.where(c == 0, _gamma_zero_grad(eng, do, dht), dc)
+            res[name] = dc.astype(dtype)
         return res
 
     return out, pullback
 
 
+def _gamma_zero_grad(eng, do, dht):
+    """d/dgamma_h at gamma_h = 0 (a reset at every step), where the log gate's chain rule is
+    0 / 0: sum_t <dS_t, S_{t-1}> with S_{t-1} = k_{t-1} v_{t-1}^T (h0 at a sequence's first
+    row) and dS_t = scale q_t do_t^T (plus dht at its last row)."""
+    cu, scale = eng.opts[0], eng.opts[3]
+    q, k, v, do = (x.reshape((-1,) + x.shape[2:]).astype(np.float64) for x in (eng.q, eng.k, eng.v, do))
+    starts, ends = cu[:-1][cu[:-1] < cu[1:]], cu[1:][cu[:-1] < cu[1:]]
+    seqs = np.nonzero(cu[:-1] < cu[1:])[0]
+    first = np.zeros(len(q), bool)
+    first[starts] = True
+    t = np.nonzero(~first)[0]
+    grad = scale * np.sum(np.einsum("thk,thk->th", q[t], k[t - 1]) * np.einsum("thv,thv->th", do[t], v[t - 1]),
+                          axis=0)
+    h0 = None if eng.h0 is None else eng.h0.astype(np.float64)[seqs]
+    if h0 is not None:
+        grad += scale * np.einsum("shk,shkv,shv->h", q[starts], h0, do[starts])
+    if dht is not None:
+        dh = dht.astype(np.float64)[seqs]
+        longer = ends - starts > 1
+        grad += np.einsum("shk,shkv,shv->h", k[ends - 2][longer], dh[longer], v[ends - 2][longer])
+        if h0 is not None:
+            grad += np.einsum("shkv,shkv->h", dh[~longer], h0[~longer])
+    return grad
+
+
 def _retention_decay(H, gamma):
     if gamma is None:
         gamma = 1.0 - 2.0 ** (-5.0 - np.arange(H))
-    elif np.any(~(gamma > 0)) or np.any(gamma > 1):
-        raise ValueError(f"retention(): 'gamma' must lie in (0, 1], got {gamma.tolist()}")
+    elif np.any(gamma < 0) or np.any(gamma > 1):
+        raise ValueError(f"retention(): 'gamma' must lie in [0, 1] (NaN passes), got {gamma.tolist()}")
     gamma = gamma.astype(np.float64)
-    return np.log(gamma), 1.0 / gamma
+    with np.errstate(divide="ignore"):  # gamma = 0, a reset at every step: log 0 = -inf
+        return np.log(gamma), 1.0 / gamma
 
 
 def _lightning_decay(H, slopes):
     if slopes is None:
         slopes = 2.0 ** (-8.0 * (np.arange(H) + 1) / H)
-    elif np.any(~(slopes >= 0)) or np.any(~np.isfinite(slopes)):
-        raise ValueError(f"lightning_attention(): 'slopes' must be finite and >= 0, got {slopes.tolist()}")
+    elif np.any(slopes < 0):
+        raise ValueError(f"lightning_attention(): 'slopes' must be >= 0 (inf: a reset at every step; NaN "
+                         f"passes), got {slopes.tolist()}")
     return -slopes.astype(np.float64), -1.0
 
 
@@ -392,11 +433,13 @@ def _linear_attention_vjp(q, k, v, *, feature_map=None, feature_map_params=None,
 
 
 def _softplus(x):
-    return np.logaddexp(0.0, x)
+    with np.errstate(invalid="ignore"):  # NaN in, NaN out, without a warning
+        return np.logaddexp(0.0, x)
 
 
 def _sigmoid(x):
-    return np.exp(-np.logaddexp(0.0, -x))
+    with np.errstate(invalid="ignore"):
+        return np.exp(-np.logaddexp(0.0, -x))
 
 
 def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final_state,
@@ -410,7 +453,7 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     nb, T, H, P = x.shape
     if dt.shape != (nb, T, H):
         raise ValueError(f"{fn}(): 'dt' must have shape {(nb, T, H)} [B, T, H], got {dt.shape}")
-    _per_head(fn, "A", A, H)
+    _log_gate(fn, "A", _per_head(fn, "A", A, H))
     _per_head(fn, "D", arrs["D"], H)
     _per_head(fn, "dt_bias", arrs["dt_bias"], H)
     G, Ns = Bm.shape[2], Bm.shape[3]
@@ -443,7 +486,11 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
         # the per-head sums over (batch, time) below cancel heavily: accumulated in double;
         # the sums over one row's P entries stay in the inputs' dtype
         f64 = np.float64
-        ddts = np.einsum("bthp,bthp->bth", dv, x).astype(f64) + dg * A.astype(f64)
+        # a step with A dt = -inf resets the state; its dg is 0 and so is its term here (the
+        # limit of A e^(A dt)), not 0 * -inf
+        with np.errstate(invalid="ignore"):
+            dg_A = np.where(dg == 0, 0.0, dg * A.astype(f64))
+        ddts = np.einsum("bthp,bthp->bth", dv, x).astype(f64) + dg_A
         res = {"x": dv * dts[..., None]}
         if Dh is not None:
             res["x"] += Dh[:, None] * dy

@@ -50,13 +50,20 @@
 #define LA_TRI (2 * MR) /* row block of the triangular products */
 #define LA_PIECE 64   /* rows of a backward piece in the recurrent and parallel forms */
 #define LA_FACTOR 20  /* the most log decay (per channel) a block's vector gate is factored over */
+/* A step's log gate below -LA_RESET counts as -LA_RESET. exp underflows to exactly 0 below
+ * -745.2 in double and -104 in float, so such a step still resets the state exactly, as
+ * exp(-inf) does in the recurrence; but a gate of -inf no longer makes the cumulative sums
+ * -inf (whose differences are NaN), and one of -1e30 no longer absorbs the later steps' gates
+ * in them. The gradient of a clamped step is 0, as exp's is there. */
+#define LA_RESET 1024
 
 typedef struct {
     int kind;         /* PA_GATE_* */
     int64_t D;        /* K or V */
     const real *G;    /* vector: L x D inclusive cumulative gate of the block, as hi + lo */
     int64_t lo;       /* vector: G + lo holds the lo parts (the sum is kept in double) */
-    const double *Gs; /* scalar: L of them, in double so G_i - G_j keeps its digits */
+    const double *Gs, *Gl; /* scalar: L of them as hi + lo doubles (la_sum2), so G_i - G_j
+                            * keeps its digits */
     const real *Dm;   /* scalar: L x L, e^(G_i - G_j) on and below the diagonal, 0 above */
     const real *Ep, *Em; /* vector, factored: L x D, e^(G_i - G_0) and e^(G_0 - G_i); else NULL */
 } PA_FN(la_side);
@@ -66,8 +73,15 @@ typedef struct {
     int64_t L;
     real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
     real *Ek, *Ev;        /* 2 x L x K, 2 x L x V: a factored vector gate's Ep then Em */
-    double *Gs;           /* L */
-    double *acc;          /* K + V: running sums in double */
+    double *Gs;           /* 2 x L: a scalar gate's cumulative sums, hi then lo parts */
+    double *acc;          /* 4 x (K + V): the gate gradients' boundary terms (start, end), then
+                           * the cumulative gates' running hi, lo sums */
+    int64_t *rows;        /* L: the non-finite rows of a triangular product's operand */
+    real *Gk2, *Gv2, *Dm2; /* as Gk, Gv, Dm: the sides of ke, ve */
+    double *Gs2;          /* as Gs, for ke */
+    int ends;             /* the block has a NaN gate: ke, ve below serve the products that
+                           * look forward (la_block) */
+    PA_FN(la_side) ke, ve;
     real *X, *Y, *Tm, *U; /* L x W each */
     real *A, *B, *M;      /* L x L each */
     real *S, *dS;         /* K x V each */
@@ -91,17 +105,33 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       L * W * r, L * W * r,
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
-                      L * dbl, (K + V) * dbl};
+                      2 * L * dbl, 4 * (K + V) * dbl, L * sizeof(int64_t), 2 * L * K * r,
+                      2 * L * V * r, L * L * r, 2 * L * dbl};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
                             (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
                             (void **)&s->deck, (void **)&s->decv,
                             (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
-                            (void **)&s->acc};
+                            (void **)&s->acc, (void **)&s->rows, (void **)&s->Gk2,
+                            (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     return s->block != NULL;
+}
+
+/* ---- cumulative gates ---- */
+
+/* g clamped at -LA_RESET; NaN stays NaN */
+static inline double PA_FN(la_step)(double g) { return g < -LA_RESET ? -LA_RESET : g; }
+
+/* (hi, lo) += x, lo collecting the rounding error of hi (Knuth's TwoSum): a cumulative gate
+ * keeps the digits of small steps that follow large ones. */
+static inline void PA_FN(la_sum2)(double *hi, double *lo, double x)
+{
+    const double s = *hi + x, b = s - *hi;
+    *lo += (*hi - (s - b)) + (x - b);
+    *hi = s;
 }
 
 /* ---- vector helpers: y = beta y + alpha x e^(ga - gb), a NULL exponent counting as 0 ---- */
@@ -157,17 +187,25 @@ static inline real PA_FN(la_dot_gated)(const real *x, const real *y, const real 
 /* The factor f_i of row i of a block: e^G_i (to_end = 0) or e^(G_{L-1} - G_i) (to_end = 1).
  * la_row_scalar is it for a scalar gate (1 otherwise); la_row_exps the exponent pair of a
  * vector gate (NULL, NULL otherwise). */
+/* G_i - G_j of a scalar side from its hi and lo parts; j < 0: G_i */
+static inline double PA_FN(la_gs)(const PA_FN(la_side) *s, int64_t i, int64_t j)
+{
+    return j < 0 ? s->Gs[i] + s->Gl[i] : (s->Gs[i] - s->Gs[j]) + (s->Gl[i] - s->Gl[j]);
+}
+
+/* A row's decay to itself is e^0 = 1 exactly: here and in the diagonals below it is never
+ * formed as e^(G_i - G_i), which a NaN gate earlier in the block would make NaN. */
 static inline real PA_FN(la_row_scalar)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i)
 {
-    if (s->kind != PA_GATE_SCALAR) return 1;
-    return (real)exp(to_end ? s->Gs[L - 1] - s->Gs[i] : s->Gs[i]);
+    if (s->kind != PA_GATE_SCALAR || (to_end && i == L - 1)) return 1;
+    return (real)exp(to_end ? PA_FN(la_gs)(s, L - 1, i) : PA_FN(la_gs)(s, i, -1));
 }
 
 static inline void PA_FN(la_row_exps)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i,
                                       const real **ga, const real **gb)
 {
     *ga = *gb = NULL;
-    if (s->kind != PA_GATE_VECTOR) return;
+    if (s->kind != PA_GATE_VECTOR || (to_end && i == L - 1)) return;
     *ga = to_end ? s->G + (L - 1) * s->D : s->G + i * s->D;
     *gb = to_end ? s->G + i * s->D : NULL;
 }
@@ -230,7 +268,7 @@ static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
     for (int64_t d = 0; d < s->D; d++)
         f[d] = s->kind == PA_GATE_VECTOR   ? (real)exp((double)s->G[(L - 1) * s->D + d] +
                                                    s->G[s->lo + (L - 1) * s->D + d])
-               : s->kind == PA_GATE_SCALAR ? (real)exp(s->Gs[L - 1])
+               : s->kind == PA_GATE_SCALAR ? (real)exp(PA_FN(la_gs)(s, L - 1, -1))
                                            : 1;
 }
 
@@ -257,19 +295,65 @@ static void PA_FN(la_rows_mul)(const real *X, int64_t ldx, const real *E, int64_
         }
 }
 
-/* Z (rows of ldz) = beta Z + alpha W U over the triangle of W: rows i of W up to i
- * (trans = 0, W lower), or W^T, rows j from j (trans = 1); U packed in sc->Bp (L x D). */
-static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *W, int trans,
-                                  real beta, real *Z, int64_t ldz, PA_FN(la_scratch) *sc)
+/* The rows of U (L x D) holding a NaN or an infinity, in order, into rows; returns their count */
+static int64_t PA_FN(la_nonfinite_rows)(const real *U, int64_t ldu, int64_t L, int64_t D,
+                                        int64_t *rows)
 {
+    int64_t n = 0;
+    for (int64_t i = 0; i < L; i++) {
+        vreal z = PA_FN(vset)(0); /* x * 0 is NaN exactly when x is not finite */
+        for (int64_t d = 0; d < D; d += VL) z += PA_FN(la_ld)(U + i * ldu + d, D - d) * 0;
+        const real t = PA_FN(hsum)(z);
+        if (t != t) rows[n++] = i;
+    }
+    return n;
+}
+
+/* Row p of pack_b(L, D, U, ldu, 1, Bp): U's (zero = 0) or zeros (zero = 1) */
+static void PA_FN(la_repack_row)(real *Bp, int64_t L, int64_t D, const real *U, int64_t ldu,
+                                 int64_t p, int zero)
+{
+    for (int64_t c = 0; c < D; c++)
+        Bp[c / NR * L * NR + p * NR + c % NR] = zero ? 0 : U[p * ldu + c];
+}
+
+/* Z (rows of ldz) = beta Z + alpha W U over the triangle of W: rows i of W up to i
+ * (trans = 0, W lower), or W^T, rows j from j (trans = 1); U is L x D, packed here into sc->Bp.
+ * A row block's GEMM also multiplies the zeros above the diagonal of its diagonal block, and
+ * 0 * NaN or 0 * inf would carry a non-finite row of U to the rows that cannot see it. So the
+ * packing looks for non-finite rows (one pass over U), and a block that meets one inside its
+ * diagonal block runs with those rows zeroed in the packing, then adds them to the rows that
+ * see them. Finite rows take the one GEMM per block, and the rows that cannot see a non-finite
+ * one get the same bits as in a run without it: the zeroed terms are exact zeros either way. */
+static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *W, int trans,
+                                  real beta, real *Z, int64_t ldz, const real *U, int64_t ldu,
+                                  PA_FN(la_scratch) *sc)
+{
+    PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
+    const int64_t nbad = PA_FN(la_nonfinite_rows)(U, ldu, L, D, sc->rows);
+    int64_t b = 0; /* the first non-finite row not before the block */
     for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
-        int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
+        const int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
+        while (b < nbad && sc->rows[b] < i0) b++;
+        /* rows [lo, hi) of U reach rows of the block that cannot see them */
+        const int64_t lo = trans ? i0 : i0 + 1, hi = trans ? i1 - 1 : i1;
+        int64_t b1 = b;
+        for (; b1 < nbad && sc->rows[b1] < hi; b1++)
+            if (sc->rows[b1] >= lo) PA_FN(la_repack_row)(sc->Bp, L, D, U, ldu, sc->rows[b1], 1);
         if (trans)
             PA_FN(gemm_packed_b)(i1 - i0, D, L - i0, alpha, W + i0 * L + i0, 1, L,
                                  sc->Bp + i0 * NR, L * NR, beta, Z + i0 * ldz, ldz, sc->work);
         else
             PA_FN(gemm_packed_b)(i1 - i0, D, i1, alpha, W + i0 * L, L, 1, sc->Bp, L * NR, beta,
                                  Z + i0 * ldz, ldz, sc->work);
+        for (int64_t r = b; r < b1; r++) {
+            const int64_t p = sc->rows[r];
+            if (p < lo) continue;
+            PA_FN(la_repack_row)(sc->Bp, L, D, U, ldu, p, 0);
+            /* trans = 0: rows p .. i1-1 see U_p through W_ip; trans = 1: rows i0 .. p through W_pj */
+            for (int64_t i = trans ? i0 : p; i < (trans ? p + 1 : i1); i++)
+                PA_FN(axpy)(Z + i * ldz, U + p * ldu, D, alpha * (trans ? W[p * L + i] : W[i * L + p]));
+        }
     }
 }
 
@@ -315,7 +399,8 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
         for (int64_t i = i0; i < i1; i++) {
             for (int64_t j = i0; j < i + !strict; j++)
                 W[i * L + j] = alpha * PA_FN(la_dot_gated)(X + i * ldx, Y + j * ldy,
-                                                           s->G + i * D, s->G + j * D, s->lo, D);
+                                                           j < i ? s->G + i * D : NULL,
+                                                           j < i ? s->G + j * D : NULL, s->lo, D);
             for (int64_t j = strict ? i : i + 1; j < L; j++) W[i * L + j] = 0;
         }
     }
@@ -362,8 +447,8 @@ static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, 
         for (int64_t i = b0; i < b1; i++) /* the pairs i >= j inside the sub-block */
             for (int64_t j = b0; j <= i; j++) {
                 const int64_t out = trans ? j : i, in = trans ? i : j;
-                PA_FN(la_gated)(Z + out * ldz, U + in * ldu, G + i * D, G + j * D, lo, D,
-                                alpha * W[i * L + j], 1);
+                PA_FN(la_gated)(Z + out * ldz, U + in * ldu, j < i ? G + i * D : NULL,
+                                j < i ? G + j * D : NULL, lo, D, alpha * W[i * L + j], 1);
             }
     }
 }
@@ -376,12 +461,11 @@ static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, cons
 {
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR) {
-        PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
-        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), trans, 1, Z, ldz, sc);
+        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), trans, 1, Z, ldz, U,
+                              ldu, sc);
     } else if (s->Ep) { /* e^(G_i - G_j) = e^(G_i - G_0) e^(G_0 - G_j): U's side, then Z's */
         PA_FN(la_rows_mul)(U, ldu, trans ? s->Ep : s->Em, L, D, 0, sc->U, D);
-        PA_FN(pack_b)(L, D, sc->U, D, 1, sc->Bp);
-        PA_FN(la_tri_product)(L, D, alpha, W, trans, 0, sc->Tm, D, sc);
+        PA_FN(la_tri_product)(L, D, alpha, W, trans, 0, sc->Tm, D, sc->U, D, sc);
         PA_FN(la_rows_mul)(sc->Tm, D, trans ? s->Em : s->Ep, L, D, 1, Z, ldz);
     } else {
         PA_FN(la_apply_sub)(s, L, alpha, W, trans, U, ldu, Z, ldz, sc);
@@ -425,19 +509,63 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
     u->dgv = dgv ? dgv + ov : NULL;
 }
 
-/* G (L x D) = the inclusive cumulative sum of g's rows, summed in double and stored as
- * hi + lo parts (lo at G + lo); acc: D doubles of scratch. */
-static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, real *G,
-                                  int64_t lo, double *acc)
+/* G (L x D) = the inclusive cumulative sum of g's clamped rows (la_step), summed as
+ * double hi + lo pairs (la_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
+ * doubles of scratch. suffix: G_i = -(the sum over the rows after i) instead, the same
+ * differences G_i - G_j, but NaN only before a NaN gate rather than from it on. */
+static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, int suffix,
+                                  real *G, int64_t lo, double *acc)
 {
-    for (int64_t j = 0; j < D; j++) acc[j] = 0;
-    for (int64_t i = 0; i < L; i++)
+    double *acc_lo = acc + D;
+    for (int64_t j = 0; j < D; j++) acc[j] = acc_lo[j] = 0;
+    for (int64_t n = 0; n < L; n++) {
+        const int64_t i = suffix ? L - 1 - n : n;
         for (int64_t j = 0; j < D; j++) {
-            acc[j] += g[i * ldg + j];
-            real hi = (real)acc[j];
+            const double x = PA_FN(la_step)(g[i * ldg + j]);
+            if (!suffix) PA_FN(la_sum2)(acc + j, acc_lo + j, x);
+            const double sh = suffix ? -acc[j] : acc[j], sl = suffix ? -acc_lo[j] : acc_lo[j];
+            const real hi = (real)sh;
             G[i * D + j] = hi;
-            G[lo + i * D + j] = (real)(acc[j] - hi);
+            G[lo + i * D + j] = (real)((sh - hi) + sl);
+            if (suffix) PA_FN(la_sum2)(acc + j, acc_lo + j, x);
         }
+    }
+}
+
+/* A scalar side over L rows of g (stride ldg): its cumulative gates as la_cumsum_hilo's (hi in
+ * Gs, lo at Gs + Lmax, as doubles) and, with Dm, its mask e^(G_i - G_j) on and below the
+ * diagonal, 0 above. */
+static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg, int64_t L,
+                                  int suffix, double *Gs, int64_t Lmax, real *Dm)
+{
+    s->Gs = Gs;
+    s->Gl = Gs + Lmax;
+    s->Dm = Dm;
+    double hi = 0, lo = 0;
+    for (int64_t n = 0; n < L; n++) {
+        const int64_t i = suffix ? L - 1 - n : n;
+        const double x = PA_FN(la_step)(g[i * ldg]);
+        if (!suffix) PA_FN(la_sum2)(&hi, &lo, x);
+        Gs[i] = suffix ? -hi : hi;
+        Gs[Lmax + i] = suffix ? -lo : lo;
+        if (suffix) PA_FN(la_sum2)(&hi, &lo, x);
+    }
+    for (int64_t i = 0; Dm && i < L; i++) {
+        real *row = Dm + i * L;
+        for (int64_t j = 0; j < i; j++) row[j] = (real)PA_FN(la_gs)(s, i, j);
+        PA_FN(exp_array)(row, row, i);
+        row[i] = 1;
+        for (int64_t j = i + 1; j < L; j++) row[j] = 0;
+    }
+}
+
+/* whether a side's gates over the block's L rows hold a NaN (it reaches the last cumulative row) */
+static int PA_FN(la_has_nan)(const PA_FN(la_side) *s, int64_t L)
+{
+    if (s->kind == PA_GATE_SCALAR) return s->Gs[L - 1] != s->Gs[L - 1];
+    for (int64_t d = 0; s->kind == PA_GATE_VECTOR && d < s->D; d++)
+        if (s->G[(L - 1) * s->D + d] != s->G[(L - 1) * s->D + d]) return 1;
+    return 0;
 }
 
 /* A vector side's factors e^(G_i - G_0), e^(G_0 - G_i) into E (2 x L x D) when the block's
@@ -450,7 +578,8 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
     for (int64_t i = 1; i < L; i++) /* |G_i - G_0| bounds both factors, whatever the signs */
         for (int64_t d = 0; d < D; d += VL) {
             vreal diff = PA_FN(la_ld)(s->G + i * D + d, D - d) - PA_FN(la_ld)(s->G + d, D - d);
-            out |= ~((diff <= lim) & (-diff <= lim));
+            out |= (diff > lim) | (-diff > lim); /* a NaN gate counts as in range: a block
+                                                    * factors as it would without it */
         }
     for (int l = 0; l < VL; l++)
         if (out[l]) return;
@@ -466,32 +595,38 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
 
 /* The block of rows c0 .. c0+L-1: cumulative gates into the scratch, and with `products`
  * (the Gram and triangular products follow) the scalar mask and a vector gate's factors; the
- * key and value sides. */
+ * key and value sides. A NaN gate at row s makes G NaN from s on, so that the pairs after it
+ * (which cannot see it) would meet NaN - NaN: with products, such a block also gets sides
+ * summed from its end (sc->ke, sc->ve, la_cumsum_hilo's suffix), whose G is NaN only before
+ * s, for the products whose rows look forward (the backward's dk, dv). */
 static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int products,
                             PA_FN(la_scratch) *sc, PA_FN(la_side) *ks, PA_FN(la_side) *vs)
 {
     const pa_linear_desc *d = u->d;
     const int64_t K = d->K, V = d->V;
-    *ks = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk, .lo = sc->L * K, .Gs = sc->Gs,
-                           .Dm = sc->Dm};
+    double *acc = sc->acc + 2 * (K + V);
+    const real *gk = u->gk ? u->gk + c0 * u->sg : NULL, *gv = u->gv ? u->gv + c0 * u->sv : NULL;
+    *ks = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk, .lo = sc->L * K};
     *vs = (PA_FN(la_side)){.kind = d->gv, .D = V, .G = sc->Gv, .lo = sc->L * V};
     if (d->gk == PA_GATE_SCALAR) {
-        double acc = 0;
-        for (int64_t i = 0; i < L; i++) sc->Gs[i] = acc += u->gk[(c0 + i) * u->sg];
-        for (int64_t i = 0; products && i < L; i++) {
-            real *row = sc->Dm + i * L;
-            for (int64_t j = 0; j <= i; j++) row[j] = (real)(sc->Gs[i] - sc->Gs[j]);
-            PA_FN(exp_array)(row, row, i + 1);
-            for (int64_t j = i + 1; j < L; j++) row[j] = 0;
-        }
+        PA_FN(la_scalar_side)(ks, gk, u->sg, L, 0, sc->Gs, sc->L, products ? sc->Dm : NULL);
     } else if (d->gk == PA_GATE_VECTOR) {
-        PA_FN(la_cumsum_hilo)(u->gk + c0 * u->sg, u->sg, L, K, sc->Gk, ks->lo, sc->acc);
+        PA_FN(la_cumsum_hilo)(gk, u->sg, L, K, 0, sc->Gk, ks->lo, acc);
         if (products) PA_FN(la_factor)(ks, L, sc->Ek);
     }
     if (d->gv == PA_GATE_VECTOR) {
-        PA_FN(la_cumsum_hilo)(u->gv + c0 * u->sv, u->sv, L, V, sc->Gv, vs->lo, sc->acc);
+        PA_FN(la_cumsum_hilo)(gv, u->sv, L, V, 0, sc->Gv, vs->lo, acc);
         if (products) PA_FN(la_factor)(vs, L, sc->Ev);
     }
+    sc->ends = products && (PA_FN(la_has_nan)(ks, L) || PA_FN(la_has_nan)(vs, L));
+    if (!sc->ends) return;
+    sc->ke = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk2, .lo = sc->L * K};
+    sc->ve = (PA_FN(la_side)){.kind = d->gv, .D = V, .G = sc->Gv2, .lo = sc->L * V};
+    if (d->gk == PA_GATE_SCALAR)
+        PA_FN(la_scalar_side)(&sc->ke, gk, u->sg, L, 1, sc->Gs2, sc->L, sc->Dm2);
+    else if (d->gk == PA_GATE_VECTOR)
+        PA_FN(la_cumsum_hilo)(gk, u->sg, L, K, 1, sc->Gk2, sc->ke.lo, acc);
+    if (d->gv == PA_GATE_VECTOR) PA_FN(la_cumsum_hilo)(gv, u->sv, L, V, 1, sc->Gv2, sc->ve.lo, acc);
 }
 
 /* o rows of the block from its start state S (o is the unit's output: the forward writes it) */
@@ -559,13 +694,16 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
     PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, 1, sc->B, sc);
     PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
     PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sk, dq, sk, sc);
-    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 1, sc->A, sc);
-    PA_FN(la_rows_times)(vs, ks, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
-    PA_FN(la_apply)(ks, L, scale, sc->B, 1, q, sk, dk, sk, sc);
-    PA_FN(la_rows_times)(ks, vs, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
-    PA_FN(la_apply)(vs, L, 1, sc->A, 1, dout, sv, dv, sv, sc);
+    const PA_FN(la_side) *ke = sc->ends ? &sc->ke : ks, *ve = sc->ends ? &sc->ve : vs;
+    if (sc->ends) PA_FN(la_gram)(ve, L, 1, dout, sv, v, sv, 1, sc->B, sc);
+    PA_FN(la_gram)(ke, L, scale, q, sk, k, sk, 1, sc->A, sc);
+    PA_FN(la_rows_times)(ve, ke, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
+    PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, sk, dk, sk, sc);
+    PA_FN(la_rows_times)(ke, ve, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
+    PA_FN(la_apply)(ve, L, 1, sc->A, 1, dout, sv, dv, sv, sc);
     if (u->dgv) {
         real *oo = u->dgv + c0 * sv;
+        if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 1, sc->A, sc);
         PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, oo, sv, sc);
         PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, sv, oo, sv, sc);
     }
@@ -669,13 +807,37 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int
 
 /* dg_t = acc - sum_{0<=s<t} (x_s dx_s - y_s dy_s), per column (vec) or summed over the row;
  * rows of D at stride ld, dg at stride ldg (dg may be x: x's row is read before dg's is
- * written); acc: the D boundary terms on entry. */
+ * written); acc, end: the D boundary terms at the piece's start and at its end.
+ * A start term that is not finite while the end's is means a NaN or inf of q, do (or a row's
+ * own k, v) inside the piece reached dS_a; the rows after it cannot see it, so that channel
+ * is summed back from the end instead, dg_t = end + sum_{t<=s<n} (x_s dx_s - y_s dy_s) (the
+ * same values where both are finite). */
 static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, const real *dx,
                                   const real *y, const real *dy, int64_t ld, real *dg,
-                                  int64_t ldg, double *acc)
+                                  int64_t ldg, double *acc, double *end)
 {
     if (!vec)
-        for (int64_t i = 1; i < D; i++) acc[0] += acc[i];
+        for (int64_t i = 1; i < D; i++) {
+            acc[0] += acc[i];
+            end[0] += end[i];
+        }
+    int from_end = 0;
+    for (int64_t c = 0; c < (vec ? D : 1); c++) {
+        if (isfinite(acc[c]) || !isfinite(end[c])) {
+            end[c] = 0;
+            continue;
+        }
+        double run = end[c];
+        for (int64_t t = n - 1; t >= 0; t--) {
+            const int64_t r = t * ld;
+            for (int64_t i = vec ? c : 0; i < (vec ? c + 1 : D); i++)
+                run += (double)x[r + i] * dx[r + i] - (double)y[r + i] * dy[r + i];
+            dg[t * ldg + c] = (real)run;
+        }
+        end[c] = NAN; /* marks the channel done for the pass below */
+        from_end = 1;
+    }
+    if (from_end && !vec) return;
     for (int64_t t = 0; t < n; t++) {
         const int64_t r = t * ld;
         double sum = 0;
@@ -685,6 +847,7 @@ static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, 
                 sum += term;
                 continue;
             }
+            if (from_end && end[i] != end[i]) continue;
             dg[t * ldg + i] = (real)acc[i];
             acc[i] -= term;
         }
@@ -709,18 +872,34 @@ static void PA_FN(la_gate_bound)(const pa_linear_desc *d, const real *Sb, const 
         for (int64_t j = 0; j < V; j++) acc[K + j] += (double)Sb[i * V + j] * dSb[i * V + j];
 }
 
+/* dg = 0 where the step's gate was clamped (la_step): n rows of D at stride ld */
+static void PA_FN(la_clamped_grads)(const real *g, real *dg, int64_t n, int64_t D, int64_t ld)
+{
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < D; i++)
+            if (g[t * ld + i] < -LA_RESET) dg[t * ld + i] = 0;
+}
+
 /* The gates' gradients of rows r0 .. r0+n-1 of a unit, a piece whose boundary terms are in acc
- * (la_gate_bound), from the off-diagonal parts of its dq, dk (and of o, in dgv, and dv). */
+ * (la_gate_bound: those of its start, then at acc + K + V those of its end), from the
+ * off-diagonal parts of its dq, dk (and of o, in dgv, and dv). */
 static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n, double *acc)
 {
     const pa_linear_desc *d = u->d;
     const int64_t sk = u->sk, sv = u->sv;
-    if (d->gk != PA_GATE_NONE)
-        PA_FN(la_gate_cumsum)(n, d->K, d->gk == PA_GATE_VECTOR, u->q + r0 * sk, u->dq + r0 * sk,
-                              u->k + r0 * sk, u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc);
-    if (d->gv != PA_GATE_NONE)
+    if (d->gk != PA_GATE_NONE) {
+        const int vec = d->gk == PA_GATE_VECTOR;
+        PA_FN(la_gate_cumsum)(n, d->K, vec, u->q + r0 * sk, u->dq + r0 * sk, u->k + r0 * sk,
+                              u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc,
+                              acc + d->K + d->V);
+        PA_FN(la_clamped_grads)(u->gk + r0 * u->sg, u->dgk + r0 * u->sg, n, vec ? d->K : 1, u->sg);
+    }
+    if (d->gv != PA_GATE_NONE) {
         PA_FN(la_gate_cumsum)(n, d->V, 1, u->dgv + r0 * sv, u->dout + r0 * sv, u->v + r0 * sv,
-                              u->dv + r0 * sv, sv, u->dgv + r0 * sv, sv, acc + d->K);
+                              u->dv + r0 * sv, sv, u->dgv + r0 * sv, sv, acc + d->K,
+                              acc + 2 * d->K + d->V);
+        PA_FN(la_clamped_grads)(u->gv + r0 * sv, u->dgv + r0 * sv, n, d->V, sv);
+    }
 }
 
 /* ---- drivers ---- */
@@ -861,6 +1040,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     }
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+        PA_FN(la_gate_bound)(d, states + (p + 1) * KV, dS, sc->acc + d->K + d->V);
         if (rec) {
             PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
         } else {
@@ -981,6 +1161,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 }
                 const real *dS = dstates + (i + iunit[i]) * KV; /* at the start; its end next */
                 PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, S, dS + KV, &sc);
+                PA_FN(la_gate_bound)(d, S + KV, dS + KV, sc.acc + K + V);
                 PA_FN(la_gate_bound)(d, S, dS, sc.acc);
                 PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
                 PA_FN(la_add_diagonal)(&u, c0, l);
