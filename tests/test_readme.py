@@ -25,5 +25,10 @@ def test_readme_commands():
     text = README.read_text()
     assert "pip install -e . && python -m pyattn" in text
     assert 'pip install -e ".[test]" && python -m pytest -q' in text
-    ci = (README.parent / ".ci" / "run").read_text()
-    assert 'python -m pip install -e ".[test]" && python -m pytest -q' in ci
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    # each step a command of its own under set -e: a failing install must stop the run
+    assert "set -euo pipefail" in ci
+    steps = [line for line in ci if line and not line.startswith(("#", "set ", "cd "))]
+    assert steps == ['python -m pip install -e ".[test]"', "python -m pytest -q", "python -m pyattn",
+                     "bash tests/sanitize.sh"]
+    assert not any("&&" in line or "||" in line for line in steps)
