@@ -9,6 +9,9 @@ forward and backward, behind a NumPy API.
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
+from typing import Iterator
 
 from . import _core, reference, testing
 from .autodiff import vjp
@@ -23,13 +26,55 @@ __version__ = "0.1.0"
 OPS = build_ops()
 
 
+def _check_isa_request() -> None:
+    """PYATTN_ISA names the kernel path to run; one this build or CPU lacks is not silently
+    replaced."""
+    want = os.environ.get("PYATTN_ISA")
+    if not want:
+        return
+    info = _core.build_info()
+    if want not in ("avx512", "avx2", "generic"):
+        warnings.warn(f"PYATTN_ISA={want!r} is not a kernel path (avx512, avx2, generic); "
+                      f"ignored, running {info['isa']}", RuntimeWarning, stacklevel=3)
+    elif want != info["isa"]:
+        warnings.warn(f"PYATTN_ISA={want!r}: this CPU runs only {', '.join(info['isas_available'])}; "
+                      f"running {info['isa']}", RuntimeWarning, stacklevel=3)
+
+
+_check_isa_request()
+
+
+def _cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+_warned_oversubscription = False
+
+
 def set_num_threads(n: int) -> None:
     """Threads used by every kernel from now on, process-wide (default: OMP_NUM_THREADS, or
-    the number of cores)."""
+    the number of CPUs). More threads than CPUs only slow the kernels down: the first such
+    request warns (RuntimeWarning), once per process.
+
+    Fork: a child made by ``os.fork()`` or ``multiprocessing`` (the 'fork' start method) after
+    pyattn has run keeps this setting and its kernels run threaded. Before a fork pyattn
+    hands the forking thread's OpenMP threads back (GNU OpenMP's pool does not survive
+    fork; the parent starts a new one on its next call); where that cannot be done, the
+    child runs serially until it calls set_num_threads. Do not fork while another Python
+    thread is inside a pyattn call."""
+    global _warned_oversubscription
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_num_threads(): n must be an int, got {type(n).__name__}")
     if n < 1:
         raise ValueError(f"set_num_threads(): n must be >= 1, got {n}")
+    cpus = _cpu_count()
+    if n > cpus and not _warned_oversubscription:
+        _warned_oversubscription = True
+        warnings.warn(f"set_num_threads({n}): this process can run on {cpus} CPUs; more threads "
+                      f"than CPUs slow the kernels down (warned once)", RuntimeWarning, stacklevel=2)
     _core.set_num_threads(n)
 
 
@@ -39,7 +84,7 @@ def get_num_threads() -> int:
 
 
 @contextlib.contextmanager
-def num_threads(n: int):
+def num_threads(n: int) -> Iterator[None]:
     """``with pyattn.num_threads(n):`` runs the block with n threads, then restores the
     previous count. The setting is process-wide, not per Python thread."""
     previous = get_num_threads()

@@ -1,4 +1,4 @@
-"""The gated linear engine and its ops (DESIGN section 4).
+"""The gated linear engine and its ops (semantics: docs/ops.md).
 
 One C engine computes, per (sequence, head), with S_0 = initial_state (zeros if None):
 ``S_t = diag(exp(gk_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
@@ -104,12 +104,6 @@ def _gate(fn, name, g, shape):
     return g
 
 
-def _per_head(fn, name, x, H):
-    if x is not None and x.shape != (H,):
-        raise ValueError(f"{fn}(): '{name}' must have shape ({H},), got {x.shape}")
-    return x
-
-
 # ---------------------------------------------------------------------------------------------
 # the gate-driven ops: simple_gla, gla, retention, lightning_attention
 
@@ -124,9 +118,9 @@ def _gated(fn, q, k, v, g, vector, gv, scale, initial_state, output_final_state,
     _gate(fn, "g", arrs["g"], q.shape if vector else q.shape[:3])
     _gate(fn, "gv", arrs["gv"], v.shape)
     cu, N = _sequences(fn, B, T, cu_seqlens)
-    scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
-    return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
-                   cu, N, form, chunk_size, scale)
+    scale = V.scale(fn, scale, K ** -0.5, q.dtype)
+    return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"],
+                   V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, scale)
 
 
 def _gated_vjp(eng, names):
@@ -194,7 +188,7 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
     gradient of the constant is the sum of the gate's over (batch, time)."""
     arrs, dtype = _qkv(fn, q, k, v, (name,), initial_state=initial_state, **{name: const})
     B, T, H, _ = arrs["q"].shape
-    c = _per_head(fn, name, arrs[name], H)
+    c = V.per_head(fn, name, arrs[name], H)
     logd, dlog = log_decay(H, c)
     g = np.ascontiguousarray(np.broadcast_to(logd.astype(dtype), (B, T, H)))
     eng = _gated(fn, arrs["q"], arrs["k"], arrs["v"], g, False, None, scale, initial_state,
@@ -207,7 +201,8 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
         if grads["h0"] is not None:
             res["initial_state"] = grads["h0"]
         if c is not None:
-            res[name] = (grads["gk"].sum(axis=(0, 1), dtype=np.float64) * dlog).astype(dtype)
+            res[name] = V.reduce_to((grads["gk"].sum(axis=(0, 1), dtype=np.float64) * dlog).astype(dtype),
+                                    arrs[name])
         return res
 
     return out, pullback
@@ -317,11 +312,12 @@ def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, 
     pq, back_q = _phi(fn, q, kind, params, cu, per_seq)
     pk, back_k = _phi(fn, k, kind, params, cu, per_seq)
     F = pq.shape[3]
-    scale = F ** -0.5 if scale is None else V.real(fn, "scale", scale)
-    eps = V.real(fn, "eps", eps)
+    scale = V.scale(fn, scale, F ** -0.5, dtype)
+    eps = V.real(fn, "eps", eps, dtype=dtype)
+    normalize = V.boolean(fn, "normalize", normalize)
     vv = np.concatenate([v, np.ones(v.shape[:3] + (1,), dtype)], axis=3) if normalize else v
-    eng = _Engine(fn, pq, pk, vv, None, None, arrs["initial_state"], bool(output_final_state), cu, N,
-                  form, chunk_size, scale)
+    eng = _Engine(fn, pq, pk, vv, None, None, arrs["initial_state"],
+                  V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, scale)
     o1, ht = eng.forward(keep)
     if normalize:
         den = o1[..., -1:] + eps
@@ -410,29 +406,28 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     nb, T, H, P = x.shape
     if dt.shape != (nb, T, H):
         raise ValueError(f"{fn}(): 'dt' must have shape {(nb, T, H)} [B, T, H], got {dt.shape}")
-    _per_head(fn, "A", A, H)
-    _per_head(fn, "D", arrs["D"], H)
-    _per_head(fn, "dt_bias", arrs["dt_bias"], H)
+    A = V.per_head(fn, "A", A, H)
+    Dh, dt_bias = V.per_head(fn, "D", arrs["D"], H), V.per_head(fn, "dt_bias", arrs["dt_bias"], H)
+    dt_softplus = V.boolean(fn, "dt_softplus", dt_softplus)
     G, Ns = Bm.shape[2], Bm.shape[3]
-    if Bm.shape[:2] != (nb, T) or G < 1 or H % G or Ns < 1:
-        raise ValueError(f"{fn}(): 'B' must be [B, T, G, N] = [{nb}, {T}, G, N] with H={H} divisible by G "
-                         f"and N >= 1, got {Bm.shape}")
+    if Bm.shape[:2] != (nb, T) or Ns < 1:
+        raise ValueError(f"{fn}(): 'B' must be [B, T, G, N] = [{nb}, {T}, G, N] with N >= 1, got {Bm.shape}")
+    V.divides(fn, "B", G, "groups", "x", H, "G", "H")
     if Cm.shape != Bm.shape:
         raise ValueError(f"{fn}(): 'C' must have the shape of B {Bm.shape}, got {Cm.shape}")
     if P < 1:
         raise ValueError(f"{fn}(): 'x' needs a head dim P >= 1, got {x.shape}")
     cu, N = _sequences(fn, nb, T, cu_seqlens)
     rep = H // G
-    pre = dt + arrs["dt_bias"] if arrs["dt_bias"] is not None else dt
+    pre = dt + dt_bias if dt_bias is not None else dt
     dts = _softplus(pre) if dt_softplus else pre
     q = np.ascontiguousarray(np.repeat(Cm, rep, axis=2))
     k = np.ascontiguousarray(np.repeat(Bm, rep, axis=2))
     v = x * dts[..., None]
     g = np.ascontiguousarray(dts * A)
-    eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"], bool(output_final_state), cu, N, form,
-                  chunk_size, 1.0)
+    eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"],
+                  V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, 1.0)
     o, ht = eng.forward(keep)
-    Dh = arrs["D"]
     y = o + Dh[:, None] * x if Dh is not None else o
     out = (y, ht)
 
@@ -447,14 +442,15 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
         res = {"x": dv * dts[..., None]}
         if Dh is not None:
             res["x"] += Dh[:, None] * dy
-            res["D"] = np.einsum("bthp,bthp->bth", dy, x).sum(axis=(0, 1), dtype=f64).astype(dtype)
+            res["D"] = V.reduce_to(np.einsum("bthp,bthp->bth", dy, x).sum(axis=(0, 1), dtype=f64).astype(dtype),
+                                   arrs["D"])
         dpre = ddts * _sigmoid(pre.astype(f64)) if dt_softplus else ddts
         res["dt"] = dpre.astype(dtype)
-        res["A"] = np.einsum("bth,bth->h", dg, dts, dtype=f64).astype(dtype)
+        res["A"] = V.reduce_to(np.einsum("bth,bth->h", dg, dts, dtype=f64).astype(dtype), arrs["A"])
         res["B"] = ge["k"].reshape(nb, T, G, rep, Ns).sum(axis=3)
         res["C"] = ge["q"].reshape(nb, T, G, rep, Ns).sum(axis=3)
-        if arrs["dt_bias"] is not None:
-            res["dt_bias"] = dpre.sum(axis=(0, 1)).astype(dtype)
+        if dt_bias is not None:
+            res["dt_bias"] = V.reduce_to(dpre.sum(axis=(0, 1)).astype(dtype), arrs["dt_bias"])
         if ge["h0"] is not None:
             res["initial_state"] = ge["h0"]
         return res
@@ -513,8 +509,7 @@ def _efficient(q, k, v, scale, cu_seqlens, form):
         if Tq != k.shape[1]:
             raise ValueError(f"{fn}(): 'cu_seqlens' needs Tq == Tk, got Tq={Tq}, Tk={k.shape[1]}")
         cu_q = cu_k = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, Tq, B)
-    scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
-    return q, k, v, (cu_q, cu_k, float(scale))
+    return q, k, v, (cu_q, cu_k, V.scale(fn, scale, K ** -0.5, q.dtype))
 
 
 def efficient_attention(q, k, v, *, scale=None, cu_seqlens=None, form="parallel"):

@@ -1260,7 +1260,7 @@ BAD_CASES = {
                       ["'q'", "float16"]),
     "dtype_int_gate": (pyattn.simple_gla, lambda: _sg()[:3] + [np.zeros((1, 8, 2), np.int64)], {}, TypeError,
                        ["'g'", "int64"]),
-    "not_an_array": (pyattn.gla, lambda: [_gla_args()[0].tolist()] + _gla_args()[1:], {}, TypeError, ["'q'"]),
+    "not_an_array": (pyattn.gla, lambda: ["q"] + _gla_args()[1:], {}, TypeError, ["'q'", "str"]),
     "chunk_size_48": (pyattn.simple_gla, _sg, {"chunk_size": 48}, ValueError, ["chunk_size", "48"]),
     "chunk_size_48_gla": (pyattn.gla, _gla_args, {"chunk_size": 48}, ValueError, ["chunk_size", "48"]),
     "chunk_size_0_mamba2": (pyattn.mamba2, _m2, {"chunk_size": 0}, ValueError, ["chunk_size"]),
