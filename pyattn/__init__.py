@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Iterator
+from typing import Any, Dict, Iterator
 
 from . import _core, reference, testing
 from .autodiff import vjp
@@ -95,7 +95,7 @@ def num_threads(n: int) -> Iterator[None]:
         _core.set_num_threads(previous)
 
 
-def build_info() -> dict:
+def build_info() -> Dict[str, Any]:
     """How this pyattn was built and what it runs: the ISA path chosen at run time ('avx512',
     'avx2' or 'generic'), the ones this CPU supports, the compiler, whether OpenMP is on,
     and the thread count."""

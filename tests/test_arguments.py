@@ -348,3 +348,15 @@ def test_set_num_threads_above_cpu_count_warns_once(monkeypatch):
 def test_vjp_documents_inputs_modified_after_the_forward():
     doc = " ".join(pyattn.vjp.__doc__.split())
     assert "modif" in doc and "before the pullback" in doc
+
+
+def test_assert_close_default_tolerance_per_dtype():
+    ref = np.linspace(1.0, 2.0, 100)
+    assert pyattn.testing.assert_close(ref * (1 + 5e-11), ref) <= 1e-10
+    with pytest.raises(AssertionError, match="1.0e-10"):
+        pyattn.testing.assert_close(ref * (1 + 1e-8), ref)
+    assert pyattn.testing.assert_close((ref * (1 + 5e-6)).astype(F32), ref) <= 1e-5
+    with pytest.raises(AssertionError, match="1.0e-05"):
+        pyattn.testing.assert_close((ref * (1 + 1e-4)).astype(F32), ref)
+    with pytest.raises(AssertionError, match="1.0e-05"):
+        pyattn.testing.assert_close(ref, (ref * (1 + 1e-4)).astype(F32))
