@@ -229,10 +229,10 @@ def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_fin
               cu_seqlens=None, form="chunk", chunk_size=64):
     """RetNet retention: ``S_t = gamma_h S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
 
-    ``gamma [H]`` (an array of q's dtype, in (0, 1]) is the decay itself; default
-    ``1 - 2**(-5 - arange(H))`` (RetNet's multi-scale decays). It goes to the engine as the
-    scalar gate ``log(gamma_h)`` at every step; a given gamma gets a gradient. Other
-    arguments and the return as ``simple_gla``.
+    ``gamma [H]`` (in (0, 1]; a scalar is the same decay for every head) is the decay
+    itself; default ``1 - 2**(-5 - arange(H))`` (RetNet's multi-scale decays). It goes to
+    the engine as the scalar gate ``log(gamma_h)`` at every step; a given gamma gets a
+    gradient. Other arguments and the return as ``simple_gla``.
     """
     out, _ = _constant_decay("retention", "gamma", q, k, v, gamma, _retention_decay, scale,
                              initial_state, output_final_state, cu_seqlens, form, chunk_size, False)
@@ -251,8 +251,8 @@ def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
     """Lightning attention (MiniMax): ``S_t = exp(-slope_h) S_{t-1} + k_t v_t^T``,
     ``o_t = S_t^T (scale q_t)``.
 
-    ``slopes [H]`` (>= 0) default ``2**(-8 (h + 1) / H)``, the ALiBi geometric slopes. The chunk
-    form is Lightning's algorithm: inside a block the "left product" ``(Q K^T * decay) V``,
+    ``slopes [H]`` (>= 0; a scalar is the same slope for every head) default
+    ``2**(-8 (h + 1) / H)``, the ALiBi geometric slopes. The chunk form is Lightning's algorithm: inside a block the "left product" ``(Q K^T * decay) V``,
     across blocks the "right product" ``Q (K^T V)`` through the carried state. A given
     slopes array gets a gradient. Other arguments and the return as ``simple_gla``.
     """
@@ -466,7 +466,8 @@ def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_st
 
     x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]`` (< 0 for a decay), B and C
     ``[B, T, G, N]`` with ``H % G == 0`` (head h reads group ``h // (H // G)``), D and
-    dt_bias ``[H]`` optional; state ``[N_seq, H, N, P]`` (fla's layout; mamba_ssm's is its
+    dt_bias ``[H]`` optional (A, D, dt_bias may be scalars, shared by the heads; their
+    gradients are then scalars); state ``[N_seq, H, N, P]`` (fla's layout; mamba_ssm's is its
     transpose). Runs as the engine with q = C, k = B, v = x dt, g = A dt, scale 1 (the
     mapping fla tests). softplus is the exact ``log(1 + exp)``, without a threshold.
     Gradients for x, dt, A, B, C, D, dt_bias and initial_state. Returns ``(y, final_state

@@ -1,4 +1,4 @@
-"""Bad input raises, never crashes (DESIGN section 2): the right exception type, and a message
+"""Bad input raises, never crashes (docs/ops.md): the right exception type, and a message
 that names the argument and shows what was expected and what was received. Both through the
 public API and by calling pyattn._core's entry points directly with bad buffers."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """pyattn.feature_map: every kind x dtype against the float64 oracle pyattn.reference.feature_map
-(DESIGN sections 4, 5), its gradients, its edge cases, its errors (public API and pyattn._core
+(docs/ops.md), its gradients, its edge cases, its errors (public API and pyattn._core
 directly), the thread count, and every ISA path.
 
 Gradients: central finite differences (pyattn.testing.gradcheck, float64) on small shapes

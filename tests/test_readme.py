@@ -3,6 +3,7 @@ import pathlib
 import re
 
 import numpy as np
+import pytest
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -32,3 +33,32 @@ def test_readme_commands():
     assert steps == ['python -m pip install -e ".[test]"', "python -m pytest -q", "python -m pyattn",
                      "bash tests/sanitize.sh"]
     assert not any("&&" in line or "||" in line for line in steps)
+
+
+def test_the_package_documents_itself():
+    """A clone has no ../shared: the README, docs/ops.md and the package's sources point only
+    inside the repository, and docs/ops.md covers every op."""
+    import pyattn
+
+    root = README.parent
+    ops_doc = (root / "docs" / "ops.md").read_text()
+    texts = {"README.md": README.read_text(), "docs/ops.md": ops_doc}
+    texts.update({str(p.relative_to(root)): p.read_text() for p in (root / "pyattn").glob("*.py*")})
+    for name, text in texts.items():
+        assert "../shared" not in text and "DESIGN" not in text, name
+    assert "docs/ops.md" in texts["README.md"]
+    for op in list(pyattn.OPS) + ["feature_map", "vjp", "set_num_threads", "assert_close", "check_forms",
+                                  "gradcheck"]:
+        assert f"{op}" in ops_doc, op
+    for name, info in pyattn.OPS.items():
+        assert len(info.fn.__doc__ or "") > 200, name  # each op states its semantics
+
+
+def test_package_metadata():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    meta = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == "MIT" and meta["license-files"] == ["LICENSE"]
+    assert "pyattn developers" in (README.parent / "LICENSE").read_text()
+    assert meta["authors"] and meta["requires-python"] and meta["classifiers"]
+    assert all(url.startswith("https://github.com/pyattn/pyattn") for url in meta["urls"].values())
