@@ -99,7 +99,7 @@ def build_info() -> Dict[str, Any]:
     """How this pyattn was built and what it runs: the ISA path chosen at run time ('avx512',
     'avx2' or 'generic'), the ones this CPU supports, the compiler, whether OpenMP is on,
     and the thread count."""
-    return _core.build_info()
+    return dict(_core.build_info())
 
 
 __all__ = [

@@ -50,13 +50,11 @@ def float_arrays(fn: str, optional: Iterable[str] = (), **arrays) -> Tuple[Dict[
     of one dtype (float32 or float64), and that dtype. None is allowed only for the names in
     ``optional``. See the module docstring for the conversions."""
     optional = tuple(optional)
-    dtype, first = None, None
-    for name, a in arrays.items():
-        if isinstance(a, np.ndarray) and dtype is None:
-            dtype, first = _native(a.dtype), name
+    given = [(name, a) for name, a in arrays.items() if isinstance(a, np.ndarray)]
+    first, dtype = (given[0][0], _native(given[0][1].dtype)) if given else ("", None)
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise TypeError(f"{fn}(): '{first}' must be float32 or float64, got {arrays[first].dtype}")
-    out = {}
+    out: Dict[str, Optional[np.ndarray]] = {}
     for name, a in arrays.items():
         if a is None:
             if name in optional:

@@ -84,10 +84,7 @@ def _resolve(op) -> Tuple[Callable, Sequence[str], Sequence[str], Sequence[str]]
     """(callable, positional array names, differentiable names, forms) of an op or op name."""
     from . import OPS
 
-    if isinstance(op, str):
-        info = OPS[op]
-    else:
-        info = next((i for i in OPS.values() if i.fn is op), None)
+    info = OPS[op] if isinstance(op, str) else next((i for i in OPS.values() if i.fn is op), None)
     if info is not None:
         return info.fn, info.arrays, info.differentiable, info.forms
     params = [p.name for p in inspect.signature(op).parameters.values()
