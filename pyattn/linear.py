@@ -36,9 +36,7 @@ class _Engine:
         V.chunk_size(fn, chunk_size)
         B, T, H, K = q.shape
         Vd = v.shape[3]
-        if h0 is not None and h0.shape != (N, H, K, Vd):
-            raise ValueError(f"{fn}(): 'initial_state' must have shape {(N, H, K, Vd)} [N, H, K, V], "
-                             f"got {h0.shape}")
+        V.shape(fn, "initial_state", h0, (N, H, K, Vd), "[N, H, K, V]")
         self.fn, self.q, self.k, self.v, self.gk, self.gv, self.h0 = fn, q, k, v, gk, gv, h0
         self.want_state, self.N = want_state, N
         self.opts = (cu, _FORM_CODE[form], int(chunk_size), float(scale))
@@ -98,12 +96,6 @@ def _qkv(fn, q, k, v, optional=(), **more):
     return arrs, dtype
 
 
-def _gate(fn, name, g, shape):
-    if g is not None and g.shape != shape:
-        raise ValueError(f"{fn}(): '{name}' must have shape {shape}, got {g.shape}")
-    return g
-
-
 # ---------------------------------------------------------------------------------------------
 # the gate-driven ops: simple_gla, gla, retention, lightning_attention
 
@@ -115,8 +107,8 @@ def _gated(fn, q, k, v, g, vector, gv, scale, initial_state, output_final_state,
     arrs, _ = _qkv(fn, q, k, v, ("gv",), g=g, gv=gv, initial_state=initial_state)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     B, T, H, K = q.shape
-    _gate(fn, "g", arrs["g"], q.shape if vector else q.shape[:3])
-    _gate(fn, "gv", arrs["gv"], v.shape)
+    V.shape(fn, "g", arrs["g"], q.shape if vector else q.shape[:3])
+    V.shape(fn, "gv", arrs["gv"], v.shape)
     cu, N = _sequences(fn, B, T, cu_seqlens)
     scale = V.scale(fn, scale, K ** -0.5, q.dtype)
     return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"],
