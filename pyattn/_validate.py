@@ -169,6 +169,16 @@ def integer(fn: str, name: str, value, lo: int) -> int:
     return int(value)
 
 
+def int_pair(fn: str, name: str, value, lo: int, layout: str = "(a, b)") -> Tuple[int, int]:
+    """Two ints >= lo, given as a tuple, a list or a 1-D array of two; layout names them in
+    the message, as "(left, right)"."""
+    if isinstance(value, np.ndarray) and value.shape == (2,):
+        value = tuple(value)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{fn}(): '{name}' must be {layout}, got {value!r}")
+    return integer(fn, f"{name}[0]", value[0], lo), integer(fn, f"{name}[1]", value[1], lo)
+
+
 def real(fn: str, name: str, value, lo: float = -np.inf, dtype: Optional[np.dtype] = None) -> float:
     """A finite real >= lo (not a bool). With ``dtype``, it must also be finite in that
     dtype: a float32 call cannot take 1e39."""

@@ -244,9 +244,10 @@ def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
     ``o_t = S_t^T (scale q_t)``.
 
     ``slopes [H]`` (>= 0; a scalar is the same slope for every head) default
-    ``2**(-8 (h + 1) / H)``, the ALiBi geometric slopes. The chunk form is Lightning's algorithm: inside a block the "left product" ``(Q K^T * decay) V``,
-    across blocks the "right product" ``Q (K^T V)`` through the carried state. A given
-    slopes array gets a gradient. Other arguments and the return as ``simple_gla``.
+    ``2**(-8 (h + 1) / H)``, the ALiBi geometric slopes. The chunk form is Lightning's
+    algorithm: inside a block the "left product" ``(Q K^T * decay) V``, across blocks the
+    "right product" ``Q (K^T V)`` through the carried state. A given slopes array gets a
+    gradient. Other arguments and the return as ``simple_gla``.
     """
     out, _ = _constant_decay("lightning_attention", "slopes", q, k, v, slopes, _lightning_decay,
                              scale, initial_state, output_final_state, cu_seqlens, form, chunk_size, False)

@@ -33,12 +33,7 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
     if window is None:
         left, right = -1, -1
     else:
-        if isinstance(window, np.ndarray) and window.shape == (2,):
-            window = tuple(window)
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(f"{fn}(): 'window' must be (left, right) or None, got {window!r}")
-        left = V.integer(fn, "window[0]", window[0], -1)
-        right = V.integer(fn, "window[1]", window[1], -1)
+        left, right = V.int_pair(fn, "window", window, -1, "(left, right) or None")
     sinks = V.integer(fn, "sinks", sinks, 0)
     # beyond any sequence length a bound is no bound; keep it within int64 for the kernel
     left, right, sinks = (min(x, 2 ** 62) for x in (left, right, sinks))
