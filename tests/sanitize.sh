@@ -34,9 +34,9 @@ echo "sanitize: building with PYATTN_SANITIZE=1"
 (cd "$work/src" && PYATTN_SANITIZE=1 "$python" setup.py build_ext --inplace -q 2>&1 | grep -v '^$' || true) |
     tee "$work/build.log"
 # CPython's CFLAGS carry -fwrapv, under which UBSan cannot see signed overflow: every compile
-# line must turn it off again
-if ! grep -q -- '-fsanitize=address,undefined' "$work/build.log" ||
-    grep -- '-fsanitize=address,undefined' "$work/build.log" | grep -v -q -- '-fno-wrapv'; then
+# line (gcc ... -c file.c) must turn it off again
+compiles="$(grep -- ' -c .*-fsanitize=address,undefined' "$work/build.log" || true)"
+if [[ -z "$compiles" ]] || grep -v -q -- '-fno-wrapv' <<<"$compiles"; then
     echo "sanitize: the sanitized build does not compile with -fno-wrapv" >&2
     exit 2
 fi
