@@ -8,12 +8,17 @@ for a wrong value or shape of the right kind.
 
 How an op uses it::
 
-    arrs, dtype = V.float_arrays(fn, ("beta", "initial_state"), q=q, k=k, v=v, beta=beta,
+    arrs, dtype = V.float_arrays(fn, ("initial_state",), q=q, k=k, v=v, beta=beta, A=A,
                                  initial_state=initial_state)
-    V.ndim(fn, "q", arrs["q"], 4, "[B, T, H, K]")
-    V.shape(fn, "beta", arrs["beta"], q.shape[:3], "[B, T, H]")
-    V.divides(fn, "k", Hk, "heads", "q", H)
+    q = arrs["q"]
+    V.ndim(fn, "q", q, 4, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    V.shape(fn, "beta", arrs["beta"], (B, T, H), "[B, T, H]")
+    V.divides(fn, "k", arrs["k"].shape[2], "heads", "q", H)     # grouped heads
+    A = V.per_head(fn, "A", arrs["A"], H)    # [H] or a scalar; its gradient:
+                                             # V.reduce_to(dA, arrs["A"])
     scale = V.scale(fn, scale, K ** -0.5, dtype)
+    window = V.int_pair(fn, "window", window, -1, "(left, right)")
     form = V.form(fn, form, FORMS)
     chunk_size = V.chunk_size(fn, chunk_size)
     output_final_state = V.boolean(fn, "output_final_state", output_final_state)
