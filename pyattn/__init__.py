@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any, Dict, Iterator
 
-from . import _core, reference, testing
+from . import _core, _validate, reference, testing
 from .autodiff import vjp
 from .feature_maps import feature_map
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
@@ -66,10 +66,7 @@ def set_num_threads(n: int) -> None:
     child runs serially until it calls set_num_threads. Do not fork while another Python
     thread is inside a pyattn call."""
     global _warned_oversubscription
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"set_num_threads(): n must be an int, got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"set_num_threads(): n must be >= 1, got {n}")
+    n = _validate.integer("set_num_threads", "n", n, 1)
     cpus = _cpu_count()
     if n > cpus and not _warned_oversubscription:
         _warned_oversubscription = True

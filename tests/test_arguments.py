@@ -360,3 +360,13 @@ def test_assert_close_default_tolerance_per_dtype():
         pyattn.testing.assert_close((ref * (1 + 1e-4)).astype(F32), ref)
     with pytest.raises(AssertionError, match="1.0e-05"):
         pyattn.testing.assert_close(ref, (ref * (1 + 1e-4)).astype(F32))
+
+
+def test_set_num_threads_takes_numpy_ints():
+    before = pyattn.get_num_threads()
+    try:
+        pyattn.set_num_threads(np.int64(1))
+        assert pyattn.get_num_threads() == 1
+    finally:
+        pyattn.set_num_threads(before)
+    raises(TypeError, pyattn.set_num_threads, np.float64(2.0), must=("'n'", "int", "float64"))
