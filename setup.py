@@ -3,7 +3,7 @@ running a test program), ISA-specific code through target attributes chosen at r
 
 Environment:
   PYATTN_NATIVE=1    add -march=native (off by default: the wheel must run on any x86-64)
-  PYATTN_SANITIZE=1  build with -fsanitize=address,undefined (tests/sanitize.sh)
+  PYATTN_SANITIZE=1  build with -fsanitize=address,undefined and -fno-wrapv (tests/sanitize.sh)
   PYATTN_NO_OPENMP=1 skip OpenMP
 """
 import os
@@ -79,7 +79,9 @@ class BuildExt(build_ext):
             cflags.append("-march=native")
         if os.environ.get("PYATTN_SANITIZE") == "1":
             san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"]
-            cflags += san
+            # CPython's own CFLAGS carry -fwrapv, which defines signed overflow and so hides it
+            # from UBSan; these flags come after them and win
+            cflags += san + ["-fno-wrapv"]
             ldflags += san[:1]
         if _openmp_works(cc):
             cflags.append("-fopenmp")

@@ -11,7 +11,7 @@ and of the final state are standard normal (an initial state is given).
 
 1. Long sequences (--T): retention's gamma, lightning_attention's slopes, mamba2's A and
    dt_bias (default decays / A in [-16, -1], dt_bias log-uniform), and simple_gla's and
-   gla's per-step gates (g ~ -U(0, 0.1)). DESIGN's float32 tolerance is 1e-4.
+   gla's per-step gates (g ~ -U(0, 0.1)). The float32 gradient tolerance is 1e-4.
 2. Gate strength (--strengths w): per-step gates -U(w/2, w) on the key side (simple_gla,
    gla) and also on the value side (gla with gv), T=128; the gates' gradients are then
    ~e^-w of the others.

@@ -1,6 +1,6 @@
 """The gated linear engine's other ops: pyattn's linear_attention, retention,
 lightning_attention, mamba2 and efficient_attention against the same algorithm written in
-torch from the formulas of DESIGN section 4, float32, same thread count, one run.
+torch from the formulas of docs/ops.md, float32, same thread count, one run.
 
     python benchmarks/bench_linear_ops.py [--quick] [--threads N] [--markdown] [--T 1024 4096 ...]
                                           [--ops linear_attention linear_attention_norm retention
@@ -25,7 +25,7 @@ The rows (op: the pyattn call; the torch baseline):
                          without gates (below).
   linear_attention_norm  ``linear_attention(q, k, v, feature_map="elu1", normalize=True)``;
                          torch: phi = elu + 1 on q and k, a column of ones appended to v (the
-                         normaliser z as the state's last column, as DESIGN says),
+                         normaliser z as the state's last column, as docs/ops.md says),
                          ``torch_chunk_linear`` on V+1 columns, then o = num / (den + 1e-6).
   retention              ``retention(q, k, v, gamma=gamma)``; torch: bench_linear's
                          ``torch_chunk_simple_gla`` with the constant gate log(gamma_h) at

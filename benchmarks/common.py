@@ -1,4 +1,4 @@
-"""Shared helpers for pyattn's benchmarks (DESIGN section 6).
+"""Shared helpers for pyattn's benchmarks (what they report: README, "Benchmarks").
 
 Import this module *before* numpy (the benchmark scripts do): it sets
 ``OPENBLAS_NUM_THREADS=1`` in the environment first, so numpy's BLAS, which the benchmarks

@@ -11,7 +11,7 @@ enum { PA_FORM_PARALLEL = 0, PA_FORM_FLASH = 1, PA_FORM_RECURRENT = 2, PA_FORM_C
 
 /* Softmax attention over packed rows. Sequence n owns query rows cu_q[n] .. cu_q[n+1]-1 and
  * key rows cu_k[n] .. cu_k[n+1]-1 of q [rows_q, H, Dk], k [rows_k, Hk, Dk], v [rows_k, Hk,
- * Dv] (a batch of B equal sequences is cu = b * T). Masking as DESIGN section 4 (bottom-right
+ * Dv] (a batch of B equal sequences is cu = b * T). Masking as docs/ops.md (bottom-right
  * causal, window (-1 = unbounded), sinks); alibi is [H] of the call's dtype or NULL. */
 typedef struct {
     int64_t nseq;
@@ -24,7 +24,7 @@ typedef struct {
     int form;
 } pa_softmax_desc;
 
-/* Feature maps of linear attention (DESIGN section 4), in this order (pyattn._core.FM_*). */
+/* Feature maps of linear attention (docs/ops.md), in this order (pyattn._core.FM_*). */
 enum {
     PA_FM_IDENTITY = 0,
     PA_FM_ELU1 = 1,

@@ -143,10 +143,18 @@ static const pa_kernels *kernels_for(int typenum)
     return pa_select_kernels(typenum == NPY_FLOAT64);
 }
 
+/* A kernel's status as None, or a MemoryError that says what could not be allocated. */
 static PyObject *finish(int rc)
 {
-    if (rc == PA_ENOMEM) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    if (rc != PA_ENOMEM) Py_RETURN_NONE;
+    size_t bytes = pa_take_failed_bytes();
+    if (!bytes)
+        return PyErr_Format(PyExc_MemoryError, "the kernel could not allocate its scratch memory");
+    char msg[160]; /* PyErr_Format has no %g */
+    snprintf(msg, sizeof msg, "the kernel could not allocate %zu bytes (%.3g GiB) of scratch memory",
+             bytes, (double)bytes / (1024.0 * 1024.0 * 1024.0));
+    PyErr_SetString(PyExc_MemoryError, msg);
+    return NULL;
 }
 
 /* cu must be int64 [n+1] with cu[0] = 0, non-decreasing, cu[n] = rows */
@@ -962,6 +970,7 @@ static int core_exec(PyObject *m)
 {
     if (PyArray_ImportNumPyAPI() < 0) return -1;
     pa_dispatch_init();
+    pa_parallel_init();
     if (PyModule_AddIntConstant(m, "FORM_PARALLEL", PA_FORM_PARALLEL) ||
         PyModule_AddIntConstant(m, "FORM_FLASH", PA_FORM_FLASH) ||
         PyModule_AddIntConstant(m, "FORM_RECURRENT", PA_FORM_RECURRENT) ||

@@ -1,4 +1,4 @@
-"""The vjp registry (DESIGN section 3).
+"""The vjp registry (semantics: docs/ops.md).
 
 ``vjp(op, *args, **kwargs)`` runs the op's forward once, keeping what its C backward needs,
 and returns ``(out, pullback)``. ``pullback(cotangent)`` takes a cotangent with the structure
@@ -22,11 +22,23 @@ def register_vjp(op: Callable):
     return wrap
 
 
-def vjp(op: Callable, *args, **kwargs) -> Tuple[Any, Callable]:
+def vjp(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Tuple[Any, Callable[[Any], Dict[str, Any]]]:
     """Evaluate ``op(*args, **kwargs)`` and return ``(out, pullback)``.
 
     >>> out, pullback = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=True)
     >>> grads = pullback(do)          # {"q": dq, "k": dk, "v": dv}
+
+    ``pullback(cotangent)`` takes a cotangent shaped like ``out`` (a tuple where ``out`` is
+    one; ``None`` entries, or a bare array for the first entry alone, mean zero) and returns
+    ``{argument name: gradient}`` for every differentiable float array that was given, each
+    of its argument's shape and dtype. A pullback may be called several times.
+
+    The pullback keeps references to the input arrays, not copies (copying every input of
+    every training step would double the memory): the backward reads them when the pullback
+    runs. Arrays modified in place between the forward and the pullback (``k *= 10``, an
+    optimizer step on a parameter) give silently wrong gradients, so do not modify them
+    before the pullback has run; pass a copy to the forward where you must. Inputs that the
+    op had to copy (lists, non-contiguous, unaligned or byte-swapped arrays) are not affected.
     """
     rule = _RULES.get(op)
     if rule is None:

@@ -65,20 +65,18 @@ def _delta(fn, q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_s
     arrs, _ = _qkv(fn, q, k, v, optional, g=g, beta=beta, initial_state=initial_state)
     q, k, v, g, beta = arrs["q"], arrs["k"], arrs["v"], arrs["g"], arrs["beta"]
     B, T, H, K = q.shape
-    for name, x in (("g", g), ("beta", beta)):
-        if x is not None and x.shape != (B, T, H):
-            raise ValueError(f"{fn}(): '{name}' must have shape {(B, T, H)} [B, T, H], got {x.shape}")
-    if g is not None and np.any(g > 0):
-        raise ValueError(f"{fn}(): 'g' is a log-space decay and must be <= 0, got a maximum of "
-                         f"{float(np.nanmax(g))}")
+    V.shape(fn, "g", g, (B, T, H), "[B, T, H]")
+    V.shape(fn, "beta", beta, (B, T, H), "[B, T, H]")
+    V.log_gate(fn, "g", g)
     cu, N = _sequences(fn, B, T, cu_seqlens)
-    scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
+    scale = V.scale(fn, scale, K ** -0.5, q.dtype)
     norm = None
-    if qk_l2norm:
+    if V.boolean(fn, "qk_l2norm", qk_l2norm):
         (q, nq), (k, nk) = _l2norm(q), _l2norm(k)
         norm = (q, nq, k, nk)
-    eng = _DeltaEngine(fn, q, k, v, g, beta, arrs["initial_state"], bool(output_final_state), cu, N,
-                       form, chunk_size, scale)
+    eng = _DeltaEngine(fn, q, k, v, g, beta, arrs["initial_state"],
+                       V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size,
+                       scale)
     return eng, norm
 
 

@@ -1,4 +1,4 @@
-"""Feature maps of linear attention, alone and differentiable (DESIGN section 4)."""
+"""Feature maps of linear attention, alone and differentiable (semantics: docs/ops.md)."""
 from __future__ import annotations
 
 import numpy as np

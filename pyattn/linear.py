@@ -1,4 +1,4 @@
-"""The gated linear engine and its ops (DESIGN section 4).
+"""The gated linear engine and its ops (semantics: docs/ops.md).
 
 One C engine computes, per (sequence, head), with S_0 = initial_state (zeros if None):
 ``S_t = diag(exp(gk_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
@@ -36,9 +36,7 @@ class _Engine:
         V.chunk_size(fn, chunk_size)
         B, T, H, K = q.shape
         Vd = v.shape[3]
-        if h0 is not None and h0.shape != (N, H, K, Vd):
-            raise ValueError(f"{fn}(): 'initial_state' must have shape {(N, H, K, Vd)} [N, H, K, V], "
-                             f"got {h0.shape}")
+        V.shape(fn, "initial_state", h0, (N, H, K, Vd), "[N, H, K, V]")
         self.fn, self.q, self.k, self.v, self.gk, self.gv, self.h0 = fn, q, k, v, gk, gv, h0
         self.want_state, self.N = want_state, N
         self.opts = (cu, _FORM_CODE[form], int(chunk_size), float(scale))
@@ -98,27 +96,6 @@ def _qkv(fn, q, k, v, optional=(), **more):
     return arrs, dtype
 
 
-def _gate(fn, name, g, shape):
-    if g is not None and g.shape != shape:
-        raise ValueError(f"{fn}(): '{name}' must have shape {shape}, got {g.shape}")
-    return g
-
-
-def _log_gate(fn, name, g):
-    """A log-space gate must be <= 0 (a decay); NaN passes, to propagate as NaN."""
-    if g is not None and np.any(g > 0):
-        idx = tuple(int(i) for i in np.argwhere(g > 0)[0])
-        raise ValueError(f"{fn}(): '{name}' is a log-space decay and must be <= 0 (or -inf, a full reset), "
-                         f"got {g[idx]!r} at index {idx}")
-    return g
-
-
-def _per_head(fn, name, x, H):
-    if x is not None and x.shape != (H,):
-        raise ValueError(f"{fn}(): '{name}' must have shape ({H},), got {x.shape}")
-    return x
-
-
 # ---------------------------------------------------------------------------------------------
 # the gate-driven ops: simple_gla, gla, retention, lightning_attention
 
@@ -130,12 +107,14 @@ def _gated(fn, q, k, v, g, vector, gv, scale, initial_state, output_final_state,
     arrs, _ = _qkv(fn, q, k, v, ("gv",), g=g, gv=gv, initial_state=initial_state)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     B, T, H, K = q.shape
-    _log_gate(fn, "g", _gate(fn, "g", arrs["g"], q.shape if vector else q.shape[:3]))
-    _log_gate(fn, "gv", _gate(fn, "gv", arrs["gv"], v.shape))
+    V.shape(fn, "g", arrs["g"], q.shape if vector else q.shape[:3])
+    V.shape(fn, "gv", arrs["gv"], v.shape)
+    V.log_gate(fn, "g", arrs["g"])
+    V.log_gate(fn, "gv", arrs["gv"])
     cu, N = _sequences(fn, B, T, cu_seqlens)
-    scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
-    return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"], bool(output_final_state),
-                   cu, N, form, chunk_size, scale)
+    scale = V.scale(fn, scale, K ** -0.5, q.dtype)
+    return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"],
+                   V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, scale)
 
 
 def _gated_vjp(eng, names):
@@ -203,7 +182,7 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
     gradient of the constant is the sum of the gate's over (batch, time)."""
     arrs, dtype = _qkv(fn, q, k, v, (name,), initial_state=initial_state, **{name: const})
     B, T, H, _ = arrs["q"].shape
-    c = _per_head(fn, name, arrs[name], H)
+    c = V.per_head(fn, name, arrs[name], H)
     logd, dlog = log_decay(H, c)
     g = np.ascontiguousarray(np.broadcast_to(logd.astype(dtype), (B, T, H)))
     eng = _gated(fn, arrs["q"], arrs["k"], arrs["v"], g, False, None, scale, initial_state,
@@ -221,7 +200,7 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
                 dc = grads["gk"].sum(axis=(0, 1), dtype=np.float64) * dlog
             if name == "gamma" and np.any(c == 0):  # dlog = 1 / 0: the gradient at gamma = 0 itself
                 dc = np.where(c == 0, _gamma_zero_grad(eng, do, dht), dc)
-            res[name] = dc.astype(dtype)
+            res[name] = V.reduce_to(dc.astype(dtype), arrs[name])
         return res
 
     return out, pullback
@@ -275,10 +254,10 @@ def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_fin
               cu_seqlens=None, form="chunk", chunk_size=64):
     """RetNet retention: ``S_t = gamma_h S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
 
-    ``gamma [H]`` (an array of q's dtype, in (0, 1]) is the decay itself; default
-    ``1 - 2**(-5 - arange(H))`` (RetNet's multi-scale decays). It goes to the engine as the
-    scalar gate ``log(gamma_h)`` at every step; a given gamma gets a gradient. Other
-    arguments and the return as ``simple_gla``.
+    ``gamma [H]`` (in (0, 1]; a scalar is the same decay for every head) is the decay
+    itself; default ``1 - 2**(-5 - arange(H))`` (RetNet's multi-scale decays). It goes to
+    the engine as the scalar gate ``log(gamma_h)`` at every step; a given gamma gets a
+    gradient. Other arguments and the return as ``simple_gla``.
     """
     out, _ = _constant_decay("retention", "gamma", q, k, v, gamma, _retention_decay, scale,
                              initial_state, output_final_state, cu_seqlens, form, chunk_size, False)
@@ -297,10 +276,11 @@ def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
     """Lightning attention (MiniMax): ``S_t = exp(-slope_h) S_{t-1} + k_t v_t^T``,
     ``o_t = S_t^T (scale q_t)``.
 
-    ``slopes [H]`` (>= 0) default ``2**(-8 (h + 1) / H)``, the ALiBi geometric slopes. The chunk
-    form is Lightning's algorithm: inside a block the "left product" ``(Q K^T * decay) V``,
-    across blocks the "right product" ``Q (K^T V)`` through the carried state. A given
-    slopes array gets a gradient. Other arguments and the return as ``simple_gla``.
+    ``slopes [H]`` (>= 0; a scalar is the same slope for every head) default
+    ``2**(-8 (h + 1) / H)``, the ALiBi geometric slopes. The chunk form is Lightning's
+    algorithm: inside a block the "left product" ``(Q K^T * decay) V``, across blocks the
+    "right product" ``Q (K^T V)`` through the carried state. A given slopes array gets a
+    gradient. Other arguments and the return as ``simple_gla``.
     """
     out, _ = _constant_decay("lightning_attention", "slopes", q, k, v, slopes, _lightning_decay,
                              scale, initial_state, output_final_state, cu_seqlens, form, chunk_size, False)
@@ -358,11 +338,12 @@ def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, 
     pq, back_q = _phi(fn, q, kind, params, cu, per_seq)
     pk, back_k = _phi(fn, k, kind, params, cu, per_seq)
     F = pq.shape[3]
-    scale = F ** -0.5 if scale is None else V.real(fn, "scale", scale)
-    eps = V.real(fn, "eps", eps)
+    scale = V.scale(fn, scale, F ** -0.5, dtype)
+    eps = V.real(fn, "eps", eps, dtype=dtype)
+    normalize = V.boolean(fn, "normalize", normalize)
     vv = np.concatenate([v, np.ones(v.shape[:3] + (1,), dtype)], axis=3) if normalize else v
-    eng = _Engine(fn, pq, pk, vv, None, None, arrs["initial_state"], bool(output_final_state), cu, N,
-                  form, chunk_size, scale)
+    eng = _Engine(fn, pq, pk, vv, None, None, arrs["initial_state"],
+                  V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, scale)
     o1, ht = eng.forward(keep)
     if normalize:
         den = o1[..., -1:] + eps
@@ -453,29 +434,28 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     nb, T, H, P = x.shape
     if dt.shape != (nb, T, H):
         raise ValueError(f"{fn}(): 'dt' must have shape {(nb, T, H)} [B, T, H], got {dt.shape}")
-    _log_gate(fn, "A", _per_head(fn, "A", A, H))
-    _per_head(fn, "D", arrs["D"], H)
-    _per_head(fn, "dt_bias", arrs["dt_bias"], H)
+    A = V.log_gate(fn, "A", V.per_head(fn, "A", A, H))
+    Dh, dt_bias = V.per_head(fn, "D", arrs["D"], H), V.per_head(fn, "dt_bias", arrs["dt_bias"], H)
+    dt_softplus = V.boolean(fn, "dt_softplus", dt_softplus)
     G, Ns = Bm.shape[2], Bm.shape[3]
-    if Bm.shape[:2] != (nb, T) or G < 1 or H % G or Ns < 1:
-        raise ValueError(f"{fn}(): 'B' must be [B, T, G, N] = [{nb}, {T}, G, N] with H={H} divisible by G "
-                         f"and N >= 1, got {Bm.shape}")
+    if Bm.shape[:2] != (nb, T) or Ns < 1:
+        raise ValueError(f"{fn}(): 'B' must be [B, T, G, N] = [{nb}, {T}, G, N] with N >= 1, got {Bm.shape}")
+    V.divides(fn, "B", G, "groups", "x", H, "G", "H")
     if Cm.shape != Bm.shape:
         raise ValueError(f"{fn}(): 'C' must have the shape of B {Bm.shape}, got {Cm.shape}")
     if P < 1:
         raise ValueError(f"{fn}(): 'x' needs a head dim P >= 1, got {x.shape}")
     cu, N = _sequences(fn, nb, T, cu_seqlens)
     rep = H // G
-    pre = dt + arrs["dt_bias"] if arrs["dt_bias"] is not None else dt
+    pre = dt + dt_bias if dt_bias is not None else dt
     dts = _softplus(pre) if dt_softplus else pre
     q = np.ascontiguousarray(np.repeat(Cm, rep, axis=2))
     k = np.ascontiguousarray(np.repeat(Bm, rep, axis=2))
     v = x * dts[..., None]
     g = np.ascontiguousarray(dts * A)
-    eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"], bool(output_final_state), cu, N, form,
-                  chunk_size, 1.0)
+    eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"],
+                  V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, 1.0)
     o, ht = eng.forward(keep)
-    Dh = arrs["D"]
     y = o + Dh[:, None] * x if Dh is not None else o
     out = (y, ht)
 
@@ -494,14 +474,15 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
         res = {"x": dv * dts[..., None]}
         if Dh is not None:
             res["x"] += Dh[:, None] * dy
-            res["D"] = np.einsum("bthp,bthp->bth", dy, x).sum(axis=(0, 1), dtype=f64).astype(dtype)
+            res["D"] = V.reduce_to(np.einsum("bthp,bthp->bth", dy, x).sum(axis=(0, 1), dtype=f64).astype(dtype),
+                                   arrs["D"])
         dpre = ddts * _sigmoid(pre.astype(f64)) if dt_softplus else ddts
         res["dt"] = dpre.astype(dtype)
-        res["A"] = np.einsum("bth,bth->h", dg, dts, dtype=f64).astype(dtype)
+        res["A"] = V.reduce_to(np.einsum("bth,bth->h", dg, dts, dtype=f64).astype(dtype), arrs["A"])
         res["B"] = ge["k"].reshape(nb, T, G, rep, Ns).sum(axis=3)
         res["C"] = ge["q"].reshape(nb, T, G, rep, Ns).sum(axis=3)
-        if arrs["dt_bias"] is not None:
-            res["dt_bias"] = dpre.sum(axis=(0, 1)).astype(dtype)
+        if dt_bias is not None:
+            res["dt_bias"] = V.reduce_to(dpre.sum(axis=(0, 1)).astype(dtype), arrs["dt_bias"])
         if ge["h0"] is not None:
             res["initial_state"] = ge["h0"]
         return res
@@ -517,7 +498,8 @@ def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_st
 
     x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]`` (< 0 for a decay), B and C
     ``[B, T, G, N]`` with ``H % G == 0`` (head h reads group ``h // (H // G)``), D and
-    dt_bias ``[H]`` optional; state ``[N_seq, H, N, P]`` (fla's layout; mamba_ssm's is its
+    dt_bias ``[H]`` optional (A, D, dt_bias may be scalars, shared by the heads; their
+    gradients are then scalars); state ``[N_seq, H, N, P]`` (fla's layout; mamba_ssm's is its
     transpose). Runs as the engine with q = C, k = B, v = x dt, g = A dt, scale 1 (the
     mapping fla tests). softplus is the exact ``log(1 + exp)``, without a threshold.
     Gradients for x, dt, A, B, C, D, dt_bias and initial_state. Returns ``(y, final_state
@@ -560,8 +542,7 @@ def _efficient(q, k, v, scale, cu_seqlens, form):
         if Tq != k.shape[1]:
             raise ValueError(f"{fn}(): 'cu_seqlens' needs Tq == Tk, got Tq={Tq}, Tk={k.shape[1]}")
         cu_q = cu_k = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, Tq, B)
-    scale = K ** -0.5 if scale is None else V.real(fn, "scale", scale)
-    return q, k, v, (cu_q, cu_k, float(scale))
+    return q, k, v, (cu_q, cu_k, V.scale(fn, scale, K ** -0.5, q.dtype))
 
 
 def efficient_attention(q, k, v, *, scale=None, cu_seqlens=None, form="parallel"):

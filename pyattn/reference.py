@@ -1,4 +1,4 @@
-"""Float64 NumPy oracles: the most literal form of each formula in DESIGN section 4.
+"""Float64 NumPy oracles: the most literal form of each formula in docs/ops.md.
 
 Slow on purpose and independent of the kernels: no shared code, no tiling, no online
 softmax, no chunks, no cumulative sums. Every function takes the public op's arguments and
@@ -124,7 +124,7 @@ def _softplus(x):
 
 
 def _l2norm(x):
-    """x / sqrt(sum x^2 + 1e-6) over the last axis (DESIGN: qk_l2norm)."""
+    """x / sqrt(sum x^2 + 1e-6) over the last axis (qk_l2norm)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 

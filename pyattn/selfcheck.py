@@ -3,13 +3,16 @@ its forms, the error against the float64 oracle (float32 and float64), a finite-
 gradient check (float64), the float32 gradients against the float64 ones, and timings."""
 from __future__ import annotations
 
+import argparse
+import statistics
+import sys
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-from . import OPS, build_info, get_num_threads, reference
+from . import OPS, build_info, get_num_threads, reference, set_num_threads
 from .autodiff import vjp
 from .testing import TOLERANCES, _as_tuple, _random_cotangent, gradcheck, rel_rms
 
@@ -38,15 +41,28 @@ def _cast(args, kwargs, dtype):
     return [c(a) for a in args], {k: c(v) for k, v in kwargs.items()}
 
 
-def _time(fn, min_time=0.05) -> float:
-    fn()
-    runs, t0 = 0, time.perf_counter()
-    while True:
+def _time(fn, warmup: int = 3, min_time: float = 0.05) -> float:
+    """Median milliseconds of fn() after ``warmup`` untimed calls (first-touch page faults,
+    the thread pool's start, caches), over runs lasting at least min_time in all."""
+    for _ in range(warmup):
         fn()
-        runs += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= min_time:
-            return elapsed / runs * 1e3
+    times: List[float] = []
+    while sum(times) < min_time or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _shapes(names: Sequence[str], args, kwargs) -> str:
+    """The array arguments of a call, positional (named by ``names``) then keyword, as
+    'name[d0,d1,...]'."""
+    given = list(zip(names, args)) + list(kwargs.items())
+    return " ".join(f"{n}[{','.join(str(d) for d in a.shape)}]" for n, a in given if isinstance(a, np.ndarray))
+
+
+def _options(kwargs) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if not isinstance(v, np.ndarray))
 
 
 def check_op(name: str, seed: int = 0) -> List[Row]:
@@ -85,7 +101,7 @@ def check_op(name: str, seed: int = 0) -> List[Row]:
 
 def format_table(rows: List[Row]) -> str:
     head = ("op", "form", "err f64", "err f32", "grad vs finite diff (f64)", "grad f32 vs f64",
-            "fwd ms", "fwd+bwd ms", "")
+            "fwd ms", "fwd+bwd ms", "result")
     body = [(r.op, r.form, f"{r.err64:.1e}", f"{r.err32:.1e}", r.grad_fd, f"{r.grad32:.1e}",
              f"{r.fwd_ms:.2f}", f"{r.fwd_bwd_ms:.2f}", "ok" if r.ok else "FAIL") for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
@@ -93,7 +109,69 @@ def format_table(rows: List[Row]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
 
 
-def main() -> int:
+def format_shapes(names: Sequence[str], seed: int = 0) -> str:
+    """What each op is checked on: the example call (oracle errors, float32 gradients,
+    timings) and the tiny one (finite differences)."""
+    lines = []
+    for name in names:
+        info = OPS[name]
+        args, kwargs = info.example(np.random.default_rng(seed), np.float64)
+        tiny_args, tiny_kwargs = info.example(np.random.default_rng(seed + 1), np.float64, tiny=True)
+        lines.append(f"  {name}: {_shapes(info.arrays, args, kwargs)}; finite differences on "
+                     f"{_shapes(info.arrays, tiny_args, tiny_kwargs)}")
+        if _options(kwargs):
+            lines.append(f"    options: {_options(kwargs)}")
+    return "\n".join(lines)
+
+
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", type=_op_list, default=list(OPS), metavar="NAME[,NAME...]",
+                        help="ops to check (default: all of pyattn.OPS: %(default)s)")
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="threads for the kernels (default: pyattn's, from OMP_NUM_THREADS or the CPUs)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {n}")
+    return n
+
+
+def _op_list(text: str) -> List[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in OPS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown op {unknown or text!r}; choose from {', '.join(OPS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m pyattn [check] [options]``; ``check`` is the default command. Further
+    commands (``train``) are subparsers added here."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pyattn",
+        description="pyattn's command line. Without a command it runs 'check'.",
+        epilog="'python -m pyattn check --help' lists the options of the self-check.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    check = commands.add_parser(
+        "check", help="the self-check report (default)",
+        description="Checks every op and form against the float64 oracle (pyattn.reference) in "
+                    "float64 and float32, its gradients against finite differences (float64) and "
+                    "float32 against float64, and times the float32 forward and forward+backward "
+                    "(median after warm-up calls). Exits 1 if any check fails.")
+    add_check_arguments(check)
+    check.set_defaults(run=run_check)
+    return parser
+
+
+def run_check(opts: argparse.Namespace) -> int:
+    if opts.threads is not None:
+        set_num_threads(opts.threads)
     info = build_info()
     print(f"pyattn self-check: isa={info['isa']} (available {', '.join(info['isas_available'])}), "
           f"openmp={info['openmp']}, threads={get_num_threads()}, compiler: {info['compiler']}")
@@ -101,11 +179,21 @@ def main() -> int:
     t32, t32g = TOLERANCES[np.dtype(np.float32)]
     print(f"errors: relative RMS against the float64 oracle (pyattn.reference); pass if f64 <= {t64:.0e}, "
           f"f32 <= {t32:.0e}, f32 grads <= {t32g:.0e} of f64 grads, finite differences within "
-          f"atol 1e-5 + rtol 1e-3; times are float32 on the example shapes\n")
+          f"atol 1e-5 + rtol 1e-3; times: float32, median ms after 3 warm-up calls")
+    print("shapes checked, every form of each op (float64 and float32):")
+    print(format_shapes(opts.ops, opts.seed) + "\n")
     rows = []
-    for name in OPS:
-        rows += check_op(name)
+    for name in opts.ops:
+        rows += check_op(name, opts.seed)
     print(format_table(rows))
     failed = [f"{r.op}/{r.form}" for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["check"] + argv
+    opts = build_parser().parse_args(argv)
+    return opts.run(opts)

@@ -1,4 +1,4 @@
-"""Softmax attention: parallel, flash and recurrent forms (DESIGN section 4)."""
+"""Softmax attention: parallel, flash and recurrent forms (semantics: docs/ops.md)."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,12 +25,10 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
     V.same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
     V.same(fn, "key head dims", {"q": Dk, "k": k.shape[3]})
     Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if Hk < 1 or H % Hk:
-        raise ValueError(f"{fn}(): query heads H={H} must be a multiple of the KV heads Hk={Hk}")
+    V.divides(fn, "k", Hk, "heads", "q", H)
     if Dk < 1 or Dv < 1:
         raise ValueError(f"{fn}(): head dims must be >= 1, got Dk={Dk}, Dv={Dv}")
-    if alibi is not None and alibi.shape != (H,):
-        raise ValueError(f"{fn}(): 'alibi_slopes' must have shape ({H},), got {alibi.shape}")
+    alibi = V.per_head(fn, "alibi_slopes", alibi, H)
     if alibi is not None and not np.all(np.isfinite(alibi)):
         # a NaN slope would make every score of its head NaN: a silent dead head, or NaN rows
         raise ValueError(f"{fn}(): 'alibi_slopes' must be finite, got {alibi}")
@@ -38,15 +36,12 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
     if window is None:
         left, right = -1, -1
     else:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(f"{fn}(): 'window' must be (left, right) or None, got {window!r}")
-        left = V.integer(fn, "window[0]", window[0], -1)
-        right = V.integer(fn, "window[1]", window[1], -1)
+        left, right = V.int_pair(fn, "window", window, -1, "(left, right) or None")
     sinks = V.integer(fn, "sinks", sinks, 0)
     # beyond any sequence length a bound is no bound; keep it within int64 for the kernel
     left, right, sinks = (min(x, 2 ** 62) for x in (left, right, sinks))
-    softcap = V.real(fn, "softcap", softcap, 0.0)
-    scale = Dk ** -0.5 if scale is None else V.real(fn, "scale", scale)
+    softcap = V.real(fn, "softcap", softcap, 0.0, dtype)
+    scale = V.scale(fn, scale, Dk ** -0.5, dtype)
     if cu_seqlens is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError(f"{fn}(): give either 'cu_seqlens' or 'cu_seqlens_q'/'cu_seqlens_k', not both")
@@ -62,7 +57,8 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
         cu_k = V.cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, Tk, B)
         if len(cu_q) != len(cu_k):
             raise ValueError(f"{fn}(): cu_seqlens_q and cu_seqlens_k must have the same length, got {len(cu_q)} and {len(cu_k)}")
-    opts = (cu_q, cu_k, _FORM_CODE[form], bool(causal), left, right, sinks, alibi, softcap, float(scale))
+    opts = (cu_q, cu_k, _FORM_CODE[form], V.boolean(fn, "causal", causal), left, right, sinks, alibi,
+            softcap, scale)
     return q, k, v, opts
 
 
@@ -98,6 +94,7 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
     the natural-log log-sum-exp of the scores. ``alibi_slopes [H]`` (finite) is a constant: it
     gets no gradient.
     """
+    return_lse = V.boolean("softmax_attention", "return_lse", return_lse)
     q, k, v, opts = _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap,
                              cu_seqlens, cu_seqlens_q, cu_seqlens_k, form)
     o, lse = _forward(q, k, v, opts)
@@ -112,6 +109,7 @@ def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
     if unknown:
         raise TypeError(f"softmax_attention(): unexpected keyword arguments {sorted(unknown)}")
     opts_kw.update(kwargs)
+    return_lse = V.boolean("softmax_attention", "return_lse", return_lse)
     q, k, v, opts = _prepare(q, k, v, **opts_kw)
     o, lse = _forward(q, k, v, opts)
 

@@ -9,7 +9,7 @@
   under AddressSanitizer).
 * Helpers imported by the test modules: ``make_inputs`` (float32-representable inputs, so one
   float64 oracle serves both dtypes) and ``dense_softmax`` (a vectorised float64 NumPy
-  forward *and* backward of softmax attention, written from DESIGN section 4 with an explicit
+  forward *and* backward of softmax attention, written from docs/ops.md with an explicit
   mask matrix; an oracle for the gradients that shares nothing with the kernels).
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def make_inputs(seed, B, Tq, Tk, H, Hk, Dk, Dv, *, qscale=1.0):
 
 
 def visible_mask(Tq, Tk, *, causal=False, window=None, sinks=0):
-    """[Tq, Tk] boolean: key j visible to query i, literally DESIGN section 4."""
+    """[Tq, Tk] boolean: key j visible to query i, literally docs/ops.md."""
     i = np.arange(Tq)[:, None]
     j = np.arange(Tk)[None, :]
     ip = i + Tk - Tq

@@ -31,10 +31,18 @@ mkdir -p "$work/src"
 rm -f "$work/src"/pyattn/_core*.so
 
 echo "sanitize: building with PYATTN_SANITIZE=1"
-(cd "$work/src" && PYATTN_SANITIZE=1 "$python" setup.py build_ext --inplace -q 2>&1 | grep -v '^$' || true)
+(cd "$work/src" && PYATTN_SANITIZE=1 "$python" setup.py build_ext --inplace -q 2>&1 | grep -v '^$' || true) |
+    tee "$work/build.log"
 so=$(ls "$work/src"/pyattn/_core*.so 2>/dev/null | head -1 || true)
 if [[ -z "$so" ]]; then
     echo "sanitize: build failed (no pyattn/_core*.so)" >&2
+    exit 2
+fi
+# CPython's CFLAGS carry -fwrapv, under which UBSan cannot see signed overflow: every compile
+# line (gcc ... -c file.c) must turn it off again
+compiles="$(grep -- ' -c .*-fsanitize=address,undefined' "$work/build.log" || true)"
+if [[ -z "$compiles" ]] || grep -v -q -- '-fno-wrapv' <<<"$compiles"; then
+    echo "sanitize: the sanitized build does not compile with -fno-wrapv" >&2
     exit 2
 fi
 if ! (nm -D "$so" | grep -q __asan_report) || ! (nm -D "$so" | grep -q __ubsan_handle); then

@@ -1,5 +1,5 @@
 """The float64 oracles of the gated linear and delta-rule engines (pyattn.reference)
-against independent second formulations (DESIGN sections 4 and 5):
+against independent second formulations (docs/ops.md):
 
 * masked parallel forms (cumulative log gates, decay matrix exp(G_i - G_j) on j <= i) for
   simple_gla, gla, retention, lightning_attention and linear_attention;

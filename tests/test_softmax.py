@@ -1,5 +1,4 @@
-"""pyattn.softmax_attention: every form x dtype against the float64 oracles (DESIGN sections 3,
-4, 5).
+"""pyattn.softmax_attention: every form x dtype against the float64 oracles (docs/ops.md).
 
 Forward: pyattn.reference.softmax_attention (the literal loop). Gradients: finite differences
 (pyattn.testing.gradcheck) on tiny shapes, the dense NumPy backward of conftest.dense_softmax

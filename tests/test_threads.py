@@ -1,4 +1,4 @@
-"""Threads (DESIGN section 2): results do not depend on the thread count (work items are
+"""Threads (docs/ops.md): results do not depend on the thread count (work items are
 independent, so outputs and gradients are bitwise equal), the thread-count API, and
 concurrent calls from Python threads (the GIL is released; kernels are reentrant)."""
 from __future__ import annotations

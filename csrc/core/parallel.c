@@ -1,6 +1,8 @@
-/* The process-wide thread count and a wall clock (see parallel.h). */
+/* The process-wide thread count, fork handling, the failed-allocation record and a wall
+ * clock (see parallel.h). */
 #include "parallel.h"
 
+#include <pthread.h>
 #include <time.h>
 
 static int pa_threads = 0; /* 0: not chosen yet, use OpenMP's default (OMP_NUM_THREADS) */
@@ -22,6 +24,59 @@ void pa_set_num_threads(int n)
 {
 #pragma omp atomic write
     pa_threads = n;
+}
+
+/* GNU OpenMP keeps a pool of worker threads per thread that opened a parallel region, and a
+ * forked child inherits the pool's bookkeeping but not its threads: its next parallel region
+ * waits for them forever. So before a fork the forking thread hands its pool back
+ * (omp_pause_resource_all), and the child starts a new one on its first region; the parent
+ * pays one pool start-up after each fork. Should the pause fail, the child runs serially
+ * until pa_set_num_threads is called. */
+static int pa_pool_released = 1;
+
+static void pa_before_fork(void)
+{
+#ifdef _OPENMP
+    pa_pool_released = omp_pause_resource_all(omp_pause_hard) == 0;
+#endif
+}
+
+static void pa_in_child(void)
+{
+    if (!pa_pool_released) pa_threads = 1;
+}
+
+static void pa_register_fork_handlers(void)
+{
+    pthread_atfork(pa_before_fork, NULL, pa_in_child);
+}
+
+void pa_parallel_init(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, pa_register_fork_handlers);
+}
+
+/* The size of the last scratch allocation that failed, 0 when none has since the last
+ * pa_take_failed_bytes. Process-wide: with concurrent failing calls, either may read the
+ * other's size. */
+static size_t pa_failed = 0;
+
+void pa_note_failed_bytes(size_t bytes)
+{
+#pragma omp atomic write
+    pa_failed = bytes;
+}
+
+size_t pa_take_failed_bytes(void)
+{
+    size_t bytes;
+#pragma omp atomic capture
+    {
+        bytes = pa_failed;
+        pa_failed = 0;
+    }
+    return bytes;
 }
 
 int pa_openmp_enabled(void)

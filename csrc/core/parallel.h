@@ -13,6 +13,12 @@
 
 int pa_get_num_threads(void);
 void pa_set_num_threads(int n);
+/* Once per process, at import: fork handlers that keep a forked child's kernels from waiting
+ * on the parent's OpenMP threads. */
+void pa_parallel_init(void);
+/* A failed scratch allocation's size, recorded for the MemoryError's message. */
+void pa_note_failed_bytes(size_t bytes);
+size_t pa_take_failed_bytes(void);
 int pa_openmp_enabled(void);
 double pa_wtime(void);
 /* Threads worth using for `work` multiply-adds split into `items` independent pieces. */
@@ -38,11 +44,13 @@ static inline int pa_scratch_ok(int ok, int *failed)
     return ok;
 }
 
-/* 64-byte aligned allocation; NULL on failure (the caller reports PA_ENOMEM). */
+/* 64-byte aligned allocation; NULL on failure (the caller reports PA_ENOMEM), its size
+ * noted for the MemoryError. */
 static inline void *pa_alloc(size_t bytes)
 {
-    size_t rounded = (bytes + 63) / 64 * 64;
-    return aligned_alloc(64, rounded ? rounded : 64);
+    void *p = bytes <= SIZE_MAX - 63 ? aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64) : NULL;
+    if (!p) pa_note_failed_bytes(bytes);
+    return p;
 }
 
 /* One 64-byte aligned block carved into n parts of bytes[i] each (every part 64-byte
