@@ -1,5 +1,6 @@
 /* The delta-rule engine (DeltaNet, Gated DeltaNet), forward and backward. Template body (see
- * core/dtype.h); needs core/vmath.h, core/gemm.c and ops/decay.h before it.
+ * core/dtype.h); needs core/vmath.h, core/gemm.c, ops/linear_attn.c (its vector load and
+ * store helpers) and ops/decay.h before it.
  *
  * Per (sequence, head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a scalar log
  * gate g per step (absent: 0):
@@ -114,6 +115,15 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
     return s->block != NULL;
 }
 
+/* dst = src (K V reals), or zeros when src is NULL */
+static void PA_FN(dr_copy_state)(const real *src, real *dst, int64_t KV)
+{
+    if (src)
+        memcpy(dst, src, sizeof(real) * KV);
+    else
+        memset(dst, 0, sizeof(real) * KV);
+}
+
 /* e^g of one step (1 without a gate), clamped as the block's cumulative sums are */
 static inline real PA_FN(dr_step_decay)(const PA_FN(dr_unit) *u, int64_t t)
 {
@@ -124,37 +134,55 @@ static inline real PA_FN(dr_step_decay)(const PA_FN(dr_unit) *u, int64_t t)
 
 /* ---- the recurrent form ---- */
 
-/* Steps t0 .. t0+n-1 from the state S (updated in place); o rows written when u->o; with
- * trail, the state after each step goes to trail + i K V. */
+/* Steps t0 .. t0+n-1 from the entering state S0 (NULL: zeros; may be S) into S; o rows
+ * written when u->o; with trail, the state after each step goes to trail + i K V. The state
+ * is swept by columns of one vector: the new rows are written while the output and the next
+ * step's S^T k accumulate in registers, so S is read once and written once per step. */
 static void PA_FN(dr_recurrent)(const PA_FN(dr_unit) *u, int64_t t0, int64_t n, double scale,
-                                real *restrict S, real *trail, PA_FN(dr_scratch) *sc)
+                                const real *S0, real *S, real *trail, PA_FN(dr_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V;
     real *restrict w = sc->w, *restrict uv = sc->uv;
-    for (int64_t j = 0; j < V; j++) w[j] = 0;
-    for (int64_t r = 0; n > 0 && r < K; r++) {
-        const real kr = u->k[t0 * u->sk + r];
-        for (int64_t j = 0; j < V; j++) w[j] += kr * S[r * V + j];
+    if (n == 0) {
+        if (S0 != S) PA_FN(dr_copy_state)(S0, S, K * V);
+        return;
+    }
+    for (int64_t j = 0; j < V; j += VL) { /* w = S0^T k_t0 */
+        vreal a0 = PA_FN(vset)(0), a1 = a0;
+        const real *kt = u->k + t0 * u->sk;
+        for (int64_t r = 0; S0 && r + 1 < K; r += 2) {
+            a0 += kt[r] * PA_FN(la_ld)(S0 + r * V + j, V - j);
+            a1 += kt[r + 1] * PA_FN(la_ld)(S0 + (r + 1) * V + j, V - j);
+        }
+        if (S0 && K % 2) a0 += kt[K - 1] * PA_FN(la_ld)(S0 + (K - 1) * V + j, V - j);
+        PA_FN(la_st)(w + j, a0 + a1, V - j);
     }
     for (int64_t t = t0; t < t0 + n; t++) {
-        const real e = PA_FN(dr_step_decay)(u, t), b = u->beta[t * u->sg];
+        const real e = PA_FN(dr_step_decay)(u, t), b = u->beta[t * u->sg], sq = (real)scale;
         const real *restrict kt = u->k + t * u->sk, *restrict qt = u->q + t * u->sk;
         const real *restrict vt = u->v + t * u->sv;
-        const real *restrict kn = t + 1 < t0 + n ? u->k + (t + 1) * u->sk : NULL;
-        real *restrict ot = u->o ? u->o + t * u->sv : NULL;
-        for (int64_t j = 0; j < V; j++) {
-            uv[j] = b * (vt[j] - e * w[j]);
-            w[j] = 0;
-        }
-        if (ot)
-            for (int64_t j = 0; j < V; j++) ot[j] = 0;
-        for (int64_t r = 0; r < K; r++) {
-            real *restrict row = S + r * V;
-            const real kr = kt[r], qr = (real)scale * qt[r], knr = kn ? kn[r] : 0;
-            for (int64_t j = 0; j < V; j++) row[j] = e * row[j] + kr * uv[j];
-            if (ot)
-                for (int64_t j = 0; j < V; j++) ot[j] += qr * row[j];
-            for (int64_t j = 0; j < V; j++) w[j] += knr * row[j];
+        const real *restrict kn = t + 1 < t0 + n ? u->k + (t + 1) * u->sk : kt;
+        const real *src = t == t0 ? S0 : S;
+        real *ot = u->o ? u->o + t * u->sv : NULL;
+        for (int64_t j = 0; j < V; j++) uv[j] = b * (vt[j] - e * w[j]);
+        for (int64_t j = 0; j < V; j += VL) {
+            const int64_t left = V - j;
+            const vreal vu = PA_FN(la_ld)(uv + j, left);
+            vreal o0 = PA_FN(vset)(0), o1 = o0, w0 = o0, w1 = o0;
+            for (int64_t r = 0; r < K; r++) {
+                const vreal x = (src ? e * PA_FN(la_ld)(src + r * V + j, left) : PA_FN(vset)(0)) +
+                                kt[r] * vu;
+                PA_FN(la_st)(S + r * V + j, x, left);
+                if (r % 2) {
+                    o1 += (sq * qt[r]) * x;
+                    w1 += kn[r] * x;
+                } else {
+                    o0 += (sq * qt[r]) * x;
+                    w0 += kn[r] * x;
+                }
+            }
+            if (ot) PA_FN(la_st)(ot + j, o0 + o1, left);
+            PA_FN(la_st)(w + j, w0 + w1, left);
         }
         if (trail) memcpy(trail + (t - t0) * K * V, S, sizeof(real) * K * V);
     }
@@ -487,14 +515,6 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
 
 /* ---- drivers ---- */
 
-static void PA_FN(dr_load)(const real *src, int64_t unit, int64_t KV, real *S)
-{
-    if (src)
-        memcpy(S, src + unit * KV, sizeof(real) * KV);
-    else
-        memset(S, 0, sizeof(real) * KV);
-}
-
 static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_t L,
                                    PA_FN(dr_scratch) *sc)
 {
@@ -502,13 +522,13 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
     const int64_t KV = d->K * d->V;
     PA_FN(dr_unit) u;
     PA_FN(dr_unit_of)(c, unit, &u);
-    /* h0 read and the final state written once, unless the states are kept */
-    real *S = c->states ? c->states + c->first[unit] * KV : c->ht ? c->ht + unit * KV : sc->S;
-    if (!c->h0 || S != c->h0 + unit * KV) PA_FN(dr_load)(c->h0, unit, KV, S);
-    if (d->form == PA_FORM_RECURRENT) {
-        PA_FN(dr_recurrent)(&u, 0, u.T, d->scale, S, NULL, sc);
+    const real *h0 = c->h0 ? c->h0 + unit * KV : NULL;
+    if (d->form == PA_FORM_RECURRENT) { /* h0 read and the final state written once */
+        PA_FN(dr_recurrent)(&u, 0, u.T, d->scale, h0, c->ht ? c->ht + unit * KV : sc->S, NULL, sc);
         return;
     }
+    real *S = c->states ? c->states + c->first[unit] * KV : c->ht ? c->ht + unit * KV : sc->S;
+    if (S != h0) PA_FN(dr_copy_state)(h0, S, KV);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         const int64_t l = u.T - c0 < L ? u.T - c0 : L;
         PA_FN(dr_block)(&u, c0, l, sc);
@@ -536,27 +556,26 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
     PA_FN(dr_unit_of)(c, unit, &u);
     const int64_t np = (u.T + P - 1) / P;
     real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
-    if (!c->states) PA_FN(dr_load)(c->h0, unit, KV, states);
+    if (!c->states) PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
     for (int64_t p = 0; !c->states && p < np; p++) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
-        memcpy(S, S - KV, sizeof(real) * KV);
         if (rec) {
-            PA_FN(dr_recurrent)(&u, r0, n, d->scale, S, NULL, sc);
+            PA_FN(dr_recurrent)(&u, r0, n, d->scale, S - KV, S, NULL, sc);
         } else {
+            memcpy(S, S - KV, sizeof(real) * KV);
             PA_FN(dr_block)(&u, r0, n, sc);
             PA_FN(dr_values)(n, S - KV, sc);
             PA_FN(dr_state)(&u, r0, n, S, sc);
         }
     }
-    PA_FN(dr_load)(c->dht, unit, KV, dS);
+    PA_FN(dr_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
     real *trail = sc->states + (np + 1) * KV; /* recurrent: a piece's states */
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         if (rec) {
             memcpy(trail, states + p * KV, sizeof(real) * KV);
-            memcpy(sc->S, trail, sizeof(real) * KV);
-            PA_FN(dr_recurrent)(&u, r0, n, d->scale, sc->S, trail + KV, sc);
+            PA_FN(dr_recurrent)(&u, r0, n, d->scale, trail, sc->S, trail + KV, sc);
             PA_FN(dr_recurrent_reverse)(&u, r0, n, d->scale, trail, dS, sc);
         } else {
             PA_FN(dr_block_grads)(&u, r0, n, d->scale, states + p * KV, dS, sc);
