@@ -487,6 +487,35 @@ def test_beta_and_gate_regimes(which, form, dtype):
         check_grads(pb(do.astype(dtype), dht.astype(dtype)), g_ref, dtype, f"{which} {form} {cs}")
 
 
+@pytest.mark.parametrize("h0", [False, True], ids=["no_h0", "h0"])
+@pytest.mark.parametrize("T", [1, 2, 16, 100])
+@pytest.mark.parametrize("form", FORMS)
+def test_strong_gate_dg_with_final_state_cotangent(form, T, h0):
+    """Gates of -20 .. -19 per step and a cotangent on the final state, float64, tiny shapes:
+    dg (of size e^-20 ~ 2e-9 relative to the other gradients) within 1e-10 relative RMS of the
+    adjoint oracle, every form. The smallest case of test_beta_and_gate_regimes' strong gates:
+    dg_t = e^g_t sum(dS_t * (I - beta_t k_t k_t^T) S_{t-1}) must not be formed as a difference
+    of undecayed terms (e.g. sum(dS_t * S_t) - sum(dS_t * beta_t k_t u_t^T)), which would leave
+    their float64 rounding, ~1e-16 absolute, as a relative error of ~1e-8 in dg."""
+    r = np.random.default_rng(0)
+    K = V = 2 if T <= 2 else 4
+    q = r.standard_normal((1, T, 1, K))
+    k = r.standard_normal((1, T, 1, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = r.standard_normal((1, T, 1, V))
+    g = -20 + r.random((1, T, 1))
+    beta = r.uniform(0.05, 1, (1, T, 1))
+    do = r.standard_normal((1, T, 1, V))
+    dht = r.standard_normal((1, 1, K, V))
+    kw = dict(initial_state=r.standard_normal((1, 1, K, V)) if h0 else None, output_final_state=True)
+    args = (q, k, v, g, beta)
+    ref = adjoint("gated_delta_rule", args, kw, do, dht)
+    _, pb = vjp("gated_delta_rule", args, kw, form=form, chunk_size=16)
+    got = pb(do, dht)
+    for name in ref:
+        assert_close(got[name], ref[name], 1e-10, name=f"d{name}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("form", FORMS)
 def test_gate_minus_inf_is_a_full_reset(form, dtype):
