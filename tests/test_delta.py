@@ -865,7 +865,7 @@ BAD_CASES = {
     "beta_dtype": (DR, _with(_dr, 3, lambda b: b.astype(F32)), {}, TypeError, ["'beta'", "float32", "float64"]),
     "beta_dtype_gated": (GDR, _with(_gdr, 4, lambda b: b.astype(F32)), {}, TypeError, ["'beta'", "float32"]),
     "beta_int": (DR, _with(_dr, 3, lambda b: b.astype(np.int64)), {}, TypeError, ["'beta'", "int64"]),
-    "beta_list": (DR, _with(_dr, 3, lambda b: b.tolist()), {}, TypeError, ["'beta'"]),
+    "beta_string": (DR, _with(_dr, 3, lambda b: "0.5"), {}, TypeError, ["'beta'"]),
     "beta_None": (DR, _with(_dr, 3, lambda b: None), {}, TypeError, ["'beta'"]),
     "g_shape_4d": (GDR, _with(_gdr, 3, lambda g: np.repeat(g[..., None], 4, axis=3)), {}, ValueError,
                    ["'g'", "(1, 8, 2)"]),
@@ -942,8 +942,9 @@ def test_bad_arguments_raise_through_vjp_too(op):
 
 # ---- pyattn._core directly
 #
-# delta_forward(q, k, v, g, beta, h0, o, ht, cu, form, chunk, scale)
-# delta_backward(q, k, v, g, beta, h0, do, dht, dq, dk, dv, dg, dbeta, dh0, cu, form, chunk, scale)
+# delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale) -> kept states or None
+# delta_backward(q, k, v, g, beta, h0, do, dht, states, dq, dk, dv, dg, dbeta, dh0, cu, form,
+#                chunk, scale)
 
 CB, CT, CH, CK, CV = 2, 9, 2, 4, 3
 
@@ -959,20 +960,23 @@ def core_fwd_args(dtype=np.float64, gated=True):
     o = np.zeros((CB, CT, CH, CV), dtype)
     ht = np.zeros((CB, CH, CK, CV), dtype)
     cu = np.arange(CB + 1, dtype=np.int64) * CT
-    return [q, k, v, g, beta, h0, o, ht, cu, _core.FORM_CHUNK, 16, CK ** -0.5]
+    return [q, k, v, g, beta, h0, o, ht, False, cu, _core.FORM_CHUNK, 4, CK ** -0.5]
 
 
 def core_bwd_args(dtype=np.float64, gated=True):
-    q, k, v, g, beta, h0, o, ht, *opts = core_fwd_args(dtype, gated)
+    q, k, v, g, beta, h0, o, ht, _, *opts = core_fwd_args(dtype, gated)
     do = np.ones_like(o)
     dht = np.ones_like(ht)
     z = np.zeros_like
-    return [q, k, v, g, beta, h0, do, dht, z(q), z(k), z(v), None if g is None else z(g), z(beta), z(h0), *opts]
+    return [q, k, v, g, beta, h0, do, dht, None, z(q), z(k), z(v), None if g is None else z(g), z(beta), z(h0),
+            *opts]
 
 
-FWD_NAMES = ["q", "k", "v", "g", "beta", "h0", "o", "ht", "cu", "form", "chunk", "scale"]
-BWD_NAMES = ["q", "k", "v", "g", "beta", "h0", "do", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0",
+FWD_NAMES = ["q", "k", "v", "g", "beta", "h0", "o", "ht", "keep", "cu", "form", "chunk", "scale"]
+BWD_NAMES = ["q", "k", "v", "g", "beta", "h0", "do", "dht", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0",
              "cu", "form", "chunk", "scale"]
+FI = {n: i for i, n in enumerate(FWD_NAMES)}
+BI = {n: i for i, n in enumerate(BWD_NAMES)}
 
 
 @pytest.mark.parametrize("form", ["FORM_CHUNK", "FORM_PARALLEL", "FORM_RECURRENT"])
@@ -981,23 +985,70 @@ def test_core_direct_good_calls_work(gated, form):
     """The argument lists below are right: the unmodified calls succeed and agree with the
     public API (the flat cu_seqlens over B*T rows is the batch)."""
     args = core_fwd_args(gated=gated)
-    args[9] = getattr(_core, form)
+    args[FI["form"]] = getattr(_core, form)
     assert _core.delta_forward(*args) is None
     q, k, v, g, beta, h0, o, ht = args[:8]
     op = "gated_delta_rule" if gated else "delta_rule"
     pub = (q, k, v, g, beta) if gated else (q, k, v, beta)
     kw = dict(initial_state=h0, output_final_state=True, form=form[5:].lower(), chunk_size=16)
+    args[FI["chunk"]] = 16
+    assert _core.delta_forward(*args) is None
     (o_ref, ht_ref), pb = vjp(op, pub, kw)
     np.testing.assert_array_equal(o, o_ref)
     np.testing.assert_array_equal(ht, ht_ref)
     b = core_bwd_args(gated=gated)
-    b[15] = args[9]
+    b[BI["form"]], b[BI["chunk"]] = args[FI["form"]], 16
     assert _core.delta_backward(*b) is None
-    gr = pb(b[6], b[7])
-    for name, i in (("q", 8), ("k", 9), ("v", 10), ("g", 11), ("beta", 12), ("initial_state", 13)):
+    gr = pb(b[BI["do"]], b[BI["dht"]])
+    for name, i in (("q", "dq"), ("k", "dk"), ("v", "dv"), ("g", "dg"), ("beta", "dbeta"),
+                    ("initial_state", "dh0")):
         if name == "g" and not gated:
             continue
-        np.testing.assert_array_equal(b[i], gr[name], err_msg=name)
+        np.testing.assert_array_equal(b[BI[i]], gr[name], err_msg=name)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_core_kept_states(gated):
+    """keep=True with the chunk form returns the states entering each chunk of every
+    (sequence, head), then the final one: h0, the oracle's state at every chunk boundary, the
+    final state; a backward reading them equals one recomputing them, bitwise. Kept states of
+    the wrong shape, or given to another form, raise."""
+    args = core_fwd_args(gated=gated)
+    args[FI["keep"]] = True
+    C = args[FI["chunk"]]
+    kept = _core.delta_forward(*args)
+    q, k, v, g, beta, h0, o, ht = args[:8]
+    per_unit = -(-CT // C) + 1
+    assert kept.shape == (CB * CH * per_unit, CK, CV)
+    slot = 0
+    for n in range(CB):
+        for h in range(CH):
+            S = h0[n, h].copy()
+            for t in range(CT + 1):
+                if t % C == 0 or t == CT:
+                    assert_close(kept[slot], S, 1e-12, name=f"slot {slot} (n={n} h={h} t={t})")
+                    slot += 1
+                if t < CT:
+                    kt, bt = k[n, t, h], beta[n, t, h]
+                    a = np.exp(g[n, t, h]) if gated else 1.0
+                    S = a * (S - bt * np.outer(kt, kt @ S)) + bt * np.outer(kt, v[n, t, h])
+            np.testing.assert_array_equal(kept[slot - 1], ht[n, h])
+    assert slot == len(kept)
+    args[FI["form"]] = _core.FORM_RECURRENT
+    assert _core.delta_forward(*args) is None  # no states kept outside the chunk form
+    b1, b2 = core_bwd_args(gated=gated), core_bwd_args(gated=gated)
+    b2[BI["states"]] = kept
+    _core.delta_backward(*b1)
+    _core.delta_backward(*b2)
+    for i in range(BI["dq"], BI["dh0"] + 1):
+        if b1[i] is not None:
+            np.testing.assert_array_equal(b2[i], b1[i], err_msg=BWD_NAMES[i])
+    b2[BI["states"]] = kept[1:].copy()
+    raises(ValueError, _core.delta_backward, *b2, must=("'states'", "shape"))
+    b2[BI["states"]] = kept.astype(np.float32)
+    raises(TypeError, _core.delta_backward, *b2, must=("'states'", "float32"))
+    b2[BI["states"]], b2[BI["form"]] = kept, _core.FORM_PARALLEL
+    raises(ValueError, _core.delta_backward, *b2, must=("chunk form",))
 
 
 # the names _core's messages give some buffers (module.c shares the linear engine's checks)
@@ -1015,7 +1066,7 @@ def _core_bad_cases(names, make, outputs):
         # v's last dimension sets V: a short one is reported where V then disagrees
         last = "'initial_state'" if name == "v" else shown
         cases += [
-            (f"{name}-list", i, a.tolist(), TypeError, (own, "numpy.ndarray")),
+            (f"{name}-string", i, "x", TypeError, (own,)),
             (f"{name}-float32", i, a.astype(np.float32), TypeError, (shown, "float32")),
             (f"{name}-int64", i, a.astype(np.int64), TypeError, (own, "int64")),
             (f"{name}-noncontig", i, np.asfortranarray(a) if a.ndim > 1 and a.shape[0] > 1
@@ -1052,7 +1103,8 @@ CORE_FWD_CASES = _core_bad_cases(FWD_NAMES, core_fwd_args, outputs=("o", "ht"))
 CORE_BWD_CASES = _core_bad_cases(BWD_NAMES, core_bwd_args, outputs=("dq", "dk", "dv", "dg", "dbeta", "dh0"))
 CORE_BWD_CASES += [
     ("dg-without-g", None, None, ValueError, ("'dg'",)),
-    ("g-without-dg", 11, None, ValueError, ("'dg'",)),
+    ("g-without-dg", BI["dg"], None, ValueError, ("'dg'",)),
+    ("states-not-kept-shape", BI["states"], np.zeros((3, CK, CV)), ValueError, ("'states'",)),
 ]
 
 
@@ -1069,16 +1121,16 @@ def test_core_delta_backward_bad_args(case):
     name, index, bad, exc, must = case
     if name == "dg-without-g":
         args = core_bwd_args(gated=False)
-        args[11] = np.zeros((CB, CT, CH))
+        args[BI["dg"]] = np.zeros((CB, CT, CH))
     else:
         args = core_bwd_args()
         args[index] = bad
     raises(exc, _core.delta_backward, *args, must=must)
 
 
-@pytest.mark.parametrize("fn,n", [(_core.delta_forward, 12), (_core.delta_backward, 18)])
+@pytest.mark.parametrize("fn,n", [(_core.delta_forward, 13), (_core.delta_backward, 19)])
 def test_core_wrong_argument_count(fn, n):
-    args = core_fwd_args() if n == 12 else core_bwd_args()
+    args = core_fwd_args() if n == 13 else core_bwd_args()
     for m in (0, n - 1, n + 1):
         call_args = (args + [None])[:m] if m > n else args[:m]
         raises(TypeError, fn, *call_args, must=(f"{n} positional arguments", f"got {m}"))
@@ -1087,13 +1139,12 @@ def test_core_wrong_argument_count(fn, n):
 def test_core_optional_outputs_none():
     """ht and dh0 may be None (not asked for); h0 None is a zero state; the process is fine."""
     args = core_fwd_args()
-    args[7] = None
+    args[FI["ht"]] = None
     assert _core.delta_forward(*args) is None
-    o = args[6].copy()
-    args[5] = None
-    args[6] = np.zeros_like(o)
+    args[FI["h0"]] = None
     assert _core.delta_forward(*args) is None
+    assert np.all(np.isfinite(args[FI["o"]]))
     b = core_bwd_args()
-    b[5], b[13] = None, None
+    b[BI["h0"]], b[BI["dh0"]], b[BI["dht"]] = None, None, None
     assert _core.delta_backward(*b) is None
-    assert all(np.all(np.isfinite(x)) for x in b[8:13])
+    assert all(np.all(np.isfinite(b[BI[n]])) for n in ("dq", "dk", "dv", "dg", "dbeta"))
