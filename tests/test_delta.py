@@ -602,8 +602,8 @@ def test_qk_l2norm_is_normalised_inputs(op):
 def test_long_float32_run(op):
     """T = 16384, float32, qk_l2norm keys, B = H = 1, K = V = 32: the chunk and recurrent forms
     agree within 1e-4 relative RMS (outputs and final state), both finite, and the state norm
-    stays bounded (the recurrence is a contraction plus bounded writes: |S_t| <= |S_{t-1}| +
-    beta |v_t|, and with beta < 1 and unit keys the Frobenius norm stays O(sqrt(V) |v|))."""
+    stays bounded (with unit keys and beta in (0, 1), I - beta k k^T is a contraction along k:
+    the state settles to a stationary size instead of growing)."""
     T, K, Vd = 16384, 32, 32
     args, kw = build(op, 65, B=1, T=T, H=1, K=K, V=Vd, keys="l2norm", state=False)
     a, k = cast(args, kw, np.float32)
@@ -612,9 +612,13 @@ def test_long_float32_run(op):
     assert np.all(np.isfinite(o_c)) and np.all(np.isfinite(o_r))
     assert rel_rms(o_c, o_r) <= 1e-4, rel_rms(o_c, o_r)
     assert rel_rms(h_c, h_r) <= 1e-4, rel_rms(h_c, h_r)
-    # bounded: the state's Frobenius norm is of the order of a few |v| (sqrt(V) ~ 5.7)
-    assert np.linalg.norm(h_c) < 10 * np.sqrt(K * Vd)
-    assert np.sqrt(np.mean(o_c.astype(np.float64) ** 2)) < 10
+    # bounded: the state's Frobenius norm at T/16, T/4, T/2 and T stays below sqrt(K V) = 32
+    # (measured ~22 for delta_rule, ~4 gated) and does not grow along the run
+    norms = [float(np.linalg.norm(call(op, tuple(x[:, :n] for x in a), k, form="chunk")[1]))
+             for n in (T // 16, T // 4, T // 2)] + [float(np.linalg.norm(h_c))]
+    assert max(norms) < np.sqrt(K * Vd), norms
+    assert max(norms) < 2 * min(norms), norms
+    assert np.sqrt(np.mean(o_c.astype(np.float64) ** 2)) < 1
     # and the state passing over the first 16000 steps equals (in float64) the chunked run's
     # last 384 outputs started from the chunk form's state there
     head = tuple(x[:, :16000] for x in a)
@@ -762,6 +766,7 @@ def threads_case(op, dtype, varlen):
     return a, k, do, dht, ref
 
 
+@pytest.mark.filterwarnings("ignore:set_num_threads")  # 4 threads on a 2-CPU machine
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "cu_seqlens"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("op", OPS)
