@@ -454,7 +454,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     PA_FN(gemm)(l, K, V, 1, sc->Vn, V, 1, dS, 1, V, 0, sc->Tk, K, work);
     for (int64_t i = 0; i < l; i++) {
         const real *tk = sc->Tk + i * K;
-        if (gated) {
+        if (gated && i < l - 1) { /* the last row's lam is e^0: its two terms cancel */
             const double x = (double)sc->lam[i] * PA_FN(dot)(k + i * sk, tk, K);
             dG[l - 1] += x;
             dG[i] -= x;
