@@ -619,6 +619,9 @@ def test_long_float32_run(op):
     assert max(norms) < np.sqrt(K * Vd), norms
     assert max(norms) < 2 * min(norms), norms
     assert np.sqrt(np.mean(o_c.astype(np.float64) ** 2)) < 1
+    # the float32 chunk form against the float64 recurrent one
+    o64, _ = call(op, args, kw, form="recurrent")
+    assert rel_rms(o_c, o64) <= 1e-4, rel_rms(o_c, o64)
     # and the state passing over the first 16000 steps equals (in float64) the chunked run's
     # last 384 outputs started from the chunk form's state there
     head = tuple(x[:, :16000] for x in a)
@@ -910,6 +913,7 @@ BAD_CASES = {
     "cu_seqlens_float": (DR, _dr, {"cu_seqlens": np.array([0.0, 8.0])}, TypeError, ["cu_seqlens", "float64"]),
     "scale_string": (GDR, _gdr, {"scale": "a"}, TypeError, ["'scale'"]),
     "scale_nan": (DR, _dr, {"scale": float("nan")}, ValueError, ["'scale'"]),
+    "qk_l2norm_string": (DR, _dr, {"qk_l2norm": "yes"}, TypeError, ["qk_l2norm"]),
     "head_dim_zero": (DR, lambda: [x[..., :0] for x in _dr()[:2]] + _dr()[2:], {}, ValueError, ["K=0"]),
     "pullback_state_cotangent_without_state": (
         _pullback, lambda: [DR, _dr(), {}, (np.ones((1, 8, 2, 3)), np.ones((1, 2, 4, 3)))], {},

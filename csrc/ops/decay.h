@@ -1,34 +1,53 @@
-/* Scalar log-space decays inside a block of rows: the cumulative gate and the decay mask.
- * Template body (see core/dtype.h); needs core/vmath.h before it. */
+/* Scalar log-space decays inside a block of rows: the clamped step, the cumulative gate kept
+ * as a double hi + lo pair, and the decay mask. Template body (see core/dtype.h); needs
+ * core/vmath.h before it. */
 
-#ifndef PA_GATE_FLOOR
-/* A per-step log decay at or below this is a full reset in either dtype (e^-1000 is 0 in
- * double); clamping there keeps a block's cumulative sums finite, so a -inf gate gives the
- * same zeros as the recurrence instead of NaN from -inf - -inf. NaN passes unchanged. */
-#define PA_GATE_FLOOR (-1000.0)
+#ifndef PA_GATE_RESET
+/* A step's log gate below -PA_GATE_RESET counts as -PA_GATE_RESET. exp underflows to exactly
+ * 0 below -745.2 in double and -104 in float, so such a step still resets the state exactly,
+ * as exp(-inf) does in the recurrence; but a gate of -inf no longer makes the cumulative sums
+ * -inf (whose differences are NaN). The gradient of a clamped step is 0, as exp's is there. */
+#define PA_GATE_RESET 1024
 #endif
 
-/* G[i] = g[0] + ... + g[i] over l steps of stride ldg (each step clamped at PA_GATE_FLOOR),
- * summed in double so that G_i - G_j keeps its digits; g NULL: all zeros. */
-static inline void PA_FN(gate_cumsum)(const real *g, int64_t ldg, int64_t l, double *G)
+/* g clamped at -PA_GATE_RESET; NaN stays NaN */
+static inline double PA_FN(gate_step)(double g) { return g < -PA_GATE_RESET ? -PA_GATE_RESET : g; }
+
+/* (hi, lo) += x, lo collecting the rounding error of hi (Knuth's TwoSum): a cumulative gate
+ * keeps the digits of small steps that follow large ones (-1e30, or a clamped reset). */
+static inline void PA_FN(gate_sum2)(double *hi, double *lo, double x)
 {
-    double acc = 0;
+    const double s = *hi + x, b = s - *hi;
+    *lo += (*hi - (s - b)) + (x - b);
+    *hi = s;
+}
+
+/* G[i] + Gl[i] = g[0] + ... + g[i] over l clamped steps of stride ldg; g NULL: all zeros. */
+static inline void PA_FN(gate_cumsum)(const real *g, int64_t ldg, int64_t l, double *G, double *Gl)
+{
+    double hi = 0, lo = 0;
     for (int64_t i = 0; i < l; i++) {
-        if (g) {
-            double x = g[i * ldg];
-            acc += x < PA_GATE_FLOOR ? PA_GATE_FLOOR : x;
-        }
-        G[i] = acc;
+        if (g) PA_FN(gate_sum2)(&hi, &lo, PA_FN(gate_step)(g[i * ldg]));
+        G[i] = hi;
+        Gl[i] = lo;
     }
 }
 
-/* Dm (l x l, leading dimension l): e^(G_i - G_j) on and below the diagonal, 0 above. */
-static void PA_FN(decay_mask)(const double *G, int64_t l, real *Dm)
+/* G_i - G_j of a cumulative gate from its hi and lo parts; j < 0: G_i */
+static inline double PA_FN(gate_diff)(const double *G, const double *Gl, int64_t i, int64_t j)
+{
+    return j < 0 ? G[i] + Gl[i] : (G[i] - G[j]) + (Gl[i] - Gl[j]);
+}
+
+/* Dm (l x l, leading dimension l): e^(G_i - G_j) on and below the diagonal (1 on it), 0
+ * above. */
+static void PA_FN(decay_mask)(const double *G, const double *Gl, int64_t l, real *Dm)
 {
     for (int64_t i = 0; i < l; i++) {
         real *row = Dm + i * l;
-        for (int64_t j = 0; j <= i; j++) row[j] = (real)(G[i] - G[j]);
-        PA_FN(exp_array)(row, row, i + 1);
+        for (int64_t j = 0; j < i; j++) row[j] = (real)PA_FN(gate_diff)(G, Gl, i, j);
+        PA_FN(exp_array)(row, row, i);
+        row[i] = 1;
         for (int64_t j = i + 1; j < l; j++) row[j] = 0;
     }
 }

@@ -79,7 +79,7 @@ static void PA_FN(dr_unit_of)(const PA_FN(dr_call) *c, int64_t unit, PA_FN(dr_un
 /* Per-thread scratch for blocks of up to L rows (L = 0: the recurrent form's). */
 typedef struct {
     int64_t L, K, V;
-    double *G, *dG;        /* L each: the cumulative gate, its gradient */
+    double *G, *Gl, *dG;   /* L each: the cumulative gate (hi and lo parts), its gradient */
     real *gam, *lam, *bet; /* L each: e^G_i, e^(G_last - G_i), beta_i */
     real *Dm, *M, *A, *P, *E; /* L x L each */
     real *Z, *R;           /* L x (K + V) each: [W | U], then [dW | dV'] and [dX | dY] */
@@ -98,11 +98,11 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
     const int64_t W = K + V, big = L > W ? L : W;
     const size_t r = sizeof(real), dbl = sizeof(double);
     const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
-    size_t bytes[] = {L * dbl,   L * dbl,   L * r,     L * r,     L * r,     L * L * r,
+    size_t bytes[] = {L * dbl,   L * dbl,   L * dbl,   L * r,     L * r,     L * r,     L * L * r,
                       L * L * r, L * L * r, L * L * r, L * L * r, L * W * r, L * W * r,
                       L * V * r, L * V * r, L * K * r, V * r,     V * r,     V * r,
                       K * V * r, K * V * r, nstates * K * V * r, work};
-    void **const parts[] = {(void **)&s->G,  (void **)&s->dG, (void **)&s->gam, (void **)&s->lam,
+    void **const parts[] = {(void **)&s->G,  (void **)&s->Gl, (void **)&s->dG, (void **)&s->gam, (void **)&s->lam,
                             (void **)&s->bet, (void **)&s->Dm, (void **)&s->M,  (void **)&s->A,
                             (void **)&s->P,  (void **)&s->E,  (void **)&s->Z,   (void **)&s->R,
                             (void **)&s->Vn, (void **)&s->Tv, (void **)&s->Tk,  (void **)&s->w,
@@ -128,8 +128,7 @@ static void PA_FN(dr_copy_state)(const real *src, real *dst, int64_t KV)
 static inline real PA_FN(dr_step_decay)(const PA_FN(dr_unit) *u, int64_t t)
 {
     if (!u->g) return 1;
-    double x = u->g[t * u->sg];
-    return (real)exp(x < PA_GATE_FLOOR ? PA_GATE_FLOOR : x);
+    return (real)exp(PA_FN(gate_step)(u->g[t * u->sg]));
 }
 
 /* ---- the recurrent form ---- */
@@ -236,7 +235,7 @@ static void PA_FN(dr_recurrent_reverse)(const PA_FN(dr_unit) *u, int64_t t0, int
         }
         if (u->dg) {
             const double x = u->g[t * u->sg];
-            u->dg[t * u->sg] = x < PA_GATE_FLOOR ? 0 : (real)(e * dg);
+            u->dg[t * u->sg] = x < -PA_GATE_RESET ? 0 : (real)(e * dg);
         }
     }
 }
@@ -340,13 +339,13 @@ static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_F
 {
     const int64_t K = sc->K, V = sc->V, W = K + V, sk = u->sk, sv = u->sv;
     const real *k = u->k + c0 * sk, *v = u->v + c0 * sv;
-    PA_FN(gate_cumsum)(u->g ? u->g + c0 * u->sg : NULL, u->sg, l, sc->G);
+    PA_FN(gate_cumsum)(u->g ? u->g + c0 * u->sg : NULL, u->sg, l, sc->G, sc->Gl);
     for (int64_t i = 0; i < l; i++) {
-        sc->gam[i] = (real)exp(sc->G[i]);
-        sc->lam[i] = (real)exp(sc->G[l - 1] - sc->G[i]);
+        sc->gam[i] = (real)exp(PA_FN(gate_diff)(sc->G, sc->Gl, i, -1));
+        sc->lam[i] = (real)exp(PA_FN(gate_diff)(sc->G, sc->Gl, l - 1, i));
         sc->bet[i] = u->beta[(c0 + i) * u->sg];
     }
-    PA_FN(decay_mask)(sc->G, l, sc->Dm);
+    PA_FN(decay_mask)(sc->G, sc->Gl, l, sc->Dm);
     PA_FN(dr_lower_gram)(l, K, 1, k, sk, k, sk, sc->M, sc->work);
     for (int64_t i = 0; i < l; i++) {
         real *a = sc->A + i * l;
@@ -454,7 +453,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     PA_FN(gemm)(l, K, V, 1, sc->Vn, V, 1, dS, 1, V, 0, sc->Tk, K, work);
     for (int64_t i = 0; i < l; i++) {
         const real *tk = sc->Tk + i * K;
-        if (gated) {
+        if (gated && i < l - 1) { /* the last row's lam is e^0: its two terms cancel */
             const double x = (double)sc->lam[i] * PA_FN(dot)(k + i * sk, tk, K);
             dG[l - 1] += x;
             dG[i] -= x;
@@ -508,7 +507,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         for (int64_t i = l - 1; i >= 0; i--) {
             acc += dG[i];
             const double x = u->g[(c0 + i) * u->sg];
-            u->dg[(c0 + i) * u->sg] = x < PA_GATE_FLOOR ? 0 : (real)acc;
+            u->dg[(c0 + i) * u->sg] = x < -PA_GATE_RESET ? 0 : (real)acc;
         }
     }
 }
