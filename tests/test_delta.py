@@ -519,8 +519,8 @@ def test_strong_gate_dg_with_final_state_cotangent(form, T, h0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("form", FORMS)
 def test_gate_minus_inf_is_a_full_reset(form, dtype):
-    """g = -inf at some steps (a full reset: the state before it is forgotten), among gates of
-    -20 .. 0: every form equals the oracle, finite, every chunk size; the output from a reset
+    """g = -inf at some steps (a full reset: the state before it is forgotten), and -1e30 once,
+    among gates of -20 .. 0 (and -1e-4 after the -1e30): every form equals the oracle, finite, every chunk size; the output from a reset
     on equals a fresh call started there without a state; every gradient finite and equal to
     the adjoint oracle's (the steps before a reset do not reach the outputs after it)."""
     T = 150
@@ -531,6 +531,8 @@ def test_gate_minus_inf_is_a_full_reset(form, dtype):
     g[0, resets, 0] = -np.inf
     g[0, 97, 1] = -np.inf
     g[0, 20:30, 1] = -20.0
+    g[0, 120, 1] = -1e30  # finite, but as good as a reset
+    g[0, 121:150, 1] = -1e-4  # weak gates after it: the rows' decays must keep their digits
     args = (q, k, v, g, beta)
     ref = oracle("gated_delta_rule", args, kw)
     assert np.all(np.isfinite(ref[0])) and np.all(np.isfinite(ref[1]))
