@@ -88,7 +88,9 @@ typedef struct {
     real *w, *uv, *du;     /* V each: a recurrent step's S^T k, u, du */
     real *S, *dS;          /* K x V each */
     real *states;          /* backward: the kept states */
-    real *work;            /* GEMM packing */
+    real *Bk;              /* K^T packed once per block (pack_b), for the Grams with K */
+    real *Bp;              /* one operand packed once for the products below */
+    real *work;            /* GEMM packing of the other operand */
     void *block;
 } PA_FN(dr_scratch);
 
@@ -98,16 +100,19 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
     const int64_t W = K + V, big = L > W ? L : W;
     const size_t r = sizeof(real), dbl = sizeof(double);
     const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
+    const size_t packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * r : 0;
+    const size_t packed_k = L ? (size_t)PA_FN(packed_b_elems)(K, L) * r : 0;
     size_t bytes[] = {L * dbl,   L * dbl,   L * dbl,   L * r,     L * r,     L * r,     L * L * r,
                       L * L * r, L * L * r, L * L * r, L * L * r, L * W * r, L * W * r,
                       L * V * r, L * V * r, L * K * r, V * r,     V * r,     V * r,
-                      K * V * r, K * V * r, nstates * K * V * r, work};
+                      K * V * r, K * V * r, nstates * K * V * r, packed_k, packed, work};
     void **const parts[] = {(void **)&s->G,  (void **)&s->Gl, (void **)&s->dG, (void **)&s->gam, (void **)&s->lam,
                             (void **)&s->bet, (void **)&s->Dm, (void **)&s->M,  (void **)&s->A,
                             (void **)&s->P,  (void **)&s->E,  (void **)&s->Z,   (void **)&s->R,
                             (void **)&s->Vn, (void **)&s->Tv, (void **)&s->Tk,  (void **)&s->w,
                             (void **)&s->uv, (void **)&s->du, (void **)&s->S,   (void **)&s->dS,
-                            (void **)&s->states, (void **)&s->work};
+                            (void **)&s->states, (void **)&s->Bk, (void **)&s->Bp,
+                            (void **)&s->work};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     s->K = K;
@@ -242,28 +247,45 @@ static void PA_FN(dr_recurrent_reverse)(const PA_FN(dr_unit) *u, int64_t t0, int
 
 /* ---- the chunk form's building blocks ---- */
 
+/* Rows r0 .. r1-1 of the l x N matrix B (rows of ldb) into Bp, packed as pack_b packs all l
+ * rows (panels of NR columns l NR apart, row r at r NR inside): a packing filled a few rows at
+ * a time, or read from row r on (Bp + r NR). */
+static void PA_FN(dr_pack_rows)(int64_t r0, int64_t r1, int64_t l, int64_t N, const real *B,
+                                int64_t ldb, real *Bp)
+{
+    for (int64_t j = 0; j < N; j += NR)
+        PA_FN(pack_b)(r1 - r0, N - j < NR ? N - j : NR, B + r0 * ldb + j, ldb, 1,
+                      Bp + j * l + r0 * NR);
+}
+
 /* Solves (I + A) X = X in place for the unit lower triangular I + A (A l x l strictly lower,
  * leading dimension l; X l x W): DR_SUB-row blocks, a GEMM for everything left of a block's
- * diagonal, substitution inside it. */
-static void PA_FN(dr_solve_lower)(const real *A, int64_t l, real *X, int64_t W, real *work)
+ * diagonal, substitution inside it; the solved rows are packed once, as they are finished,
+ * for the GEMMs of the blocks below (Bp). */
+static void PA_FN(dr_solve_lower)(const real *A, int64_t l, real *X, int64_t W, real *Bp,
+                                  real *work)
 {
     for (int64_t b0 = 0; b0 < l; b0 += DR_SUB) {
         const int64_t b1 = b0 + DR_SUB < l ? b0 + DR_SUB : l;
-        PA_FN(gemm)(b1 - b0, W, b0, -1, A + b0 * l, l, 1, X, W, 1, 1, X + b0 * W, W, work);
+        PA_FN(gemm_packed_b)(b1 - b0, W, b0, -1, A + b0 * l, l, 1, Bp, l * NR, 1, X + b0 * W, W,
+                             work);
         for (int64_t i = b0 + 1; i < b1; i++)
             for (int64_t j = b0; j < i; j++) PA_FN(axpy)(X + i * W, X + j * W, W, -A[i * l + j]);
+        PA_FN(dr_pack_rows)(b0, b1, l, W, X, W, Bp);
     }
 }
 
 /* Solves (I + A)^T X = X in place: the same blocks from the last, transposed. */
-static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, real *work)
+static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, real *Bp,
+                                  real *work)
 {
     for (int64_t b0 = (l - 1) / DR_SUB * DR_SUB; b0 >= 0; b0 -= DR_SUB) {
         const int64_t b1 = b0 + DR_SUB < l ? b0 + DR_SUB : l;
-        PA_FN(gemm)(b1 - b0, W, l - b1, -1, A + b1 * l + b0, 1, l, X + b1 * W, W, 1, 1,
-                    X + b0 * W, W, work);
+        PA_FN(gemm_packed_b)(b1 - b0, W, l - b1, -1, A + b1 * l + b0, 1, l, Bp + b1 * NR, l * NR,
+                             1, X + b0 * W, W, work);
         for (int64_t i = b1 - 2; i >= b0; i--)
             for (int64_t j = i + 1; j < b1; j++) PA_FN(axpy)(X + i * W, X + j * W, W, -A[j * l + i]);
+        PA_FN(dr_pack_rows)(b0, b1, l, W, X, W, Bp);
     }
 }
 
@@ -284,12 +306,13 @@ static int PA_FN(dr_finite)(int64_t l, int64_t N, const real *B, int64_t ldb)
 }
 
 /* C = alpha L B + beta C for the l x l lower triangular L (leading dimension l, diagonal
- * included); B and C rows of ldb and ldc. A row block's GEMM also multiplies the zeros above
- * its diagonal with later rows of B, and 0 * NaN would carry a non-finite later row to rows
- * that cannot see it: when B has one, every row sums only the rows it sees. */
+ * included); B and C rows of ldb and ldc; B is packed once into Bp. A row block's GEMM also
+ * multiplies the zeros above its diagonal with later rows of B, and 0 * NaN would carry a
+ * non-finite later row to rows that cannot see it: when B has one, every row sums only the
+ * rows it sees. */
 static void PA_FN(dr_lower_product)(int64_t l, int64_t N, real alpha, const real *Lm,
                                     const real *B, int64_t ldb, real beta, real *C, int64_t ldc,
-                                    real *work)
+                                    real *Bp, real *work)
 {
     if (!PA_FN(dr_finite)(l, N, B, ldb)) {
         for (int64_t i = 0; i < l; i++) {
@@ -302,34 +325,43 @@ static void PA_FN(dr_lower_product)(int64_t l, int64_t N, real alpha, const real
         }
         return;
     }
+    PA_FN(dr_pack_rows)(0, l, l, N, B, ldb, Bp);
     for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
         const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
-        PA_FN(gemm)(r1 - r0, N, r1, alpha, Lm + r0 * l, l, 1, B, ldb, 1, beta, C + r0 * ldc, ldc,
-                    work);
+        PA_FN(gemm_packed_b)(r1 - r0, N, r1, alpha, Lm + r0 * l, l, 1, Bp, l * NR, beta,
+                             C + r0 * ldc, ldc, work);
     }
 }
 
-/* C = alpha L^T B + beta C, L as in dr_lower_product */
+/* C = alpha L^T B + beta C, L and the packing as in dr_lower_product */
 static void PA_FN(dr_lower_t_product)(int64_t l, int64_t N, real alpha, const real *Lm,
                                       const real *B, int64_t ldb, real beta, real *C,
-                                      int64_t ldc, real *work)
+                                      int64_t ldc, real *Bp, real *work)
 {
+    PA_FN(dr_pack_rows)(0, l, l, N, B, ldb, Bp);
     for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
         const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
-        PA_FN(gemm)(r1 - r0, N, l - r0, alpha, Lm + r0 * l + r0, 1, l, B + r0 * ldb, ldb, 1, beta,
-                    C + r0 * ldc, ldc, work);
+        PA_FN(gemm_packed_b)(r1 - r0, N, l - r0, alpha, Lm + r0 * l + r0, 1, l, Bp + r0 * NR,
+                             l * NR, beta, C + r0 * ldc, ldc, work);
     }
+}
+
+/* Y^T packed for dr_lower_gram: Y l x D (rows of ldy) as the D x l operand B = Y^T */
+static void PA_FN(dr_pack_t)(int64_t l, int64_t D, const real *Y, int64_t ldy, real *Bp)
+{
+    PA_FN(pack_b)(D, l, Y, 1, ldy, Bp);
 }
 
 /* The lower triangle (and the diagonal blocks whole) of C = alpha X Y^T, l x l of leading
- * dimension l, X and Y l x D with rows of ldx and ldy; above the diagonal blocks C is not
- * written. */
+ * dimension l, X l x D with rows of ldx and Y^T packed in Bp (dr_pack_t); above the diagonal
+ * blocks C is not written. */
 static void PA_FN(dr_lower_gram)(int64_t l, int64_t D, real alpha, const real *X, int64_t ldx,
-                                 const real *Y, int64_t ldy, real *C, real *work)
+                                 const real *Bp, real *C, real *work)
 {
     for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
         const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
-        PA_FN(gemm)(r1 - r0, r1, D, alpha, X + r0 * ldx, ldx, 1, Y, 1, ldy, 0, C + r0 * l, l, work);
+        PA_FN(gemm_packed_b)(r1 - r0, r1, D, alpha, X + r0 * ldx, ldx, 1, Bp, D * NR, 0,
+                             C + r0 * l, l, work);
     }
 }
 
@@ -346,7 +378,8 @@ static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_F
         sc->bet[i] = u->beta[(c0 + i) * u->sg];
     }
     PA_FN(decay_mask)(sc->G, sc->Gl, l, sc->Dm);
-    PA_FN(dr_lower_gram)(l, K, 1, k, sk, k, sk, sc->M, sc->work);
+    PA_FN(dr_pack_t)(l, K, k, sk, sc->Bk);
+    PA_FN(dr_lower_gram)(l, K, 1, k, sk, sc->Bk, sc->M, sc->work);
     for (int64_t i = 0; i < l; i++) {
         real *a = sc->A + i * l;
         const real *m = sc->M + i * l, *dm = sc->Dm + i * l;
@@ -357,7 +390,7 @@ static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_F
         for (int64_t c = 0; c < K; c++) z[c] = bg * k[i * sk + c];
         for (int64_t c = 0; c < V; c++) z[K + c] = sc->bet[i] * v[i * sv + c];
     }
-    PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->work);
+    PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->Bp, sc->work);
 }
 
 /* V' = U - W S */
@@ -368,12 +401,12 @@ static void PA_FN(dr_values)(int64_t l, const real *S, PA_FN(dr_scratch) *sc)
     PA_FN(gemm)(l, V, K, -1, sc->Z, W, 1, S, V, 1, 1, sc->Vn, V, sc->work);
 }
 
-/* P = scale Q K^T * Dm (lower, diagonal included; 0 above) */
+/* P = scale Q K^T * Dm (lower, diagonal included; 0 above), with the block's K^T packed by
+ * dr_block */
 static void PA_FN(dr_scores)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
                              PA_FN(dr_scratch) *sc)
 {
-    const real *q = u->q + c0 * u->sk, *k = u->k + c0 * u->sk;
-    PA_FN(dr_lower_gram)(l, sc->K, (real)scale, q, u->sk, k, u->sk, sc->P, sc->work);
+    PA_FN(dr_lower_gram)(l, sc->K, (real)scale, u->q + c0 * u->sk, u->sk, sc->Bk, sc->P, sc->work);
     for (int64_t i = 0; i < l; i++) { /* by selection above: a later row's NaN stays there */
         real *p = sc->P + i * l;
         const real *dm = sc->Dm + i * l;
@@ -392,7 +425,7 @@ static void PA_FN(dr_output)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, dou
     if (u->g)
         for (int64_t i = 0; i < l; i++) PA_FN(row_scale)(o + i * sv, V, sc->gam[i]);
     PA_FN(dr_scores)(u, c0, l, scale, sc);
-    PA_FN(dr_lower_product)(l, V, 1, sc->P, sc->Vn, V, 1, o, sv, sc->work);
+    PA_FN(dr_lower_product)(l, V, 1, sc->P, sc->Vn, V, 1, o, sv, sc->Bp, sc->work);
 }
 
 /* S <- e^G_last S + K^T diag(lam) V' */
@@ -424,7 +457,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     for (int64_t i = 0; i < l; i++) dG[i] = 0;
 
     /* dV' = P^T dO + diag(lam) K dS' */
-    PA_FN(dr_lower_t_product)(l, V, 1, sc->P, dO, sv, 0, dVn, W, work);
+    PA_FN(dr_lower_t_product)(l, V, 1, sc->P, dO, sv, 0, dVn, W, sc->Bp, work);
     PA_FN(gemm)(l, V, K, 1, k, sk, 1, dS, V, 1, 0, sc->Tv, V, work);
     for (int64_t i = 0; i < l; i++) PA_FN(axpy)(dVn + i * W, sc->Tv + i * V, V, sc->lam[i]);
 
@@ -434,7 +467,8 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         PA_FN(row_scale)(dq + i * sk, K, sc->gam[i]);
         dG[i] += PA_FN(dot)(q + i * sk, dq + i * sk, K);
     }
-    PA_FN(dr_lower_gram)(l, V, 1, dO, sv, sc->Vn, V, sc->E, work);
+    PA_FN(dr_pack_t)(l, V, sc->Vn, V, sc->Bp);
+    PA_FN(dr_lower_gram)(l, V, 1, dO, sv, sc->Bp, sc->E, work);
     for (int64_t i = 0; i < l; i++) {
         real *e = sc->E + i * l;
         const real *p = sc->P + i * l, *dm = sc->Dm + i * l;
@@ -446,8 +480,8 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         for (int64_t j = 0; j <= i; j++) e[j] *= dm[j];
         for (int64_t j = i + 1; j < l; j++) e[j] = 0;
     }
-    PA_FN(dr_lower_product)(l, K, (real)scale, sc->E, k, sk, 1, dq, sk, work);
-    PA_FN(dr_lower_t_product)(l, K, (real)scale, sc->E, q, sk, 0, dk, sk, work);
+    PA_FN(dr_lower_product)(l, K, (real)scale, sc->E, k, sk, 1, dq, sk, sc->Bp, work);
+    PA_FN(dr_lower_t_product)(l, K, (real)scale, sc->E, q, sk, 0, dk, sk, sc->Bp, work);
 
     /* the end state's terms: dk += diag(lam) V' dS'^T, and the gate's through lam and e^G_last */
     PA_FN(gemm)(l, K, V, 1, sc->Vn, V, 1, dS, 1, V, 0, sc->Tk, K, work);
@@ -475,8 +509,9 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     PA_FN(gemm)(K, V, l, -1, sc->Z, 1, W, dVn, W, 1, 1, dS, V, work);
 
     /* [dX | dY] = (I + A)^-T [dW | dV'];  dA = -strictly-lower([dX | dY] Z^T) */
-    PA_FN(dr_solve_upper)(sc->A, l, sc->R, W, work);
-    PA_FN(dr_lower_gram)(l, W, -1, sc->R, W, sc->Z, W, sc->E, work);
+    PA_FN(dr_solve_upper)(sc->A, l, sc->R, W, sc->Bp, work);
+    PA_FN(dr_pack_t)(l, W, sc->Z, W, sc->Bp);
+    PA_FN(dr_lower_gram)(l, W, -1, sc->R, W, sc->Bp, sc->E, work);
     /* A_ij = beta_i Dm_ij M_ij: beta's and the gate's terms, and dM (symmetrised, in P) */
     for (int64_t i = 0; i < l; i++) {
         const real *da = sc->E + i * l, *a = sc->A + i * l, *dm = sc->Dm + i * l, *m = sc->M + i * l;
