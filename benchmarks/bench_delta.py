@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (sets OPENBLAS_NUM_THREADS before numpy)
 from common import Case, fmt, print_table, rel_err, torch  # noqa: E402
+from bench_linear import check_baselines, time_forms  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -152,42 +153,11 @@ def torch_recurrent(q, k, v, g, beta, scale):
     return torch.cat(outs, 1)
 
 
-def to_torch(x):
-    """[B, T, H, *] (or [B, T, H]) numpy -> [B*H, T, *] contiguous torch"""
-    if x.ndim == 3:
-        return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1).reshape(-1, x.shape[1])))
-    b, t, h, d = x.shape
-    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(b * h, t, d)))
-
-
-def from_torch(t, like):
-    a = t.detach().numpy()
-    if like.ndim == 3:
-        b, tt, h = like.shape
-        return a.reshape(b, h, tt).transpose(0, 2, 1)
-    b, tt, h, d = like.shape
-    return a.reshape(b, h, tt, d).transpose(0, 2, 1, 3)
-
-
 def torch_fn(fn, op):
     """fn with the op's argument list (delta_rule: no g)"""
     if op == "gated_delta_rule":
         return lambda q, k, v, g, beta, scale: fn(q, k, v, g, beta, scale)
     return lambda q, k, v, beta, scale: fn(q, k, v, None, beta, scale)
-
-
-def check(op, fn, arrays, do, scale):
-    """rel-RMS errors of torch ``fn`` against pyattn's chunk form, output and gradients"""
-    names = ("q", "k", "v", "g", "beta") if op == "gated_delta_rule" else ("q", "k", "v", "beta")
-    out, pb = pyattn.vjp(getattr(pyattn, op), *arrays, form="chunk")
-    grads = pb(do)
-    leaves = [to_torch(x).requires_grad_(True) for x in arrays]
-    o = fn(*leaves, scale)
-    o.backward(to_torch(do))
-    errs = {"o": rel_err(from_torch(o, out[0]), out[0])}
-    for name, x, ref in zip(names, leaves, arrays):
-        errs["d" + name] = rel_err(from_torch(x.grad, ref), grads[name])
-    return errs
 
 
 def sweep(args, timing):
@@ -219,62 +189,16 @@ def sweep(args, timing):
             arrays = op_args(op, q, k, v, g, beta)
             names = ("q", "k", "v", "g", "beta") if op == "gated_delta_rule" else ("q", "k", "v", "beta")
             tchunk, trec = torch_fn(torch_chunk, op), torch_fn(torch_recurrent, op)
-            if torch is not None:
-                full = [to_torch(x) for x in arrays + (do,)]
-                pre = [to_torch(np.ascontiguousarray(x[:, :rec_T])) for x in arrays + (do,)]
-                if not args.no_check:
-                    for name, fn, xs, d in (("torch chunk", tchunk, arrays, do),
-                                            ("torch recurrent", trec,
-                                             tuple(np.ascontiguousarray(x[:, :rec_T]) for x in arrays),
-                                             np.ascontiguousarray(do[:, :rec_T]))):
-                        errs = check(op, fn, xs, d, scale)
-                        worst = max(errs.values())
-                        print(f"check {op} T={xs[0].shape[1]} {name} vs pyattn chunk, rel-RMS: "
-                              + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
-                              + f" -> {'ok' if worst < TOL else 'FAIL'} (< {TOL:g})", flush=True)
-                        if not worst < TOL:
-                            raise SystemExit(f"{op}: the {name} baseline disagrees with pyattn")
+            if torch is not None and not args.no_check:
+                check_baselines(op, arrays, names, do, scale, tchunk, trec, rec_T)
             for passes in args.passes:
-                forms = [f for f in args.forms if f != "parallel" or T <= args.parallel_max_t]
-                pcs = {f: common.pyattn_case(f"pyattn {f}", getattr(pyattn, op), arrays,
-                                             {"form": f}, passes, do) for f in forms}
-                cases = list(pcs.values())
-                tcc = trc = None
-                if torch is not None:
-                    tcc = common.torch_case("torch chunk", tchunk, passes,
-                                            dict(zip(names, full[:-1])), full[-1], scale=scale)
-                    trc = common.torch_case("torch recurrent", trec, passes,
-                                            dict(zip(names, pre[:-1])), pre[-1], scale=scale)
-                    cases += [tcc, trc]
-                other = common.measure(cases, timing)
+                new_rows, bar, other = time_forms(op, T, passes, arrays, names, do, scale, args.forms,
+                                                  args.parallel_max_t, tchunk, trec, rec_T,
+                                                  flops(T, passes), timing)
+                rows += new_rows
                 others.append(other)
-                fl = flops(T, passes)
-                t_tc = tcc.median if tcc is not None else None
-                t_tr = trc.median * rec_scale if trc is not None else None
-                load = common.load_cell(other)
-                for f in args.forms:
-                    if f not in pcs:
-                        rows.append([op, T, passes, f"pyattn {f}", f"skipped (T > {args.parallel_max_t})",
-                                     "", None, "", "", "", ""])
-                        continue
-                    tp = pcs[f].median
-                    gf = fl / tp * 1e-9 if f == "chunk" else None
-                    rows.append([op, T, passes, f"pyattn {f}", fmt(tp * 1e3, ".1f"),
-                                 fmt(gf, ".1f") if gf else "", gf,
-                                 fmt(t_tc / tp if t_tc else None, ".2f"),
-                                 fmt(t_tr / tp if t_tr else None, ".2f"), pcs[f].samples_cell, load])
-                if tcc is not None:
-                    gf = fl / t_tc * 1e-9
-                    rows.append([op, T, passes, "torch chunk", fmt(t_tc * 1e3, ".1f"), fmt(gf, ".1f"),
-                                 gf, "", "", tcc.samples_cell, load])
-                    rows.append([op, T, passes, "torch recurrent" + ("*" if rec_T != T else ""),
-                                 fmt(t_tr * 1e3, ".1f"), "", None, "", "", trc.samples_cell, load])
-                if "chunk" in pcs:
-                    bars.append((op, T, passes, pcs["chunk"].median, t_tc,
-                                 pcs["recurrent"].median if "recurrent" in pcs else None))
-                print(f"  {op} T={T} {passes}: " + ", ".join(
-                    f"{c.name} {c.median * 1e3 * (rec_scale if c is trc else 1):.1f} ms" for c in cases),
-                    file=sys.stderr, flush=True)
+                if bar:
+                    bars.append((op, T, passes) + bar)
     print()
     peak = common.final_peak(np.float32, args.threads, peak0)
     print()

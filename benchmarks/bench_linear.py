@@ -245,17 +245,84 @@ def from_torch(t, like):
 # ---- cases ----------------------------------------------------------------------------------
 
 
-def check(op, fn, q, k, v, g, do, scale):
-    """rel-RMS errors of torch ``fn`` against pyattn's chunk form: {"o", "dq", "dk", "dv", "dg"}"""
-    out, pb = pyattn.vjp(getattr(pyattn, op), q, k, v, g, form="chunk")
+def check(op, fn, arrays, names, do, scale):
+    """rel-RMS errors of torch ``fn(*arrays, scale)`` against pyattn's chunk form of ``op`` on
+    the same ``arrays`` (named ``names``), output and gradients: {"o", "d<name>", ...}"""
+    out, pb = pyattn.vjp(getattr(pyattn, op), *arrays, form="chunk")
     grads = pb(do)
-    leaves = [to_torch(x).requires_grad_(True) for x in (q, k, v, g)]
+    leaves = [to_torch(x).requires_grad_(True) for x in arrays]
     o = fn(*leaves, scale)
     o.backward(to_torch(do))
     errs = {"o": rel_err(from_torch(o, out[0]), out[0])}
-    for name, x, ref in zip("qkvg", leaves, (q, k, v, g)):
+    for name, x, ref in zip(names, leaves, arrays):
         errs["d" + name] = rel_err(from_torch(x.grad, ref), grads[name])
     return errs
+
+
+def check_baselines(op, arrays, names, do, scale, chunk_fn, rec_fn, rec_T):
+    """Both torch baselines checked against pyattn's chunk form (the recurrent one on the first
+    rec_T steps); prints the errors, stops the run above TOL."""
+    prefix = tuple(np.ascontiguousarray(x[:, :rec_T]) for x in arrays + (do,))
+    for name, fn, xs in (("torch chunk", chunk_fn, arrays + (do,)), ("torch recurrent", rec_fn, prefix)):
+        errs = check(op, fn, xs[:-1], names, xs[-1], scale)
+        worst = max(errs.values())
+        ok = worst < TOL
+        print(f"check {op} T={xs[0].shape[1]} {name} vs pyattn chunk, rel-RMS: "
+              + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+              + f" -> {'ok' if ok else 'FAIL'} (< {TOL:g})", flush=True)
+        if not ok:
+            raise SystemExit(f"{op}: the {name} baseline disagrees with pyattn "
+                             f"(rel-RMS {worst:.1e} >= {TOL:g}); not timing it")
+
+
+def time_forms(op, T, passes, arrays, names, do, scale, forms, parallel_max_t, chunk_fn, rec_fn,
+               rec_T, fl, timing):
+    """One (op, T, pass) group: pyattn's ``forms`` of ``op`` on ``arrays`` and, with torch,
+    ``chunk_fn`` on them and ``rec_fn`` on their first rec_T steps (scaled to T), measured
+    interleaved. Returns (table rows, (chunk, torch chunk, recurrent) medians or None, the
+    other processes' load)."""
+    timed = [f for f in forms if f != "parallel" or T <= parallel_max_t]
+    pcs = {f: common.pyattn_case(f"pyattn {f}", getattr(pyattn, op), arrays, {"form": f}, passes,
+                                 do) for f in timed}
+    cases = list(pcs.values())
+    tcc = trc = None
+    rec_scale = T / rec_T
+    if torch is not None:
+        full = [to_torch(x) for x in arrays + (do,)]
+        pre = [to_torch(np.ascontiguousarray(x[:, :rec_T])) for x in arrays + (do,)]
+        tcc = common.torch_case("torch chunk", chunk_fn, passes, dict(zip(names, full)), full[-1],
+                                scale=scale)
+        trc = common.torch_case("torch recurrent", rec_fn, passes, dict(zip(names, pre)), pre[-1],
+                                scale=scale)
+        cases += [tcc, trc]
+    other = common.measure(cases, timing)
+    t_tc = tcc.median if tcc is not None else None
+    t_tr = trc.median * rec_scale if trc is not None else None
+    load = common.load_cell(other)
+    rows = []
+    for f in forms:
+        if f not in pcs:
+            rows.append([op, T, passes, f"pyattn {f}", f"skipped (T > {parallel_max_t})", "", None,
+                         "", "", "", ""])
+            continue
+        tp = pcs[f].median
+        gf = fl / tp * 1e-9 if f == "chunk" else None
+        rows.append([op, T, passes, f"pyattn {f}", fmt(tp * 1e3, ".1f"), fmt(gf, ".1f") if gf else "",
+                     gf, fmt(t_tc / tp if t_tc else None, ".2f"), fmt(t_tr / tp if t_tr else None, ".2f"),
+                     pcs[f].samples_cell, load])
+    if tcc is not None:
+        gf = fl / t_tc * 1e-9
+        rows.append([op, T, passes, "torch chunk", fmt(t_tc * 1e3, ".1f"), fmt(gf, ".1f"), gf, "", "",
+                     tcc.samples_cell, load])
+        rows.append([op, T, passes, "torch recurrent" + ("*" if rec_T != T else ""),
+                     fmt(t_tr * 1e3, ".1f"), "", None, "", "", trc.samples_cell, load])
+    bar = None
+    if "chunk" in pcs:
+        bar = (pcs["chunk"].median, t_tc, pcs["recurrent"].median if "recurrent" in pcs else None)
+    print(f"  {op} T={T} {passes}: " + ", ".join(
+        f"{c.name} {c.median * 1e3 * (rec_scale if c is trc else 1):.1f} ms" for c in cases),
+        file=sys.stderr, flush=True)
+    return rows, bar, other
 
 
 # ---- the T sweep ----------------------------------------------------------------------------
@@ -302,67 +369,17 @@ def sweep(args, timing):
             notes.append(f"T={T}: pyattn parallel skipped (T > {args.parallel_max_t}: it "
                          f"materialises T x T per head)")
         for op in args.ops:
-            g = gates[op]
-            if torch is not None:
-                full = [to_torch(x) for x in (q, k, v, g, do)]
-                pre = [to_torch(np.ascontiguousarray(x[:, :rec_T])) for x in (q, k, v, g, do)]
-                if not args.no_check:
-                    for name, fn, xs in (("torch chunk", TORCH_CHUNK[op], (q, k, v, g, do)),
-                                         ("torch recurrent", torch_recurrent,
-                                          tuple(np.ascontiguousarray(x[:, :rec_T])
-                                                for x in (q, k, v, g, do)))):
-                        errs = check(op, fn, *xs, scale)
-                        worst = max(errs.values())
-                        ok = worst < TOL
-                        line = (f"check {op} T={T}{'' if xs[0].shape[1] == T else f' (first {rec_T} steps)'} "
-                                f"{name} vs pyattn chunk, rel-RMS: "
-                                + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
-                                + f" -> {'ok' if ok else 'FAIL'} (< {TOL:g})")
-                        print(line, flush=True)
-                        if not ok:
-                            raise SystemExit(f"{op}: the {name} baseline disagrees with pyattn "
-                                             f"(rel-RMS {worst:.1e} >= {TOL:g}); not timing it")
+            arrays = (q, k, v, gates[op])
+            if torch is not None and not args.no_check:
+                check_baselines(op, arrays, "qkvg", do, scale, TORCH_CHUNK[op], torch_recurrent, rec_T)
             for passes in args.passes:
-                forms = [f for f in args.forms if f != "parallel" or T <= args.parallel_max_t]
-                pcs = {f: common.pyattn_case(f"pyattn {f}", getattr(pyattn, op), (q, k, v, g),
-                                             {"form": f}, passes, do) for f in forms}
-                cases = list(pcs.values())
-                tcc = trc = None
-                if torch is not None:
-                    tcc = common.torch_case("torch chunk", TORCH_CHUNK[op], passes,
-                                            dict(zip("qkvg", full)), full[4], scale=scale)
-                    trc = common.torch_case("torch recurrent", torch_recurrent, passes,
-                                            dict(zip("qkvg", pre)), pre[4], scale=scale)
-                    cases += [tcc, trc]
-                other = common.measure(cases, timing)
+                new_rows, bar, other = time_forms(op, T, passes, arrays, "qkvg", do, scale, args.forms,
+                                                  args.parallel_max_t, TORCH_CHUNK[op], torch_recurrent,
+                                                  rec_T, flops(T, passes), timing)
+                rows += new_rows
                 others.append(other)
-                fl = flops(T, passes)
-                t_tc = tcc.median if tcc is not None else None
-                t_tr = trc.median * rec_scale if trc is not None else None
-                load = common.load_cell(other)
-                for f in args.forms:
-                    if f not in pcs:
-                        rows.append([op, T, passes, f"pyattn {f}", f"skipped (T > {args.parallel_max_t})",
-                                     "", None, "", "", "", ""])
-                        continue
-                    tp = pcs[f].median
-                    gf = fl / tp * 1e-9 if f == "chunk" else None
-                    rows.append([op, T, passes, f"pyattn {f}", fmt(tp * 1e3, ".1f"),
-                                 fmt(gf, ".1f") if gf else "", gf,
-                                 fmt(t_tc / tp if t_tc else None, ".2f"),
-                                 fmt(t_tr / tp if t_tr else None, ".2f"), pcs[f].samples_cell, load])
-                if tcc is not None:
-                    gf = fl / t_tc * 1e-9
-                    rows.append([op, T, passes, "torch chunk", fmt(t_tc * 1e3, ".1f"), fmt(gf, ".1f"),
-                                 gf, "", "", tcc.samples_cell, load])
-                    rows.append([op, T, passes, "torch recurrent" + ("*" if rec_T != T else ""),
-                                 fmt(t_tr * 1e3, ".1f"), "", None, "", "", trc.samples_cell, load])
-                if "chunk" in pcs:
-                    bars.append((op, T, passes, pcs["chunk"].median, t_tc,
-                                 pcs["recurrent"].median if "recurrent" in pcs else None))
-                print(f"  {op} T={T} {passes}: " + ", ".join(
-                    f"{c.name} {c.median * 1e3 * (rec_scale if c is trc else 1):.1f} ms" for c in cases),
-                    file=sys.stderr, flush=True)
+                if bar:
+                    bars.append((op, T, passes) + bar)
 
     print()
     peak = common.final_peak(np.float32, args.threads, peak0)
