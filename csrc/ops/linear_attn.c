@@ -516,20 +516,25 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
 static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, int suffix,
                                   real *G, int64_t lo, double *acc)
 {
-    double *acc_lo = acc + D;
-    for (int64_t j = 0; j < D; j++) acc[j] = acc_lo[j] = 0;
-    for (int64_t n = 0; n < L; n++) {
-        const int64_t i = suffix ? L - 1 - n : n;
-        for (int64_t j = 0; j < D; j++) {
-            const double x = PA_FN(la_step)(g[i * ldg + j]);
-            if (!suffix) PA_FN(la_sum2)(acc + j, acc_lo + j, x);
-            const double sh = suffix ? -acc[j] : acc[j], sl = suffix ? -acc_lo[j] : acc_lo[j];
-            const real hi = (real)sh;
-            G[i * D + j] = hi;
-            G[lo + i * D + j] = (real)((sh - hi) + sl);
-            if (suffix) PA_FN(la_sum2)(acc + j, acc_lo + j, x);
-        }
+    double *restrict hs = acc, *restrict ls = acc + D;
+    for (int64_t j = 0; j < D; j++) hs[j] = ls[j] = 0;
+    if (!suffix) { /* the common case as its own loop, vectorised across channels */
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < D; j++) {
+                PA_FN(la_sum2)(hs + j, ls + j, PA_FN(la_step)(g[i * ldg + j]));
+                const real hi = (real)hs[j];
+                G[i * D + j] = hi;
+                G[lo + i * D + j] = (real)((hs[j] - hi) + ls[j]);
+            }
+        return;
     }
+    for (int64_t i = L - 1; i >= 0; i--)
+        for (int64_t j = 0; j < D; j++) {
+            const real hi = (real)-hs[j];
+            G[i * D + j] = hi;
+            G[lo + i * D + j] = (real)((-hs[j] - hi) - ls[j]);
+            PA_FN(la_sum2)(hs + j, ls + j, PA_FN(la_step)(g[i * ldg + j]));
+        }
 }
 
 /* A scalar side over L rows of g (stride ldg): its cumulative gates as la_cumsum_hilo's (hi in
