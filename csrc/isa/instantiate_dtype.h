@@ -4,8 +4,8 @@
 #include "../core/gemm.c"
 #include "../ops/softmax_attn.c"
 #include "../ops/feature_maps.c"
-#include "../ops/linear_attn.c"
 #include "../ops/decay.h"
+#include "../ops/linear_attn.c"
 #include "../ops/delta_rule.c"
 
 static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, const void *A,

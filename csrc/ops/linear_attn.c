@@ -1,5 +1,5 @@
-/* The gated linear engine (DESIGN section 4), forward and backward. Template body (see
- * core/dtype.h); needs core/vmath.h and core/gemm.c before it.
+/* The gated linear engine, forward and backward. Template body (see
+ * core/dtype.h); needs core/vmath.h, core/gemm.c and ops/decay.h before it.
  *
  * Per (sequence, head) unit, with S_0 = h0 (zeros when absent) and q~ = scale q:
  *   S_t = diag(exp(gk_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T,   o_t = S_t^T q~_t
@@ -50,19 +50,13 @@
 #define LA_TRI (2 * MR) /* row block of the triangular products */
 #define LA_PIECE 64   /* rows of a backward piece in the recurrent and parallel forms */
 #define LA_FACTOR 20  /* the most log decay (per channel) a block's vector gate is factored over */
-/* A step's log gate below -LA_RESET counts as -LA_RESET. exp underflows to exactly 0 below
- * -745.2 in double and -104 in float, so such a step still resets the state exactly, as
- * exp(-inf) does in the recurrence; but a gate of -inf no longer makes the cumulative sums
- * -inf (whose differences are NaN), and one of -1e30 no longer absorbs the later steps' gates
- * in them. The gradient of a clamped step is 0, as exp's is there. */
-#define LA_RESET 1024
 
 typedef struct {
     int kind;         /* PA_GATE_* */
     int64_t D;        /* K or V */
     const real *G;    /* vector: L x D inclusive cumulative gate of the block, as hi + lo */
     int64_t lo;       /* vector: G + lo holds the lo parts (the sum is kept in double) */
-    const double *Gs, *Gl; /* scalar: L of them as hi + lo doubles (la_sum2), so G_i - G_j
+    const double *Gs, *Gl; /* scalar: L of them as hi + lo doubles (gate_sum2), so G_i - G_j
                             * keeps its digits */
     const real *Dm;   /* scalar: L x L, e^(G_i - G_j) on and below the diagonal, 0 above */
     const real *Ep, *Em; /* vector, factored: L x D, e^(G_i - G_0) and e^(G_0 - G_i); else NULL */
@@ -122,17 +116,6 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
 
 /* ---- cumulative gates ---- */
 
-/* g clamped at -LA_RESET; NaN stays NaN */
-static inline double PA_FN(la_step)(double g) { return g < -LA_RESET ? -LA_RESET : g; }
-
-/* (hi, lo) += x, lo collecting the rounding error of hi (Knuth's TwoSum): a cumulative gate
- * keeps the digits of small steps that follow large ones. */
-static inline void PA_FN(la_sum2)(double *hi, double *lo, double x)
-{
-    const double s = *hi + x, b = s - *hi;
-    *lo += (*hi - (s - b)) + (x - b);
-    *hi = s;
-}
 
 /* ---- vector helpers: y = beta y + alpha x e^(ga - gb), a NULL exponent counting as 0 ---- */
 
@@ -190,7 +173,7 @@ static inline real PA_FN(la_dot_gated)(const real *x, const real *y, const real 
 /* G_i - G_j of a scalar side from its hi and lo parts; j < 0: G_i */
 static inline double PA_FN(la_gs)(const PA_FN(la_side) *s, int64_t i, int64_t j)
 {
-    return j < 0 ? s->Gs[i] + s->Gl[i] : (s->Gs[i] - s->Gs[j]) + (s->Gl[i] - s->Gl[j]);
+    return PA_FN(gate_diff)(s->Gs, s->Gl, i, j);
 }
 
 /* A row's decay to itself is e^0 = 1 exactly: here and in the diagonals below it is never
@@ -509,8 +492,8 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
     u->dgv = dgv ? dgv + ov : NULL;
 }
 
-/* G (L x D) = the inclusive cumulative sum of g's clamped rows (la_step), summed as
- * double hi + lo pairs (la_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
+/* G (L x D) = the inclusive cumulative sum of g's clamped rows (gate_step), summed as
+ * double hi + lo pairs (gate_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
  * doubles of scratch. suffix: G_i = -(the sum over the rows after i) instead, the same
  * differences G_i - G_j, but NaN only before a NaN gate rather than from it on. */
 static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, int suffix,
@@ -521,7 +504,7 @@ static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t
     if (!suffix) { /* the common case as its own loop, vectorised across channels */
         for (int64_t i = 0; i < L; i++)
             for (int64_t j = 0; j < D; j++) {
-                PA_FN(la_sum2)(hs + j, ls + j, PA_FN(la_step)(g[i * ldg + j]));
+                PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(g[i * ldg + j]));
                 const real hi = (real)hs[j];
                 G[i * D + j] = hi;
                 G[lo + i * D + j] = (real)((hs[j] - hi) + ls[j]);
@@ -533,7 +516,7 @@ static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t
             const real hi = (real)-hs[j];
             G[i * D + j] = hi;
             G[lo + i * D + j] = (real)((-hs[j] - hi) - ls[j]);
-            PA_FN(la_sum2)(hs + j, ls + j, PA_FN(la_step)(g[i * ldg + j]));
+            PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(g[i * ldg + j]));
         }
 }
 
@@ -549,19 +532,13 @@ static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg,
     double hi = 0, lo = 0;
     for (int64_t n = 0; n < L; n++) {
         const int64_t i = suffix ? L - 1 - n : n;
-        const double x = PA_FN(la_step)(g[i * ldg]);
-        if (!suffix) PA_FN(la_sum2)(&hi, &lo, x);
+        const double x = PA_FN(gate_step)(g[i * ldg]);
+        if (!suffix) PA_FN(gate_sum2)(&hi, &lo, x);
         Gs[i] = suffix ? -hi : hi;
         Gs[Lmax + i] = suffix ? -lo : lo;
-        if (suffix) PA_FN(la_sum2)(&hi, &lo, x);
+        if (suffix) PA_FN(gate_sum2)(&hi, &lo, x);
     }
-    for (int64_t i = 0; Dm && i < L; i++) {
-        real *row = Dm + i * L;
-        for (int64_t j = 0; j < i; j++) row[j] = (real)PA_FN(la_gs)(s, i, j);
-        PA_FN(exp_array)(row, row, i);
-        row[i] = 1;
-        for (int64_t j = i + 1; j < L; j++) row[j] = 0;
-    }
+    if (Dm) PA_FN(decay_mask)(Gs, Gs + Lmax, L, Dm);
 }
 
 /* whether a side's gates over the block's L rows hold a NaN (it reaches the last cumulative row) */
@@ -877,12 +854,12 @@ static void PA_FN(la_gate_bound)(const pa_linear_desc *d, const real *Sb, const 
         for (int64_t j = 0; j < V; j++) acc[K + j] += (double)Sb[i * V + j] * dSb[i * V + j];
 }
 
-/* dg = 0 where the step's gate was clamped (la_step): n rows of D at stride ld */
+/* dg = 0 where the step's gate was clamped (gate_step): n rows of D at stride ld */
 static void PA_FN(la_clamped_grads)(const real *g, real *dg, int64_t n, int64_t D, int64_t ld)
 {
     for (int64_t t = 0; t < n; t++)
         for (int64_t i = 0; i < D; i++)
-            if (g[t * ld + i] < -LA_RESET) dg[t * ld + i] = 0;
+            if (g[t * ld + i] < -PA_GATE_RESET) dg[t * ld + i] = 0;
 }
 
 /* The gates' gradients of rows r0 .. r0+n-1 of a unit, a piece whose boundary terms are in acc
