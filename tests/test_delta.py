@@ -1,5 +1,5 @@
 """The delta-rule engine ops: delta_rule (DeltaNet) and gated_delta_rule (Gated DeltaNet), every
-form x dtype (DESIGN sections 2-5, issue 9 item 3).
+form x dtype (the conventions and tolerances of docs/ops.md).
 
 * Forward: against the float64 oracles of pyattn.reference (float64 within 1e-10 relative RMS,
   float32 within 1e-5), outputs and final states, with and without initial states, every chunk
@@ -555,7 +555,7 @@ def test_gate_minus_inf_is_a_full_reset(form, dtype):
                    "the chunk form (chunk_size 64) and 5.5e-7 for the recurrent one")
 def test_parallel_float32_beta_near2_long():
     """delta_rule, beta in (1.9, 1.99), unit keys, B = H = 1, K = V = 8, T = 2400, float32: the
-    parallel form within 1e-5 of the float64 result (DESIGN section 5: every form), as the chunk
+    parallel form within 1e-5 of the float64 result (the float32 tolerance of every form), as the chunk
     and recurrent forms are. The same with beta in (0, 1) holds (1.8e-6), and the error grows
     with T (4.6e-6 at T = 300, 6.7e-6 at 1200, 1.1e-5 at 2400, 1.5e-5 at 4800)."""
     args, kw = build("delta_rule", 5, B=1, T=2400, H=1, K=8, V=8, beta="near2")

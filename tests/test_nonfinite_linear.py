@@ -4,7 +4,7 @@
   and the last row (seen by every later row, masked from every earlier one): outputs and
   gradients are non-finite exactly where the float64 oracle's are (pyattn.reference for the
   outputs, test_linear.adjoint, the literal reverse loop of the recurrence, for the
-  gradients), their finite entries within DESIGN's tolerances of it, and what the bad value
+  gradients), their finite entries within the float32 and float64 tolerances of it, and what the bad value
   cannot reach (earlier rows, the other batch entry, other sequences of a packing) has the
   same bits as a run without it.
 * Full resets (gates of -inf, gamma = 0, slopes = inf, A = -inf) and finite gates too large to

@@ -1,4 +1,4 @@
-/* Feature maps phi of linear attention (DESIGN section 4), forward and backward.
+/* Feature maps phi of linear attention (docs/ops.md), forward and backward.
  * Template body (see core/dtype.h); needs core/vmath.h and core/gemm.c before it.
  *
  * x is [rows, D] (every axis but the last flattened), y = phi(x) is [rows, F] (kernels.h).
