@@ -10,8 +10,12 @@
 #define PA_GATE_RESET 1024
 #endif
 
-/* g clamped at -PA_GATE_RESET; NaN stays NaN */
-static inline double PA_FN(gate_step)(double g) { return g < -PA_GATE_RESET ? -PA_GATE_RESET : g; }
+/* g clamped at -PA_GATE_RESET; NaN stays NaN. The quiet comparison (no invalid flag on NaN)
+ * lets loops over channels vectorise it as a select. */
+static inline double PA_FN(gate_step)(double g)
+{
+    return __builtin_isless(g, -PA_GATE_RESET) ? -PA_GATE_RESET : g;
+}
 
 /* (hi, lo) += x, lo collecting the rounding error of hi (Knuth's TwoSum): a cumulative gate
  * keeps the digits of small steps that follow large ones (-1e30, or a clamped reset). */

@@ -496,19 +496,22 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
  * double hi + lo pairs (gate_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
  * doubles of scratch. suffix: G_i = -(the sum over the rows after i) instead, the same
  * differences G_i - G_j, but NaN only before a NaN gate rather than from it on. */
-static void PA_FN(la_cumsum_hilo)(const real *g, int64_t ldg, int64_t L, int64_t D, int suffix,
-                                  real *G, int64_t lo, double *acc)
+static void PA_FN(la_cumsum_hilo)(const real *restrict g, int64_t ldg, int64_t L, int64_t D,
+                                  int suffix, real *restrict G, int64_t lo, double *acc)
 {
     double *restrict hs = acc, *restrict ls = acc + D;
     for (int64_t j = 0; j < D; j++) hs[j] = ls[j] = 0;
     if (!suffix) { /* the common case as its own loop, vectorised across channels */
-        for (int64_t i = 0; i < L; i++)
+        for (int64_t i = 0; i < L; i++) {
+            const real *restrict gi = g + i * ldg;
+            real *restrict Gh = G + i * D, *restrict Gl = G + lo + i * D;
             for (int64_t j = 0; j < D; j++) {
-                PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(g[i * ldg + j]));
+                PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(gi[j]));
                 const real hi = (real)hs[j];
-                G[i * D + j] = hi;
-                G[lo + i * D + j] = (real)((hs[j] - hi) + ls[j]);
+                Gh[j] = hi;
+                Gl[j] = (real)((hs[j] - hi) + ls[j]);
             }
+        }
         return;
     }
     for (int64_t i = L - 1; i >= 0; i--)
