@@ -17,6 +17,7 @@ from . import _core, _validate, reference, testing
 from .autodiff import vjp
 from .delta import delta_rule, gated_delta_rule
 from .feature_maps import feature_map
+from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
                      retention, simple_gla)
 from .softmax import softmax_attention
@@ -113,6 +114,7 @@ __all__ = [
     "lightning_attention",
     "linear_attention",
     "mamba2",
+    "mla_attention",
     "num_threads",
     "reference",
     "retention",
