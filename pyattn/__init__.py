@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any, Dict, Iterator
 
-from . import _core, _validate, reference, testing
+from . import _core, _validate, kvcache, reference, testing
 from .autodiff import vjp
 from .delta import delta_rule, gated_delta_rule
 from .feature_maps import feature_map
@@ -111,6 +111,7 @@ __all__ = [
     "gated_delta_rule",
     "get_num_threads",
     "gla",
+    "kvcache",
     "lightning_attention",
     "linear_attention",
     "mamba2",
