@@ -31,14 +31,14 @@ def _prepare(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, causal, scale, form):
     Dr = arrs["q_rope"].shape[3]
     Tk, Dc = arrs["c_kv"].shape[1:]
     Dv = arrs["w_uv"].shape[2]
+    for name, size in (("q_nope's H", H), ("q_nope's Dn", Dn), ("c_kv's Dc", Dc), ("w_uv's Dv", Dv)):
+        if size < 1:
+            raise ValueError(f"{_FN}(): {name} must be >= 1, got {size}")
     V.shape(_FN, "q_rope", arrs["q_rope"], (B, T, H, Dr), "[B, T, H, Dr] (B, T, H of q_nope)")
     V.same(_FN, "batch sizes", {"q_nope": B, "c_kv": arrs["c_kv"].shape[0]})
     V.shape(_FN, "k_rope", arrs["k_rope"], (B, Tk, Dr), "[B, Tk, Dr] (B, Tk of c_kv, Dr of q_rope)")
     V.shape(_FN, "w_uk", arrs["w_uk"], (Dc, H, Dn), "[Dc, H, Dn] (Dc of c_kv, H and Dn of q_nope)")
     V.shape(_FN, "w_uv", arrs["w_uv"], (Dc, H, Dv), "[Dc, H, Dv] (Dc of c_kv, H of q_nope)")
-    for name, size in (("q_nope's Dn", Dn), ("c_kv's Dc", Dc), ("w_uv's Dv", Dv)):
-        if size < 1:
-            raise ValueError(f"{_FN}(): {name} must be >= 1, got {size}")
     causal = V.boolean(_FN, "causal", causal)
     scale = V.scale(_FN, scale, (Dn + Dr) ** -0.5, dtype)
     form = V.form(_FN, form, FORMS)
@@ -48,20 +48,23 @@ def _prepare(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, causal, scale, form):
 def _latent_to_heads(c_kv, w):
     """``c_kv [B, Tk, Dc]`` times ``w [Dc, H, D]`` for every head: ``[B, Tk, H, D]``."""
     B, Tk, Dc = c_kv.shape
-    return (c_kv.reshape(B * Tk, Dc) @ w.reshape(Dc, -1)).reshape(B, Tk, *w.shape[1:])
+    _, H, D = w.shape
+    return (c_kv.reshape(B * Tk, Dc) @ w.reshape(Dc, H * D)).reshape(B, Tk, H, D)
 
 
 def _heads_to_latent(x, w):
     """The transpose of _latent_to_heads: ``x [B, Tk, H, D]`` against ``w [Dc, H, D]``, summed
     over heads: ``[B, Tk, Dc]``."""
     B, Tk, H, D = x.shape
-    return (x.reshape(B * Tk, H * D) @ w.reshape(-1, H * D).T).reshape(B, Tk, -1)
+    Dc = w.shape[0]
+    return (x.reshape(B * Tk, H * D) @ w.reshape(Dc, H * D).T).reshape(B, Tk, Dc)
 
 
 def _weight_grad(c_kv, dx):
     """The gradient of ``w [Dc, H, D]`` in ``_latent_to_heads(c_kv, w)`` given ``dx [B, Tk, H, D]``."""
     B, Tk, H, D = dx.shape
-    return (c_kv.reshape(B * Tk, -1).T @ dx.reshape(B * Tk, H * D)).reshape(-1, H, D)
+    Dc = c_kv.shape[2]
+    return (c_kv.reshape(B * Tk, Dc).T @ dx.reshape(B * Tk, H * D)).reshape(Dc, H, D)
 
 
 def _by_head(x, w):

@@ -125,6 +125,18 @@ def test_zero_cotangent_and_repeated_pullback():
             assert first[n].flags.c_contiguous
 
 
+@pytest.mark.parametrize("B,T,Tk", [(1, 0, 4), (1, 3, 0), (0, 2, 3)], ids=["T0", "Tk0_no_keys", "B0"])
+def test_empty_sizes(B, T, Tk):
+    """No queries, no keys (every row empty: zeros and zero gradients) or no sequences."""
+    args = make(9, B, T, Tk, 2, 3, 2, 4, 2)
+    for form in FORMS:
+        o, pullback = pyattn.vjp(pyattn.mla_attention, *args, form=form)
+        assert o.shape == (B, T, 2, 2) and np.all(o == 0)
+        grads = pullback(np.ones_like(o))
+        for name, a in zip(NAMES, args):
+            assert grads[name].shape == a.shape and np.all(grads[name] == 0)
+
+
 def test_default_form_is_naive_and_array_likes_work():
     args = make(7, 1, 3, 4, 2, 3, 2, 4, 2)
     o = pyattn.mla_attention(*args)
@@ -159,6 +171,7 @@ def good_args():
     (5, (7, 2, 3), "'w_uv' must have shape (6, 2, 3)"),
     (5, (6, 1, 3), "'w_uv' must have shape (6, 2, 3)"),
     (5, (6, 2, 0), "w_uv's Dv must be >= 1, got 0"),
+    (0, (2, 3, 0, 4), "q_nope's H must be >= 1, got 0"),
 ])
 def test_bad_shapes_name_the_argument(index, shape, words):
     args = good_args()
