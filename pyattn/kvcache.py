@@ -97,8 +97,8 @@ def _max_pool(x, kernel):
 def snapkv_keep(q_obs, k, budget, window, *, kernel=5, scale=None):
     """SnapKV's prompt compression: the observation queries vote for the earlier keys.
 
-    q_obs ``[B, Tw, H, D]``: the queries of the prompt's last Tw positions (T - Tw .. T - 1);
-    k ``[B, T, Hk, D]``: the prompt's keys, ``H % Hk == 0``. Each observation query's
+    q_obs ``[B, Tw, H, D]``: the queries of the prompt's last Tw positions (T - Tw .. T - 1,
+    1 <= Tw <= T); k ``[B, T, Hk, D]``: the prompt's keys, ``H % Hk == 0``. Each observation query's
     causal softmax attention ``softmax_j(scale q_i.k_j)`` over keys ``j <= T - Tw + i``
     (scale defaulting to ``D ** -0.5``) is summed, per KV head, over the queries and the
     group's query heads, for the candidate positions ``0 .. T - window - 1``. The votes are
@@ -118,9 +118,9 @@ def snapkv_keep(q_obs, k, budget, window, *, kernel=5, scale=None):
     V.same(fn, "batch sizes", {"q_obs": B, "k": k.shape[0]})
     V.same(fn, "head dims", {"q_obs": D, "k": k.shape[3]})
     V.divides(fn, "k", Hk, "heads", "q_obs", H)
-    if Tw > T:
-        raise ValueError(f"{fn}(): 'q_obs' holds queries of the last Tw positions of the prompt; "
-                         f"Tw={Tw} exceeds k's T={T}")
+    if not 1 <= Tw <= T:
+        raise ValueError(f"{fn}(): 'q_obs' holds the queries that vote, those of the prompt's last Tw "
+                         f"positions: 1 <= Tw <= T (k's T={T}), got Tw={Tw}")
     budget = V.integer(fn, "budget", budget, 0)
     window = V.integer(fn, "window", window, 0)
     kernel = V.integer(fn, "kernel", kernel, 1)

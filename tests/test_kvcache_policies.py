@@ -216,8 +216,10 @@ def test_bad_arguments_name_themselves():
         snapkv_keep(q, np.ones((1, 10, 3, 8)), 3, 2)
     with pytest.raises(ValueError, match=r"snapkv_keep\(\): batch sizes must match, got q_obs=1, k=2"):
         snapkv_keep(q, np.ones((2, 10, 2, 8)), 3, 2)
-    with pytest.raises(ValueError, match=r"snapkv_keep\(\): 'q_obs' holds .* Tw=2 exceeds k's T=1"):
+    with pytest.raises(ValueError, match=r"snapkv_keep\(\): 'q_obs' holds .* 1 <= Tw <= T \(k's T=1\), got Tw=2"):
         snapkv_keep(q, np.ones((1, 1, 2, 8)), 3, 2)
+    with pytest.raises(ValueError, match=r"snapkv_keep\(\): 'q_obs' holds .* got Tw=0"):
+        snapkv_keep(np.ones((1, 0, 4, 8)), k, 3, 2)
     with pytest.raises(ValueError, match=r"snapkv_keep\(\): 'k' must be 4-D \[B, T, Hk, D\]"):
         snapkv_keep(q, np.ones((10, 2, 8)), 3, 2)
     with pytest.raises(TypeError, match=r"snapkv_keep\(\): all float arrays must share one dtype"):
