@@ -13,10 +13,11 @@ import os
 import warnings
 from typing import Any, Dict, Iterator
 
-from . import _core, _validate, reference, testing
+from . import _core, _validate, kvcache, reference, testing
 from .autodiff import vjp
 from .delta import delta_rule, gated_delta_rule
 from .feature_maps import feature_map
+from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
                      retention, simple_gla)
 from .softmax import softmax_attention
@@ -110,9 +111,11 @@ __all__ = [
     "gated_delta_rule",
     "get_num_threads",
     "gla",
+    "kvcache",
     "lightning_attention",
     "linear_attention",
     "mamba2",
+    "mla_attention",
     "num_threads",
     "reference",
     "retention",

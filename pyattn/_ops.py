@@ -122,9 +122,19 @@ def _efficient_example(rng, dtype=np.float64, tiny=False):
     return (q, k, v), {}
 
 
+def _mla_example(rng, dtype=np.float64, tiny=False):
+    B, T, Tk, H, Dn, Dr, Dc, Dv = (1, 3, 4, 2, 3, 2, 4, 2) if tiny else (2, 37, 50, 4, 16, 8, 32, 12)
+    shapes = ((B, T, H, Dn), (B, T, H, Dr), (B, Tk, Dc), (B, Tk, Dr), (Dc, H, Dn), (Dc, H, Dv))
+    # weights scaled as a trained model's (std Dc ** -0.5), so scores stay O(1)
+    q_nope, q_rope, c_kv, k_rope, w_uk, w_uv = (rng.standard_normal(s) for s in shapes)
+    w_uk, w_uv = w_uk * Dc ** -0.5, w_uv * Dc ** -0.5
+    return tuple(x.astype(dtype) for x in (q_nope, q_rope, c_kv, k_rope, w_uk, w_uv)), dict(causal=True)
+
+
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, softmax_attention
     from . import delta, linear
+    from .mla import FORMS as MLA_FORMS, mla_attention
 
     return {
         "softmax_attention": OpInfo(
@@ -137,6 +147,18 @@ def build_ops() -> Dict[str, OpInfo]:
             chunked=False,
             example=_softmax_example,
             description="softmax attention: causal/window/sinks/ALiBi/softcap, GQA, varlen",
+        ),
+        "mla_attention": OpInfo(
+            name="mla_attention",
+            fn=mla_attention,
+            forms=MLA_FORMS,
+            arrays=("q_nope", "q_rope", "c_kv", "k_rope", "w_uk", "w_uv"),
+            differentiable=("q_nope", "q_rope", "c_kv", "k_rope", "w_uk", "w_uv"),
+            has_state=False,
+            chunked=False,
+            example=_mla_example,
+            description="multi-head latent attention (MLA): naive (decompressed K/V) or absorbed "
+                        "(MQA over the latent cache)",
         ),
         **{
             name: OpInfo(

@@ -112,6 +112,15 @@ def log_gate(fn: str, name: str, g: Optional[np.ndarray]) -> Optional[np.ndarray
     return g
 
 
+def finite(fn: str, name: str, a: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """Every entry of ``a`` (when not None) is finite: where a NaN or inf has no meaning
+    (scores that rank positions), it is an error, not a silent pick."""
+    if a is not None and not np.all(np.isfinite(a)):
+        idx = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
+        raise ValueError(f"{fn}(): '{name}' must be finite, got {float(a[idx])} at index {idx}")
+    return a
+
+
 def same(fn: str, what: str, got: dict) -> None:
     """All values of ``got`` (name -> size) are equal; what says which sizes they are."""
     vals = set(got.values())

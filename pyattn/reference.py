@@ -66,6 +66,30 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
     return (o, lse) if return_lse else o
 
 
+
+def mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, causal=True, scale=None, form=None):
+    """Loop over (batch, head): decompress head h's keys [c_kv w_uk_h ; k_rope] and values
+    c_kv w_uv_h, then loop over queries: visible keys (bottom-right causal), softmax."""
+    q_nope, q_rope, c_kv, k_rope, w_uk, w_uv = (np.asarray(x, dtype=np.float64) for x in
+                                                (q_nope, q_rope, c_kv, k_rope, w_uk, w_uv))
+    B, T, H, Dn = q_nope.shape
+    Tk, Dv = c_kv.shape[1], w_uv.shape[2]
+    scale = (Dn + q_rope.shape[3]) ** -0.5 if scale is None else scale
+    o = np.zeros((B, T, H, Dv))
+    for b in range(B):
+        for h in range(H):
+            keys = np.concatenate([c_kv[b] @ w_uk[:, h, :], k_rope[b]], axis=1)
+            values = c_kv[b] @ w_uv[:, h, :]
+            for i in range(T):
+                query = np.concatenate([q_nope[b, i, h], q_rope[b, i, h]])
+                visible = [j for j in range(Tk) if not causal or j <= i + Tk - T]
+                if not visible:
+                    continue
+                s = np.array([scale * np.dot(query, keys[j]) for j in visible])
+                p = np.exp(s - s.max())
+                o[b, i, h] = p @ values[visible] / p.sum()
+    return o
+
 # ---- the gated linear and delta-rule engines ----
 __all__ = [
     "feature_map",
