@@ -19,6 +19,7 @@ from .delta import delta_rule, gated_delta_rule
 from .feature_maps import feature_map
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
                      retention, simple_gla)
+from .rope import rope
 from .softmax import softmax_attention
 from ._ops import OpInfo, build_ops
 
@@ -116,6 +117,7 @@ __all__ = [
     "num_threads",
     "reference",
     "retention",
+    "rope",
     "simple_gla",
     "testing",
     "set_num_threads",
