@@ -22,6 +22,7 @@ from .linear import (efficient_attention, gla, lightning_attention, linear_atten
 from .rope import rope
 from .softmax import softmax_attention
 from ._ops import OpInfo, build_ops
+from . import nn
 
 __version__ = "0.1.0"
 
@@ -113,6 +114,7 @@ __all__ = [
     "gla",
     "lightning_attention",
     "linear_attention",
+    "nn",
     "mamba2",
     "num_threads",
     "reference",

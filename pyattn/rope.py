@@ -13,7 +13,7 @@ from .autodiff import register_vjp, split_cotangent
 
 
 def _angles(fn, x, positions, theta):
-    """(x checked, cos, sin), cos and sin [T, 1, D/2] or [B, T, 1, D/2] in x's dtype."""
+    """(x checked, cos, sin), the tables of ``tables`` in x's dtype."""
     arrs, dtype = V.float_arrays(fn, (), x=x)
     x = arrs["x"]
     V.ndim(fn, "x", x, 4, "[B, T, H, D]")
@@ -32,26 +32,29 @@ def _angles(fn, x, positions, theta):
 
 
 def tables(positions, D, theta, dtype):
-    """(cos, sin) of the angles, ``[T, 1, D/2]`` or ``[B, T, 1, D/2]`` in ``dtype``, for
-    integer positions ``[T]`` or ``[B, T]`` (unchecked: pyattn.nn's rotary layer calls this
-    directly)."""
+    """(cos, sin) of the angles over the full width, ``[T, 1, D]`` or ``[B, T, 1, D]`` in
+    ``dtype``: cos repeated on both halves, sin negated on the first half (the sign of
+    ``-x_{i+D/2} sin``), for integer positions ``[T]`` or ``[B, T]`` (unchecked:
+    pyattn.nn's rotary layer calls this directly)."""
     # angles in float64: a float32 product p * freq loses the phase at long positions
     inv_freq = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
     ang = np.asarray(positions).astype(np.float64)[..., None, None] * inv_freq
-    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+    cos, sin = np.cos(ang), np.sin(ang)
+    return (np.concatenate([cos, cos], axis=-1).astype(dtype),
+            np.concatenate([-sin, sin], axis=-1).astype(dtype))
 
 
 def rotate(x, cos, sin, sign):
-    """The rotation of x [B, T, H, D] by the angles of (cos, sin) (sign 1), or by their
-    opposites (sign -1: the transpose, which is the backward)."""
+    """The rotation of x [B, T, H, D] by the angles of ``tables``' (cos, sin) (sign 1), or by
+    their opposites (sign -1: the transpose, which is the backward). Full-width products
+    and a view that swaps the halves: no strided half-width loops."""
     half = x.shape[3] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = np.empty_like(x)
-    s = sin if sign > 0 else -sin
-    np.multiply(x1, cos, out=out[..., :half])
-    out[..., :half] -= x2 * s
-    np.multiply(x2, cos, out=out[..., half:])
-    out[..., half:] += x1 * s
+    out = x * cos
+    swapped = x.reshape(x.shape[:3] + (2, half))[..., ::-1, :] * sin.reshape(sin.shape[:-1] + (2, half))
+    if sign > 0:
+        out += swapped.reshape(x.shape)
+    else:
+        out -= swapped.reshape(x.shape)
     return out
 
 

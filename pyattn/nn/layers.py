@@ -114,8 +114,11 @@ def rowdot_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    # the tanh form neither overflows nor warns for large |x|
-    return 0.5 + 0.5 * np.tanh(0.5 * x)
+    s = np.negative(x)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for very negative x gives 0, as it should
+        np.exp(s, out=s)
+    s += 1
+    return np.reciprocal(s, out=s)
 
 
 def silu(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -125,7 +128,13 @@ def silu(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def silu_backward(dy: np.ndarray, x: np.ndarray, s: np.ndarray) -> np.ndarray:
-    return dy * s * (1 + x * (1 - s))
+    """dy * silu'(x) = dy * s (1 + x (1 - s)), in place on one buffer."""
+    out = np.subtract(1, s)
+    out *= x
+    out += 1
+    out *= s
+    out *= dy
+    return out
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -144,7 +153,10 @@ def rms_normalize(x: np.ndarray, eps: float) -> Tuple[np.ndarray, np.ndarray]:
 
 def rms_normalize_backward(dxhat: np.ndarray, xhat: np.ndarray, rstd: np.ndarray) -> np.ndarray:
     mean = np.einsum("...i,...i->...", dxhat, xhat)[..., None] / xhat.shape[-1]
-    return rstd * (dxhat - xhat * mean)
+    out = xhat * mean
+    np.subtract(dxhat, out, out=out)
+    out *= rstd
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,8 +284,9 @@ class ShortConv(Module):
         B, T, _ = x.shape
         xp = np.concatenate([self.empty_state(B) if state is None else state, x], axis=1)
         u = xp[:, :T] * self.w[:, 0]
+        tap = np.empty_like(u)
         for i in range(1, self.K):  # K taps, each over the whole sequence
-            u += xp[:, i:i + T] * self.w[:, i]
+            u += np.multiply(xp[:, i:i + T], self.w[:, i], out=tap)
         if self.b is not None:
             u += self.b
         y, s = silu(u)
@@ -281,15 +294,19 @@ class ShortConv(Module):
         return y, xp[:, T:].copy()
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
+        """dx (the gradient of the state given to forward is not formed: training starts
+        from zeros)."""
         T, K = dy.shape[1], self.K
         du = silu_backward(dy, self.u, self.s)
         if self.b is not None:
             self.g["b"] += du.sum(axis=(0, 1))
-        dxp = np.zeros_like(self.xp)
         for i in range(K):
             self.g["w"][:, i] += np.einsum("btc,btc->c", du, self.xp[:, i:i + T])
-            dxp[:, i:i + T] += du * self.w[:, i]
-        return dxp[:, K - 1:]
+        # x_s feeds u_{s+j} through tap K-1-j
+        dx = du * self.w[:, K - 1]
+        for j in range(1, min(K, T + 1)):
+            dx[:, :T - j] += du[:, j:] * self.w[:, K - 1 - j]
+        return dx
 
 
 class Rotary:

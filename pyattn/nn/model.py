@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .layers import Embedding, Linear, Module, RMSNorm, SwiGLU, linear
+from .layers import Embedding, Linear, Module, RMSNorm, SwiGLU, linear, linear_backward
 from .mixers import MIXERS
 
 
@@ -119,8 +119,7 @@ class HybridLM(Module):
 
     def _head(self, x):
         self.h = self.norm.forward(x)
-        w = self.embed.w if self.lm_head is None else self.lm_head.w
-        return linear(self.h, w)
+        return linear(self.h, self.embed.w) if self.lm_head is None else self.lm_head.forward(self.h)
 
     def forward(self, tokens) -> np.ndarray:
         """logits ``[B, T, vocab_size]`` of the next token at every position."""
@@ -133,10 +132,8 @@ class HybridLM(Module):
         """Adds the gradients of the loss whose gradient w.r.t. the last forward's logits
         is ``dlogits`` into ``grads``."""
         dlogits = np.asarray(dlogits, dtype=self.dtype)
-        d2, h2 = dlogits.reshape(-1, dlogits.shape[-1]), self.h.reshape(-1, self.h.shape[-1])
         if self.lm_head is None:
-            self.embed.g["w"] += d2.T @ h2
-            dh = dlogits @ self.embed.w
+            dh = linear_backward(dlogits, self.h, self.embed.w, self.embed.g["w"])
         else:
             dh = self.lm_head.backward(dlogits)
         dx = self.norm.backward(dh)
