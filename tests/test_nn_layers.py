@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import pyattn
-from pyattn.nn import Embedding, Linear, RMSNorm, Rotary, ShortConv, SwiGLU
+from pyattn.nn import MIXERS, Embedding, Linear, RMSNorm, Rotary, ShortConv, SwiGLU
 from pyattn.testing import assert_close, gradcheck
 
 F64 = np.float64
@@ -161,3 +161,15 @@ def test_rotary_layer_gradient(rng):
     gq, gk = rot.backward(dq, dk)
     assert_close(gq, pyattn.vjp(pyattn.rope, q, pos, 100.0)[1](dq)["x"])
     assert_close(gk, pyattn.vjp(pyattn.rope, k, pos, 100.0)[1](dk)["x"])
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_mixer_gradient(rng, name):
+    """Each mixer on its own: the input's and every parameter's gradient."""
+    options = {"softmax": {"n_kv_heads": 1, "window": 4, "sinks": 1}, "mamba2": {"d_state": 4, "chunk_size": 16}}
+    mixer = MIXERS[name](8, 2, dtype=F64, rng=rng, out_std=0.5, **options.get(name, {"chunk_size": 16}))
+    for p in mixer.params.values():  # away from the initial values (norm weights 1, zero biases)
+        p += rng.standard_normal(p.shape) * 0.1
+    x = rng.standard_normal((2, 19, 8))
+    check_layer(rng, lambda: mixer.forward(x), lambda dy: {"x": mixer.backward(dy)}, {"x": x}, mixer,
+                samples=2)

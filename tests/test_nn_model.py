@@ -165,3 +165,33 @@ def test_bad_configurations():
         HybridLM(V, D, 1, "softmax", dtype="float16")
     with pytest.raises(ValueError, match="tokens"):
         tiny("softmax").forward(np.array([[0, V]]))
+
+
+def test_gradient_step_lowers_the_loss_as_predicted(rng):
+    """A small step against the gradient of a cross-entropy lowers it by lr |g|^2 to first
+    order (float64, hybrid model)."""
+    model = tiny("hybrid")
+    tok = tokens(rng, n=T + 1)
+    inputs, targets = tok[:, :-1], tok[:, 1:]
+
+    def loss_and_grad():
+        z = model.forward(inputs)
+        z = z - z.max(axis=-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        n = targets.size
+        picked = np.take_along_axis(logp, targets[..., None], axis=-1)
+        dz = np.exp(logp)
+        np.put_along_axis(dz, targets[..., None], np.take_along_axis(dz, targets[..., None], -1) - 1, -1)
+        return -picked.sum() / n, dz / n
+
+    loss, dlogits = loss_and_grad()
+    model.zero_grad()
+    model.backward(dlogits)
+    grads = {n: g.copy() for n, g in model.grads.items()}
+    sq = sum(float(np.sum(g * g)) for g in grads.values())
+    lr = 1e-3 / np.sqrt(sq)
+    for n, p in model.params.items():
+        p -= lr * grads[n]
+    new_loss, _ = loss_and_grad()
+    assert new_loss < loss
+    assert abs((loss - new_loss) / (lr * sq) - 1) < 1e-3
