@@ -78,7 +78,6 @@ __all__ = [
     "efficient_attention",
     "delta_rule",
     "gated_delta_rule",
-    "rope",
 ]
 
 FEATURE_MAPS = ("identity", "elu1", "relu", "softmax", "focused", "taylor", "performer",

@@ -175,10 +175,10 @@ class HybridLM(Module):
         prompt = self._tokens(prompt, 2)
         if temperature < 0:
             raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
-        rng = np.random.default_rng(seed)
-        out = [prompt]
         if max_new_tokens <= 0:
             return prompt.copy()
+        rng = np.random.default_rng(seed)
+        out = [prompt]
         logits, cache = self.prefill(prompt, prompt.shape[1] + max_new_tokens)
         logits = logits[:, -1]
         for i in range(max_new_tokens):
