@@ -76,7 +76,8 @@ class HybridLM(Module):
 
     ``params`` / ``grads`` map dotted names (``"blocks.0.mixer.w_q"``) to the model's own
     arrays; ``forward(tokens [B, T]) -> logits [B, T, V]`` keeps what ``backward(dlogits)``
-    needs, which adds into ``grads`` (``zero_grad()`` clears them).
+    needs, which adds into ``grads`` (``zero_grad()`` clears them); ``prefill``, ``step`` and
+    ``generate`` run the same layers, so call ``backward`` before decoding.
     """
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int,
