@@ -127,12 +127,12 @@ def silu(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return x * s, s
 
 
-def silu_backward(dy: np.ndarray, x: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """dy * silu'(x) = dy * s (1 + x (1 - s)), in place on one buffer."""
+def silu_backward(dy: np.ndarray, y: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """dy * silu'(x) = dy (s + y (1 - s)) from y = silu(x) and s = sigmoid(x), in place on
+    one buffer."""
     out = np.subtract(1, s)
-    out *= x
-    out += 1
-    out *= s
+    out *= y
+    out += s
     out *= dy
     return out
 
@@ -212,7 +212,7 @@ class RMSNorm(Module):
             self.xhat, self.rstd = rms_normalize(x, self.eps)
             return self.xhat * self.w
         sg, s = silu(gate)
-        self.gate, self.s, self.sg = gate, s, sg
+        self.s, self.sg = s, sg
         if self.norm_before_gate:
             self.xhat, self.rstd = rms_normalize(x, self.eps)
             self.normed = self.xhat * self.w
@@ -227,13 +227,13 @@ class RMSNorm(Module):
             self.g["w"] += rowdot_sum(dy, self.xhat)
             return rms_normalize_backward(dy * self.w, self.xhat, self.rstd)
         if self.norm_before_gate:
-            dgate = silu_backward(dy * self.normed, self.gate, self.s)
+            dgate = silu_backward(dy * self.normed, self.sg, self.s)
             dn = dy * self.sg
             self.g["w"] += rowdot_sum(dn, self.xhat)
             return rms_normalize_backward(dn * self.w, self.xhat, self.rstd), dgate
         self.g["w"] += rowdot_sum(dy, self.xhat)
         dxg = rms_normalize_backward(dy * self.w, self.xhat, self.rstd)
-        return dxg * self.sg, silu_backward(dxg * self.x, self.gate, self.s)
+        return dxg * self.sg, silu_backward(dxg * self.x, self.sg, self.s)
 
 
 class SwiGLU(Module):
@@ -249,12 +249,12 @@ class SwiGLU(Module):
         a, b = linear(x, self.w_gate), linear(x, self.w_up)
         sa, s = silu(a)
         h = sa * b
-        self.x, self.a, self.b, self.s, self.sa, self.h = x, a, b, s, sa, h
+        self.x, self.b, self.s, self.sa, self.h = x, b, s, sa, h
         return linear(h, self.w_down)
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         dh = linear_backward(dy, self.h, self.w_down, self.g["w_down"])
-        da = silu_backward(dh * self.b, self.a, self.s)
+        da = silu_backward(dh * self.b, self.sa, self.s)
         dx = linear_backward(da, self.x, self.w_gate, self.g["w_gate"])
         dx += linear_backward(dh * self.sa, self.x, self.w_up, self.g["w_up"])
         return dx
@@ -290,14 +290,14 @@ class ShortConv(Module):
         if self.b is not None:
             u += self.b
         y, s = silu(u)
-        self.xp, self.u, self.s = xp, u, s
+        self.xp, self.y, self.s = xp, y, s
         return y, xp[:, T:].copy()
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         """dx (the gradient of the state given to forward is not formed: training starts
         from zeros)."""
         T, K = dy.shape[1], self.K
-        du = silu_backward(dy, self.u, self.s)
+        du = silu_backward(dy, self.y, self.s)
         if self.b is not None:
             self.g["b"] += du.sum(axis=(0, 1))
         for i in range(K):

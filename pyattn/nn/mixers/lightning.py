@@ -29,23 +29,22 @@ class LightningAttention(Mixer):
 
     def _mix(self, x, cache, pos):
         B, T, _ = x.shape
-        pre = [self.proj(x, n) for n in ("w_q", "w_k", "w_v")]
-        act = [silu(p) for p in pre]
+        act = [silu(self.proj(x, n)) for n in ("w_q", "w_k", "w_v")]
         q, k, v = (a[0].reshape(B, T, self.H, self.K) for a in act)
         o = self.run_op(lightning_attention, (q, k, v), dict(chunk_size=self.chunk_size), cache)
         normed = self.o_norm.forward(o.reshape(B, T, -1))
         gl = self.proj(x, "w_g")
         gate = sigmoid(gl)
         on = normed * gate
-        self.saved = (x, pre, [a[1] for a in act], normed, gate, on)
+        self.saved = (x, act, normed, gate, on)
         return linear(on, self.p["w_o"])
 
     def backward(self, dy):
-        x, pre, sig, normed, gate, on = self.saved
+        x, act, normed, gate, on = self.saved
         B, T, _ = x.shape
         don = self.proj_backward(dy, on, "w_o")
         dx = self.proj_backward(don * normed * gate * (1 - gate), x, "w_g")
         gr = self.pullback(self.o_norm.backward(don * gate).reshape(B, T, self.H, self.K))
-        for name, p, s in zip("qkv", pre, sig):
-            dx += self.proj_backward(silu_backward(gr[name].reshape(B, T, -1), p, s), x, "w_" + name)
+        for name, (y, s) in zip("qkv", act):
+            dx += self.proj_backward(silu_backward(gr[name].reshape(B, T, -1), y, s), x, "w_" + name)
         return dx
