@@ -20,8 +20,10 @@ from .feature_maps import feature_map
 from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
                      retention, simple_gla)
+from .rope import rope
 from .softmax import softmax_attention
 from ._ops import OpInfo, build_ops
+from . import nn
 
 __version__ = "0.1.0"
 
@@ -114,11 +116,13 @@ __all__ = [
     "kvcache",
     "lightning_attention",
     "linear_attention",
+    "nn",
     "mamba2",
     "mla_attention",
     "num_threads",
     "reference",
     "retention",
+    "rope",
     "simple_gla",
     "testing",
     "set_num_threads",

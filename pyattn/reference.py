@@ -510,3 +510,26 @@ def delta_rule(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state=None
                 o[b, t, h] = S.T @ (scale * q[b, t, h])
             states[n, h] = S
     return o, (states if output_final_state else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary embedding
+
+
+def rope(x, positions, theta=10000.0):
+    """Loop over (batch, time, head, pair): feature i and feature i + D/2 rotated by the angle
+    p theta^(-2i/D), p the position of the token."""
+    x = np.asarray(x, dtype=np.float64)
+    B, T, H, D = x.shape
+    pos = np.broadcast_to(np.asarray(positions), (B, T))
+    y = np.empty_like(x)
+    for b in range(B):
+        for t in range(T):
+            for h in range(H):
+                for i in range(D // 2):
+                    a = float(pos[b, t]) * theta ** (-2.0 * i / D)
+                    c, s = math.cos(a), math.sin(a)
+                    x1, x2 = x[b, t, h, i], x[b, t, h, i + D // 2]
+                    y[b, t, h, i] = x1 * c - x2 * s
+                    y[b, t, h, i + D // 2] = x2 * c + x1 * s
+    return y

@@ -1,0 +1,379 @@
+"""The building blocks of pyattn.nn, llm.c style: every layer's ``forward`` keeps what its
+``backward`` needs, ``backward(dy)`` returns the input's gradient and adds the parameters'
+gradients into ``grads``. No autograd tape.
+
+Weights follow torch and llm.c: a projection's ``w`` is ``[out, in]`` and ``y = x @ w.T``,
+computed as one 2-D BLAS GEMM over all (batch, time) rows.
+"""
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Dict, Iterator, Optional, Tuple
+
+import numpy as np
+
+from ..rope import rotate, tables
+from ..autodiff import vjp
+
+INIT_STD = 0.02  # GPT-2 / fla's initializer_range
+
+
+class Parameters(MutableMapping):
+    """Dotted name -> one of the module's own arrays. ``params[name] = value`` writes into
+    that array (same shape), so the model sees it; names cannot be added or removed."""
+
+    def __init__(self, arrays: Dict[str, np.ndarray]):
+        self._arrays = arrays
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._arrays[name]
+
+    def __setitem__(self, name: str, value) -> None:
+        if name not in self._arrays:
+            raise KeyError(f"{name!r} is not a parameter of this module")
+        a = self._arrays[name]
+        value = np.asarray(value)
+        if value.shape != a.shape:
+            raise ValueError(f"parameter {name!r} has shape {a.shape}, got {value.shape}")
+        a[...] = value
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("a module's parameters cannot be removed")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def __repr__(self) -> str:
+        return "Parameters({" + ", ".join(f"{k!r}: {v.shape}" for k, v in self._arrays.items()) + "})"
+
+
+class Module:
+    """A tree of modules owning named parameter arrays and their gradient arrays."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self.p: Dict[str, np.ndarray] = {}  # own parameters by local name
+        self.g: Dict[str, np.ndarray] = {}  # their gradients, same names
+        self._children: Dict[str, "Module"] = {}
+
+    def add_param(self, name: str, value: np.ndarray) -> np.ndarray:
+        self.p[name] = np.ascontiguousarray(value, dtype=self.dtype)
+        self.g[name] = np.zeros_like(self.p[name])
+        return self.p[name]
+
+    def add_module(self, name: str, module: "Module") -> "Module":
+        self._children[name] = module
+        return module
+
+    def _named(self, which: str, prefix: str = "") -> Iterator[Tuple[str, np.ndarray]]:
+        for name, a in getattr(self, which).items():
+            yield prefix + name, a
+        for cname, child in self._children.items():
+            yield from child._named(which, f"{prefix}{cname}.")
+
+    @property
+    def params(self) -> Parameters:
+        return Parameters(dict(self._named("p")))
+
+    @property
+    def grads(self) -> Parameters:
+        return Parameters(dict(self._named("g")))
+
+    def zero_grad(self) -> None:
+        for _, g in self._named("g"):
+            g.fill(0)
+
+
+def normal(rng: np.random.Generator, shape, std: float = INIT_STD) -> np.ndarray:
+    return rng.standard_normal(shape) * std
+
+
+# ---------------------------------------------------------------------------------------------
+# functional pairs shared by the layers and mixers
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` for x ``[..., in]``, w ``[out, in]``, as one 2-D GEMM."""
+    return (x.reshape(-1, x.shape[-1]) @ w.T).reshape(x.shape[:-1] + (w.shape[0],))
+
+
+def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, dw: np.ndarray) -> np.ndarray:
+    """Adds ``dy^T x`` into dw and returns ``dy @ w`` (the gradient reaching x)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dw += dy2.T @ x.reshape(-1, x.shape[-1])
+    return (dy2 @ w).reshape(x.shape)
+
+
+def rowdot_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sum over every axis but the last of a * b."""
+    d = a.shape[-1]
+    return np.einsum("ni,ni->i", a.reshape(-1, d), b.reshape(-1, d))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    s = np.negative(x)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for very negative x gives 0, as it should
+        np.exp(s, out=s)
+    s += 1
+    return np.reciprocal(s, out=s)
+
+
+def silu(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(silu(x), sigmoid(x)); the sigmoid serves the backward."""
+    s = sigmoid(x)
+    return x * s, s
+
+
+def silu_backward(dy: np.ndarray, y: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """dy * silu'(x) = dy (s + y (1 - s)) from y = silu(x) and s = sigmoid(x), in place on
+    one buffer."""
+    out = np.subtract(1, s)
+    out *= y
+    out += s
+    out *= dy
+    return out
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0, x)
+
+
+def logsigmoid(x: np.ndarray) -> np.ndarray:
+    return -np.logaddexp(0, -x)
+
+
+def rms_normalize(x: np.ndarray, eps: float) -> Tuple[np.ndarray, np.ndarray]:
+    """(x / rms(x), 1 / rms(x)) over the last axis, rms(x) = sqrt(mean(x^2) + eps)."""
+    rstd = 1.0 / np.sqrt(np.einsum("...i,...i->...", x, x)[..., None] / x.shape[-1] + x.dtype.type(eps))
+    return x * rstd, rstd
+
+
+def rms_normalize_backward(dxhat: np.ndarray, xhat: np.ndarray, rstd: np.ndarray) -> np.ndarray:
+    mean = np.einsum("...i,...i->...", dxhat, xhat)[..., None] / xhat.shape[-1]
+    out = xhat * mean
+    np.subtract(dxhat, out, out=out)
+    out *= rstd
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+
+
+class Embedding(Module):
+    """Token embedding ``w [vocab, d]``: ``forward(tokens [B, T] int) -> w[tokens]``."""
+
+    def __init__(self, vocab_size: int, d: int, *, dtype, rng):
+        super().__init__(dtype)
+        self.w = self.add_param("w", normal(rng, (vocab_size, d)))
+
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
+        self.tokens = tokens
+        return self.w[tokens]
+
+    def backward(self, dy: np.ndarray) -> None:
+        np.add.at(self.g["w"], self.tokens.ravel(), dy.reshape(-1, dy.shape[-1]))
+
+
+class Linear(Module):
+    """``y = x @ w.T`` with ``w [d_out, d_in]`` (no bias)."""
+
+    def __init__(self, d_in: int, d_out: int, *, dtype, rng, std: float = INIT_STD):
+        super().__init__(dtype)
+        self.w = self.add_param("w", normal(rng, (d_out, d_in), std))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        self.x = x
+        return linear(x, self.w)
+
+    def backward(self, dy: np.ndarray) -> np.ndarray:
+        return linear_backward(dy, self.x, self.w, self.g["w"])
+
+
+class RMSNorm(Module):
+    """``y = x / sqrt(mean(x^2) + eps) * w`` over the last axis (w starts at ones).
+
+    With ``gated=True`` (fla's FusedRMSNormGated, the output norm of GLA, RetNet, Gated
+    DeltaNet) ``forward(x, gate)`` returns ``RMSNorm(x) * silu(gate)``; with
+    ``norm_before_gate=False`` (Mamba2's RMSNormGated) it is ``RMSNorm(x * silu(gate))``.
+    """
+
+    def __init__(self, d: int, *, dtype, eps: float = 1e-5, gated: bool = False,
+                 norm_before_gate: bool = True):
+        super().__init__(dtype)
+        self.w = self.add_param("w", np.ones(d))
+        self.eps, self.gated, self.norm_before_gate = eps, gated, norm_before_gate
+
+    def forward(self, x: np.ndarray, gate: Optional[np.ndarray] = None) -> np.ndarray:
+        if not self.gated:
+            self.xhat, self.rstd = rms_normalize(x, self.eps)
+            return self.xhat * self.w
+        sg, s = silu(gate)
+        self.s, self.sg = s, sg
+        if self.norm_before_gate:
+            self.xhat, self.rstd = rms_normalize(x, self.eps)
+            self.normed = self.xhat * self.w
+            return self.normed * sg
+        self.x = x
+        self.xhat, self.rstd = rms_normalize(x * sg, self.eps)
+        return self.xhat * self.w
+
+    def backward(self, dy: np.ndarray):
+        """dx, or (dx, dgate) when gated."""
+        if not self.gated:
+            self.g["w"] += rowdot_sum(dy, self.xhat)
+            return rms_normalize_backward(dy * self.w, self.xhat, self.rstd)
+        if self.norm_before_gate:
+            dgate = silu_backward(dy * self.normed, self.sg, self.s)
+            dn = dy * self.sg
+            self.g["w"] += rowdot_sum(dn, self.xhat)
+            return rms_normalize_backward(dn * self.w, self.xhat, self.rstd), dgate
+        self.g["w"] += rowdot_sum(dy, self.xhat)
+        dxg = rms_normalize_backward(dy * self.w, self.xhat, self.rstd)
+        return dxg * self.sg, silu_backward(dxg * self.x, self.sg, self.s)
+
+
+class SwiGLU(Module):
+    """The gated MLP of Llama: ``y = (silu(x w_gate^T) * (x w_up^T)) w_down^T``."""
+
+    def __init__(self, d: int, d_ff: int, *, dtype, rng, out_std: float = INIT_STD):
+        super().__init__(dtype)
+        self.w_gate = self.add_param("w_gate", normal(rng, (d_ff, d)))
+        self.w_up = self.add_param("w_up", normal(rng, (d_ff, d)))
+        self.w_down = self.add_param("w_down", normal(rng, (d, d_ff), out_std))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        a, b = linear(x, self.w_gate), linear(x, self.w_up)
+        sa, s = silu(a)
+        h = sa * b
+        self.x, self.b, self.s, self.sa, self.h = x, b, s, sa, h
+        return linear(h, self.w_down)
+
+    def backward(self, dy: np.ndarray) -> np.ndarray:
+        dh = linear_backward(dy, self.h, self.w_down, self.g["w_down"])
+        da = silu_backward(dh * self.b, self.sa, self.s)
+        dx = linear_backward(da, self.x, self.w_gate, self.g["w_gate"])
+        dx += linear_backward(dh * self.sa, self.x, self.w_up, self.g["w_up"])
+        return dx
+
+
+class ShortConv(Module):
+    """Causal depthwise convolution over time with a SiLU, as fla's ShortConvolution:
+    ``y_t = silu(sum_i w[c, i] x_{t-K+1+i} (+ b))``, ``w [C, K]`` (torch's ``[C, 1, K]``).
+
+    ``forward(x [B, T, C], state=None) -> (y, state)``: state ``[B, K-1, C]`` holds the last
+    K-1 inputs before x (zeros, the causal padding, when None); the returned one holds the
+    last K-1 inputs up to the end of x, to continue with the next tokens (the decode state).
+    Initialised as torch's Conv1d: uniform in ``+-1/sqrt(K)``.
+    """
+
+    def __init__(self, channels: int, *, dtype, rng, kernel_size: int = 4, bias: bool = False):
+        super().__init__(dtype)
+        bound = kernel_size ** -0.5
+        self.K = kernel_size
+        self.w = self.add_param("w", rng.uniform(-bound, bound, (channels, kernel_size)))
+        self.b = self.add_param("b", rng.uniform(-bound, bound, channels)) if bias else None
+
+    def empty_state(self, batch: int) -> np.ndarray:
+        return np.zeros((batch, self.K - 1, self.w.shape[0]), self.dtype)
+
+    def forward(self, x: np.ndarray, state: Optional[np.ndarray] = None):
+        B, T, _ = x.shape
+        xp = np.concatenate([self.empty_state(B) if state is None else state, x], axis=1)
+        u = xp[:, :T] * self.w[:, 0]
+        tap = np.empty_like(u)
+        for i in range(1, self.K):  # K taps, each over the whole sequence
+            u += np.multiply(xp[:, i:i + T], self.w[:, i], out=tap)
+        if self.b is not None:
+            u += self.b
+        y, s = silu(u)
+        self.xp, self.y, self.s = xp, y, s
+        return y, xp[:, T:].copy()
+
+    def backward(self, dy: np.ndarray) -> np.ndarray:
+        """dx (the gradient of the state given to forward is not formed: training starts
+        from zeros)."""
+        T, K = dy.shape[1], self.K
+        du = silu_backward(dy, self.y, self.s)
+        if self.b is not None:
+            self.g["b"] += du.sum(axis=(0, 1))
+        for i in range(K):
+            self.g["w"][:, i] += np.einsum("btc,btc->c", du, self.xp[:, i:i + T])
+        # x_s feeds u_{s+j} through tap K-1-j
+        dx = du * self.w[:, K - 1]
+        for j in range(1, min(K, T + 1)):
+            dx[:, :T - j] += du[:, j:] * self.w[:, K - 1 - j]
+        return dx
+
+
+class Rotary:
+    """Rotary embedding of q and k (``pyattn.rope``'s half-split pairs) at given positions;
+    no parameters. ``forward(positions, q, k)`` returns the rotated pair, ``backward(dq,
+    dk)`` rotates the gradients back."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head dim, got {head_dim}")
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: np.ndarray, *xs: np.ndarray):
+        self.cos, self.sin = tables(positions, self.head_dim, self.theta, xs[0].dtype)
+        return tuple(rotate(x, self.cos, self.sin, 1) for x in xs)
+
+    def backward(self, *dys: np.ndarray):
+        return tuple(rotate(dy, self.cos, self.sin, -1) for dy in dys)
+
+
+class Mixer(Module):
+    """A sequence mixer ``[B, T, d] -> [B, T, d]`` around one pyattn op.
+
+    ``forward(x)`` (training: the chunk or flash form, activations kept) and
+    ``backward(dy) -> dx``; ``prefill(x, max_len) -> (y, cache)`` runs a prompt and returns
+    what decoding needs; ``step(x [B, d], cache, pos) -> y [B, d]`` runs one more token at
+    position ``pos``, updating ``cache`` in place. A subclass implements ``_mix(x, cache,
+    pos)`` (cache None in training) and ``new_cache(batch, max_len)``.
+    """
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return self._mix(x, None, 0)
+
+    def prefill(self, x: np.ndarray, max_len: int):
+        cache = self.new_cache(x.shape[0], max_len)
+        return self._mix(x, cache, 0), cache
+
+    def step(self, x: np.ndarray, cache: dict, pos: int) -> np.ndarray:
+        return self._mix(x[:, None], cache, pos)[:, 0]
+
+    def new_cache(self, batch: int, max_len: int) -> dict:
+        """A recurrent mixer's cache: its state (None until the first call) and its short
+        convolutions' states."""
+        return {"state": None, "conv": None}
+
+    def proj(self, x: np.ndarray, name: str) -> np.ndarray:
+        return linear(x, self.p[name])
+
+    def proj_backward(self, dy: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
+        return linear_backward(dy, x, self.p[name], self.g[name])
+
+    def run_op(self, op, args, kwargs, cache: Optional[dict]):
+        """The op's output. Training (cache None): through ``pyattn.vjp``, keeping the
+        pullback for backward. Decoding: from the cached recurrent state, which is replaced by
+        the final one; one token runs the recurrent form."""
+        if cache is None:
+            (o, _), self.pullback = vjp(op, *args, **kwargs)
+            return o
+        if args[0].shape[1] == 1:
+            kwargs = dict(kwargs, form="recurrent")
+        o, cache["state"] = op(*args, initial_state=cache["state"], output_final_state=True, **kwargs)
+        return o
+
+    def convs(self, convs, xs, cache: Optional[dict]):
+        """The short convolutions of xs, continuing from (and updating) the cached states."""
+        states = [None] * len(convs) if cache is None or cache["conv"] is None else cache["conv"]
+        outs = [c.forward(x, s) for c, x, s in zip(convs, xs, states)]
+        if cache is not None:
+            cache["conv"] = [o[1] for o in outs]
+        return [o[0] for o in outs]

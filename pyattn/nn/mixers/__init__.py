@@ -1,0 +1,25 @@
+"""One mixer per file, as fla/layers/: each the published layer around its pyattn op.
+``MIXERS`` maps the names HybridLM takes to the classes."""
+from .deltanet import DeltaNet
+from .gated_deltanet import GatedDeltaNet
+from .gla import GatedLinearAttention
+from .lightning import LightningAttention
+from .linear import LinearAttention
+from .mamba2 import Mamba2
+from .retnet import MultiScaleRetention
+from .simple_gla import SimpleGLA
+from .softmax import SoftmaxAttention
+
+MIXERS = {
+    "softmax": SoftmaxAttention,
+    "linear": LinearAttention,
+    "retnet": MultiScaleRetention,
+    "lightning": LightningAttention,
+    "simple_gla": SimpleGLA,
+    "gla": GatedLinearAttention,
+    "mamba2": Mamba2,
+    "deltanet": DeltaNet,
+    "gated_deltanet": GatedDeltaNet,
+}
+
+__all__ = ["MIXERS"] + sorted(cls.__name__ for cls in MIXERS.values())

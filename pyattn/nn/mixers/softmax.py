@@ -1,0 +1,81 @@
+"""Softmax attention with RoPE, after fla's ``fla/layers/attn.py``."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...autodiff import vjp
+from ...softmax import softmax_attention
+from ..layers import Mixer, Rotary, linear, normal
+
+
+class SoftmaxAttention(Mixer):
+    """q, k, v projections (``n_kv_heads`` KV heads: GQA/MQA), rotary embedding of q and k
+    (``pyattn.rope``'s half-split pairs, as fla's RotaryEmbedding), causal
+    ``pyattn.softmax_attention`` (flash form), output projection ``w_o``.
+
+    Options: ``n_kv_heads`` (default n_heads), ``head_dim`` (default d_model / n_heads),
+    ``window`` (each query sees itself and the ``window - 1`` keys before it, fla's
+    ``window_size``; default unbounded), ``sinks`` (the first ``sinks`` keys stay visible
+    to every query, StreamingLLM's attention sinks), ``rope_theta`` (10000).
+
+    Decoding keeps a preallocated KV cache per layer (``[B, max_len, Hk, D]``, doubled when a
+    step would overflow it) and attends over its filled part. Differs from fla: no qkv
+    bias or qk norm options.
+    """
+
+    def __init__(self, d_model, n_heads, *, dtype, rng, out_std, n_kv_heads=None, head_dim=None,
+                 window=None, sinks=0, rope_theta=10000.0):
+        super().__init__(dtype)
+        H = n_heads
+        Hk = n_kv_heads or H
+        if H % Hk:
+            raise ValueError(f"softmax mixer: n_kv_heads={Hk} must divide n_heads={H}")
+        D = head_dim or d_model // H
+        self.H, self.Hk, self.D = H, Hk, D
+        self.add_param("w_q", normal(rng, (H * D, d_model)))
+        self.add_param("w_k", normal(rng, (Hk * D, d_model)))
+        self.add_param("w_v", normal(rng, (Hk * D, d_model)))
+        self.add_param("w_o", normal(rng, (d_model, H * D), out_std))
+        self.rotary = Rotary(D, rope_theta)
+        self.mask = dict(causal=True, window=None if window is None else (window - 1, 0), sinks=sinks)
+
+    def new_cache(self, batch, max_len):
+        shape = (batch, max_len, self.Hk, self.D)
+        return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0}
+
+    def _mix(self, x, cache, pos):
+        B, T, _ = x.shape
+        q = self.proj(x, "w_q").reshape(B, T, self.H, self.D)
+        k = self.proj(x, "w_k").reshape(B, T, self.Hk, self.D)
+        v = self.proj(x, "w_v").reshape(B, T, self.Hk, self.D)
+        q, k = self.rotary.forward(np.arange(pos, pos + T), q, k)
+        if cache is None:
+            o, self.pullback = vjp(softmax_attention, q, k, v, **self.mask)
+        else:
+            o = self.attend_cache(q, k, v, cache)
+        self.x, self.on = x, o.reshape(B, T, -1)
+        return linear(self.on, self.p["w_o"])
+
+    def attend_cache(self, q, k, v, cache):
+        """Writes k, v into the cache rows after its filled part and attends q over all
+        filled rows (bottom-right causal: the new queries are the last rows). The one place
+        that decoding touches the cache."""
+        n, T = cache["len"], k.shape[1]
+        if n + T > cache["k"].shape[1]:
+            grow = max(n + T, 2 * cache["k"].shape[1]) - cache["k"].shape[1]
+            for name in ("k", "v"):
+                cache[name] = np.concatenate([cache[name], np.zeros_like(cache[name][:, :grow])], axis=1)
+        cache["k"][:, n:n + T] = k
+        cache["v"][:, n:n + T] = v
+        cache["len"] = n + T
+        return softmax_attention(q, cache["k"][:, :n + T], cache["v"][:, :n + T], **self.mask)
+
+    def backward(self, dy):
+        B, T, _ = dy.shape
+        don = self.proj_backward(dy, self.on, "w_o")
+        gr = self.pullback(don.reshape(B, T, self.H, self.D))
+        dq, dk = self.rotary.backward(gr["q"], gr["k"])
+        dx = self.proj_backward(dq.reshape(B, T, -1), self.x, "w_q")
+        dx += self.proj_backward(dk.reshape(B, T, -1), self.x, "w_k")
+        dx += self.proj_backward(gr["v"].reshape(B, T, -1), self.x, "w_v")
+        return dx

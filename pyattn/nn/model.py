@@ -1,0 +1,219 @@
+"""HybridLM: a decoder-only language model whose layers mix softmax and linear-family
+mixers, trained with llm.c-style forward/backward pairs and decoded through each layer's
+cache."""
+from __future__ import annotations
+
+import json
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .layers import Embedding, Linear, Module, RMSNorm, SwiGLU, linear, linear_backward
+from .mixers import MIXERS
+
+
+class Block(Module):
+    """Pre-norm residual block: ``x + mixer(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, d_model, mixer, d_ff, *, dtype, rng, out_std):
+        super().__init__(dtype)
+        self.norm1 = self.add_module("norm1", RMSNorm(d_model, dtype=dtype))
+        self.mixer = self.add_module("mixer", mixer)
+        self.norm2 = self.add_module("norm2", RMSNorm(d_model, dtype=dtype))
+        self.mlp = self.add_module("mlp", SwiGLU(d_model, d_ff, dtype=dtype, rng=rng, out_std=out_std))
+
+    def _finish(self, x, h):
+        x = x + h
+        return x + self.mlp.forward(self.norm2.forward(x))
+
+    def forward(self, x):
+        return self._finish(x, self.mixer.forward(self.norm1.forward(x)))
+
+    def prefill(self, x, max_len):
+        h, cache = self.mixer.prefill(self.norm1.forward(x), max_len)
+        return self._finish(x, h), cache
+
+    def step(self, x, cache, pos):
+        return self._finish(x, self.mixer.step(self.norm1.forward(x), cache, pos))
+
+    def backward(self, dy):
+        dx = dy + self.norm2.backward(self.mlp.backward(dy))
+        return dx + self.norm1.backward(self.mixer.backward(dx))
+
+
+def _mixer_specs(mixers, n_layers) -> List[Tuple[str, dict]]:
+    """[(name, options)] * n_layers from one name or a list of names / (name, options)."""
+    if isinstance(mixers, str) or (isinstance(mixers, tuple) and len(mixers) == 2 and isinstance(mixers[1], dict)):
+        mixers = [mixers] * n_layers
+    mixers = list(mixers)
+    if len(mixers) != n_layers:
+        raise ValueError(f"HybridLM: 'mixers' must be one name or a list of n_layers={n_layers} entries, got {len(mixers)}")
+    specs = []
+    for m in mixers:
+        name, options = (m, {}) if isinstance(m, str) else (m[0], dict(m[1]))
+        if name not in MIXERS:
+            raise ValueError(f"HybridLM: unknown mixer {name!r}; pyattn.nn.MIXERS has {sorted(MIXERS)}")
+        specs.append((name, options))
+    return specs
+
+
+def default_d_ff(d_model: int) -> int:
+    """Llama's SwiGLU width, 8/3 d_model, rounded up to a multiple of 32."""
+    return -(-8 * d_model // 3 // 32) * 32
+
+
+class HybridLM(Module):
+    """Embedding, ``n_layers`` pre-norm blocks (RMSNorm, mixer, residual; RMSNorm, SwiGLU
+    MLP, residual), final RMSNorm, LM head (the embedding's transpose when
+    ``tie_embeddings``).
+
+    ``mixers``: one name of ``pyattn.nn.MIXERS`` or a list of ``n_layers`` entries, each a
+    name or a ``(name, options)`` pair, the options going to that mixer's class (see its
+    docstring). ``d_ff`` defaults to 8/3 d_model rounded up to a multiple of 32. Weights are
+    drawn with std 0.02, the residual branches' output projections (mixers' ``w_o``, MLPs'
+    ``w_down``) with ``0.02 / sqrt(2 n_layers)`` (GPT-2); norms start at 1. ``dtype``
+    "float32" or "float64": every parameter, activation and gradient has it.
+
+    ``params`` / ``grads`` map dotted names (``"blocks.0.mixer.w_q"``) to the model's own
+    arrays; ``forward(tokens [B, T]) -> logits [B, T, V]`` keeps what ``backward(dlogits)``
+    needs, which adds into ``grads`` (``zero_grad()`` clears them); ``prefill``, ``step`` and
+    ``generate`` run the same layers, so call ``backward`` before decoding.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int,
+                 mixers: Union[str, Sequence], *, n_heads: int = 4, d_ff: Optional[int] = None,
+                 tie_embeddings: bool = True, dtype="float32", seed: int = 0):
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"HybridLM: dtype must be float32 or float64, got {dtype}")
+        super().__init__(dtype)
+        specs = _mixer_specs(mixers, n_layers)
+        d_ff = default_d_ff(d_model) if d_ff is None else d_ff
+        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
+                           mixers=[[n, o] for n, o in specs], n_heads=n_heads, d_ff=d_ff,
+                           tie_embeddings=tie_embeddings, dtype=dtype.name, seed=seed)
+        rng = np.random.default_rng(seed)
+        out_std = 0.02 / np.sqrt(2 * n_layers)
+        self.embed = self.add_module("embed", Embedding(vocab_size, d_model, dtype=dtype, rng=rng))
+        self.blocks = []
+        for i, (name, options) in enumerate(specs):
+            mixer = MIXERS[name](d_model, n_heads, dtype=dtype, rng=rng, out_std=out_std, **options)
+            self.blocks.append(self.add_module(f"blocks.{i}", Block(d_model, mixer, d_ff, dtype=dtype,
+                                                                    rng=rng, out_std=out_std)))
+        self.norm = self.add_module("norm", RMSNorm(d_model, dtype=dtype))
+        self.lm_head = None if tie_embeddings else self.add_module(
+            "lm_head", Linear(d_model, vocab_size, dtype=dtype, rng=rng))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config["vocab_size"]
+
+    def _tokens(self, tokens, ndim):
+        tokens = np.asarray(tokens)
+        if tokens.dtype.kind not in "iu" or tokens.ndim != ndim:
+            raise ValueError(f"HybridLM: tokens must be an integer array of {ndim} axes, got "
+                             f"dtype {tokens.dtype} shape {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise ValueError(f"HybridLM: tokens must lie in [0, {self.vocab_size}), got "
+                             f"[{tokens.min()}, {tokens.max()}]")
+        return tokens
+
+    def _head(self, x):
+        self.h = self.norm.forward(x)
+        return linear(self.h, self.embed.w) if self.lm_head is None else self.lm_head.forward(self.h)
+
+    def forward(self, tokens) -> np.ndarray:
+        """logits ``[B, T, vocab_size]`` of the next token at every position."""
+        x = self.embed.forward(self._tokens(tokens, 2))
+        for block in self.blocks:
+            x = block.forward(x)
+        return self._head(x)
+
+    def backward(self, dlogits: np.ndarray) -> None:
+        """Adds the gradients of the loss whose gradient w.r.t. the last forward's logits
+        is ``dlogits`` into ``grads``."""
+        dlogits = np.asarray(dlogits, dtype=self.dtype)
+        if self.lm_head is None:
+            dh = linear_backward(dlogits, self.h, self.embed.w, self.embed.g["w"])
+        else:
+            dh = self.lm_head.backward(dlogits)
+        dx = self.norm.backward(dh)
+        for block in reversed(self.blocks):
+            dx = block.backward(dx)
+        self.embed.backward(dx)
+
+    def prefill(self, tokens, max_len: Optional[int] = None):
+        """``(logits [B, T, V], cache)`` for a prompt; the cache carries every layer's state
+        (recurrent states, KV caches of ``max_len`` rows, default 2 T, conv states) and the
+        position, for ``step``."""
+        tokens = self._tokens(tokens, 2)
+        T = tokens.shape[1]
+        max_len = 2 * T if max_len is None else max(max_len, T)
+        x = self.embed.forward(tokens)
+        layers = []
+        for block in self.blocks:
+            x, c = block.prefill(x, max_len)
+            layers.append(c)
+        return self._head(x), {"pos": T, "layers": layers}
+
+    def step(self, tokens, cache: dict):
+        """``(logits [B, V], cache)`` of one more token per sequence (``tokens [B]``); the cache
+        is updated in place and returned. Equals the last row of ``forward`` over the whole
+        sequence."""
+        x = self.embed.forward(self._tokens(tokens, 1))
+        pos = cache["pos"]
+        for block, c in zip(self.blocks, cache["layers"]):
+            x = block.step(x, c, pos)
+        cache["pos"] = pos + 1
+        return self._head(x), cache
+
+    def generate(self, prompt, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: Optional[int] = None, seed: Optional[int] = None) -> np.ndarray:
+        """``tokens [B, T0 + max_new_tokens]``: the prompt ``[B, T0]`` and the sampled
+        continuation. ``temperature=0`` is greedy (argmax); otherwise each token is drawn
+        from ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely when
+        given (numpy's default_rng(seed))."""
+        prompt = self._tokens(prompt, 2)
+        if temperature < 0:
+            raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
+        if max_new_tokens <= 0:
+            return prompt.copy()
+        rng = np.random.default_rng(seed)
+        out = [prompt]
+        logits, cache = self.prefill(prompt, prompt.shape[1] + max_new_tokens)
+        logits = logits[:, -1]
+        for i in range(max_new_tokens):
+            nxt = _sample(logits, temperature, top_k, rng)
+            out.append(nxt[:, None])
+            if i + 1 < max_new_tokens:
+                logits, cache = self.step(nxt, cache)
+        return np.concatenate(out, axis=1)
+
+    def save(self, path) -> None:
+        """One .npz: the config (as JSON) and every parameter by its dotted name."""
+        np.savez(path, __config__=np.array(json.dumps(self.config)), **dict(self.params))
+
+    @classmethod
+    def load(cls, path) -> "HybridLM":
+        with np.load(path, allow_pickle=False) as f:
+            config = json.loads(str(f["__config__"]))
+            config["mixers"] = [(n, o) for n, o in config["mixers"]]
+            model = cls(**config)
+            params = model.params
+            for name in params:
+                params[name] = f[name]
+        return model
+
+
+def _sample(logits: np.ndarray, temperature: float, top_k: Optional[int], rng) -> np.ndarray:
+    """One token per row of logits [B, V]."""
+    if temperature == 0:
+        return logits.argmax(axis=-1)
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    c = np.cumsum(p, axis=-1)
+    u = rng.random((z.shape[0], 1)) * c[:, -1:]
+    return np.minimum((c <= u).sum(axis=-1), z.shape[-1] - 1)

@@ -1,0 +1,100 @@
+"""Each mixer's forward written out literally from its published layer (fla's
+fla/layers/*.py; MiniMax-01 for Lightning) over pyattn.reference's float64 oracles: the
+projections, short convolutions, gates and output norms are the ones the docstrings state."""
+import numpy as np
+import pytest
+
+from pyattn import reference as ref
+from pyattn.nn import MIXERS
+from pyattn.testing import assert_close
+
+B, T, D, H = 2, 9, 8, 2
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def rmsnorm(x, w, eps=1e-5):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def short_conv(x, w, b=None):
+    """Causal depthwise conv, loop over time: y_t = silu(sum_i w[:, i] x_{t-K+1+i} + b)."""
+    K = w.shape[1]
+    y = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        for i in range(K):
+            s = t - K + 1 + i
+            if s >= 0:
+                y[:, t] += w[:, i] * x[:, s]
+    return silu(y if b is None else y + b)
+
+
+def heads(x, n):
+    return x.reshape(x.shape[0], x.shape[1], n, -1)
+
+
+def flat(x):
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def literal(name, p, x):
+    proj = {n[2:]: x @ w.T for n, w in p.items() if n.startswith("w_") and w.shape[1] == D}
+    if name == "softmax":
+        pos = np.arange(T)
+        q, k = ref.rope(heads(proj["q"], H), pos), ref.rope(heads(proj["k"], H), pos)
+        o = ref.softmax_attention(q, k, heads(proj["v"], H), causal=True)
+        return flat(o) @ p["w_o"].T
+    if name == "linear":
+        o, _ = ref.linear_attention(heads(proj["q"], H), heads(proj["k"], H), heads(proj["v"], H),
+                                    feature_map="elu1")
+        return flat(rmsnorm(o, p["o_norm.w"])) @ p["w_o"].T
+    if name == "retnet":
+        pos = np.arange(T)
+        q, k = ref.rope(heads(proj["q"], H), pos), ref.rope(heads(proj["k"], H), pos)
+        o, _ = ref.retention(q, k, heads(proj["v"], H))
+        return flat(rmsnorm(o, p["o_norm.w"]) * silu(heads(proj["g"], H))) @ p["w_o"].T
+    if name == "lightning":
+        q, k, v = (heads(silu(proj[n]), H) for n in "qkv")
+        o, _ = ref.lightning_attention(q, k, v)
+        return (rmsnorm(flat(o), p["o_norm.w"]) * sigmoid(proj["g"])) @ p["w_o"].T
+    if name in ("simple_gla", "deltanet", "gated_deltanet"):
+        q, k, v = (heads(short_conv(proj[n], p[f"conv_{n}.w"]), H) for n in "qkv")
+        if name == "simple_gla":
+            g = -np.logaddexp(0, -(proj["gk"] + p["b_gk"])) / 16
+            o, _ = ref.simple_gla(q, k, v, g)
+        elif name == "deltanet":
+            o, _ = ref.delta_rule(q, k, v, sigmoid(proj["b"]), qk_l2norm=True)
+            return flat(rmsnorm(o, p["o_norm.w"])) @ p["w_o"].T
+        else:
+            g = -np.exp(p["A_log"]) * np.logaddexp(0, proj["a"] + p["dt_bias"])
+            o, _ = ref.gated_delta_rule(q, k, v, g, sigmoid(proj["b"]), qk_l2norm=True)
+        return flat(rmsnorm(o, p["o_norm.w"]) * silu(heads(proj["g"], H))) @ p["w_o"].T
+    if name == "gla":
+        gk = (proj["gk1"] @ p["w_gk2"].T) + p["b_gk"]
+        o, _ = ref.gla(heads(proj["q"], H), heads(proj["k"], H), heads(proj["v"], H),
+                       heads(-np.logaddexp(0, -gk) / 16, H))
+        return flat(rmsnorm(o, p["o_norm.w"]) * silu(heads(proj["g"], H))) @ p["w_o"].T
+    if name == "mamba2":
+        xs = short_conv(proj["x"], p["conv_x.w"], p["conv_x.b"])
+        Bm = short_conv(proj["B"], p["conv_B.w"], p["conv_B.b"])
+        Cm = short_conv(proj["C"], p["conv_C.w"], p["conv_C.b"])
+        y, _ = ref.mamba2(heads(xs, H), proj["dt"], -np.exp(p["A_log"]), heads(Bm, 1), heads(Cm, 1),
+                          D=p["D"], dt_bias=p["dt_bias"])
+        return rmsnorm(flat(y) * silu(proj["z"]), p["norm.w"]) @ p["w_o"].T
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_mixer_is_its_published_layer(rng, name):
+    options = {"mamba2": {"d_state": 4}}.get(name, {})
+    mixer = MIXERS[name](D, H, dtype=np.float64, rng=rng, out_std=0.5, **options)
+    for p in mixer.params.values():  # away from the initial values (norm weights 1, zero biases)
+        p += rng.standard_normal(p.shape) * 0.1
+    x = rng.standard_normal((B, T, D))
+    assert_close(mixer.forward(x), literal(name, dict(mixer.params), x))

@@ -1,0 +1,197 @@
+"""HybridLM end to end: decoding equals the training forward for every mixer and a hybrid,
+gradients of every parameter tensor against finite differences, params/grads semantics,
+save/load, float32 models."""
+import numpy as np
+import pytest
+
+from pyattn.nn import MIXERS, HybridLM
+from pyattn.testing import assert_close
+
+V, D, L, H = 23, 16, 2, 2
+T = 20  # chunk_size 16 below: a full chunk and a ragged one
+
+OPTIONS = {name: {"chunk_size": 16} for name in MIXERS if name != "softmax"}
+OPTIONS["softmax"] = {}
+OPTIONS["mamba2"] = {"chunk_size": 16, "d_state": 8}
+MODELS = {name: [(name, OPTIONS[name])] * L for name in MIXERS}
+MODELS["hybrid"] = [("softmax", {}), ("gated_deltanet", OPTIONS["gated_deltanet"])]
+MODELS["softmax_gqa_window_sinks"] = [("softmax", {"n_kv_heads": 1, "window": 5, "sinks": 2})] * L
+MODELS["linear_normalized_taylor"] = [("linear", {"feature_map": "taylor", "normalize": True,
+                                                  "chunk_size": 16})] * L
+
+
+def tiny(kind, dtype="float64", seed=0):
+    return HybridLM(V, D, L, MODELS[kind], n_heads=H, dtype=dtype, seed=seed)
+
+
+def tokens(rng, B=2, n=T):
+    return rng.integers(0, V, (B, n))
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_decode_equals_forward(rng, kind):
+    """prefill of a prefix, then one step per token, gives forward's logits (round-off);
+    prefix 1 outgrows the softmax KV cache (2 rows) and makes it grow."""
+    model = tiny(kind)
+    tok = tokens(rng)
+    full = model.forward(tok)
+    for prefix in (1, 7):
+        logits, cache = model.prefill(tok[:, :prefix])
+        assert_close(logits, full[:, :prefix])
+        for t in range(prefix, T):
+            step_logits, cache = model.step(tok[:, t], cache)
+            assert step_logits.shape == (2, V)
+            assert_close(step_logits, full[:, t])
+        assert cache["pos"] == T
+
+
+@pytest.mark.parametrize("kind", list(MIXERS) + ["hybrid"])
+def test_greedy_generate_equals_repeated_forward(rng, kind):
+    model = tiny(kind)
+    prompt = tokens(rng, n=5)
+    out = model.generate(prompt, 6, temperature=0)
+    assert out.shape == (2, 11) and np.array_equal(out[:, :5], prompt)
+    seq = prompt
+    for _ in range(6):
+        nxt = model.forward(seq)[:, -1].argmax(axis=-1)
+        seq = np.concatenate([seq, nxt[:, None]], axis=1)
+    assert np.array_equal(out, seq)
+
+
+@pytest.mark.parametrize("kind", list(MIXERS) + ["hybrid"])
+def test_every_parameter_gradient(rng, kind):
+    """Central finite differences of sum(logits * cot) at sampled entries of every
+    parameter tensor, against backward's grads (float64)."""
+    model = tiny(kind)
+    tok = tokens(rng)
+    logits = model.forward(tok)
+    cot = rng.standard_normal(logits.shape)
+    model.zero_grad()
+    model.backward(cot)
+    params, grads = model.params, model.grads
+    eps = 1e-6
+    for name in params:
+        p, g = params[name], grads[name]
+        assert np.any(g != 0), name
+        for _ in range(3):
+            i = tuple(int(rng.integers(0, s)) for s in p.shape)
+            old = p[i]
+            p[i] = old + eps
+            up = np.sum(model.forward(tok) * cot)
+            p[i] = old - eps
+            down = np.sum(model.forward(tok) * cot)
+            p[i] = old
+            fd = (up - down) / (2 * eps)
+            assert abs(fd - g[i]) <= 1e-8 + 1e-5 * abs(fd), (name, i, fd, g[i])
+
+
+@pytest.mark.parametrize("kind", list(MIXERS) + ["hybrid"])
+def test_float32_model(rng, kind):
+    """A float32 model (the same initial weights, rounded) runs forward, backward and decode
+    in float32 and stays within float32 accuracy of the float64 model."""
+    m32, m64 = tiny(kind, "float32"), tiny(kind, "float64")
+    tok = tokens(rng)
+    logits = m32.forward(tok)
+    assert logits.dtype == np.float32
+    m32.backward(rng.standard_normal(logits.shape).astype(np.float32))
+    assert all(g.dtype == np.float32 and np.all(np.isfinite(g)) for g in m32.grads.values())
+    assert_close(logits, m64.forward(tok), 1e-4)
+    step, _ = m32.step(tok[:, 5], m32.prefill(tok[:, :5])[1])
+    assert step.dtype == np.float32
+    assert_close(step, logits[:, 5], 1e-4)
+
+
+def test_params_and_grads_are_the_models_arrays(rng):
+    model = HybridLM(V, D, 3, ["softmax", ("gated_deltanet", {}), "mamba2"], n_heads=H, dtype="float64")
+    params, grads = model.params, model.grads
+    assert list(params) == list(grads)
+    assert all(params[n].shape == grads[n].shape for n in params)
+    assert "blocks.0.mixer.w_q" in params and "blocks.1.mixer.conv_q.w" in params
+    assert "embed.w" in params and "lm_head.w" not in params  # tied
+    assert "lm_head.w" in HybridLM(V, D, 1, "softmax", tie_embeddings=False).params
+    tok = tokens(rng)
+    before = model.forward(tok)
+    params["blocks.0.mixer.w_q"][...] *= 2  # writing into the array changes the model
+    changed = model.forward(tok)
+    assert not np.allclose(before, changed)
+    params["blocks.0.mixer.w_q"] = params["blocks.0.mixer.w_q"] / 2  # so does assigning
+    assert_close(model.forward(tok), before)
+    assert model.params["blocks.0.mixer.w_q"] is params["blocks.0.mixer.w_q"]
+    with pytest.raises(KeyError):
+        params["no.such.param"] = np.zeros(1)
+    with pytest.raises(ValueError, match="shape"):
+        params["embed.w"] = np.zeros(3)
+    # backward adds into grads; zero_grad clears them
+    cot = rng.standard_normal(before.shape)
+    model.zero_grad()
+    model.forward(tok)
+    model.backward(cot)
+    once = {n: g.copy() for n, g in grads.items()}
+    model.backward(cot)
+    assert all(np.allclose(grads[n], 2 * once[n]) for n in grads)
+    model.zero_grad()
+    assert all(not np.any(g) for g in grads.values())
+
+
+def test_save_load_round_trip(rng, tmp_path):
+    model = HybridLM(V, D, 2, [("softmax", {"n_kv_heads": 1, "window": 4}), ("mamba2", {"d_state": 8})],
+                     n_heads=H, d_ff=24, tie_embeddings=False, dtype="float64", seed=3)
+    for p in model.params.values():  # not the initial weights: the file must carry them
+        p += rng.standard_normal(p.shape) * 0.01
+    path = tmp_path / "model.npz"
+    model.save(path)
+    loaded = HybridLM.load(path)
+    assert loaded.config == model.config and loaded.dtype == np.float64
+    assert all(np.array_equal(loaded.params[n], p) for n, p in model.params.items())
+    tok = tokens(rng)
+    assert np.array_equal(loaded.forward(tok), model.forward(tok))
+
+
+def test_sampling(rng):
+    model = tiny("hybrid")
+    prompt = tokens(rng, n=4)
+    a = model.generate(prompt, 5, temperature=0.8, top_k=5, seed=1)
+    assert np.array_equal(a, model.generate(prompt, 5, temperature=0.8, top_k=5, seed=1))
+    assert a.shape == (2, 9) and a.min() >= 0 and a.max() < V
+    assert np.array_equal(model.generate(prompt, 5, top_k=1, seed=2), model.generate(prompt, 5, temperature=0))
+
+
+def test_bad_configurations():
+    with pytest.raises(ValueError, match="unknown mixer"):
+        HybridLM(V, D, 1, "attention")
+    with pytest.raises(ValueError, match="n_layers=2"):
+        HybridLM(V, D, 2, ["softmax"])
+    with pytest.raises(TypeError, match="dtype"):
+        HybridLM(V, D, 1, "softmax", dtype="float16")
+    with pytest.raises(ValueError, match="tokens"):
+        tiny("softmax").forward(np.array([[0, V]]))
+
+
+def test_gradient_step_lowers_the_loss_as_predicted(rng):
+    """A small step against the gradient of a cross-entropy lowers it by lr |g|^2 to first
+    order (float64, hybrid model)."""
+    model = tiny("hybrid")
+    tok = tokens(rng, n=T + 1)
+    inputs, targets = tok[:, :-1], tok[:, 1:]
+
+    def loss_and_grad():
+        z = model.forward(inputs)
+        z = z - z.max(axis=-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        n = targets.size
+        picked = np.take_along_axis(logp, targets[..., None], axis=-1)
+        dz = np.exp(logp)
+        np.put_along_axis(dz, targets[..., None], np.take_along_axis(dz, targets[..., None], -1) - 1, -1)
+        return -picked.sum() / n, dz / n
+
+    loss, dlogits = loss_and_grad()
+    model.zero_grad()
+    model.backward(dlogits)
+    grads = {n: g.copy() for n, g in model.grads.items()}
+    sq = sum(float(np.sum(g * g)) for g in grads.values())
+    lr = 1e-3 / np.sqrt(sq)
+    for n, p in model.params.items():
+        p -= lr * grads[n]
+    new_loss, _ = loss_and_grad()
+    assert new_loss < loss
+    assert abs((loss - new_loss) / (lr * sq) - 1) < 1e-3
