@@ -8,7 +8,7 @@ computed as one 2-D BLAS GEMM over all (batch, time) rows.
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -50,6 +50,9 @@ class Parameters(MutableMapping):
         return "Parameters({" + ", ".join(f"{k!r}: {v.shape}" for k, v in self._arrays.items()) + "})"
 
 
+M = TypeVar("M", bound="Module")
+
+
 class Module:
     """A tree of modules owning named parameter arrays and their gradient arrays."""
 
@@ -64,7 +67,7 @@ class Module:
         self.g[name] = np.zeros_like(self.p[name])
         return self.p[name]
 
-    def add_module(self, name: str, module: "Module") -> "Module":
+    def add_module(self, name: str, module: "M") -> "M":
         self._children[name] = module
         return module
 
@@ -211,6 +214,8 @@ class RMSNorm(Module):
         if not self.gated:
             self.xhat, self.rstd = rms_normalize(x, self.eps)
             return self.xhat * self.w
+        if gate is None:
+            raise ValueError("a gated RMSNorm's forward needs its gate")
         sg, s = silu(gate)
         self.s, self.sg = s, sg
         if self.norm_before_gate:
@@ -336,6 +341,8 @@ class Mixer(Module):
     position ``pos``, updating ``cache`` in place. A subclass implements ``_mix(x, cache,
     pos)`` (cache None in training) and ``new_cache(batch, max_len)``.
     """
+
+    _mix: Callable[[np.ndarray, Optional[dict], int], np.ndarray]
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         return self._mix(x, None, 0)

@@ -4,7 +4,7 @@ cache."""
 from __future__ import annotations
 
 import json
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -191,7 +191,8 @@ class HybridLM(Module):
 
     def save(self, path) -> None:
         """One .npz: the config (as JSON) and every parameter by its dotted name."""
-        np.savez(path, __config__=np.array(json.dumps(self.config)), **dict(self.params))
+        arrays: Dict[str, Any] = {"__config__": np.array(json.dumps(self.config)), **dict(self.params)}
+        np.savez(path, **arrays)
 
     @classmethod
     def load(cls, path) -> "HybridLM":

@@ -1,0 +1,27 @@
+"""Type stubs of pyattn.delta (the implementation is delta.py)."""
+from typing import Literal, Optional, Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+FORMS: Tuple[str, ...]
+L2_EPS: float
+
+_Array = npt.NDArray[np.floating]
+_Form = Literal["chunk", "parallel", "recurrent"]
+_ChunkSize = Literal[16, 32, 64, 128]
+# (o, final_state): final_state is None unless output_final_state=True
+_WithState = Tuple[_Array, Optional[_Array]]
+
+def gated_delta_rule(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, g: npt.ArrayLike, beta: npt.ArrayLike, *,
+    qk_l2norm: bool = ..., scale: Optional[float] = ..., initial_state: Optional[npt.ArrayLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[npt.ArrayLike] = ..., form: _Form = ...,
+    chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
+def delta_rule(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, beta: npt.ArrayLike, *,
+    qk_l2norm: bool = ..., scale: Optional[float] = ..., initial_state: Optional[npt.ArrayLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[npt.ArrayLike] = ..., form: _Form = ...,
+    chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
