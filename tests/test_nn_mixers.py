@@ -87,6 +87,17 @@ def literal(name, p, x):
         y, _ = ref.mamba2(heads(xs, H), proj["dt"], -np.exp(p["A_log"]), heads(Bm, 1), heads(Cm, 1),
                           D=p["D"], dt_bias=p["dt_bias"])
         return rmsnorm(flat(y) * silu(proj["z"]), p["norm.w"]) @ p["w_o"].T
+    if name == "mla":  # DeepSeek-V2's MLA without the query compression
+        Dn = D // H
+        Dr = p["w_kr"].shape[0]
+        q = heads(proj["q"], H)
+        pos = np.arange(T)
+        q_rope = ref.rope(np.ascontiguousarray(q[..., Dn:]), pos)
+        c_kv = rmsnorm(proj["dkv"], p["kv_norm.w"])
+        k_rope = ref.rope(proj["kr"].reshape(B, T, 1, Dr), pos).reshape(B, T, Dr)
+        o = ref.mla_attention(np.ascontiguousarray(q[..., :Dn]), q_rope, c_kv, k_rope, p["w_uk"],
+                              p["w_uv"], causal=True)
+        return flat(o) @ p["w_o"].T
     raise AssertionError(name)
 
 

@@ -10,12 +10,14 @@ from pyattn.testing import assert_close
 V, D, L, H = 23, 16, 2, 2
 T = 20  # chunk_size 16 below: a full chunk and a ragged one
 
-OPTIONS = {name: {"chunk_size": 16} for name in MIXERS if name != "softmax"}
+OPTIONS = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "mla")}
 OPTIONS["softmax"] = {}
+OPTIONS["mla"] = {}
 OPTIONS["mamba2"] = {"chunk_size": 16, "d_state": 8}
 MODELS = {name: [(name, OPTIONS[name])] * L for name in MIXERS}
 MODELS["hybrid"] = [("softmax", {}), ("gated_deltanet", OPTIONS["gated_deltanet"])]
 MODELS["softmax_gqa_window_sinks"] = [("softmax", {"n_kv_heads": 1, "window": 5, "sinks": 2})] * L
+MODELS["mla_absorbed"] = [("mla", {"form": "absorbed"})] * L
 MODELS["linear_normalized_taylor"] = [("linear", {"feature_map": "taylor", "normalize": True,
                                                   "chunk_size": 16})] * L
 

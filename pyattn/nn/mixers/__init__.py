@@ -6,6 +6,7 @@ from .gla import GatedLinearAttention
 from .lightning import LightningAttention
 from .linear import LinearAttention
 from .mamba2 import Mamba2
+from .mla import MultiHeadLatentAttention
 from .retnet import MultiScaleRetention
 from .simple_gla import SimpleGLA
 from .softmax import SoftmaxAttention
@@ -20,6 +21,7 @@ MIXERS = {
     "mamba2": Mamba2,
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
+    "mla": MultiHeadLatentAttention,
 }
 
 __all__ = ["MIXERS"] + sorted(cls.__name__ for cls in MIXERS.values())
