@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (sets OPENBLAS_NUM_THREADS before numpy)
 from common import Case, fmt, print_table, rel_err, torch  # noqa: E402
-from bench_linear import check_baselines, time_forms  # noqa: E402
+from bench_linear import print_sweep, sweep_op  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -188,24 +188,9 @@ def sweep(args, timing):
         for op in args.ops:
             arrays = op_args(op, q, k, v, g, beta)
             names = ("q", "k", "v", "g", "beta") if op == "gated_delta_rule" else ("q", "k", "v", "beta")
-            tchunk, trec = torch_fn(torch_chunk, op), torch_fn(torch_recurrent, op)
-            if torch is not None and not args.no_check:
-                check_baselines(op, arrays, names, do, scale, tchunk, trec, rec_T)
-            for passes in args.passes:
-                new_rows, bar, other = time_forms(op, T, passes, arrays, names, do, scale, args.forms,
-                                                  args.parallel_max_t, tchunk, trec, rec_T,
-                                                  flops(T, passes), timing)
-                rows += new_rows
-                others.append(other)
-                if bar:
-                    bars.append((op, T, passes) + bar)
-    print()
-    peak = common.final_peak(np.float32, args.threads, peak0)
-    print()
-    common.percent_of_peak(rows, [6], peak)
-    print_table(["op", "T", "pass", "impl", "ms", "GFLOP/s", "% peak", "vs torch chunk",
-                 "vs torch rec", "samples", "other %"], rows, markdown=args.markdown)
-    print()
+            sweep_op(args, timing, op, T, arrays, names, do, scale, torch_fn(torch_chunk, op),
+                     torch_fn(torch_recurrent, op), rec_T, flops, rows, bars, others)
+    peak = print_sweep(args, rows, peak0)
     print("bars:")
     for op, T, passes, tc, ttc, trec in bars:
         if op == "gated_delta_rule" and passes == "fwd+bwd" and T == BAR_T and ttc is not None:

@@ -275,6 +275,35 @@ def check_baselines(op, arrays, names, do, scale, chunk_fn, rec_fn, rec_T):
                              f"(rel-RMS {worst:.1e} >= {TOL:g}); not timing it")
 
 
+def sweep_op(args, timing, op, T, arrays, names, do, scale, chunk_fn, rec_fn, rec_T, flops_fn,
+             rows, bars, others):
+    """The baselines checked (unless --no-check), then every pass of ``op`` at T timed
+    (time_forms); appends to the sweep's rows, bars ((op, T, pass, chunk, torch chunk,
+    recurrent) medians) and loads."""
+    if torch is not None and not args.no_check:
+        check_baselines(op, arrays, names, do, scale, chunk_fn, rec_fn, rec_T)
+    for passes in args.passes:
+        new_rows, bar, other = time_forms(op, T, passes, arrays, names, do, scale, args.forms,
+                                          args.parallel_max_t, chunk_fn, rec_fn, rec_T,
+                                          flops_fn(T, passes), timing)
+        rows += new_rows
+        others.append(other)
+        if bar:
+            bars.append((op, T, passes) + bar)
+
+
+def print_sweep(args, rows, peak0):
+    """The FMA peak measured again, the % peak cells, and the sweep's table; returns the peak."""
+    print()
+    peak = common.final_peak(np.float32, args.threads, peak0)
+    print()
+    common.percent_of_peak(rows, [6], peak)
+    print_table(["op", "T", "pass", "impl", "ms", "GFLOP/s", "% peak", "vs torch chunk",
+                 "vs torch rec", "samples", "other %"], rows, markdown=args.markdown)
+    print()
+    return peak
+
+
 def time_forms(op, T, passes, arrays, names, do, scale, forms, parallel_max_t, chunk_fn, rec_fn,
                rec_T, fl, timing):
     """One (op, T, pass) group: pyattn's ``forms`` of ``op`` on ``arrays`` and, with torch,
@@ -369,25 +398,9 @@ def sweep(args, timing):
             notes.append(f"T={T}: pyattn parallel skipped (T > {args.parallel_max_t}: it "
                          f"materialises T x T per head)")
         for op in args.ops:
-            arrays = (q, k, v, gates[op])
-            if torch is not None and not args.no_check:
-                check_baselines(op, arrays, "qkvg", do, scale, TORCH_CHUNK[op], torch_recurrent, rec_T)
-            for passes in args.passes:
-                new_rows, bar, other = time_forms(op, T, passes, arrays, "qkvg", do, scale, args.forms,
-                                                  args.parallel_max_t, TORCH_CHUNK[op], torch_recurrent,
-                                                  rec_T, flops(T, passes), timing)
-                rows += new_rows
-                others.append(other)
-                if bar:
-                    bars.append((op, T, passes) + bar)
-
-    print()
-    peak = common.final_peak(np.float32, args.threads, peak0)
-    print()
-    common.percent_of_peak(rows, [6], peak)
-    print_table(["op", "T", "pass", "impl", "ms", "GFLOP/s", "% peak", "vs torch chunk",
-                 "vs torch rec", "samples", "other %"], rows, markdown=args.markdown)
-    print()
+            sweep_op(args, timing, op, T, (q, k, v, gates[op]), "qkvg", do, scale, TORCH_CHUNK[op],
+                     torch_recurrent, rec_T, flops, rows, bars, others)
+    peak = print_sweep(args, rows, peak0)
     print("bars:")
     for op, T, passes, tc, ttc, trec in bars:
         if passes == "fwd+bwd" and T == BAR_T:
