@@ -534,6 +534,51 @@ static int get_kept_states(const char *fn, const pa_linear_desc *d, PyObject *ob
     return (*kept = get_array(fn, "states", obj, typenum, 3, kshape, 0)) ? 0 : -1;
 }
 
+/* The forward's outputs of the linear and delta engines, args[6..8]: o (written), the final
+ * state (None: not wanted) and keep. Returns the new array of states to keep, or None (a new
+ * reference), or NULL with an exception set. */
+static PyObject *engine_outputs(const char *fn, PyObject *const *args, int t, PyArrayObject *q,
+                                const pa_linear_desc *d, PyArrayObject **o, PyArrayObject **ht)
+{
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d->H, d->V};
+    npy_intp sshape[4] = {d->nseq, d->H, d->K, d->V};
+    if (!(*o = get_array(fn, "o", args[6], t, 4, oshape, 1)) ||
+        optional_out(fn, "final_state", args[7], t, 4, sshape, ht))
+        return NULL;
+    return kept_states_new(d, args[8], t);
+}
+
+/* The forward's result: the kept states, or the error of rc (the states dropped) */
+static PyObject *engine_result(PyObject *states, int rc)
+{
+    if (rc == PA_OK) return states;
+    Py_DECREF(states);
+    return finish(rc);
+}
+
+/* The backward's arrays shared by the linear and delta engines: args[6..11] do, dht (None:
+ * zero), the kept states (None: recompute), dq, dk, dv, and args[14] dh0 (None: not wanted) */
+typedef struct {
+    PyArrayObject *dout, *dht, *kept, *dq, *dk, *dv, *dh0;
+} engine_grads;
+
+static int get_engine_grads(const char *fn, PyObject *const *args, int t, PyArrayObject *const *in,
+                            const pa_linear_desc *d, engine_grads *g)
+{
+    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d->H, d->V};
+    npy_intp sshape[4] = {d->nseq, d->H, d->K, d->V};
+    g->dht = NULL;
+    if (!(g->dout = get_array(fn, "do", args[6], t, 4, oshape, 0))) return -1;
+    if (args[7] != Py_None && !(g->dht = get_array(fn, "dht", args[7], t, 4, sshape, 0))) return -1;
+    if (get_kept_states(fn, d, args[8], t, &g->kept)) return -1;
+    if (!(g->dq = get_array(fn, "dq", args[9], t, 4, PyArray_DIMS(in[0]), 1)) ||
+        !(g->dk = get_array(fn, "dk", args[10], t, 4, PyArray_DIMS(in[1]), 1)) ||
+        !(g->dv = get_array(fn, "dv", args[11], t, 4, PyArray_DIMS(in[2]), 1)) ||
+        optional_out(fn, "dh0", args[14], t, 4, sshape, &g->dh0))
+        return -1;
+    return 0;
+}
+
 /* linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale) -> the states kept
  * for the backward (a new array; keep true and the chunk form), or None */
 static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -544,12 +589,7 @@ static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssi
     PyArrayObject *in[6], *o, *ht;
     pa_linear_desc d;
     if (linear_desc(fn, args, args + 9, &t, in, &d)) return NULL;
-    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
-    npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
-    if (!(o = get_array(fn, "o", args[6], t, 4, oshape, 1)) ||
-        optional_out(fn, "final_state", args[7], t, 4, sshape, &ht))
-        return NULL;
-    PyObject *states = kept_states_new(&d, args[8], t);
+    PyObject *states = engine_outputs(fn, args, t, in[0], &d, &o, &ht);
     if (!states) return NULL;
     const pa_kernels *K = kernels_for(t);
     void *kept = states == Py_None ? NULL : PyArray_DATA((PyArrayObject *)states);
@@ -559,11 +599,7 @@ static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssi
                            data_or_null(in[3]), data_or_null(in[4]), data_or_null(in[5]),
                            PyArray_DATA(o), ht ? PyArray_DATA(ht) : NULL, kept);
     Py_END_ALLOW_THREADS
-    if (rc != PA_OK) {
-        Py_DECREF(states);
-        return finish(rc);
-    }
-    return states;
+    return engine_result(states, rc);
 }
 
 /* linear_backward(q, k, v, gk, gv, h0, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, form, chunk,
@@ -573,19 +609,10 @@ static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ss
     const char *fn = "linear_backward";
     if (expect_nargs(fn, nargs, 19)) return NULL;
     int t;
-    PyArrayObject *in[6], *dout, *dht = NULL, *kept = NULL, *dq, *dk, *dv, *dgk = NULL,
-                                    *dgv = NULL, *dh0;
+    PyArrayObject *in[6], *dgk = NULL, *dgv = NULL;
+    engine_grads gr;
     pa_linear_desc d;
-    if (linear_desc(fn, args, args + 15, &t, in, &d)) return NULL;
-    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
-    npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
-    if (!(dout = get_array(fn, "do", args[6], t, 4, oshape, 0))) return NULL;
-    if (args[7] != Py_None && !(dht = get_array(fn, "dht", args[7], t, 4, sshape, 0))) return NULL;
-    if (get_kept_states(fn, &d, args[8], t, &kept)) return NULL;
-    if (!(dq = get_array(fn, "dq", args[9], t, 4, PyArray_DIMS(in[0]), 1)) ||
-        !(dk = get_array(fn, "dk", args[10], t, 4, PyArray_DIMS(in[1]), 1)) ||
-        !(dv = get_array(fn, "dv", args[11], t, 4, PyArray_DIMS(in[2]), 1)) ||
-        optional_out(fn, "dh0", args[14], t, 4, sshape, &dh0))
+    if (linear_desc(fn, args, args + 15, &t, in, &d) || get_engine_grads(fn, args, t, in, &d, &gr))
         return NULL;
     const char *gnames[2] = {"dgk", "dgv"};
     PyArrayObject **gout[2] = {&dgk, &dgv};
@@ -605,10 +632,10 @@ static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ss
     Py_BEGIN_ALLOW_THREADS
     rc = K->linear_backward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
                             data_or_null(in[3]), data_or_null(in[4]), data_or_null(in[5]),
-                            PyArray_DATA(dout), dht ? PyArray_DATA(dht) : NULL,
-                            kept ? PyArray_DATA(kept) : NULL, PyArray_DATA(dq), PyArray_DATA(dk), PyArray_DATA(dv),
+                            PyArray_DATA(gr.dout), data_or_null(gr.dht), data_or_null(gr.kept),
+                            PyArray_DATA(gr.dq), PyArray_DATA(gr.dk), PyArray_DATA(gr.dv),
                             dgk ? PyArray_DATA(dgk) : NULL, dgv ? PyArray_DATA(dgv) : NULL,
-                            dh0 ? PyArray_DATA(dh0) : NULL);
+                            gr.dh0 ? PyArray_DATA(gr.dh0) : NULL);
     Py_END_ALLOW_THREADS
     return finish(rc);
 }
@@ -640,12 +667,7 @@ static PyObject *py_delta_forward(PyObject *self, PyObject *const *args, Py_ssiz
     PyArrayObject *in[6], *beta, *o, *ht;
     pa_linear_desc d;
     if (delta_desc(fn, args, args + 9, &t, in, &beta, &d)) return NULL;
-    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
-    npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
-    if (!(o = get_array(fn, "o", args[6], t, 4, oshape, 1)) ||
-        optional_out(fn, "final_state", args[7], t, 4, sshape, &ht))
-        return NULL;
-    PyObject *states = kept_states_new(&d, args[8], t);
+    PyObject *states = engine_outputs(fn, args, t, in[0], &d, &o, &ht);
     if (!states) return NULL;
     const pa_kernels *K = kernels_for(t);
     void *kept = states == Py_None ? NULL : PyArray_DATA((PyArrayObject *)states);
@@ -655,11 +677,7 @@ static PyObject *py_delta_forward(PyObject *self, PyObject *const *args, Py_ssiz
                           data_or_null(in[3]), PyArray_DATA(beta), data_or_null(in[5]),
                           PyArray_DATA(o), ht ? PyArray_DATA(ht) : NULL, kept);
     Py_END_ALLOW_THREADS
-    if (rc != PA_OK) {
-        Py_DECREF(states);
-        return finish(rc);
-    }
-    return states;
+    return engine_result(states, rc);
 }
 
 /* delta_backward(q, k, v, g, beta, h0, do, dht, states, dq, dk, dv, dg, dbeta, dh0, cu, form,
@@ -669,20 +687,12 @@ static PyObject *py_delta_backward(PyObject *self, PyObject *const *args, Py_ssi
     const char *fn = "delta_backward";
     if (expect_nargs(fn, nargs, 19)) return NULL;
     int t;
-    PyArrayObject *in[6], *beta, *dout, *dht = NULL, *kept = NULL, *dq, *dk, *dv, *dg = NULL,
-                                    *dbeta, *dh0;
+    PyArrayObject *in[6], *beta, *dg = NULL, *dbeta;
+    engine_grads gr;
     pa_linear_desc d;
-    if (delta_desc(fn, args, args + 15, &t, in, &beta, &d)) return NULL;
-    npy_intp oshape[4] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H, d.V};
-    npy_intp sshape[4] = {d.nseq, d.H, d.K, d.V};
-    if (!(dout = get_array(fn, "do", args[6], t, 4, oshape, 0))) return NULL;
-    if (args[7] != Py_None && !(dht = get_array(fn, "dht", args[7], t, 4, sshape, 0))) return NULL;
-    if (get_kept_states(fn, &d, args[8], t, &kept)) return NULL;
-    if (!(dq = get_array(fn, "dq", args[9], t, 4, PyArray_DIMS(in[0]), 1)) ||
-        !(dk = get_array(fn, "dk", args[10], t, 4, PyArray_DIMS(in[1]), 1)) ||
-        !(dv = get_array(fn, "dv", args[11], t, 4, PyArray_DIMS(in[2]), 1)) ||
-        !(dbeta = get_array(fn, "dbeta", args[13], t, 3, PyArray_DIMS(beta), 1)) ||
-        optional_out(fn, "dh0", args[14], t, 4, sshape, &dh0))
+    if (delta_desc(fn, args, args + 15, &t, in, &beta, &d) ||
+        get_engine_grads(fn, args, t, in, &d, &gr) ||
+        !(dbeta = get_array(fn, "dbeta", args[13], t, 3, PyArray_DIMS(beta), 1)))
         return NULL;
     if (!in[3] != (args[12] == Py_None)) {
         PyErr_Format(PyExc_ValueError, "%s(): argument 'dg' must be given exactly when 'g' is", fn);
@@ -694,9 +704,10 @@ static PyObject *py_delta_backward(PyObject *self, PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     rc = K->delta_backward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
                            data_or_null(in[3]), PyArray_DATA(beta), data_or_null(in[5]),
-                           PyArray_DATA(dout), data_or_null(dht), data_or_null(kept), PyArray_DATA(dq),
-                           PyArray_DATA(dk), PyArray_DATA(dv), dg ? PyArray_DATA(dg) : NULL,
-                           PyArray_DATA(dbeta), dh0 ? PyArray_DATA(dh0) : NULL);
+                           PyArray_DATA(gr.dout), data_or_null(gr.dht), data_or_null(gr.kept),
+                           PyArray_DATA(gr.dq), PyArray_DATA(gr.dk), PyArray_DATA(gr.dv),
+                           dg ? PyArray_DATA(dg) : NULL, PyArray_DATA(dbeta),
+                           gr.dh0 ? PyArray_DATA(gr.dh0) : NULL);
     Py_END_ALLOW_THREADS
     return finish(rc);
 }
