@@ -21,7 +21,7 @@ from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
                      retention, simple_gla)
 from .rope import rope
-from .softmax import softmax_attention
+from .softmax import merge_attention_states, softmax_attention
 from ._ops import OpInfo, build_ops
 from . import nn
 
@@ -118,6 +118,7 @@ __all__ = [
     "linear_attention",
     "nn",
     "mamba2",
+    "merge_attention_states",
     "mla_attention",
     "num_threads",
     "reference",

@@ -130,3 +130,73 @@ def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
         return {"q": dq, "k": dk, "v": dv}
 
     return ((o, lse) if return_lse else o), pullback
+
+
+def _merge_parts(os, lses):
+    """(o [P, B, Tq, H, Dv], lse [P, B, Tq, H]) stacked from the checked parts."""
+    fn = "merge_attention_states"
+    if isinstance(os, np.ndarray) or isinstance(lses, np.ndarray):
+        raise TypeError(f"{fn}(): 'os' and 'lses' must be sequences of arrays (one per part), got "
+                        f"{type(os).__name__} and {type(lses).__name__}")
+    os, lses = list(os), list(lses)
+    if len(os) != len(lses) or not os:
+        raise ValueError(f"{fn}(): 'os' and 'lses' must hold the same number (>= 1) of parts, got "
+                         f"{len(os)} and {len(lses)}")
+    arrays, _ = V.float_arrays(fn, **{f"os[{p}]": o for p, o in enumerate(os)},
+                               **{f"lses[{p}]": x for p, x in enumerate(lses)})
+    o0 = arrays["os[0]"]
+    V.ndim(fn, "os[0]", o0, 4, "[B, Tq, H, Dv]")
+    for p in range(len(os)):
+        V.shape(fn, f"os[{p}]", arrays[f"os[{p}]"], o0.shape, "[B, Tq, H, Dv]")
+        V.shape(fn, f"lses[{p}]", arrays[f"lses[{p}]"], o0.shape[:3], "[B, Tq, H]")
+    return (np.stack([arrays[f"os[{p}]"] for p in range(len(os))]),
+            np.stack([arrays[f"lses[{p}]"] for p in range(len(os))]))
+
+
+def _merge_weights(lse_p):
+    """(lse, w_p): lse = log sum_p exp(lse_p), w_p = exp(lse_p - lse); a row empty in every
+    part (all -inf) has lse = -inf and weights 0; NaN propagates."""
+    m = np.max(lse_p, axis=0)
+    empty = m == -np.inf
+    shift = np.where(empty, 0, m)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(lse_p - shift)
+        total = np.sum(e, axis=0)
+        lse = np.where(empty, -np.inf, shift + np.log(np.where(empty, 1, total)))
+        w = np.where(empty, 0, e / np.where(empty, 1, total))
+    return lse.astype(lse_p.dtype), w.astype(lse_p.dtype)
+
+
+def merge_attention_states(os, lses):
+    """Softmax attention over the union of disjoint key sets from its parts (flash decoding,
+    ring attention): ``os`` a sequence of P outputs ``o_p [B, Tq, H, Dv]`` and ``lses`` their
+    log-sum-exps ``lse_p [B, Tq, H]`` (``softmax_attention(..., return_lse=True)`` over each
+    key set). Returns ``(o, lse)`` with ``lse = log sum_p exp(lse_p)`` and
+    ``o = sum_p exp(lse_p - lse) o_p``: what one call over all the keys gives. A row empty in
+    every part (all ``lse_p = -inf``) gives 0 and -inf; NaN in a part reaches the rows it is
+    in. Differentiable in every ``o_p`` and ``lse_p`` through ``pyattn.vjp``: the pullback
+    takes ``(do, dlse)`` (either may be None) and returns ``{"os": [do_p], "lses": [dlse_p]}``,
+    one entry per part.
+    """
+    o_p, lse_p = _merge_parts(os, lses)
+    lse, w = _merge_weights(lse_p)
+    return np.einsum("pbth,pbthd->bthd", w, o_p), lse
+
+
+@register_vjp(merge_attention_states)
+def _merge_attention_states_vjp(os, lses):
+    o_p, lse_p = _merge_parts(os, lses)
+    lse, w = _merge_weights(lse_p)
+    o = np.einsum("pbth,pbthd->bthd", w, o_p)
+
+    def pullback(cot):
+        do, dlse = split_cotangent("merge_attention_states", cot, 2)
+        do = np.zeros_like(o) if do is None else np.asarray(do, o.dtype)
+        # o = sum_p w_p o_p and lse depend on lse_p through w_p: dw_p/dlse_q = w_p (d_pq - w_q)
+        dlse_p = w * np.einsum("bthd,pbthd->pbth", do, o_p - o)
+        if dlse is not None:
+            dlse_p += w * np.asarray(dlse, o.dtype)
+        return {"os": [w[p][..., None] * do for p in range(len(o_p))],
+                "lses": [dlse_p[p] for p in range(len(o_p))]}
+
+    return (o, lse), pullback

@@ -26,3 +26,7 @@ def softmax_attention(
     cu_seqlens_k: Optional[npt.ArrayLike] = ...,
     form: Literal["flash", "parallel", "recurrent"] = ..., return_lse: Literal[True],
 ) -> Tuple[_Array, _Array]: ...
+
+def merge_attention_states(
+    os: Sequence[npt.ArrayLike], lses: Sequence[npt.ArrayLike]
+) -> Tuple[_Array, _Array]: ...
