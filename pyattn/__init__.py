@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any, Dict, Iterator
 
-from . import _core, _validate, kvcache, reference, testing
+from . import _core, _validate, data, kvcache, reference, testing
 from .autodiff import vjp
 from .delta import delta_rule, gated_delta_rule
 from .feature_maps import feature_map
@@ -22,6 +22,7 @@ from .linear import (efficient_attention, gla, lightning_attention, linear_atten
                      retention, simple_gla)
 from .rope import rope
 from .softmax import merge_attention_states, softmax_attention
+from .train import plot_history, train
 from ._ops import OpInfo, build_ops
 from . import nn
 
@@ -107,6 +108,7 @@ __all__ = [
     "OPS",
     "OpInfo",
     "build_info",
+    "data",
     "delta_rule",
     "efficient_attention",
     "feature_map",
@@ -121,6 +123,7 @@ __all__ = [
     "merge_attention_states",
     "mla_attention",
     "num_threads",
+    "plot_history",
     "reference",
     "retention",
     "rope",
@@ -128,5 +131,6 @@ __all__ = [
     "testing",
     "set_num_threads",
     "softmax_attention",
+    "train",
     "vjp",
 ]

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import OPS, build_info, get_num_threads, reference, set_num_threads
 from .autodiff import vjp
+from .train import add_train_arguments, run_train
 from .testing import TOLERANCES, _as_tuple, _random_cotangent, gradcheck, rel_rms
 
 
@@ -166,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "(median after warm-up calls). Exits 1 if any check fails.")
     add_check_arguments(check)
     check.set_defaults(run=run_check)
+    train = commands.add_parser(
+        "train", help="train a small HybridLM on a task and save it",
+        description="Trains a pyattn.nn.HybridLM on MQAR (Zoology's multi-query associative "
+                    "recall), copying, or a text file's characters, reports the held-out answer "
+                    "accuracy and saves the model (.npz).")
+    add_train_arguments(train)
+    train.set_defaults(run=run_train)
     return parser
 
 
