@@ -1,6 +1,6 @@
 /* The delta-rule engine (DeltaNet, Gated DeltaNet), forward and backward. Template body (see
  * core/dtype.h); needs core/vmath.h, core/gemm.c, ops/linear_attn.c (its vector load and
- * store helpers) and ops/decay.h before it.
+ * store helpers and its scan for non-finite rows) and ops/decay.h before it.
  *
  * Per (sequence, head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a scalar log
  * gate g per step (absent: 0):
@@ -90,6 +90,7 @@ typedef struct {
     real *states;          /* backward: the kept states */
     real *Bk;              /* K^T packed once per block (pack_b), for the Grams with K */
     real *Bp;              /* one operand packed once for the products below */
+    int64_t *rows;         /* L: the non-finite rows of a triangular product's operand */
     real *work;            /* GEMM packing of the other operand */
     void *block;
 } PA_FN(dr_scratch);
@@ -105,14 +106,15 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
     size_t bytes[] = {L * dbl,   L * dbl,   L * dbl,   L * r,     L * r,     L * r,     L * L * r,
                       L * L * r, L * L * r, L * L * r, L * L * r, L * W * r, L * W * r,
                       L * V * r, L * V * r, L * K * r, V * r,     V * r,     V * r,
-                      K * V * r, K * V * r, nstates * K * V * r, packed_k, packed, work};
+                      K * V * r, K * V * r, nstates * K * V * r, packed_k, packed,
+                      L * sizeof(int64_t), work};
     void **const parts[] = {(void **)&s->G,  (void **)&s->Gl, (void **)&s->dG, (void **)&s->gam, (void **)&s->lam,
                             (void **)&s->bet, (void **)&s->Dm, (void **)&s->M,  (void **)&s->A,
                             (void **)&s->P,  (void **)&s->E,  (void **)&s->Z,   (void **)&s->R,
                             (void **)&s->Vn, (void **)&s->Tv, (void **)&s->Tk,  (void **)&s->w,
                             (void **)&s->uv, (void **)&s->du, (void **)&s->S,   (void **)&s->dS,
                             (void **)&s->states, (void **)&s->Bk, (void **)&s->Bp,
-                            (void **)&s->work};
+                            (void **)&s->rows, (void **)&s->work};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     s->K = K;
@@ -292,19 +294,6 @@ static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, 
 /* ---- products with a triangle, by DR_TRI-row blocks: about half a full GEMM's work, and a
  * row reads no operand row its triangle does not reach, beyond its own block ---- */
 
-/* Whether the l x N rows of B (of ldb) are all finite: x * 0 is NaN exactly when x is not. */
-static int PA_FN(dr_finite)(int64_t l, int64_t N, const real *B, int64_t ldb)
-{
-    vreal z = PA_FN(vset)(0);
-    for (int64_t i = 0; i < l; i++) {
-        int64_t c = 0;
-        for (; c + VL <= N; c += VL) z += PA_FN(vload)(B + i * ldb + c) * 0;
-        if (c < N) z += PA_FN(vload_part)(B + i * ldb + c, (int)(N - c), 0) * 0;
-    }
-    const real t = PA_FN(hsum)(z);
-    return t == t;
-}
-
 /* C = alpha L B + beta C for the l x l lower triangular L (leading dimension l, diagonal
  * included); B and C rows of ldb and ldc; B is packed once into Bp. A row block's GEMM also
  * multiplies the zeros above its diagonal with later rows of B, and 0 * NaN would carry a
@@ -312,9 +301,9 @@ static int PA_FN(dr_finite)(int64_t l, int64_t N, const real *B, int64_t ldb)
  * rows it sees. */
 static void PA_FN(dr_lower_product)(int64_t l, int64_t N, real alpha, const real *Lm,
                                     const real *B, int64_t ldb, real beta, real *C, int64_t ldc,
-                                    real *Bp, real *work)
+                                    real *Bp, int64_t *rows, real *work)
 {
-    if (!PA_FN(dr_finite)(l, N, B, ldb)) {
+    if (PA_FN(la_nonfinite_rows)(B, ldb, l, N, rows)) {
         for (int64_t i = 0; i < l; i++) {
             real *c = C + i * ldc;
             if (beta == 0)
@@ -425,7 +414,7 @@ static void PA_FN(dr_output)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, dou
     if (u->g)
         for (int64_t i = 0; i < l; i++) PA_FN(row_scale)(o + i * sv, V, sc->gam[i]);
     PA_FN(dr_scores)(u, c0, l, scale, sc);
-    PA_FN(dr_lower_product)(l, V, 1, sc->P, sc->Vn, V, 1, o, sv, sc->Bp, sc->work);
+    PA_FN(dr_lower_product)(l, V, 1, sc->P, sc->Vn, V, 1, o, sv, sc->Bp, sc->rows, sc->work);
 }
 
 /* S <- e^G_last S + K^T diag(lam) V' */
@@ -480,7 +469,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         for (int64_t j = 0; j <= i; j++) e[j] *= dm[j];
         for (int64_t j = i + 1; j < l; j++) e[j] = 0;
     }
-    PA_FN(dr_lower_product)(l, K, (real)scale, sc->E, k, sk, 1, dq, sk, sc->Bp, work);
+    PA_FN(dr_lower_product)(l, K, (real)scale, sc->E, k, sk, 1, dq, sk, sc->Bp, sc->rows, work);
     PA_FN(dr_lower_t_product)(l, K, (real)scale, sc->E, q, sk, 0, dk, sk, sc->Bp, work);
 
     /* the end state's terms: dk += diag(lam) V' dS'^T, and the gate's through lam and e^G_last */
