@@ -11,8 +11,15 @@ IGNORE = -100
 
 
 def _distinct(rng: np.random.Generator, n: int, count: int, lo: int, hi: int) -> np.ndarray:
-    """n rows of ``count`` distinct integers drawn uniformly from [lo, hi)."""
-    return np.argsort(rng.random((n, hi - lo)), axis=1)[:, :count] + lo
+    """n rows of ``count`` distinct integers drawn uniformly from [lo, hi): the ``count``
+    smallest of a random key per integer, by blocks of rows so that a large vocabulary (Zoology's
+    8192) times many rows is never one array."""
+    rows = max(1, (1 << 22) // (hi - lo))
+    out = np.empty((n, count), dtype=np.int64)
+    for r0 in range(0, n, rows):
+        keys = rng.random((min(rows, n - r0), hi - lo))
+        out[r0:r0 + rows] = np.argpartition(keys, count - 1, axis=1)[:, :count] + lo
+    return rng.permuted(out, axis=1)  # argpartition's order is not random: pairs must not follow it
 
 
 def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
