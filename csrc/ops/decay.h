@@ -26,14 +26,20 @@ static inline void PA_FN(gate_sum2)(double *hi, double *lo, double x)
     *hi = s;
 }
 
-/* G[i] + Gl[i] = g[0] + ... + g[i] over l clamped steps of stride ldg; g NULL: all zeros. */
-static inline void PA_FN(gate_cumsum)(const real *g, int64_t ldg, int64_t l, double *G, double *Gl)
+/* G[i] + Gl[i] = g[0] + ... + g[i] over l clamped steps of stride ldg; with suffix,
+ * -(g[i+1] + ... + g[l-1]) instead (the same differences G_i - G_j, taken from the block's
+ * end: a NaN step then spoils only the rows before it). */
+static inline void PA_FN(gate_cumsum)(const real *g, int64_t ldg, int64_t l, int suffix, double *G,
+                                      double *Gl)
 {
     double hi = 0, lo = 0;
-    for (int64_t i = 0; i < l; i++) {
-        if (g) PA_FN(gate_sum2)(&hi, &lo, PA_FN(gate_step)(g[i * ldg]));
-        G[i] = hi;
-        Gl[i] = lo;
+    for (int64_t n = 0; n < l; n++) {
+        const int64_t i = suffix ? l - 1 - n : n;
+        const double x = PA_FN(gate_step)(g[i * ldg]);
+        if (!suffix) PA_FN(gate_sum2)(&hi, &lo, x);
+        G[i] = suffix ? -hi : hi;
+        Gl[i] = suffix ? -lo : lo;
+        if (suffix) PA_FN(gate_sum2)(&hi, &lo, x);
     }
 }
 
@@ -44,13 +50,14 @@ static inline double PA_FN(gate_diff)(const double *G, const double *Gl, int64_t
 }
 
 /* Dm (l x l, leading dimension l): e^(G_i - G_j) on and below the diagonal (1 on it), 0
- * above. */
+ * above; G NULL (no gate): the causal mask of ones. */
 static void PA_FN(decay_mask)(const double *G, const double *Gl, int64_t l, real *Dm)
 {
     for (int64_t i = 0; i < l; i++) {
         real *row = Dm + i * l;
-        for (int64_t j = 0; j < i; j++) row[j] = (real)PA_FN(gate_diff)(G, Gl, i, j);
-        PA_FN(exp_array)(row, row, i);
+        for (int64_t j = 0; j < i; j++) row[j] = G ? (real)PA_FN(gate_diff)(G, Gl, i, j) : 0;
+        if (G) PA_FN(exp_array)(row, row, i);
+        for (int64_t j = 0; !G && j < i; j++) row[j] = 1;
         row[i] = 1;
         for (int64_t j = i + 1; j < l; j++) row[j] = 0;
     }

@@ -360,13 +360,13 @@ static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_F
 {
     const int64_t K = sc->K, V = sc->V, W = K + V, sk = u->sk, sv = u->sv;
     const real *k = u->k + c0 * sk, *v = u->v + c0 * sv;
-    PA_FN(gate_cumsum)(u->g ? u->g + c0 * u->sg : NULL, u->sg, l, sc->G, sc->Gl);
+    if (u->g) PA_FN(gate_cumsum)(u->g + c0 * u->sg, u->sg, l, 0, sc->G, sc->Gl);
     for (int64_t i = 0; i < l; i++) {
-        sc->gam[i] = (real)exp(PA_FN(gate_diff)(sc->G, sc->Gl, i, -1));
-        sc->lam[i] = (real)exp(PA_FN(gate_diff)(sc->G, sc->Gl, l - 1, i));
+        sc->gam[i] = u->g ? (real)exp(PA_FN(gate_diff)(sc->G, sc->Gl, i, -1)) : 1;
+        sc->lam[i] = u->g ? (real)exp(PA_FN(gate_diff)(sc->G, sc->Gl, l - 1, i)) : 1;
         sc->bet[i] = u->beta[(c0 + i) * u->sg];
     }
-    PA_FN(decay_mask)(sc->G, sc->Gl, l, sc->Dm);
+    PA_FN(decay_mask)(u->g ? sc->G : NULL, sc->Gl, l, sc->Dm);
     PA_FN(dr_pack_t)(l, K, k, sk, sc->Bk);
     PA_FN(dr_lower_gram)(l, K, 1, k, sk, sc->Bk, sc->M, sc->work);
     for (int64_t i = 0; i < l; i++) {

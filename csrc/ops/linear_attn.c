@@ -532,15 +532,7 @@ static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg,
     s->Gs = Gs;
     s->Gl = Gs + Lmax;
     s->Dm = Dm;
-    double hi = 0, lo = 0;
-    for (int64_t n = 0; n < L; n++) {
-        const int64_t i = suffix ? L - 1 - n : n;
-        const double x = PA_FN(gate_step)(g[i * ldg]);
-        if (!suffix) PA_FN(gate_sum2)(&hi, &lo, x);
-        Gs[i] = suffix ? -hi : hi;
-        Gs[Lmax + i] = suffix ? -lo : lo;
-        if (suffix) PA_FN(gate_sum2)(&hi, &lo, x);
-    }
+    PA_FN(gate_cumsum)(g, ldg, L, suffix, Gs, Gs + Lmax);
     if (Dm) PA_FN(decay_mask)(Gs, Gs + Lmax, L, Dm);
 }
 
