@@ -1175,3 +1175,30 @@ def test_core_optional_outputs_none():
     b[BI["h0"]], b[BI["dh0"]], b[BI["dht"]] = None, None, None
     assert _core.delta_backward(*b) is None
     assert all(np.all(np.isfinite(b[BI[n]])) for n in ("dq", "dk", "dv", "dg", "dbeta"))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
+def test_nan_reaches_later_rows_only(name, form, dtype):
+    """A NaN at row 40 of one input (chunk_size 16: inside a chunk): the rows before it are
+    finite and equal a clean run (to rounding: in the chunk form the rows of that chunk then
+    take the exact per-row sums instead of the GEMM), the rows from it on are NaN where the
+    oracle's are."""
+    rng = np.random.default_rng(5)
+    B, T, H, K, V = 1, 70, 2, 8, 6
+    arrs = {"q": rng.standard_normal((B, T, H, K)), "k": rng.standard_normal((B, T, H, K)),
+            "v": rng.standard_normal((B, T, H, V)), "g": -rng.uniform(0, 1, (B, T, H)),
+            "beta": rng.uniform(0, 1, (B, T, H))}
+    arrs["k"] /= np.linalg.norm(arrs["k"], axis=-1, keepdims=True)
+    arrs = {n: a.astype(dtype) for n, a in arrs.items()}
+    names = ("q", "k", "v", "g", "beta")
+    clean, _ = pyattn.gated_delta_rule(*(arrs[n] for n in names), form=form, chunk_size=16)
+    arrs[name] = arrs[name].copy()
+    arrs[name][0, 40, 0] = np.nan
+    o, _ = pyattn.gated_delta_rule(*(arrs[n] for n in names), form=form, chunk_size=16)
+    ro, _ = reference.gated_delta_rule(*(arrs[n] for n in names))
+    assert np.all(np.isfinite(o[:, :40]))
+    assert_close(o[:, :40], clean[:, :40], TOLERANCES[np.dtype(dtype)][0])
+    np.testing.assert_array_equal(np.isnan(o), np.isnan(ro))
+    assert np.isnan(o[0, 40, 0]).all()

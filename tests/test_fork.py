@@ -40,6 +40,8 @@ def _every_family():
         "linear_attention": pyattn.linear_attention(_Q, _K, _V, feature_map="elu1")[0],
         "feature_map": pyattn.feature_map(_X, "taylor"),
         "efficient_attention": pyattn.efficient_attention(_Q, _K, _V),
+        "gated_delta_rule": pyattn.gated_delta_rule(_Q, _K, _V, _G, np.full(_G.shape, 0.5),
+                                                    qk_l2norm=True)[0],
     }
 
 
