@@ -24,6 +24,17 @@ typedef struct {
     int form;
 } pa_softmax_desc;
 
+/* Where the keys of a decode live (softmax_decode): sequence n has the end[n] - start[n] keys
+ * j = 0, 1, ... at row start[n] + j of k [rows, Hk, Dk] and v [rows, Hk, Dv] (a contiguous
+ * cache, or packed sequences), or, with a block table, at row block_table[n * table_stride +
+ * j / block_size] * block_size + j % block_size (flash-attn's paged cache of blocks of
+ * block_size rows). */
+typedef struct {
+    const int64_t *start, *end;
+    const int32_t *block_table;
+    int64_t table_stride, block_size;
+} pa_key_rows;
+
 /* Feature maps of linear attention (docs/ops.md), in this order (pyattn._core.FM_*). */
 enum {
     PA_FM_IDENTITY = 0,
@@ -121,6 +132,14 @@ typedef struct {
     int (*softmax_backward)(const pa_softmax_desc *d, const void *q, const void *k,
                             const void *v, const void *o, const void *lse, const void *dout,
                             const void *dlse, void *dq, void *dk, void *dv);
+    /* Few queries against keys wherever they lie (a KV cache, paged or not): d places the
+     * queries by cu_q (cu_k is unused), rows the keys. Each query's visible keys split into
+     * num_splits parts (0: chosen from the threads and key counts) merged by their
+     * log-sum-exp. colsum, NULL or [nseq, H, colsum_len] (colsum_len >= every key count):
+     * adds, per head and key j, the attention probabilities of the sequence's queries */
+    int (*softmax_decode)(const pa_softmax_desc *d, const pa_key_rows *rows, int64_t num_splits,
+                          const void *q, const void *k, const void *v, void *o, void *lse,
+                          void *colsum, int64_t colsum_len);
     int (*feature_map_forward)(const pa_feature_map_desc *d, const void *x, void *y);
     /* dx [rows, D] from dy [rows, F]; dprojection: performer's dW [m, D] (overwritten), NULL
      * for the other kinds */

@@ -181,6 +181,33 @@ static const int64_t *get_cu(const char *fn, const char *name, PyObject *obj, in
 
 /* ---- softmax attention ---- */
 
+/* The mask and score options causal, window_left, window_right, sinks, alibi_slopes,
+ * softcap, scale from opt[0..6] into d (whose H is set). */
+static int softmax_options(const char *fn, PyObject *const *opt, int typenum, pa_softmax_desc *d)
+{
+    long long wl, wr, sinks;
+    int causal = PyObject_IsTrue(opt[0]);
+    if (causal < 0) return -1;
+    d->causal = causal;
+    if (get_int(fn, "window_left", opt[1], -1, INT64_MAX, &wl) ||
+        get_int(fn, "window_right", opt[2], -1, INT64_MAX, &wr) ||
+        get_int(fn, "sinks", opt[3], 0, INT64_MAX, &sinks))
+        return -1;
+    d->window_left = wl;
+    d->window_right = wr;
+    d->sinks = sinks;
+    if (opt[4] != Py_None) {
+        npy_intp hshape[1] = {d->H};
+        PyArrayObject *al = get_array(fn, "alibi_slopes", opt[4], typenum, 1, hshape, 0);
+        if (!al) return -1;
+        d->alibi = PyArray_DATA(al);
+    }
+    if (get_double(fn, "softcap", opt[5], 0.0, &d->softcap) ||
+        get_double(fn, "scale", opt[6], -INFINITY, &d->scale))
+        return -1;
+    return 0;
+}
+
 /* Shared by forward and backward: q, k, v and the mask/score options from args[first..]. */
 static int softmax_desc(const char *fn, PyObject *const *a, PyObject *const *opt, int *typenum,
                         PyArrayObject **q, PyArrayObject **k, PyArrayObject **v,
@@ -219,29 +246,10 @@ static int softmax_desc(const char *fn, PyObject *const *a, PyObject *const *opt
                      fn, (long long)d->nseq + 1, (long long)nk + 1);
         return -1;
     }
-    long long form, wl, wr, sinks;
+    long long form;
     if (get_int(fn, "form", opt[2], 0, 2, &form)) return -1;
     d->form = (int)form;
-    int causal = PyObject_IsTrue(opt[3]);
-    if (causal < 0) return -1;
-    d->causal = causal;
-    if (get_int(fn, "window_left", opt[4], -1, INT64_MAX, &wl) ||
-        get_int(fn, "window_right", opt[5], -1, INT64_MAX, &wr) ||
-        get_int(fn, "sinks", opt[6], 0, INT64_MAX, &sinks))
-        return -1;
-    d->window_left = wl;
-    d->window_right = wr;
-    d->sinks = sinks;
-    if (opt[7] != Py_None) {
-        npy_intp hshape[1] = {H};
-        PyArrayObject *al = get_array(fn, "alibi_slopes", opt[7], *typenum, 1, hshape, 0);
-        if (!al) return -1;
-        d->alibi = PyArray_DATA(al);
-    }
-    if (get_double(fn, "softcap", opt[8], 0.0, &d->softcap) ||
-        get_double(fn, "scale", opt[9], -INFINITY, &d->scale))
-        return -1;
-    return 0;
+    return softmax_options(fn, opt + 3, *typenum, d);
 }
 
 /* softmax_forward(q, k, v, o, lse, cu_q, cu_k, form, causal, window_left, window_right,
@@ -296,6 +304,107 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
                              PyArray_DATA(o), PyArray_DATA(lse), PyArray_DATA(dout),
                              dlse ? PyArray_DATA(dlse) : NULL, PyArray_DATA(dq), PyArray_DATA(dk),
                              PyArray_DATA(dv));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* softmax_decode(q, k, v, o, lse, cu_q, start, end, block_table, num_splits, colsum, causal,
+ *                window_left, window_right, sinks, alibi_slopes, softcap, scale): q [B, Tq, H,
+ * Dk] placed by cu_q; k [A, R, Hk, Dk], v [A, R, Hk, Dv] hold the keys: sequence n's key j
+ * at row start[n] + j of the A R rows, or, with block_table int32 [nseq, max_blocks], at
+ * row j % R of block block_table[n, j // R] (R the block size); colsum None or [nseq, H,
+ * L] (L >= every end - start), added to */
+static PyObject *py_softmax_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "softmax_decode";
+    if (expect_nargs(fn, nargs, 18)) return NULL;
+    int t;
+    if (float_type(fn, "q", args[0], &t)) return NULL;
+    npy_intp four[4] = {-1, -1, -1, -1};
+    PyArrayObject *q = get_array(fn, "q", args[0], t, 4, four, 0);
+    if (!q) return NULL;
+    const npy_intp H = PyArray_DIM(q, 2), Dk = PyArray_DIM(q, 3);
+    npy_intp kshape[4] = {-1, -1, -1, Dk};
+    PyArrayObject *k = get_array(fn, "k", args[1], t, 4, kshape, 0);
+    if (!k) return NULL;
+    const npy_intp A = PyArray_DIM(k, 0), R = PyArray_DIM(k, 1), Hk = PyArray_DIM(k, 2);
+    npy_intp vshape[4] = {A, R, Hk, -1};
+    PyArrayObject *v = get_array(fn, "v", args[2], t, 4, vshape, 0);
+    if (!v) return NULL;
+    if (Hk < 1 || H % Hk != 0 || Dk < 1 || PyArray_DIM(v, 3) < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): need H %% Hk == 0 and head dims >= 1, got H=%lld Hk=%lld Dk=%lld "
+                     "Dv=%lld",
+                     fn, (long long)H, (long long)Hk, (long long)Dk, (long long)PyArray_DIM(v, 3));
+        return NULL;
+    }
+    pa_softmax_desc d;
+    memset(&d, 0, sizeof d);
+    d.H = H;
+    d.Hk = Hk;
+    d.Dk = Dk;
+    d.Dv = PyArray_DIM(v, 3);
+    d.form = PA_FORM_FLASH;
+    if (!(d.cu_q = get_cu(fn, "cu_seqlens_q", args[5], PyArray_DIM(q, 0) * PyArray_DIM(q, 1),
+                          &d.nseq)) ||
+        softmax_options(fn, args + 11, t, &d))
+        return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), H, d.Dv};
+    PyArrayObject *o = get_array(fn, "o", args[3], t, 4, oshape, 1);
+    PyArrayObject *lse = o ? get_array(fn, "lse", args[4], t, 3, oshape, 1) : NULL;
+    if (!lse) return NULL;
+    npy_intp nshape[1] = {d.nseq};
+    PyArrayObject *st = get_array(fn, "start", args[6], NPY_INT64, 1, nshape, 0);
+    PyArrayObject *en = st ? get_array(fn, "end", args[7], NPY_INT64, 1, nshape, 0) : NULL;
+    if (!en) return NULL;
+    pa_key_rows rows = {PyArray_DATA(st), PyArray_DATA(en), NULL, 0, R};
+    int64_t maxk = 0, max_blocks = 0;
+    if (args[8] != Py_None) {
+        npy_intp tshape[2] = {d.nseq, -1};
+        PyArrayObject *bt = get_array(fn, "block_table", args[8], NPY_INT32, 2, tshape, 0);
+        if (!bt) return NULL;
+        rows.block_table = PyArray_DATA(bt);
+        rows.table_stride = max_blocks = PyArray_DIM(bt, 1);
+    }
+    for (int64_t n = 0; n < d.nseq; n++) {
+        const int64_t len = rows.end[n] - rows.start[n];
+        int ok = rows.start[n] >= 0 && len >= 0 &&
+                 (rows.block_table ? R > 0 && len <= max_blocks * R : rows.end[n] <= A * R);
+        for (int64_t b = 0; ok && rows.block_table && b < (len + R - 1) / R; b++) {
+            const int32_t blk = rows.block_table[n * max_blocks + b];
+            ok = blk >= 0 && blk < A;
+        }
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): the keys of sequence %lld (rows %lld .. %lld) lie outside the "
+                         "cache (%lld rows%s)",
+                         fn, (long long)n, (long long)rows.start[n], (long long)rows.end[n],
+                         (long long)(A * R), rows.block_table ? ", paged" : "");
+            return NULL;
+        }
+        maxk = len > maxk ? len : maxk;
+    }
+    long long splits;
+    if (get_int(fn, "num_splits", args[9], 0, 1024, &splits)) return NULL;
+    void *colsum = NULL;
+    int64_t clen = 0;
+    if (args[10] != Py_None) {
+        npy_intp cshape[3] = {d.nseq, H, -1};
+        PyArrayObject *cs = get_array(fn, "colsum", args[10], t, 3, cshape, 1);
+        if (!cs) return NULL;
+        clen = PyArray_DIM(cs, 2);
+        if (clen < maxk) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'colsum' needs room for %lld keys, has %lld",
+                         fn, (long long)maxk, (long long)clen);
+            return NULL;
+        }
+        colsum = PyArray_DATA(cs);
+    }
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->softmax_decode(&d, &rows, splits, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                           PyArray_DATA(o), PyArray_DATA(lse), colsum, clen);
     Py_END_ALLOW_THREADS
     return finish(rc);
 }
@@ -931,6 +1040,10 @@ static PyMethodDef core_methods[] = {
     {"softmax_backward", (PyCFunction)(void (*)(void))py_softmax_backward, METH_FASTCALL,
      "softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu_q, cu_k, form, causal, "
      "window_left, window_right, sinks, alibi_slopes, softcap, scale)"},
+    {"softmax_decode", (PyCFunction)(void (*)(void))py_softmax_decode, METH_FASTCALL,
+     "softmax_decode(q, k, v, o, lse, cu_q, start, end, block_table, num_splits, colsum, causal, "
+     "window_left, window_right, sinks, alibi_slopes, softcap, scale): few queries against keys "
+     "in place in a cache (contiguous rows start .. end, or paged through block_table)"},
     {"feature_map_forward", (PyCFunction)(void (*)(void))py_feature_map_forward, METH_FASTCALL,
      "feature_map_forward(x, y, kind, p, max_len, projection): y = phi(x) in place. x [..., D] "
      "(cosformer: [B, T, H, D]); y [..., F]; kind one of FM_*; p (int >= 1, focused) and max_len "

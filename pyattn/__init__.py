@@ -21,7 +21,7 @@ from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
                      retention, simple_gla)
 from .rope import rope
-from .softmax import merge_attention_states, softmax_attention
+from .softmax import attention_with_kvcache, merge_attention_states, softmax_attention
 from .train import plot_history, train
 from ._ops import OpInfo, build_ops
 from . import nn
@@ -120,6 +120,7 @@ __all__ = [
     "linear_attention",
     "nn",
     "mamba2",
+    "attention_with_kvcache",
     "merge_attention_states",
     "mla_attention",
     "num_threads",

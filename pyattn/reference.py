@@ -19,6 +19,25 @@ import math
 import numpy as np
 
 
+def _visible_scores(qi, k, kh, h, ip, *, causal, scale, window, sinks, alibi_slopes, softcap):
+    """(keys j visible to the query at bottom-right position ip, their scores s_ij)."""
+    left, right = (-1, -1) if window is None else window
+    keys, scores = [], []
+    for j in range(k.shape[0]):
+        visible = not causal or j <= ip
+        in_window = (left < 0 or j >= ip - left) and (right < 0 or j <= ip + right)
+        if not (visible and (in_window or j < sinks)):
+            continue
+        s = scale * np.dot(qi, k[j, kh])
+        if softcap > 0:
+            s = softcap * np.tanh(s / softcap)
+        if alibi_slopes is not None:
+            s -= float(alibi_slopes[h]) * abs(ip - j)
+        keys.append(j)
+        scores.append(s)
+    return keys, np.array(scores)
+
+
 def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0,
                       alibi_slopes=None, softcap=0.0, cu_seqlens=None, cu_seqlens_q=None,
                       cu_seqlens_k=None, form=None, return_lse=False):
@@ -26,8 +45,8 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     B, Tq, H, Dk = q.shape
     Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    scale = Dk ** -0.5 if scale is None else scale
-    left, right = (-1, -1) if window is None else window
+    mask = dict(causal=causal, scale=Dk ** -0.5 if scale is None else scale, window=window,
+                sinks=sinks, alibi_slopes=alibi_slopes, softcap=softcap)
     if cu_seqlens is not None:
         cu_seqlens_q = cu_seqlens_k = cu_seqlens
     if cu_seqlens_q is None:
@@ -42,29 +61,53 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
         for h in range(H):
             kh = h // (H // Hk)
             for i in range(tq):
-                ip = i + tk - tq
-                scores, values = [], []
-                for j in range(tk):
-                    visible = not causal or j <= ip
-                    in_window = (left < 0 or j >= ip - left) and (right < 0 or j <= ip + right)
-                    if not (visible and (in_window or j < sinks)):
-                        continue
-                    s = scale * np.dot(q[b, qs + i, h], k[b, ks + j, kh])
-                    if softcap > 0:
-                        s = softcap * np.tanh(s / softcap)
-                    if alibi_slopes is not None:
-                        s -= float(alibi_slopes[h]) * abs(ip - j)
-                    scores.append(s)
-                    values.append(v[b, ks + j, kh])
-                if not scores:
+                keys, s = _visible_scores(q[b, qs + i, h], k[b, ks:ke], kh, h, i + tk - tq, **mask)
+                if not keys:
                     continue
-                s = np.array(scores)
                 m = s.max()
                 p = np.exp(s - m)
-                o[b, qs + i, h] = p @ np.array(values) / p.sum()
+                o[b, qs + i, h] = p @ v[b, ks + np.array(keys), kh] / p.sum()
                 lse[b, qs + i, h] = m + np.log(p.sum())
     return (o, lse) if return_lse else o
 
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
+                           scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
+                           block_table=None, num_splits=None, return_lse=False, return_colsum=False):
+    """Writes k, v into float64 copies of the caches position by position, reads each
+    sequence's first cache_seqlens[b] + Tnew positions back out, and attends over them.
+    Returns the op's outputs, then the written caches (the op writes them in place)."""
+    q = np.asarray(q, dtype=np.float64)
+    kc, vc = (np.array(c, dtype=np.float64) for c in (k_cache, v_cache))
+    B, Tq, H, Dk = q.shape
+    R = kc.shape[1]
+
+    def where(b, t):  # (block or batch row, row) of position t of sequence b
+        return (block_table[b][t // R], t % R) if block_table is not None else (b, t)
+
+    Tnew = 0 if k is None else k.shape[1]
+    for b in range(B):
+        for t in range(Tnew):
+            kc[where(b, cache_seqlens[b] + t)] = k[b, t]
+            vc[where(b, cache_seqlens[b] + t)] = v[b, t]
+    capacity = R * (len(block_table[0]) if block_table is not None else 1)
+    mask = dict(causal=causal, scale=Dk ** -0.5 if scale is None else scale, window=window,
+                sinks=sinks, alibi_slopes=alibi_slopes, softcap=softcap)
+    o = np.zeros((B, Tq, H, vc.shape[3]))
+    lse = np.zeros((B, Tq, H))
+    colsum = np.zeros((B, H, capacity))
+    for b in range(B):
+        L = cache_seqlens[b] + Tnew
+        kb = np.stack([kc[where(b, t)] for t in range(L)]) if L else np.zeros((0,) + kc.shape[2:])
+        vb = np.stack([vc[where(b, t)] for t in range(L)]) if L else np.zeros((0,) + vc.shape[2:])
+        o[b], lse[b] = (x[0] for x in softmax_attention(q[b:b + 1], kb[None], vb[None], return_lse=True, **mask))
+        for h in range(H):
+            for i in range(Tq):
+                keys, s = _visible_scores(q[b, i, h], kb, h // (H // kc.shape[2]), h, i + L - Tq, **mask)
+                for j, sj in zip(keys, s):
+                    colsum[b, h, j] += np.exp(sj - lse[b, i, h])
+    out = (o,) + ((lse,) if return_lse else ()) + ((colsum,) if return_colsum else ())
+    return out + (kc, vc)
 
 
 def mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, causal=True, scale=None, form=None):

@@ -11,6 +11,34 @@ FORMS = ("parallel", "flash", "recurrent")
 _FORM_CODE = {"parallel": _core.FORM_PARALLEL, "flash": _core.FORM_FLASH, "recurrent": _core.FORM_RECURRENT}
 
 
+def _alibi(fn, alibi, H):
+    alibi = V.per_head(fn, "alibi_slopes", alibi, H)
+    if alibi is not None and not np.all(np.isfinite(alibi)):
+        # a NaN slope would make every score of its head NaN: a silent dead head, or NaN rows
+        raise ValueError(f"{fn}(): 'alibi_slopes' must be finite, got {alibi}")
+    return alibi
+
+
+def _mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap):
+    """(causal, window_left, window_right, sinks, softcap, scale) checked, as the kernels take
+    them (alibi_slopes goes between sinks and softcap: see _with_alibi)."""
+    if window is None:
+        left, right = -1, -1
+    else:
+        left, right = V.int_pair(fn, "window", window, -1, "(left, right) or None")
+    sinks = V.integer(fn, "sinks", sinks, 0)
+    # beyond any sequence length a bound is no bound; keep it within int64 for the kernel
+    left, right, sinks = (min(x, 2 ** 62) for x in (left, right, sinks))
+    return (V.boolean(fn, "causal", causal), left, right, sinks, V.real(fn, "softcap", softcap, 0.0, dtype),
+            V.scale(fn, scale, Dk ** -0.5, dtype))
+
+
+def _with_alibi(mask, alibi):
+    """The kernels' option tuple: causal, window_left, window_right, sinks, alibi_slopes,
+    softcap, scale."""
+    return mask[:4] + (alibi,) + mask[4:]
+
+
 def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_seqlens,
              cu_seqlens_q, cu_seqlens_k, form):
     fn = "softmax_attention"
@@ -28,20 +56,9 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
     V.divides(fn, "k", Hk, "heads", "q", H)
     if Dk < 1 or Dv < 1:
         raise ValueError(f"{fn}(): head dims must be >= 1, got Dk={Dk}, Dv={Dv}")
-    alibi = V.per_head(fn, "alibi_slopes", alibi, H)
-    if alibi is not None and not np.all(np.isfinite(alibi)):
-        # a NaN slope would make every score of its head NaN: a silent dead head, or NaN rows
-        raise ValueError(f"{fn}(): 'alibi_slopes' must be finite, got {alibi}")
+    alibi = _alibi(fn, alibi, H)
     V.form(fn, form, FORMS)
-    if window is None:
-        left, right = -1, -1
-    else:
-        left, right = V.int_pair(fn, "window", window, -1, "(left, right) or None")
-    sinks = V.integer(fn, "sinks", sinks, 0)
-    # beyond any sequence length a bound is no bound; keep it within int64 for the kernel
-    left, right, sinks = (min(x, 2 ** 62) for x in (left, right, sinks))
-    softcap = V.real(fn, "softcap", softcap, 0.0, dtype)
-    scale = V.scale(fn, scale, Dk ** -0.5, dtype)
+    mask = _mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap)
     if cu_seqlens is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError(f"{fn}(): give either 'cu_seqlens' or 'cu_seqlens_q'/'cu_seqlens_k', not both")
@@ -57,9 +74,7 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
         cu_k = V.cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, Tk, B)
         if len(cu_q) != len(cu_k):
             raise ValueError(f"{fn}(): cu_seqlens_q and cu_seqlens_k must have the same length, got {len(cu_q)} and {len(cu_k)}")
-    opts = (cu_q, cu_k, _FORM_CODE[form], V.boolean(fn, "causal", causal), left, right, sinks, alibi,
-            softcap, scale)
-    return q, k, v, opts
+    return q, k, v, (cu_q, cu_k, _FORM_CODE[form]) + _with_alibi(mask, alibi)
 
 
 def _forward(q, k, v, opts):
@@ -200,3 +215,248 @@ def _merge_attention_states_vjp(os, lses):
                 "lses": [dlse_p[p] for p in range(len(o_p))]}
 
     return (o, lse), pullback
+
+
+# Up to this many queries per sequence, attention_with_kvcache reads the keys where they lie
+# in the cache (the decode kernel, one pass over the cache per query); above it, a copy of the
+# visible keys goes through the tiled flash kernel, whose GEMM tiles then pay for the copy.
+_DECODE_MAX_QUERIES = 4
+
+
+def _index_array(fn, name, x, ndim, layout):
+    if x is None or isinstance(x, (bool, np.bool_, str, bytes, dict, set)):
+        raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got {type(x).__name__}")
+    x = np.asarray(x)
+    if x.dtype.kind not in "iu" or x.dtype.itemsize not in (4, 8) or (x.dtype.kind == "u" and x.dtype.itemsize == 8):
+        raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got {x.dtype}")
+    V.ndim(fn, name, x, ndim, layout)
+    return x.astype(np.int64)
+
+
+class _KVCall:
+    """An attention_with_kvcache call checked: arrays, cache geometry, key rows, options."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
+                 alibi_slopes, softcap, block_table, num_splits):
+        fn = "attention_with_kvcache"
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(c, np.ndarray):
+                raise TypeError(f"{fn}(): '{name}' must be a numpy.ndarray (new keys are written "
+                                f"into it in place), got {type(c).__name__}")
+        if (k is None) != (v is None):
+            raise ValueError(f"{fn}(): 'k' and 'v' must be given together")
+        arrs, dtype = V.float_arrays(fn, ("k", "v", "alibi_slopes"), k_cache=k_cache, v_cache=v_cache,
+                                     q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+        q, kc, vc, kn, vn = (arrs[x] for x in ("q", "k_cache", "v_cache", "k", "v"))
+        paged = block_table is not None
+        cache_layout = "[num_blocks, block_size, Hk, D]" if paged else "[B, capacity, Hk, D]"
+        V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
+        V.ndim(fn, "k_cache", kc, 4, cache_layout)
+        V.ndim(fn, "v_cache", vc, 4, cache_layout)
+        B, Tq, H, Dk = q.shape
+        A, R, Hk = kc.shape[:3]
+        V.same(fn, "cache blocks" if paged else "cache batch sizes", {"k_cache": A, "v_cache": vc.shape[0]})
+        V.same(fn, "cache rows", {"k_cache": R, "v_cache": vc.shape[1]})
+        V.same(fn, "KV head counts", {"k_cache": Hk, "v_cache": vc.shape[2]})
+        V.same(fn, "key head dims", {"q": Dk, "k_cache": kc.shape[3]})
+        Dv = vc.shape[3]
+        V.divides(fn, "k_cache", Hk, "heads", "q", H)
+        if Dk < 1 or Dv < 1 or R < 1:
+            raise ValueError(f"{fn}(): head dims and cache rows must be >= 1, got Dk={Dk}, Dv={Dv}, rows={R}")
+        if paged:
+            table = _index_array(fn, "block_table", block_table, 2, "[B, max_blocks]")
+            if table.shape[0] != B:
+                raise ValueError(f"{fn}(): 'block_table' must have one row per sequence (B={B}), got shape {table.shape}")
+            capacity = table.shape[1] * R
+        else:
+            V.same(fn, "batch sizes", {"q": B, "k_cache": A})
+            table, capacity = None, R
+        seqlens = _index_array(fn, "cache_seqlens", cache_seqlens, 1, "[B]")
+        if seqlens.shape[0] != B:
+            raise ValueError(f"{fn}(): 'cache_seqlens' must have B={B} entries, got shape {seqlens.shape}")
+        if np.any(seqlens < 0):
+            raise ValueError(f"{fn}(): 'cache_seqlens' must be >= 0, got {seqlens.tolist()}")
+        Tnew = 0
+        if kn is not None:
+            V.ndim(fn, "k", kn, 4, "[B, Tnew, Hk, Dk]")
+            Tnew = kn.shape[1]
+            V.shape(fn, "k", kn, (B, Tnew, Hk, Dk), "[B, Tnew, Hk, Dk]")
+            V.shape(fn, "v", vn, (B, Tnew, Hk, Dv), "[B, Tnew, Hk, Dv]")
+        lens = seqlens + Tnew
+        over = np.flatnonzero(lens > capacity)
+        if over.size:
+            b = over[0]
+            raise ValueError(f"{fn}(): sequence {b} needs {lens[b]} cache rows (cache_seqlens "
+                             f"{seqlens[b]} + Tnew {Tnew}), the cache holds {capacity}")
+        if paged:
+            used = np.arange(table.shape[1]) < -(-lens[:, None] // R)
+            bad = used & ((table < 0) | (table >= A))
+            if np.any(bad):
+                b, i = np.argwhere(bad)[0]
+                raise ValueError(f"{fn}(): block_table[{b}, {i}] = {table[b, i]} is outside the "
+                                 f"cache's {A} blocks")
+        if kn is not None:
+            for name, c, a in (("k_cache", k_cache, kc), ("v_cache", v_cache, vc)):
+                if a is not c or not c.flags.writeable:
+                    raise ValueError(f"{fn}(): '{name}' must be a writeable, C-contiguous, aligned "
+                                     f"native-order array: the new keys are written into it")
+        self.num_splits = V.integer(fn, "num_splits", num_splits, 0)
+        self.opts = _with_alibi(_mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap),
+                                _alibi(fn, alibi_slopes, H))
+        self.q, self.kc, self.vc, self.kn, self.vn = q, kc, vc, kn, vn
+        self.table, self.seqlens, self.lens, self.capacity = table, seqlens, lens, capacity
+
+    def rows(self, b, j):
+        """Rows of the caches (seen as [rows, Hk, D]) holding position j of sequence b."""
+        R = self.kc.shape[1]
+        if self.table is None:
+            return b * R + j
+        return self.table[b, j // R] * R + j % R
+
+    def write(self):
+        """The new keys and values into rows cache_seqlens[b] .. of the caches."""
+        if self.kn is None or self.kn.shape[1] == 0:
+            return
+        B, Tnew, Hk = self.kn.shape[:3]
+        pos = self.seqlens[:, None] + np.arange(Tnew)
+        at = self.rows(np.arange(B)[:, None], pos).ravel()
+        self.kc.reshape(-1, Hk, self.kc.shape[3])[at] = self.kn.reshape(B * Tnew, Hk, -1)
+        self.vc.reshape(-1, Hk, self.vc.shape[3])[at] = self.vn.reshape(B * Tnew, Hk, -1)
+
+    def key_rows(self):
+        """(b, j, row) of every visible key, sequence by sequence, and cu_seqlens_k of them."""
+        cu_k = np.concatenate(([0], np.cumsum(self.lens)))
+        b = np.repeat(np.arange(len(self.lens)), self.lens)
+        j = np.arange(cu_k[-1]) - cu_k[b]
+        return b, j, self.rows(b, j), cu_k
+
+    def gathered(self):
+        """q, k, v as softmax_attention's packed varlen call takes them: one sequence row of q
+        per batch entry, the visible keys copied out of the caches; and its (cu_q, cu_k)."""
+        B, Tq, H, Dk = self.q.shape
+        Hk = self.kc.shape[2]
+        _, _, rows, cu_k = self.key_rows()
+        k = self.kc.reshape(-1, Hk, Dk)[rows][None]
+        v = self.vc.reshape(-1, Hk, self.vc.shape[3])[rows][None]
+        return self.q.reshape(1, B * Tq, H, Dk), k, v, V.batch_offsets(B, Tq), cu_k
+
+    def forward(self, colsum):
+        B, Tq, H, _ = self.q.shape
+        o = np.empty((B, Tq, H, self.vc.shape[3]), dtype=self.q.dtype)
+        lse = np.empty((B, Tq, H), dtype=self.q.dtype)
+        if Tq <= _DECODE_MAX_QUERIES or colsum is not None:
+            start = np.zeros(B, np.int64) if self.table is not None else np.arange(B) * self.kc.shape[1]
+            table = None if self.table is None else self.table.astype(np.int32)
+            _core.softmax_decode(self.q, self.kc, self.vc, o, lse, V.batch_offsets(B, Tq), start,
+                                 start + self.lens, table, self.num_splits, colsum, *self.opts)
+        else:
+            q, k, v, cu_q, cu_k = self.gathered()
+            _core.softmax_forward(q, k, v, o.reshape(1, B * Tq, H, -1), lse.reshape(1, B * Tq, H),
+                                  cu_q, cu_k, _core.FORM_FLASH, *self.opts)
+        return o, lse
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
+                           scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
+                           block_table=None, num_splits=0, return_lse=False, return_colsum=False):
+    """Softmax attention of new queries over a KV cache, writing the new keys into it first
+    (flash-attn's ``flash_attn_with_kvcache``).
+
+    q ``[B, Tq, H, Dk]``; the caches ``k_cache [B, capacity, Hk, Dk]``, ``v_cache [B,
+    capacity, Hk, Dv]``, or, with ``block_table`` (int32/int64 ``[B, max_blocks]``), the
+    paged layout ``[num_blocks, block_size, Hk, D]`` in which position t of sequence b is
+    row ``t % block_size`` of block ``block_table[b, t // block_size]``. ``cache_seqlens``
+    (int ``[B]``) counts the positions of each sequence already in the cache. The new
+    ``k [B, Tnew, Hk, Dk]`` and ``v [B, Tnew, Hk, Dv]``, when given, are written in place
+    into positions ``cache_seqlens[b] .. cache_seqlens[b] + Tnew - 1`` (nothing else in the
+    caches changes, and ``cache_seqlens`` is not advanced: add Tnew yourself); then the
+    queries attend over the first ``cache_seqlens[b] + Tnew`` positions with the masks and
+    scores of ``softmax_attention`` (bottom-right aligned: the last query sits at the last
+    position; ``causal`` defaults to True). GQA: query head h reads KV head ``h // (H //
+    Hk)``, each cached row read once for its group.
+
+    ``num_splits`` cuts each query's visible keys into that many parts, attended in
+    parallel and merged by their log-sum-exps (flash decoding: one long sequence with few KV
+    heads still uses every thread); 0 chooses from the thread count and the lengths. Up to
+    4 queries per sequence are answered from the cache in place; longer ones (a prefill
+    into the cache) copy the visible keys and run the tiled flash kernel.
+    Bad input (a sequence that would run past the cache, a block index outside the pool,
+    mismatched shapes or dtypes) raises before anything is written. The caches must be
+    writeable C-contiguous arrays of q's dtype when ``k, v`` are given.
+
+    Returns ``o [B, Tq, H, Dv]``, then ``lse [B, Tq, H]`` with ``return_lse=True``, then with
+    ``return_colsum=True`` ``colsum [B, H, capacity]``: for each query head and cache
+    position the attention probabilities summed over the call's queries (0 beyond the
+    visible keys), which H2O accumulates to choose the heavy hitters
+    (``pyattn.kvcache.h2o_keep``). Differentiable through ``pyattn.vjp`` in q, k, v and the
+    caches (the rows read; the gradient for the rows overwritten is 0), not with
+    ``return_colsum``.
+    """
+    fn = "attention_with_kvcache"
+    return_lse = V.boolean(fn, "return_lse", return_lse)
+    return_colsum = V.boolean(fn, "return_colsum", return_colsum)
+    call = _KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
+                   alibi_slopes, softcap, block_table, num_splits)
+    call.write()
+    B, _, H, _ = call.q.shape
+    colsum = np.zeros((B, H, call.capacity), call.q.dtype) if return_colsum else None
+    o, lse = call.forward(colsum)
+    out = (o,) + ((lse,) if return_lse else ()) + ((colsum,) if return_colsum else ())
+    return out[0] if len(out) == 1 else out
+
+
+@register_vjp(attention_with_kvcache)
+def _attention_with_kvcache_vjp(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
+                                scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
+                                block_table=None, num_splits=0, return_lse=False, return_colsum=False):
+    fn = "attention_with_kvcache"
+    return_lse = V.boolean(fn, "return_lse", return_lse)
+    if V.boolean(fn, "return_colsum", return_colsum):
+        raise ValueError(f"{fn}(): the column sums are not differentiable; call it without pyattn.vjp "
+                         f"for them")
+    call = _KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
+                   alibi_slopes, softcap, block_table, num_splits)
+    call.write()
+    # the pullback works on a copy of the keys read, so later writes into the caches (the
+    # next decode step's) do not change it
+    qp, kp, vp, cu_q, cu_k = call.gathered()
+    B, Tq, H, _ = call.q.shape
+    op = np.empty((1, B * Tq, H, vp.shape[3]), dtype=qp.dtype)
+    lsep = np.empty((1, B * Tq, H), dtype=qp.dtype)
+    opts = (cu_q, cu_k, _core.FORM_FLASH) + call.opts
+    _core.softmax_forward(qp, kp, vp, op, lsep, *opts)
+    b, j, rows, _ = call.key_rows()
+    old = j < call.seqlens[b]
+    read = np.sort(rows[old]) if call.table is not None else None
+    shared_rows = read is not None and bool(np.any(read[1:] == read[:-1]))
+    given_new = call.kn is not None
+
+    def pullback(cot):
+        do, dlse = split_cotangent(fn, cot, 2)
+        if not return_lse and dlse is not None:
+            raise ValueError(f"{fn} pullback: got a cotangent for lse, but return_lse=False")
+        arrs, _ = V.float_arrays(f"{fn} pullback", ("do", "dlse"), q=qp, do=do, dlse=dlse)
+        do, dlse = arrs["do"], arrs["dlse"]
+        do = np.zeros((B, Tq, H, vp.shape[3]), qp.dtype) if do is None else do
+        V.shape(f"{fn} pullback", "do", do, (B, Tq, H, vp.shape[3]), "[B, Tq, H, Dv]")
+        if dlse is not None:
+            V.shape(f"{fn} pullback", "dlse", dlse, (B, Tq, H), "[B, Tq, H]")
+            dlse = dlse.reshape(1, B * Tq, H)
+        dq, dk, dv = np.empty_like(qp), np.empty_like(kp), np.empty_like(vp)
+        _core.softmax_backward(qp, kp, vp, op, lsep, do.reshape(op.shape), dlse, dq, dk, dv, *opts)
+        grads = {"q": dq.reshape(call.q.shape)}
+        for name, cache, d in (("k_cache", call.kc, dk[0]), ("v_cache", call.vc, dv[0])):
+            g = np.zeros_like(cache)
+            flat = g.reshape(-1, *cache.shape[2:])
+            if shared_rows:  # sequences that read one block of a paged cache add up there
+                np.add.at(flat, rows[old], d[old])
+            else:
+                flat[rows[old]] = d[old]
+            grads[name] = g
+        if given_new:
+            grads["k"] = dk[0][~old].reshape(call.kn.shape)
+            grads["v"] = dv[0][~old].reshape(call.vn.shape)
+        return grads
+
+    o, lse = op.reshape(B, Tq, H, -1), lsep.reshape(B, Tq, H)
+    return ((o, lse) if return_lse else o), pullback

@@ -29,6 +29,7 @@ const pa_kernels PA_FN(pa_kernels) = {
     .read_bandwidth = PA_FN(read_bandwidth),
     .softmax_forward = PA_FN(softmax_forward),
     .softmax_backward = PA_FN(softmax_backward),
+    .softmax_decode = PA_FN(softmax_decode),
     .feature_map_forward = PA_FN(feature_map_forward),
     .feature_map_backward = PA_FN(feature_map_backward),
     .linear_forward = PA_FN(linear_forward),

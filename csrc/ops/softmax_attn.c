@@ -565,20 +565,64 @@ static inline void PA_FN(sm_prefetch_row)(const real *p, int64_t n)
     for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(real)) __builtin_prefetch(p + i);
 }
 
-/* Flash decode: query i of sequence n for every query head of KV head kh at once. A query
- * row would fill one row of a GEMM tile, so no GEMM here: keys in blocks of SM_DECODE_KB,
- * each K and V row read once for the whole group of heads, an online softmax per head with
- * the vectorised max and exp+sum passes. buf: G * (SM_DECODE_KB + Dv + 2) reals. */
-static void PA_FN(sm_forward_group)(const pa_softmax_desc *d, const real *q, const real *k,
-                                    const real *v, real *o, real *lse, int64_t n, int64_t kh,
-                                    int64_t i, real *buf)
+/* The row of k and v holding key j of sequence n. */
+static inline int64_t PA_FN(sm_key_row)(const pa_key_rows *r, int64_t n, int64_t j)
+{
+    if (!r->block_table) return r->start[n] + j;
+    return (int64_t)r->block_table[n * r->table_stride + j / r->block_size] * r->block_size +
+           j % r->block_size;
+}
+
+/* Scores of the G query heads of KV head kh (query rows qi, Dk apart) against keys j0 ..
+ * j0+nb-1 of sequence n, into S[g * SM_DECODE_KB + c]; keys below jlimit are prefetched
+ * SM_DECODE_AHEAD ahead. */
+static void PA_FN(sm_group_scores)(const pa_softmax_desc *d, const pa_key_rows *rows,
+                                   const real *qi, const real *k, int64_t n, int64_t kh,
+                                   int64_t ip, int64_t j0, int64_t nb, int64_t jlimit, real *S)
+{
+    const int64_t Hk = d->Hk, Dk = d->Dk, G = d->H / Hk, KB = SM_DECODE_KB;
+    const real scale = (real)d->scale;
+    for (int64_t c = 0; c < nb; c++) {
+        const int64_t j = j0 + c;
+        const real *kj = k + (PA_FN(sm_key_row)(rows, n, j) * Hk + kh) * Dk;
+        if (j + SM_DECODE_AHEAD < jlimit)
+            PA_FN(sm_prefetch_row)(k + (PA_FN(sm_key_row)(rows, n, j + SM_DECODE_AHEAD) * Hk + kh) * Dk,
+                                   Dk);
+        for (int64_t g = 0; g < G; g++)
+            S[g * KB + c] = PA_FN(sm_score)(scale * PA_FN(dot)(qi + g * Dk, kj, Dk), d->softcap,
+                                            PA_FN(sm_slope)(d, kh * G + g), ip - j, NULL);
+    }
+}
+
+/* Cuts the visible ranges r (as sm_row_ranges gives them) to part s of S: the visible keys
+ * s * count / S .. (s + 1) * count / S - 1 of the two ranges taken in order. */
+static inline void PA_FN(sm_split_ranges)(int64_t r[2][2], int64_t s, int64_t S)
+{
+    const int64_t n0 = r[0][1] - r[0][0], count = n0 + r[1][1] - r[1][0];
+    const int64_t a = s * count / S, b = (s + 1) * count / S;
+    const int64_t base0 = r[0][0], base1 = r[1][0];
+    r[0][0] = base0 + (a < n0 ? a : n0);
+    r[0][1] = base0 + (b < n0 ? b : n0);
+    r[1][0] = base1 + (a > n0 ? a - n0 : 0);
+    r[1][1] = base1 + (b > n0 ? b - n0 : 0);
+}
+
+/* Flash decode, part s of S of the keys visible to query i of sequence n, for the G query
+ * heads of KV head kh at once. A query row would fill one row of a GEMM tile, so no GEMM
+ * here: keys in blocks of SM_DECODE_KB, each K and V row read once for the whole group, an
+ * online softmax per head with the vectorised max and exp+sum passes. Writes the part's o
+ * and lse at po, plse (rows as o's): 0 and -inf where the part has no key or its scores are
+ * all -inf (the merge decides what that makes of the row). buf: G (SM_DECODE_KB + Dv + 2). */
+static void PA_FN(sm_decode_part)(const pa_softmax_desc *d, const pa_key_rows *rows,
+                                  const real *q, const real *k, const real *v, int64_t n,
+                                  int64_t kh, int64_t i, int64_t s, int64_t S, real *po,
+                                  real *plse, real *buf)
 {
     const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, G = H / Hk, KB = SM_DECODE_KB;
-    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
-    const int64_t tk = d->cu_k[n + 1] - k0, ip = i + tk - (d->cu_q[n + 1] - q0);
-    const real scale = (real)d->scale;
+    const int64_t q0 = d->cu_q[n], tk = rows->end[n] - rows->start[n];
+    const int64_t ip = i + tk - (d->cu_q[n + 1] - q0);
     const real *qi = q + ((q0 + i) * H + kh * G) * Dk; /* the group's G query rows */
-    real *S = buf, *acc = S + G * KB, *m = acc + G * Dv, *l = m + G;
+    real *Sc = buf, *acc = Sc + G * KB, *m = acc + G * Dv, *l = m + G;
     for (int64_t g = 0; g < G; g++) {
         m[g] = -(real)INFINITY;
         l[g] = 0;
@@ -586,35 +630,175 @@ static void PA_FN(sm_forward_group)(const pa_softmax_desc *d, const real *q, con
     memset(acc, 0, sizeof(real) * G * Dv);
     int64_t ranges[2][2];
     PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, ranges);
+    PA_FN(sm_split_ranges)(ranges, s, S);
     for (int rg = 0; rg < 2; rg++)
         for (int64_t jb = ranges[rg][0]; jb < ranges[rg][1]; jb += KB) {
             const int64_t nb = ranges[rg][1] - jb < KB ? ranges[rg][1] - jb : KB;
-            for (int64_t c = 0; c < nb; c++) {
-                const real *kj = k + ((k0 + jb + c) * Hk + kh) * Dk;
-                if (jb + c + SM_DECODE_AHEAD < ranges[rg][1])
-                    PA_FN(sm_prefetch_row)(kj + SM_DECODE_AHEAD * Hk * Dk, Dk);
-                for (int64_t g = 0; g < G; g++)
-                    S[g * KB + c] = PA_FN(sm_score)(scale * PA_FN(dot)(qi + g * Dk, kj, Dk),
-                                                    d->softcap, PA_FN(sm_slope)(d, kh * G + g),
-                                                    ip - jb - c, NULL);
-            }
+            PA_FN(sm_group_scores)(d, rows, qi, k, n, kh, ip, jb, nb, ranges[rg][1], Sc);
             for (int64_t g = 0; g < G; g++) {
-                PA_FN(sm_raise_max)(m + g, l + g, acc + g * Dv, Dv, PA_FN(row_max)(S + g * KB, nb));
+                PA_FN(sm_raise_max)(m + g, l + g, acc + g * Dv, Dv, PA_FN(row_max)(Sc + g * KB, nb));
                 /* m = -inf only while every score so far is -inf (see sm_forward_row) */
-                l[g] += PA_FN(row_exp_sum)(S + g * KB, nb, m[g] == -(real)INFINITY ? 0 : m[g]);
+                l[g] += PA_FN(row_exp_sum)(Sc + g * KB, nb, m[g] == -(real)INFINITY ? 0 : m[g]);
             }
             for (int64_t c = 0; c < nb; c++) {
-                const real *vj = v + ((k0 + jb + c) * Hk + kh) * Dv;
-                if (jb + c + SM_DECODE_AHEAD < ranges[rg][1])
-                    PA_FN(sm_prefetch_row)(vj + SM_DECODE_AHEAD * Hk * Dv, Dv);
-                for (int64_t g = 0; g < G; g++) PA_FN(axpy)(acc + g * Dv, vj, Dv, S[g * KB + c]);
+                const int64_t j = jb + c;
+                const real *vj = v + (PA_FN(sm_key_row)(rows, n, j) * Hk + kh) * Dv;
+                if (j + SM_DECODE_AHEAD < ranges[rg][1])
+                    PA_FN(sm_prefetch_row)(
+                        v + (PA_FN(sm_key_row)(rows, n, j + SM_DECODE_AHEAD) * Hk + kh) * Dv, Dv);
+                for (int64_t g = 0; g < G; g++) PA_FN(axpy)(acc + g * Dv, vj, Dv, Sc[g * KB + c]);
             }
         }
     for (int64_t g = 0; g < G; g++) {
         const int64_t row = (q0 + i) * H + kh * G + g;
-        PA_FN(sm_write_row)(o + row * Dv, lse + row, acc + g * Dv, Dv, m[g], l[g],
-                            PA_FN(sm_sees_keys)(d, ip, tk));
+        if (l[g] == 0) {
+            memset(po + row * Dv, 0, sizeof(real) * Dv);
+            plse[row] = -(real)INFINITY;
+        } else {
+            PA_FN(sm_write_row)(po + row * Dv, plse + row, acc + g * Dv, Dv, m[g], l[g], 1);
+        }
     }
+}
+
+/* o and lse of row `row` (of o's rows times heads) from the S parts at po, plse (R rows
+ * apart): lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. A NaN part, or a query
+ * that sees keys whose scores are all -inf, gives NaN, as the one-pass softmax does. */
+static void PA_FN(sm_decode_merge)(const real *po, const real *plse, int64_t S, int64_t R,
+                                   int64_t Dv, int64_t row, int sees_keys, real *o, real *lse)
+{
+    real m = -(real)INFINITY;
+    int nan = 0;
+    for (int64_t s = 0; s < S; s++) {
+        real x = plse[s * R + row];
+        nan |= x != x;
+        m = x > m ? x : m;
+    }
+    real *orow = o + row * Dv;
+    if (nan || m == -(real)INFINITY) {
+        PA_FN(sm_write_row)(orow, lse + row, NULL, Dv, m, nan ? (real)NAN : 0, nan || sees_keys);
+        return;
+    }
+    double total = 0;
+    for (int64_t s = 0; s < S; s++) total += exp((double)plse[s * R + row] - (double)m);
+    memset(orow, 0, sizeof(real) * Dv);
+    for (int64_t s = 0; s < S; s++)
+        PA_FN(axpy)(orow, po + (s * R + row) * Dv, Dv,
+                    (real)(exp((double)plse[s * R + row] - (double)m) / total));
+    lse[row] = m + (real)log(total);
+}
+
+/* colsum[n, h, j] += exp(s_ij - lse_i) over the queries i of sequence n that see key j, for
+ * the heads of KV head kh and the keys j0 .. j1-1. buf: G * SM_DECODE_KB reals. */
+static void PA_FN(sm_decode_colsum)(const pa_softmax_desc *d, const pa_key_rows *rows,
+                                    const real *q, const real *k, const real *lse, int64_t n,
+                                    int64_t kh, int64_t j0, int64_t j1, real *colsum,
+                                    int64_t clen, real *buf)
+{
+    const int64_t H = d->H, Dk = d->Dk, G = H / d->Hk, KB = SM_DECODE_KB;
+    const int64_t q0 = d->cu_q[n], tq = d->cu_q[n + 1] - q0, tk = rows->end[n] - rows->start[n];
+    for (int64_t i = 0; i < tq; i++) {
+        const int64_t ip = i + tk - tq;
+        const real *qi = q + ((q0 + i) * H + kh * G) * Dk;
+        int64_t ranges[2][2];
+        PA_FN(sm_row_ranges)(d, ip, tk, j0, j1, ranges);
+        for (int rg = 0; rg < 2; rg++)
+            for (int64_t jb = j0 + ranges[rg][0]; jb < j0 + ranges[rg][1]; jb += KB) {
+                const int64_t nb = j0 + ranges[rg][1] - jb < KB ? j0 + ranges[rg][1] - jb : KB;
+                PA_FN(sm_group_scores)(d, rows, qi, k, n, kh, ip, jb, nb, j0 + ranges[rg][1], buf);
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t h = kh * G + g;
+                    real *cs = colsum + (n * H + h) * clen + jb, *p = buf + g * KB;
+                    PA_FN(row_exp_sum)(p, nb, lse[(q0 + i) * H + h]);
+                    for (int64_t c = 0; c < nb; c++) cs[c] += p[c];
+                }
+            }
+    }
+}
+
+#define SM_SPLIT_MIN_KEYS 512   /* flash decoding splits no part below this many keys */
+#define SM_COLSUM_KEYS 1024     /* keys per work item of the column sums */
+
+/* Parts per query when the caller leaves it to us: enough (query, KV head) work items for
+ * two per thread, each part at least SM_SPLIT_MIN_KEYS keys. */
+static int64_t PA_FN(sm_decode_splits)(int64_t units, int64_t maxk)
+{
+    const int64_t threads = pa_get_num_threads(), want = 2 * threads;
+    if (units >= want) return 1;
+    int64_t S = (want + units - 1) / units, cap = maxk / SM_SPLIT_MIN_KEYS;
+    S = S < cap ? S : cap;
+    return S < 1 ? 1 : S > 64 ? 64 : S;
+}
+
+static int PA_FN(softmax_decode)(const pa_softmax_desc *d, const pa_key_rows *rows,
+                                 int64_t num_splits, const void *qv, const void *kv,
+                                 const void *vv, void *ov, void *lsev, void *colsumv, int64_t clen)
+{
+    const real *q = qv, *k = kv, *v = vv;
+    real *o = ov, *lse = lsev, *colsum = colsumv;
+    const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk, G = H / Hk, Dv = d->Dv;
+    const int64_t nq = d->cu_q[nseq], R = nq * H;
+    if (nq == 0) return PA_OK;
+    int64_t maxk = 0, citems = 0;
+    double work = 0;
+    int64_t *cfirst = malloc(sizeof(int64_t) * (nseq + 1));
+    if (!cfirst) return PA_ENOMEM;
+    cfirst[0] = 0;
+    for (int64_t n = 0; n < nseq; n++) {
+        const int64_t tk = rows->end[n] - rows->start[n];
+        maxk = tk > maxk ? tk : maxk;
+        work += (double)(d->cu_q[n + 1] - d->cu_q[n]) * (double)tk;
+        cfirst[n + 1] = cfirst[n] + (colsum ? (tk + SM_COLSUM_KEYS - 1) / SM_COLSUM_KEYS * Hk : 0);
+    }
+    citems = cfirst[nseq];
+    const int64_t S = num_splits > 0 ? num_splits : PA_FN(sm_decode_splits)(nq * Hk, maxk);
+    const int64_t items = nq * Hk * S;
+    real *po = pa_alloc(sizeof(real) * (size_t)(S * R * (Dv + 1)));
+    if (!po) {
+        free(cfirst);
+        return PA_ENOMEM;
+    }
+    real *plse = po + S * R * Dv;
+    int failed = 0;
+    const int threads = pa_threads_for(work * (double)H * (double)(d->Dk + Dv),
+                                       items > citems ? items : citems);
+#pragma omp parallel num_threads(threads)
+    {
+        real *buf = pa_alloc(sizeof(real) * G * (SM_DECODE_KB + Dv + 2));
+        int ok = pa_scratch_ok(buf != NULL, &failed);
+        int64_t n = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            const int64_t s = t % S, kh = t / S % Hk, row = t / S / Hk;
+            while (row >= d->cu_q[n + 1]) n++;
+            if (ok)
+                PA_FN(sm_decode_part)(d, rows, q, k, v, n, kh, row - d->cu_q[n], s, S,
+                                      po + s * R * Dv, plse + s * R, buf);
+        }
+        n = 0;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t row = r / H;
+            while (row >= d->cu_q[n + 1]) n++;
+            const int64_t tk = rows->end[n] - rows->start[n];
+            const int64_t ip = row - d->cu_q[n] + tk - (d->cu_q[n + 1] - d->cu_q[n]);
+            PA_FN(sm_decode_merge)(po, plse, S, R, Dv, r, PA_FN(sm_sees_keys)(d, ip, tk), o, lse);
+        }
+        n = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < citems; t++) {
+            while (t >= cfirst[n + 1]) n++;
+            const int64_t local = t - cfirst[n], kh = local % Hk;
+            const int64_t tk = rows->end[n] - rows->start[n], j0 = local / Hk * SM_COLSUM_KEYS;
+            if (ok)
+                PA_FN(sm_decode_colsum)(d, rows, q, k, lse, n, kh, j0,
+                                        j0 + SM_COLSUM_KEYS < tk ? j0 + SM_COLSUM_KEYS : tk,
+                                        colsum, clen, buf);
+        }
+        free(buf);
+    }
+    free(po);
+    free(cfirst);
+    return failed ? PA_ENOMEM : PA_OK;
 }
 
 static int64_t PA_FN(sm_max_len)(const int64_t *cu, int64_t nseq)
@@ -666,9 +850,11 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t nseq = d->nseq, H = d->H;
     const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
     const int form = d->form;
-    /* decode (one query per sequence): flash without tiles, a group of heads at a time */
-    const int decode = form == PA_FORM_FLASH && maxq <= SM_DECODE_MAXQ;
-    const int tiled = form != PA_FORM_RECURRENT && !decode;
+    if (form == PA_FORM_FLASH && maxq <= SM_DECODE_MAXQ) {
+        const pa_key_rows rows = {d->cu_k, d->cu_k + 1, NULL, 0, 1};
+        return PA_FN(softmax_decode)(d, &rows, 0, qv, kv, vv, ov, lsev, NULL, 0);
+    }
+    const int tiled = form != PA_FORM_RECURRENT;
     /* query-block and key-block sizes; the parallel form takes whole sequences */
     const int64_t bq_form = form == PA_FORM_PARALLEL ? maxq : form == PA_FORM_FLASH ? SM_BQ : 1;
     const int64_t bqmax = bq_form < maxq ? bq_form : maxq;
@@ -687,29 +873,25 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
         PA_FN(sm_packed_free)(&Vp);
         return PA_ENOMEM;
     }
-    const int64_t items = decode ? PA_FN(sm_items)(d->cu_q, nseq, 1, d->Hk, first)
-                                 : PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first);
+    const int64_t items = PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first);
     int failed = 0;
 #pragma omp parallel num_threads(PA_FN(sm_threads)(d, items))
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
         PA_FN(sm_scratch) s;
-        real *acc = NULL; /* the untiled paths' scratch */
-        int64_t acc_size = decode ? d->H / d->Hk * (SM_DECODE_KB + d->Dv + 2) : d->Dv;
+        real *acc = NULL; /* the recurrent form's scratch */
         int ok = pa_scratch_ok(tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0)
-                                     : (acc = pa_alloc(sizeof(real) * acc_size)) != NULL,
+                                     : (acc = pa_alloc(sizeof(real) * d->Dv)) != NULL,
                                &failed);
         int64_t n = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++) {
             if (!ok) continue;
             int64_t h, b;
-            PA_FN(sm_item)(first, t, decode ? d->Hk : H, 1, &n, &h, &b);
+            PA_FN(sm_item)(first, t, H, 1, &n, &h, &b);
             int64_t tq = d->cu_q[n + 1] - d->cu_q[n], i0 = b * bqmax;
             int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
-            if (decode)
-                PA_FN(sm_forward_group)(d, q, k, v, o, lse, n, h, b, acc);
-            else if (form == PA_FORM_RECURRENT)
+            if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
             else
                 PA_FN(sm_forward_block)(d, &Qp, &Kp, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
