@@ -44,12 +44,35 @@ static inline vreal PA_FN(vselect)(vint mask, vreal a, vreal b)
     return (vreal)(((vint)a & mask) | ((vint)b & ~mask));
 }
 
+/* Horizontal sum as a tree: the upper half of the vector added to the lower, down to 16
+ * bytes, then lane by lane. A loop over the lanes would be a serial chain of VL scalar adds
+ * (nothing may reorder it without -ffast-math), the largest cost of a short dot product. */
+#define PA_LO(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 static inline real PA_FN(hsum)(vreal v)
 {
-    real s = 0;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
+#if PA_VBYTES == 64 && !PA_DOUBLE
+    __typeof__(PA_LO(v, 0, 1, 2, 3, 4, 5, 6, 7)) h8 =
+        PA_LO(v, 0, 1, 2, 3, 4, 5, 6, 7) + PA_LO(v, 8, 9, 10, 11, 12, 13, 14, 15);
+    __typeof__(PA_LO(h8, 0, 1, 2, 3)) q = PA_LO(h8, 0, 1, 2, 3) + PA_LO(h8, 4, 5, 6, 7);
+#elif PA_VBYTES == 64 || (PA_VBYTES == 32 && !PA_DOUBLE)
+    __typeof__(PA_LO(v, 0, 1, 2, 3)) h4 = PA_LO(v, 0, 1, 2, 3) + PA_LO(v, 4, 5, 6, 7);
+#if PA_DOUBLE
+    __typeof__(PA_LO(h4, 0, 1)) q = PA_LO(h4, 0, 1) + PA_LO(h4, 2, 3);
+#else
+    __typeof__(h4) q = h4;
+#endif
+#elif PA_VBYTES == 32
+    __typeof__(PA_LO(v, 0, 1)) q = PA_LO(v, 0, 1) + PA_LO(v, 2, 3);
+#else
+    vreal q = v;
+#endif
+#if PA_DOUBLE
+    return q[0] + q[1];
+#else
+    return (q[0] + q[2]) + (q[1] + q[3]);
+#endif
 }
+#undef PA_LO
 
 static inline real PA_FN(hmax)(vreal v)
 {

@@ -556,13 +556,16 @@ static void PA_FN(sm_forward_row)(const pa_softmax_desc *d, const real *q, const
     PA_FN(sm_write_row)(o + row * Dv, lse + row, acc, Dv, m, l, PA_FN(sm_sees_keys)(d, ip, tk));
 }
 
-/* The K/V rows of one head are Hk * D apart, a stride the hardware prefetcher does not run
- * ahead on: ask for the row SM_DECODE_AHEAD keys on (measured: the decode path twice as
- * fast on one thread). */
+/* Rows of k and v are in order in memory only within a block of a paged cache, and a row of
+ * every KV head is often a whole 4 KB page, at which hardware prefetchers stop: the decode
+ * asks for the K row SM_DECODE_AHEAD keys ahead and for the V rows of a key block while it
+ * scores them, into L2 (measured, 64k keys, Hk=8, D=128, 2 threads: 38.7 ms without, 28.4
+ * ms with; into L1 the prefetches stall on the few L1 miss buffers). */
 #define SM_DECODE_AHEAD 8
-static inline void PA_FN(sm_prefetch_row)(const real *p, int64_t n)
+
+static inline void PA_FN(sm_prefetch)(const real *p, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(real)) __builtin_prefetch(p + i);
+    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(real)) __builtin_prefetch(p + i, 0, 2);
 }
 
 /* The row of k and v holding key j of sequence n. */
@@ -573,25 +576,100 @@ static inline int64_t PA_FN(sm_key_row)(const pa_key_rows *r, int64_t n, int64_t
            j % r->block_size;
 }
 
-/* Scores of the G query heads of KV head kh (query rows qi, Dk apart) against keys j0 ..
- * j0+nb-1 of sequence n, into S[g * SM_DECODE_KB + c]; keys below jlimit are prefetched
- * SM_DECODE_AHEAD ahead. */
-static void PA_FN(sm_group_scores)(const pa_softmax_desc *d, const pa_key_rows *rows,
-                                   const real *qi, const real *k, int64_t n, int64_t kh,
-                                   int64_t ip, int64_t j0, int64_t nb, int64_t jlimit, real *S)
+/* The K and V rows (all KV heads) of keys j0 .. j0+nb-1 of sequence n, into kp and vp, and
+ * up to SM_DECODE_AHEAD more below jlimit (to prefetch; the count is returned). */
+static inline int64_t PA_FN(sm_block_rows)(const pa_softmax_desc *d, const pa_key_rows *rows,
+                                           const real *k, const real *v, int64_t n, int64_t j0,
+                                           int64_t nb, int64_t jlimit, const real **kp,
+                                           const real **vp)
 {
-    const int64_t Hk = d->Hk, Dk = d->Dk, G = d->H / Hk, KB = SM_DECODE_KB;
+    int64_t count = jlimit - j0 < nb + SM_DECODE_AHEAD ? jlimit - j0 : nb + SM_DECODE_AHEAD;
+    for (int64_t c = 0; c < count; c++) {
+        const int64_t row = PA_FN(sm_key_row)(rows, n, j0 + c);
+        kp[c] = k + row * d->Hk * d->Dk;
+        vp[c] = v + row * d->Hk * d->Dv;
+    }
+    return count;
+}
+
+/* Scores of every head of the query at ip (rows qi, Dk apart) against the nb keys j0.. whose
+ * K rows are kp, into S[h * SM_DECODE_KB + c]. Key by key, so each K row (all KV heads) is
+ * read from memory once and in order; the rows kp[nb ..] (count in all) and V's rows vp[..
+ * nb] are prefetched on the way. */
+static void PA_FN(sm_row_scores)(const pa_softmax_desc *d, const real *qi, const real *const *kp,
+                                 const real *const *vp, int64_t count, int64_t ip, int64_t j0,
+                                 int64_t nb, real *S)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, G = H / Hk, KB = SM_DECODE_KB;
     const real scale = (real)d->scale;
     for (int64_t c = 0; c < nb; c++) {
-        const int64_t j = j0 + c;
-        const real *kj = k + (PA_FN(sm_key_row)(rows, n, j) * Hk + kh) * Dk;
-        if (j + SM_DECODE_AHEAD < jlimit)
-            PA_FN(sm_prefetch_row)(k + (PA_FN(sm_key_row)(rows, n, j + SM_DECODE_AHEAD) * Hk + kh) * Dk,
-                                   Dk);
-        for (int64_t g = 0; g < G; g++)
-            S[g * KB + c] = PA_FN(sm_score)(scale * PA_FN(dot)(qi + g * Dk, kj, Dk), d->softcap,
-                                            PA_FN(sm_slope)(d, kh * G + g), ip - j, NULL);
+        if (c + SM_DECODE_AHEAD < count) PA_FN(sm_prefetch)(kp[c + SM_DECODE_AHEAD], Hk * Dk);
+        if (vp) PA_FN(sm_prefetch)(vp[c], Hk * d->Dv);
+        for (int64_t kh = 0; kh < Hk; kh++) {
+            const real *kr = kp[c] + kh * Dk;
+            int64_t g = 0;
+            for (; g + 4 <= G; g += 4) { /* four heads share each load of the key */
+                const real *q0 = qi + (kh * G + g) * Dk;
+                vreal a0 = PA_FN(vset)(0), a1 = a0, a2 = a0, a3 = a0;
+                int64_t e = 0;
+                for (; e + VL <= Dk; e += VL) {
+                    const vreal kv = PA_FN(vload)(kr + e);
+                    a0 += PA_FN(vload)(q0 + e) * kv;
+                    a1 += PA_FN(vload)(q0 + Dk + e) * kv;
+                    a2 += PA_FN(vload)(q0 + 2 * Dk + e) * kv;
+                    a3 += PA_FN(vload)(q0 + 3 * Dk + e) * kv;
+                }
+                real x[4] = {PA_FN(hsum)(a0), PA_FN(hsum)(a1), PA_FN(hsum)(a2), PA_FN(hsum)(a3)};
+                for (; e < Dk; e++)
+                    for (int r = 0; r < 4; r++) x[r] += q0[r * Dk + e] * kr[e];
+                for (int r = 0; r < 4; r++) S[(kh * G + g + r) * KB + c] = scale * x[r];
+            }
+            for (; g < G; g++)
+                S[(kh * G + g) * KB + c] = scale * PA_FN(dot)(qi + (kh * G + g) * Dk, kr, Dk);
+        }
     }
+    if (d->softcap > 0 || d->alibi)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t c = 0; c < nb; c++)
+                S[h * KB + c] = PA_FN(sm_score)(S[h * KB + c], d->softcap, PA_FN(sm_slope)(d, h),
+                                                ip - j0 - c, NULL);
+}
+
+/* acc[r * Dv ..][0, Dv) += sum_c P[r * SM_DECODE_KB + c] (vp[c] + off)[0, Dv) for the R <= 4
+ * heads r of one KV head: the P V product of the decode, the heads sharing every load of V
+ * and their accumulators held in registers across the keys. R is a constant where inlined. */
+static inline __attribute__((always_inline)) void PA_FN(sm_pv)(real *acc, int64_t Dv,
+                                                               const real *P,
+                                                               const real *const *vp,
+                                                               int64_t off, int64_t nb, int R)
+{
+    const int64_t KB = SM_DECODE_KB;
+    int64_t e = 0;
+    for (; e + 2 * VL <= Dv; e += 2 * VL) {
+        vreal a0[4], a1[4];
+        for (int r = 0; r < R; r++) {
+            a0[r] = PA_FN(vload)(acc + r * Dv + e);
+            a1[r] = PA_FN(vload)(acc + r * Dv + e + VL);
+        }
+        for (int64_t c = 0; c < nb; c++) {
+            const vreal v0 = PA_FN(vload)(vp[c] + off + e), v1 = PA_FN(vload)(vp[c] + off + e + VL);
+            for (int r = 0; r < R; r++) {
+                const vreal p = PA_FN(vset)(P[r * KB + c]);
+                a0[r] += p * v0;
+                a1[r] += p * v1;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            PA_FN(vstore)(acc + r * Dv + e, a0[r]);
+            PA_FN(vstore)(acc + r * Dv + e + VL, a1[r]);
+        }
+    }
+    for (; e < Dv; e++)
+        for (int r = 0; r < R; r++) {
+            real x = acc[r * Dv + e];
+            for (int64_t c = 0; c < nb; c++) x += P[r * KB + c] * vp[c][off + e];
+            acc[r * Dv + e] = x;
+        }
 }
 
 /* Cuts the visible ranges r (as sm_row_ranges gives them) to part s of S: the visible keys
@@ -607,55 +685,80 @@ static inline void PA_FN(sm_split_ranges)(int64_t r[2][2], int64_t s, int64_t S)
     r[1][1] = base1 + (b > n0 ? b - n0 : 0);
 }
 
-/* Flash decode, part s of S of the keys visible to query i of sequence n, for the G query
- * heads of KV head kh at once. A query row would fill one row of a GEMM tile, so no GEMM
- * here: keys in blocks of SM_DECODE_KB, each K and V row read once for the whole group, an
- * online softmax per head with the vectorised max and exp+sum passes. Writes the part's o
- * and lse at po, plse (rows as o's): 0 and -inf where the part has no key or its scores are
- * all -inf (the merge decides what that makes of the row). buf: G (SM_DECODE_KB + Dv + 2). */
+/* Scratch of one decode thread: scores [H, SM_DECODE_KB], accumulators [H, Dv], running max
+ * and sum [H], and the K and V row pointers of a key block. */
+typedef struct {
+    real *S, *acc, *m, *l;
+    const real **kp, **vp;
+    void *block;
+} PA_FN(sm_decode_scratch);
+
+static int PA_FN(sm_decode_scratch_alloc)(PA_FN(sm_decode_scratch) * s, const pa_softmax_desc *d)
+{
+    const size_t H = (size_t)d->H, KB = SM_DECODE_KB;
+    void **parts[] = {(void **)&s->S, (void **)&s->acc, (void **)&s->m, (void **)&s->l,
+                      (void **)&s->kp, (void **)&s->vp};
+    const size_t bytes[] = {sizeof(real) * H * KB, sizeof(real) * H * (size_t)d->Dv,
+                            sizeof(real) * H, sizeof(real) * H,
+                            sizeof(real *) * (KB + SM_DECODE_AHEAD),
+                            sizeof(real *) * (KB + SM_DECODE_AHEAD)};
+    s->block = pa_alloc_parts(parts, bytes, 6);
+    return s->block != NULL;
+}
+
+/* Flash decode, part s of S of the keys visible to query i of sequence n, every head at
+ * once. A query row would fill one row of a GEMM tile, so no GEMM here: keys in blocks of
+ * SM_DECODE_KB, each K and V row (all KV heads) read once, in order, for every head; an
+ * online softmax per head with the vectorised max and exp+sum passes; P V with the heads of
+ * a KV head sharing each load of V. Writes the part's o and lse at po, plse (rows as o's):
+ * 0 and -inf where the part has no key or its scores are all -inf (the merge decides what
+ * that makes of the row). */
 static void PA_FN(sm_decode_part)(const pa_softmax_desc *d, const pa_key_rows *rows,
                                   const real *q, const real *k, const real *v, int64_t n,
-                                  int64_t kh, int64_t i, int64_t s, int64_t S, real *po,
-                                  real *plse, real *buf)
+                                  int64_t i, int64_t s, int64_t S, real *po, real *plse,
+                                  PA_FN(sm_decode_scratch) * w)
 {
     const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, G = H / Hk, KB = SM_DECODE_KB;
     const int64_t q0 = d->cu_q[n], tk = rows->end[n] - rows->start[n];
     const int64_t ip = i + tk - (d->cu_q[n + 1] - q0);
-    const real *qi = q + ((q0 + i) * H + kh * G) * Dk; /* the group's G query rows */
-    real *Sc = buf, *acc = Sc + G * KB, *m = acc + G * Dv, *l = m + G;
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -(real)INFINITY;
-        l[g] = 0;
+    const real *qi = q + (q0 + i) * H * Dk;
+    real *Sc = w->S, *acc = w->acc, *m = w->m, *l = w->l;
+    for (int64_t h = 0; h < H; h++) {
+        m[h] = -(real)INFINITY;
+        l[h] = 0;
     }
-    memset(acc, 0, sizeof(real) * G * Dv);
+    memset(acc, 0, sizeof(real) * H * Dv);
     int64_t ranges[2][2];
     PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, ranges);
     PA_FN(sm_split_ranges)(ranges, s, S);
     for (int rg = 0; rg < 2; rg++)
         for (int64_t jb = ranges[rg][0]; jb < ranges[rg][1]; jb += KB) {
             const int64_t nb = ranges[rg][1] - jb < KB ? ranges[rg][1] - jb : KB;
-            PA_FN(sm_group_scores)(d, rows, qi, k, n, kh, ip, jb, nb, ranges[rg][1], Sc);
-            for (int64_t g = 0; g < G; g++) {
-                PA_FN(sm_raise_max)(m + g, l + g, acc + g * Dv, Dv, PA_FN(row_max)(Sc + g * KB, nb));
+            const int64_t count =
+                PA_FN(sm_block_rows)(d, rows, k, v, n, jb, nb, ranges[rg][1], w->kp, w->vp);
+            PA_FN(sm_row_scores)(d, qi, w->kp, w->vp, count, ip, jb, nb, Sc);
+            for (int64_t h = 0; h < H; h++) {
+                PA_FN(sm_raise_max)(m + h, l + h, acc + h * Dv, Dv, PA_FN(row_max)(Sc + h * KB, nb));
                 /* m = -inf only while every score so far is -inf (see sm_forward_row) */
-                l[g] += PA_FN(row_exp_sum)(Sc + g * KB, nb, m[g] == -(real)INFINITY ? 0 : m[g]);
+                l[h] += PA_FN(row_exp_sum)(Sc + h * KB, nb, m[h] == -(real)INFINITY ? 0 : m[h]);
             }
-            for (int64_t c = 0; c < nb; c++) {
-                const int64_t j = jb + c;
-                const real *vj = v + (PA_FN(sm_key_row)(rows, n, j) * Hk + kh) * Dv;
-                if (j + SM_DECODE_AHEAD < ranges[rg][1])
-                    PA_FN(sm_prefetch_row)(
-                        v + (PA_FN(sm_key_row)(rows, n, j + SM_DECODE_AHEAD) * Hk + kh) * Dv, Dv);
-                for (int64_t g = 0; g < G; g++) PA_FN(axpy)(acc + g * Dv, vj, Dv, Sc[g * KB + c]);
+            for (int64_t kh = 0; kh < Hk; kh++) {
+                int64_t g = 0;
+                for (; g + 4 <= G; g += 4)
+                    PA_FN(sm_pv)(acc + (kh * G + g) * Dv, Dv, Sc + (kh * G + g) * KB, w->vp,
+                                 kh * Dv, nb, 4);
+                for (; g < G; g++)
+                    PA_FN(sm_pv)(acc + (kh * G + g) * Dv, Dv, Sc + (kh * G + g) * KB, w->vp,
+                                 kh * Dv, nb, 1);
             }
         }
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t row = (q0 + i) * H + kh * G + g;
-        if (l[g] == 0) {
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t row = (q0 + i) * H + h;
+        if (l[h] == 0) {
             memset(po + row * Dv, 0, sizeof(real) * Dv);
             plse[row] = -(real)INFINITY;
         } else {
-            PA_FN(sm_write_row)(po + row * Dv, plse + row, acc + g * Dv, Dv, m[g], l[g], 1);
+            PA_FN(sm_write_row)(po + row * Dv, plse + row, acc + h * Dv, Dv, m[h], l[h], 1);
         }
     }
 }
@@ -688,26 +791,26 @@ static void PA_FN(sm_decode_merge)(const real *po, const real *plse, int64_t S, 
 }
 
 /* colsum[n, h, j] += exp(s_ij - lse_i) over the queries i of sequence n that see key j, for
- * the heads of KV head kh and the keys j0 .. j1-1. buf: G * SM_DECODE_KB reals. */
+ * every head and the keys j0 .. j1-1. */
 static void PA_FN(sm_decode_colsum)(const pa_softmax_desc *d, const pa_key_rows *rows,
-                                    const real *q, const real *k, const real *lse, int64_t n,
-                                    int64_t kh, int64_t j0, int64_t j1, real *colsum,
-                                    int64_t clen, real *buf)
+                                    const real *q, const real *k, const real *v, const real *lse,
+                                    int64_t n, int64_t j0, int64_t j1, real *colsum, int64_t clen,
+                                    PA_FN(sm_decode_scratch) * w)
 {
-    const int64_t H = d->H, Dk = d->Dk, G = H / d->Hk, KB = SM_DECODE_KB;
+    const int64_t H = d->H, Dk = d->Dk, KB = SM_DECODE_KB;
     const int64_t q0 = d->cu_q[n], tq = d->cu_q[n + 1] - q0, tk = rows->end[n] - rows->start[n];
     for (int64_t i = 0; i < tq; i++) {
         const int64_t ip = i + tk - tq;
-        const real *qi = q + ((q0 + i) * H + kh * G) * Dk;
         int64_t ranges[2][2];
         PA_FN(sm_row_ranges)(d, ip, tk, j0, j1, ranges);
         for (int rg = 0; rg < 2; rg++)
             for (int64_t jb = j0 + ranges[rg][0]; jb < j0 + ranges[rg][1]; jb += KB) {
                 const int64_t nb = j0 + ranges[rg][1] - jb < KB ? j0 + ranges[rg][1] - jb : KB;
-                PA_FN(sm_group_scores)(d, rows, qi, k, n, kh, ip, jb, nb, j0 + ranges[rg][1], buf);
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t h = kh * G + g;
-                    real *cs = colsum + (n * H + h) * clen + jb, *p = buf + g * KB;
+                const int64_t count = PA_FN(sm_block_rows)(d, rows, k, v, n, jb, nb,
+                                                           j0 + ranges[rg][1], w->kp, w->vp);
+                PA_FN(sm_row_scores)(d, q + (q0 + i) * H * Dk, w->kp, NULL, count, ip, jb, nb, w->S);
+                for (int64_t h = 0; h < H; h++) {
+                    real *cs = colsum + (n * H + h) * clen + jb, *p = w->S + h * KB;
                     PA_FN(row_exp_sum)(p, nb, lse[(q0 + i) * H + h]);
                     for (int64_t c = 0; c < nb; c++) cs[c] += p[c];
                 }
@@ -718,8 +821,8 @@ static void PA_FN(sm_decode_colsum)(const pa_softmax_desc *d, const pa_key_rows 
 #define SM_SPLIT_MIN_KEYS 512   /* flash decoding splits no part below this many keys */
 #define SM_COLSUM_KEYS 1024     /* keys per work item of the column sums */
 
-/* Parts per query when the caller leaves it to us: enough (query, KV head) work items for
- * two per thread, each part at least SM_SPLIT_MIN_KEYS keys. */
+/* Parts per query when the caller leaves it to us: enough work items (query, part) for two
+ * per thread, each part at least SM_SPLIT_MIN_KEYS keys. */
 static int64_t PA_FN(sm_decode_splits)(int64_t units, int64_t maxk)
 {
     const int64_t threads = pa_get_num_threads(), want = 2 * threads;
@@ -735,7 +838,7 @@ static int PA_FN(softmax_decode)(const pa_softmax_desc *d, const pa_key_rows *ro
 {
     const real *q = qv, *k = kv, *v = vv;
     real *o = ov, *lse = lsev, *colsum = colsumv;
-    const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk, G = H / Hk, Dv = d->Dv;
+    const int64_t nseq = d->nseq, H = d->H, Dv = d->Dv;
     const int64_t nq = d->cu_q[nseq], R = nq * H;
     if (nq == 0) return PA_OK;
     int64_t maxk = 0, citems = 0;
@@ -747,11 +850,11 @@ static int PA_FN(softmax_decode)(const pa_softmax_desc *d, const pa_key_rows *ro
         const int64_t tk = rows->end[n] - rows->start[n];
         maxk = tk > maxk ? tk : maxk;
         work += (double)(d->cu_q[n + 1] - d->cu_q[n]) * (double)tk;
-        cfirst[n + 1] = cfirst[n] + (colsum ? (tk + SM_COLSUM_KEYS - 1) / SM_COLSUM_KEYS * Hk : 0);
+        cfirst[n + 1] = cfirst[n] + (colsum ? (tk + SM_COLSUM_KEYS - 1) / SM_COLSUM_KEYS : 0);
     }
     citems = cfirst[nseq];
-    const int64_t S = num_splits > 0 ? num_splits : PA_FN(sm_decode_splits)(nq * Hk, maxk);
-    const int64_t items = nq * Hk * S;
+    const int64_t S = num_splits > 0 ? num_splits : PA_FN(sm_decode_splits)(nq, maxk);
+    const int64_t items = nq * S;
     real *po = pa_alloc(sizeof(real) * (size_t)(S * R * (Dv + 1)));
     if (!po) {
         free(cfirst);
@@ -763,16 +866,16 @@ static int PA_FN(softmax_decode)(const pa_softmax_desc *d, const pa_key_rows *ro
                                        items > citems ? items : citems);
 #pragma omp parallel num_threads(threads)
     {
-        real *buf = pa_alloc(sizeof(real) * G * (SM_DECODE_KB + Dv + 2));
-        int ok = pa_scratch_ok(buf != NULL, &failed);
+        PA_FN(sm_decode_scratch) w;
+        int ok = pa_scratch_ok(PA_FN(sm_decode_scratch_alloc)(&w, d), &failed);
         int64_t n = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++) {
-            const int64_t s = t % S, kh = t / S % Hk, row = t / S / Hk;
+            const int64_t s = t % S, row = t / S;
             while (row >= d->cu_q[n + 1]) n++;
             if (ok)
-                PA_FN(sm_decode_part)(d, rows, q, k, v, n, kh, row - d->cu_q[n], s, S,
-                                      po + s * R * Dv, plse + s * R, buf);
+                PA_FN(sm_decode_part)(d, rows, q, k, v, n, row - d->cu_q[n], s, S, po + s * R * Dv,
+                                      plse + s * R, &w);
         }
         n = 0;
 #pragma omp for schedule(static)
@@ -787,14 +890,13 @@ static int PA_FN(softmax_decode)(const pa_softmax_desc *d, const pa_key_rows *ro
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < citems; t++) {
             while (t >= cfirst[n + 1]) n++;
-            const int64_t local = t - cfirst[n], kh = local % Hk;
-            const int64_t tk = rows->end[n] - rows->start[n], j0 = local / Hk * SM_COLSUM_KEYS;
+            const int64_t tk = rows->end[n] - rows->start[n], j0 = (t - cfirst[n]) * SM_COLSUM_KEYS;
             if (ok)
-                PA_FN(sm_decode_colsum)(d, rows, q, k, lse, n, kh, j0,
+                PA_FN(sm_decode_colsum)(d, rows, q, k, v, lse, n, j0,
                                         j0 + SM_COLSUM_KEYS < tk ? j0 + SM_COLSUM_KEYS : tk,
-                                        colsum, clen, buf);
+                                        colsum, clen, &w);
         }
-        free(buf);
+        if (ok) free(w.block);
     }
     free(po);
     free(cfirst);
