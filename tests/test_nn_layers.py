@@ -174,3 +174,18 @@ def test_mixer_gradient(rng, name):
     x = rng.standard_normal((2, 19, 8))
     check_layer(rng, lambda: mixer.forward(x), lambda dy: {"x": mixer.backward(dy)}, {"x": x}, mixer,
                 samples=2)
+
+
+def test_grow_cache_keeps_rows_and_reaches_any_size():
+    """A cache grows to at least twice its capacity, and to the rows asked for when that is
+    more; the filled rows survive, the new ones are zero."""
+    from pyattn.nn.layers import grow_cache
+    cache = {"k": np.arange(12.0).reshape(1, 3, 2, 2), "v": np.ones((1, 3, 2, 1))}
+    grow_cache(cache, ("k", "v"), 3)
+    assert cache["k"].shape[1] == 3
+    grow_cache(cache, ("k", "v"), 4)
+    assert cache["k"].shape == (1, 6, 2, 2) and cache["v"].shape == (1, 6, 2, 1)
+    np.testing.assert_array_equal(cache["k"][:, :3], np.arange(12.0).reshape(1, 3, 2, 2))
+    assert np.all(cache["k"][:, 3:] == 0) and np.all(cache["v"][:, 3:] == 0)
+    grow_cache(cache, ("k", "v"), 20)
+    assert cache["k"].shape[1] == 20 and cache["v"].shape[1] == 20

@@ -8,7 +8,7 @@ computed as one 2-D BLAS GEMM over all (batch, time) rows.
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -330,6 +330,19 @@ class Rotary:
 
     def backward(self, *dys: np.ndarray):
         return tuple(rotate(dy, self.cos, self.sin, -1) for dy in dys)
+
+
+def grow_cache(cache: dict, names: Sequence[str], rows: int) -> None:
+    """Makes the arrays ``cache[name]`` (``[B, capacity, ...]``) hold at least ``rows``
+    positions, at least doubling the capacity when they grow (appends stay amortised O(1));
+    the filled rows are kept."""
+    capacity = cache[names[0]].shape[1]
+    if rows <= capacity:
+        return
+    extra = max(rows, 2 * capacity) - capacity
+    for name in names:
+        a = cache[name]
+        cache[name] = np.concatenate([a, np.zeros((a.shape[0], extra) + a.shape[2:], a.dtype)], axis=1)
 
 
 class Mixer(Module):

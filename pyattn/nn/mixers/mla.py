@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...autodiff import vjp
-from ...mla import mla_attention
-from ..layers import Mixer, RMSNorm, Rotary, linear, normal
+from ...mla import _by_head, _by_head_t, mla_attention
+from ...softmax import attention_with_kvcache
+from ..layers import Mixer, RMSNorm, Rotary, grow_cache, linear, normal
 
 
 class MultiHeadLatentAttention(Mixer):
@@ -19,9 +20,11 @@ class MultiHeadLatentAttention(Mixer):
     head_dim / 2, even), ``latent_dim`` (Dc, default 4 head_dim, DeepSeek-V2's ratio),
     ``form`` of training ("naive", default, or "absorbed"), ``rope_theta``.
 
-    Decoding caches only the latent rows ``c_kv`` and ``k_rope`` (``Dc + Dr`` numbers a
-    position, whatever the head count) and attends in the absorbed form, ``w_uk`` folded into
-    the query and ``w_uv`` into the output. Differs from DeepSeek-V2: no low-rank query
+    Decoding caches only latent rows, whatever the head count: one KV head of keys
+    ``[c_kv ; k_rope]`` and values ``c_kv`` (``2 Dc + Dr`` numbers a position: the kernel
+    reads keys and values from separate arrays), and attends in the absorbed form through
+    ``pyattn.attention_with_kvcache``, ``w_uk`` folded into the query and ``w_uv`` into the
+    output. Differs from DeepSeek-V2: no low-rank query
     projection (``q_lora_rank``) and no YaRN scaling of the rotary part.
     """
 
@@ -45,8 +48,8 @@ class MultiHeadLatentAttention(Mixer):
         self.rotary = Rotary(Dr, rope_theta)
 
     def new_cache(self, batch, max_len):
-        return {"c_kv": np.zeros((batch, max_len, self.Dc), self.dtype),
-                "k_rope": np.zeros((batch, max_len, self.Dr), self.dtype), "len": 0}
+        return {"k": np.zeros((batch, max_len, 1, self.Dc + self.Dr), self.dtype),
+                "v": np.zeros((batch, max_len, 1, self.Dc), self.dtype), "len": 0}
 
     def _mix(self, x, cache, pos):
         B, T, _ = x.shape
@@ -70,15 +73,13 @@ class MultiHeadLatentAttention(Mixer):
         and attends the new queries over every filled row in the absorbed form."""
         q_nope, q_rope, c_kv, k_rope, w_uk, w_uv = args
         n, T = cache["len"], c_kv.shape[1]
-        if n + T > cache["c_kv"].shape[1]:
-            grow = max(n + T, 2 * cache["c_kv"].shape[1]) - cache["c_kv"].shape[1]
-            for name in ("c_kv", "k_rope"):
-                cache[name] = np.concatenate([cache[name], np.zeros_like(cache[name][:, :grow])], axis=1)
-        cache["c_kv"][:, n:n + T] = c_kv
-        cache["k_rope"][:, n:n + T] = k_rope
+        grow_cache(cache, ("k", "v"), n + T)
+        q = np.concatenate([_by_head(q_nope, w_uk), q_rope], axis=3)
+        k = np.concatenate([c_kv, k_rope], axis=2)[:, :, None, :]
+        o = attention_with_kvcache(q, cache["k"], cache["v"], np.full(q.shape[0], n), k=k,
+                                   v=c_kv[:, :, None, :], scale=(self.Dn + self.Dr) ** -0.5)
         cache["len"] = n + T
-        return mla_attention(q_nope, q_rope, cache["c_kv"][:, :n + T], cache["k_rope"][:, :n + T],
-                             w_uk, w_uv, causal=True, form="absorbed")
+        return _by_head_t(o, w_uv)
 
     def backward(self, dy):
         B, T, _ = dy.shape

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...autodiff import vjp
-from ...softmax import softmax_attention
-from ..layers import Mixer, Rotary, linear, normal
+from ...softmax import attention_with_kvcache, softmax_attention
+from ..layers import Mixer, Rotary, grow_cache, linear, normal
 
 
 class SoftmaxAttention(Mixer):
@@ -19,7 +19,8 @@ class SoftmaxAttention(Mixer):
     to every query, StreamingLLM's attention sinks), ``rope_theta`` (10000).
 
     Decoding keeps a preallocated KV cache per layer (``[B, max_len, Hk, D]``, doubled when a
-    step would overflow it) and attends over its filled part. Differs from fla: no qkv
+    step would overflow it): ``pyattn.attention_with_kvcache`` writes each step's keys into it
+    in place and attends over its filled part. Differs from fla: no qkv
     bias or qk norm options.
     """
 
@@ -61,14 +62,11 @@ class SoftmaxAttention(Mixer):
         filled rows (bottom-right causal: the new queries are the last rows). The one place
         that decoding touches the cache."""
         n, T = cache["len"], k.shape[1]
-        if n + T > cache["k"].shape[1]:
-            grow = max(n + T, 2 * cache["k"].shape[1]) - cache["k"].shape[1]
-            for name in ("k", "v"):
-                cache[name] = np.concatenate([cache[name], np.zeros_like(cache[name][:, :grow])], axis=1)
-        cache["k"][:, n:n + T] = k
-        cache["v"][:, n:n + T] = v
+        grow_cache(cache, ("k", "v"), n + T)
+        o = attention_with_kvcache(q, cache["k"], cache["v"], np.full(q.shape[0], n), k=k, v=v,
+                                   **self.mask)
         cache["len"] = n + T
-        return softmax_attention(q, cache["k"][:, :n + T], cache["v"][:, :n + T], **self.mask)
+        return o
 
     def backward(self, dy):
         B, T, _ = dy.shape
