@@ -37,6 +37,17 @@ def softmax_forward(
 ) -> None:
     """Writes o [B, Tq, H, Dv] and lse [B, Tq, H] in place."""
 
+def softmax_decode(
+    q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, cu_q: _Int64,
+    start: _Int64, end: _Int64, block_table: Optional[npt.NDArray[np.int32]], num_splits: int,
+    colsum: Optional[_Float], causal: bool, window_left: int, window_right: int, sinks: int,
+    alibi_slopes: Optional[_Float], softcap: float, scale: float, /,
+) -> None:
+    """Few queries (q [B, Tq, H, Dk] placed by cu_q) against keys in place: sequence n's key j
+    at row start[n] + j of k [A, R, Hk, Dk] / v [A, R, Hk, Dv] seen as A R rows, or with
+    block_table [N, max_blocks] at row j % R of block block_table[n, j // R]. Writes o and
+    lse in place; adds the attention probabilities into colsum [N, H, L] when given."""
+
 def softmax_backward(
     q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, do: _Float,
     dlse: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -11,7 +11,8 @@ import numpy as np
 class OpInfo:
     """What a test, the report or a benchmark needs to know about an op.
 
-    fn: the public callable. forms: its forms, default first. arrays: its array arguments in
+    fn: the public callable. forms: its forms, default first (empty for an op without a
+    ``form`` argument, such as attention_with_kvcache). arrays: its array arguments in
     positional order; differentiable: the array arguments, positional or keyword, that get a
     gradient from pyattn.vjp when given (linear_attention's performer projection, passed
     inside feature_map_params, also gets one, keyed "projection"). has_state:
@@ -32,8 +33,13 @@ class OpInfo:
     options: Dict[str, object] = field(default_factory=dict)
 
     @property
-    def default_form(self) -> str:
-        return self.forms[0]
+    def default_form(self) -> Optional[str]:
+        return self.forms[0] if self.forms else None
+
+    def form_calls(self) -> Tuple[Tuple[str, Dict[str, str]], ...]:
+        """(label, keyword arguments) of a call in each form: ``form=...`` for each form, one
+        call without it ("-") for an op that has no forms."""
+        return tuple((f, {"form": f}) for f in self.forms) or (("-", {}),)
 
 
 def _softmax_example(rng: np.random.Generator, dtype=np.float64, tiny=False):
@@ -131,8 +137,23 @@ def _mla_example(rng, dtype=np.float64, tiny=False):
     return tuple(x.astype(dtype) for x in (q_nope, q_rope, c_kv, k_rope, w_uk, w_uv)), dict(causal=True)
 
 
+def _kvcache_example(rng, dtype=np.float64, tiny=False):
+    """New queries and keys into a paged cache (shuffled blocks, spare ones), GQA, window,
+    sinks and softcap: cache_seqlens, the new k, v and block_table are keyword arguments."""
+    B, Tq, H, Hk, D, Dv, bs, nblk, lens = ((1, 1, 2, 1, 3, 2, 2, 3, (3,)) if tiny else
+                                           (2, 3, 4, 2, 16, 8, 8, 4, (20, 7)))
+    q = rng.standard_normal((B, Tq, H, D)).astype(dtype)
+    k_cache = rng.standard_normal((B * nblk + 1, bs, Hk, D)).astype(dtype)
+    v_cache = rng.standard_normal((B * nblk + 1, bs, Hk, Dv)).astype(dtype)
+    k = rng.standard_normal((B, Tq, Hk, D)).astype(dtype)
+    v = rng.standard_normal((B, Tq, Hk, Dv)).astype(dtype)
+    table = rng.permutation(B * nblk + 1)[:B * nblk].reshape(B, nblk).astype(np.int32)
+    return (q, k_cache, v_cache), dict(cache_seqlens=np.array(lens), k=k, v=v, block_table=table,
+                                       window=(9, 0), sinks=1, softcap=4.0, return_lse=True)
+
+
 def build_ops() -> Dict[str, OpInfo]:
-    from .softmax import FORMS as SOFTMAX_FORMS, softmax_attention
+    from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, softmax_attention
     from . import delta, linear
     from .mla import FORMS as MLA_FORMS, mla_attention
 
@@ -147,6 +168,18 @@ def build_ops() -> Dict[str, OpInfo]:
             chunked=False,
             example=_softmax_example,
             description="softmax attention: causal/window/sinks/ALiBi/softcap, GQA, varlen",
+        ),
+        "attention_with_kvcache": OpInfo(
+            name="attention_with_kvcache",
+            fn=attention_with_kvcache,
+            forms=(),
+            arrays=("q", "k_cache", "v_cache"),
+            differentiable=("q", "k_cache", "v_cache", "k", "v"),
+            has_state=False,
+            chunked=False,
+            example=_kvcache_example,
+            description="decode over a KV cache (contiguous or paged), new keys written in place, "
+                        "flash-decoding splits",
         ),
         "mla_attention": OpInfo(
             name="mla_attention",

@@ -73,10 +73,12 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
                            scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
-                           block_table=None, num_splits=None, return_lse=False, return_colsum=False):
+                           block_table=None, num_splits=None, return_lse=False, return_colsum=False,
+                           return_caches=False):
     """Writes k, v into float64 copies of the caches position by position, reads each
     sequence's first cache_seqlens[b] + Tnew positions back out, and attends over them.
-    Returns the op's outputs, then the written caches (the op writes them in place)."""
+    Returns the op's outputs, then with return_caches the written copies of the caches (the
+    op writes into its caches in place)."""
     q = np.asarray(q, dtype=np.float64)
     kc, vc = (np.array(c, dtype=np.float64) for c in (k_cache, v_cache))
     B, Tq, H, Dk = q.shape
@@ -107,7 +109,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
                 for j, sj in zip(keys, s):
                     colsum[b, h, j] += np.exp(sj - lse[b, i, h])
     out = (o,) + ((lse,) if return_lse else ()) + ((colsum,) if return_colsum else ())
-    return out + (kc, vc)
+    out += (kc, vc) if return_caches else ()
+    return out[0] if len(out) == 1 else out
 
 
 def mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, causal=True, scale=None, form=None):

@@ -74,8 +74,8 @@ def check_op(name: str, seed: int = 0) -> List[Row]:
     tiny_args, tiny_kwargs = info.example(np.random.default_rng(seed + 1), np.float64, tiny=True)
     args32, kwargs32 = _cast(args, kwargs, np.float32)
     rows = []
-    for form in info.forms:
-        kw64, kw32 = {**kwargs, "form": form}, {**kwargs32, "form": form}
+    for form, form_kw in info.form_calls():
+        kw64, kw32 = {**kwargs, **form_kw}, {**kwargs32, **form_kw}
         out64, pull64 = vjp(info.fn, *args, **kw64)
         out32, pull32 = vjp(info.fn, *args32, **kw32)
         err64, err32 = _max_err(out64, ref), _max_err(out32, ref)
@@ -85,7 +85,7 @@ def check_op(name: str, seed: int = 0) -> List[Row]:
                      if isinstance(cot, tuple) else cot.astype(np.float32))
         grad32 = max(rel_rms(g32[k], g64[k]) for k in g64)
         try:
-            fd = gradcheck(info.fn, tiny_args, {**tiny_kwargs, "form": form})
+            fd = gradcheck(info.fn, tiny_args, {**tiny_kwargs, **form_kw})
             grad_fd, fd_ok = f"ok {max(fd.values()):.1e}", True
         except AssertionError as e:
             grad_fd, fd_ok = f"FAIL: {e}", False

@@ -417,14 +417,13 @@ def _attention_with_kvcache_vjp(q, k_cache, v_cache, cache_seqlens, *, k=None, v
     call = _KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
                    alibi_slopes, softcap, block_table, num_splits)
     call.write()
+    o, lse = call.forward(None)
     # the pullback works on a copy of the keys read, so later writes into the caches (the
     # next decode step's) do not change it
     qp, kp, vp, cu_q, cu_k = call.gathered()
     B, Tq, H, _ = call.q.shape
-    op = np.empty((1, B * Tq, H, vp.shape[3]), dtype=qp.dtype)
-    lsep = np.empty((1, B * Tq, H), dtype=qp.dtype)
+    op, lsep = o.reshape(1, B * Tq, H, -1), lse.reshape(1, B * Tq, H)
     opts = (cu_q, cu_k, _core.FORM_FLASH) + call.opts
-    _core.softmax_forward(qp, kp, vp, op, lsep, *opts)
     b, j, rows, _ = call.key_rows()
     old = j < call.seqlens[b]
     read = np.sort(rows[old]) if call.table is not None else None
@@ -458,5 +457,4 @@ def _attention_with_kvcache_vjp(q, k_cache, v_cache, cache_seqlens, *, k=None, v
             grads["v"] = dv[0][~old].reshape(call.vn.shape)
         return grads
 
-    o, lse = op.reshape(B, Tq, H, -1), lsep.reshape(B, Tq, H)
     return ((o, lse) if return_lse else o), pullback

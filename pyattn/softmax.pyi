@@ -30,3 +30,13 @@ def softmax_attention(
 def merge_attention_states(
     os: Sequence[npt.ArrayLike], lses: Sequence[npt.ArrayLike]
 ) -> Tuple[_Array, _Array]: ...
+
+def attention_with_kvcache(
+    q: npt.ArrayLike, k_cache: _Array, v_cache: _Array, cache_seqlens: npt.ArrayLike, *,
+    k: Optional[npt.ArrayLike] = ..., v: Optional[npt.ArrayLike] = ..., causal: bool = ...,
+    scale: Optional[float] = ..., window: Optional[Union[Tuple[int, int], Sequence[int], npt.NDArray[np.integer]]] = ...,
+    sinks: int = ..., alibi_slopes: Optional[npt.ArrayLike] = ..., softcap: float = ...,
+    block_table: Optional[npt.ArrayLike] = ..., num_splits: int = ..., return_lse: bool = ...,
+    return_colsum: bool = ...,
+) -> Union[_Array, Tuple[_Array, _Array], Tuple[_Array, _Array, _Array]]:
+    """o; (o, lse) with return_lse; colsum [B, H, capacity] appended with return_colsum."""

@@ -42,6 +42,9 @@ def _every_family():
         "efficient_attention": pyattn.efficient_attention(_Q, _K, _V),
         "gated_delta_rule": pyattn.gated_delta_rule(_Q, _K, _V, _G, np.full(_G.shape, 0.5),
                                                     qk_l2norm=True)[0],
+        # the decode kernel: one query per sequence over its keys, split across threads
+        "attention_with_kvcache": pyattn.attention_with_kvcache(_Q[:, :1], _K.copy(), _V.copy(),
+                                                                np.array([255, 200]), num_splits=4),
     }
 
 

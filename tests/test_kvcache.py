@@ -59,7 +59,8 @@ def test_against_oracle(rng, dtype, block_size, mask, Tq, Tnew, num_splits):
     q, kc, vc, seqlens, k, v, table = make(rng, dtype, Tq=Tq, Tnew=Tnew, block_size=block_size)
     opts = options(MASKS[mask], q.shape[2], rng, dtype)
     ro, rlse, rcol, rkc, rvc = reference.attention_with_kvcache(
-        q, kc, vc, seqlens, k=k, v=v, block_table=table, return_lse=True, return_colsum=True, **opts)
+        q, kc, vc, seqlens, k=k, v=v, block_table=table, return_lse=True, return_colsum=True,
+        return_caches=True, **opts)
     o, lse, col = pyattn.attention_with_kvcache(q, kc, vc, seqlens, k=k, v=v, block_table=table,
                                                 num_splits=num_splits, return_lse=True,
                                                 return_colsum=True, **opts)
