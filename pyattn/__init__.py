@@ -22,6 +22,7 @@ from .linear import (efficient_attention, gla, lightning_attention, linear_atten
                      retention, simple_gla)
 from .rope import rope
 from .softmax import attention_with_kvcache, merge_attention_states, softmax_attention
+from .sparse import moba_attention
 from .train import plot_history, train
 from ._ops import OpInfo, build_ops
 from . import nn
@@ -123,6 +124,7 @@ __all__ = [
     "attention_with_kvcache",
     "merge_attention_states",
     "mla_attention",
+    "moba_attention",
     "num_threads",
     "plot_history",
     "reference",
