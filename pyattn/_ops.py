@@ -152,10 +152,19 @@ def _kvcache_example(rng, dtype=np.float64, tiny=False):
                                        window=(9, 0), sinks=1, softcap=4.0, return_lse=True)
 
 
+def _moba_example(rng, dtype=np.float64, tiny=False):
+    B, T, H, Hk, D, Dv, bs, top_k = (1, 9, 2, 1, 3, 2, 3, 2) if tiny else (2, 150, 4, 2, 16, 12, 16, 3)
+    q = rng.standard_normal((B, T, H, D)).astype(dtype)
+    k = rng.standard_normal((B, T, Hk, D)).astype(dtype)
+    v = rng.standard_normal((B, T, Hk, Dv)).astype(dtype)
+    return (q, k, v), dict(block_size=bs, top_k=top_k, causal=True)
+
+
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, softmax_attention
     from . import delta, linear
     from .mla import FORMS as MLA_FORMS, mla_attention
+    from .sparse import moba_attention
 
     return {
         "softmax_attention": OpInfo(
@@ -180,6 +189,18 @@ def build_ops() -> Dict[str, OpInfo]:
             example=_kvcache_example,
             description="decode over a KV cache (contiguous or paged), new keys written in place, "
                         "flash-decoding splits",
+        ),
+        "moba_attention": OpInfo(
+            name="moba_attention",
+            fn=moba_attention,
+            forms=(),
+            arrays=("q", "k", "v"),
+            differentiable=("q", "k", "v"),
+            has_state=False,
+            chunked=False,
+            example=_moba_example,
+            description="MoBA: each query's own key block and its top_k - 1 best past blocks "
+                        "(by q . mean(k_block)), over the flash kernel",
         ),
         "mla_attention": OpInfo(
             name="mla_attention",
