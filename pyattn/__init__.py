@@ -22,7 +22,7 @@ from .linear import (efficient_attention, gla, lightning_attention, linear_atten
                      retention, simple_gla)
 from .rope import rope
 from .softmax import attention_with_kvcache, merge_attention_states, softmax_attention
-from .sparse import moba_attention
+from .sparse import linformer_attention, moba_attention
 from .train import plot_history, train
 from ._ops import OpInfo, build_ops
 from . import nn
@@ -123,6 +123,7 @@ __all__ = [
     "mamba2",
     "attention_with_kvcache",
     "merge_attention_states",
+    "linformer_attention",
     "mla_attention",
     "moba_attention",
     "num_threads",

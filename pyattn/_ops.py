@@ -160,11 +160,20 @@ def _moba_example(rng, dtype=np.float64, tiny=False):
     return (q, k, v), dict(block_size=bs, top_k=top_k, causal=True)
 
 
+def _linformer_example(rng, dtype=np.float64, tiny=False):
+    B, Tq, T, S, H, Hk, D, Dv = (1, 3, 5, 2, 2, 1, 3, 2) if tiny else (2, 60, 150, 32, 4, 2, 16, 12)
+    q = rng.standard_normal((B, Tq, H, D)).astype(dtype)
+    k = rng.standard_normal((B, T, Hk, D)).astype(dtype)
+    v = rng.standard_normal((B, T, Hk, Dv)).astype(dtype)
+    E, F = (rng.standard_normal((S, T)).astype(dtype) * T ** -0.5 for _ in range(2))
+    return (q, k, v, E, F), {}
+
+
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, softmax_attention
     from . import delta, linear
     from .mla import FORMS as MLA_FORMS, mla_attention
-    from .sparse import moba_attention
+    from .sparse import linformer_attention, moba_attention
 
     return {
         "softmax_attention": OpInfo(
@@ -201,6 +210,18 @@ def build_ops() -> Dict[str, OpInfo]:
             example=_moba_example,
             description="MoBA: each query's own key block and its top_k - 1 best past blocks "
                         "(by q . mean(k_block)), over the flash kernel",
+        ),
+        "linformer_attention": OpInfo(
+            name="linformer_attention",
+            fn=linformer_attention,
+            forms=(),
+            arrays=("q", "k", "v", "E", "F"),
+            differentiable=("q", "k", "v", "E", "F"),
+            has_state=False,
+            chunked=False,
+            example=_linformer_example,
+            description="Linformer: softmax attention over keys and values projected along time "
+                        "by E and F [S, T]",
         ),
         "mla_attention": OpInfo(
             name="mla_attention",

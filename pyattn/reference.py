@@ -610,3 +610,21 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
                 p = np.exp(s_ij - s_ij.max())
                 o[b, i, h] = p @ v[b, keys, kh] / p.sum()
     return o
+
+
+def linformer_attention(q, k, v, E, F, *, scale=None):
+    """Per (batch, head): k' = E k and v' = F v over time, then softmax over the S rows."""
+    q, k, v, E, F = (np.asarray(x, dtype=np.float64) for x in (q, k, v, E, F))
+    B, Tq, H, Dk = q.shape
+    Hk = k.shape[2]
+    scale = Dk ** -0.5 if scale is None else scale
+    o = np.zeros(q.shape[:3] + (v.shape[3],))
+    for b in range(B):
+        for h in range(H):
+            kh = h // (H // Hk)
+            kp, vp = E @ k[b, :, kh], F @ v[b, :, kh]
+            for i in range(Tq):
+                s = scale * kp @ q[b, i, h]
+                p = np.exp(s - s.max())
+                o[b, i, h] = p @ vp / p.sum()
+    return o

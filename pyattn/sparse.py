@@ -1,4 +1,5 @@
-"""Sparse softmax attention over the flash kernel: MoBA (mixture of block attention).
+"""Sparse softmax attention over the flash kernel: MoBA (mixture of block attention), and
+Linformer's attention over projected keys.
 
 A MoBA query attends to a few key blocks: its own (causal inside it) and the past blocks
 whose mean key best matches it. The kernel work is two flash calls and no score matrix:
@@ -210,3 +211,74 @@ def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, 
                 "v": dv.reshape(B, T, c.Hk, c.Dv)}
 
     return o.reshape(c.shape[:3] + (c.Dv,)), pullback
+
+
+def _linformer_prepare(q, k, v, E, F, scale):
+    fn = "linformer_attention"
+    arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v, E=E, F=F)
+    q, k, v, E, F = (arrs[x] for x in ("q", "k", "v", "E", "F"))
+    V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
+    V.ndim(fn, "k", k, 4, "[B, T, Hk, Dk]")
+    V.ndim(fn, "v", v, 4, "[B, T, Hk, Dv]")
+    V.ndim(fn, "E", E, 2, "[S, T]")
+    B, Tq, H, D = q.shape
+    V.same(fn, "batch sizes", {"q": B, "k": k.shape[0], "v": v.shape[0]})
+    V.same(fn, "key lengths", {"k": k.shape[1], "v": v.shape[1], "E's columns": E.shape[1]})
+    V.same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
+    V.same(fn, "key head dims", {"q": D, "k": k.shape[3]})
+    V.divides(fn, "k", k.shape[2], "heads", "q", H)
+    V.shape(fn, "F", F, E.shape, "[S, T] as E")
+    if D < 1 or v.shape[3] < 1 or E.shape[0] < 1:
+        raise ValueError(f"{fn}(): head dims and S must be >= 1, got Dk={D}, Dv={v.shape[3]}, S={E.shape[0]}")
+    return q, k, v, E, F, V.scale(fn, scale, D ** -0.5, dtype)
+
+
+def _project(P, x):
+    """P [S, T] applied along time to x [B, T, Hk, D]: [B, S, Hk, D]."""
+    B, T = x.shape[:2]
+    return np.ascontiguousarray((P @ x.reshape(B, T, -1)).reshape((B, P.shape[0]) + x.shape[2:]))
+
+
+def _linformer_opts(q, kp, scale):
+    B, Tq = q.shape[:2]
+    return (V.batch_offsets(B, Tq), V.batch_offsets(B, kp.shape[1]), _core.FORM_FLASH, False, -1, -1, 0,
+            None, 0.0, scale)
+
+
+def linformer_attention(q, k, v, E, F, *, scale=None):
+    """Linformer: softmax attention over S projected keys and values, ``k' = E k`` and ``v' =
+    F v`` along time (``E, F [S, T]`` shared by the batch and the heads), non-causal.
+
+    q ``[B, Tq, H, Dk]``, k ``[B, T, Hk, Dk]``, v ``[B, T, Hk, Dv]`` (GQA as
+    ``softmax_attention``), one float dtype for all five arrays. ``o_i = sum_s softmax_s(scale
+    q_i.k'_s) v'_s`` (scale ``Dk ** -0.5`` unless given), computed by the flash kernel over
+    the S projected rows. Returns ``o [B, Tq, H, Dv]``. Differentiable in q, k, v, E and F.
+    """
+    q, k, v, E, F, scale = _linformer_prepare(q, k, v, E, F, scale)
+    kp, vp = _project(E, k), _project(F, v)
+    opts = _linformer_opts(q, kp, scale)
+    return _flash(q, kp, vp, opts[0], opts[1], opts[2:])[0]
+
+
+@register_vjp(linformer_attention)
+def _linformer_attention_vjp(q, k, v, E, F, *, scale=None):
+    q, k, v, E, F, scale = _linformer_prepare(q, k, v, E, F, scale)
+    kp, vp = _project(E, k), _project(F, v)
+    opts = _linformer_opts(q, kp, scale)
+    o, lse = _flash(q, kp, vp, opts[0], opts[1], opts[2:])
+
+    def pullback(do):
+        arrs, _ = V.float_arrays("linformer_attention pullback", q=q, do=do)
+        do = arrs["do"]
+        V.shape("linformer_attention pullback", "do", do, o.shape, "[B, Tq, H, Dv]")
+        dq, dkp, dvp = np.empty_like(q), np.empty_like(kp), np.empty_like(vp)
+        _core.softmax_backward(q, kp, vp, o, lse, do, None, dq, dkp, dvp, *opts)
+        B, T = k.shape[:2]
+        grads = {"q": dq}
+        for name, pname, x, P, g in (("k", "E", k, E, dkp), ("v", "F", v, F, dvp)):
+            g2, x2 = g.reshape(B, P.shape[0], -1), x.reshape(B, T, -1)
+            grads[name] = (P.T @ g2).reshape(x.shape)
+            grads[pname] = np.einsum("bsc,btc->st", g2, x2, optimize=True)
+        return grads
+
+    return o, pullback

@@ -137,3 +137,52 @@ def test_bad_arrays(rng):
            must=["'k' has Hk=2 heads"])
     raises(TypeError, pyattn.moba_attention, q, k.astype(np.float32), v, block_size=4, top_k=2,
            must=["one dtype"])
+
+
+# --------------------------------------------------------------------------- linformer
+
+
+def linformer_inputs(rng, dtype, B=2, Tq=7, T=9, S=4, H=4, Hk=2, D=5, Dv=3):
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((B, Tq, H, D), (B, T, Hk, D), (B, T, Hk, Dv)))
+    E, F = (rng.standard_normal((S, T)).astype(dtype) / 3 for _ in range(2))
+    return q, k, v, E, F
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("shape", [dict(), dict(S=1), dict(T=1, S=3), dict(Tq=1, H=3, Hk=1), dict(S=40, T=33)],
+                         ids=["base", "S1", "T1", "mqa", "S>T"])
+def test_linformer_against_oracle(rng, dtype, shape):
+    args = linformer_inputs(rng, dtype, **shape)
+    o = pyattn.linformer_attention(*args)
+    assert o.dtype == dtype
+    assert_close(o, reference.linformer_attention(*args))
+    assert_close(pyattn.linformer_attention(*args, scale=0.2), reference.linformer_attention(*args, scale=0.2))
+
+
+def test_linformer_identity_projection_is_full_attention(rng):
+    """E = F = I (S = T): attention over the keys themselves, non-causal."""
+    q, k, v, _, _ = linformer_inputs(rng, np.float64, S=9)
+    eye = np.eye(9)
+    assert_close(pyattn.linformer_attention(q, k, v, eye, eye), pyattn.softmax_attention(q, k, v))
+
+
+@pytest.mark.parametrize("shape", [dict(B=1, Tq=3, T=5, S=2, H=2, Hk=1, D=3, Dv=2), dict(B=2, Tq=2, T=4, S=3, H=2, Hk=2, D=2, Dv=2)])
+def test_linformer_gradcheck(rng, shape):
+    gradcheck(pyattn.linformer_attention, linformer_inputs(rng, np.float64, **shape))
+
+
+def test_linformer_float32_gradients(rng):
+    args = linformer_inputs(rng, np.float32)
+    do = rng.standard_normal((2, 7, 4, 3)).astype(np.float32)
+    g32 = pyattn.vjp(pyattn.linformer_attention, *args)[1](do)
+    g64 = pyattn.vjp(pyattn.linformer_attention, *(a.astype(np.float64) for a in args))[1](do.astype(np.float64))
+    for name in ("q", "k", "v", "E", "F"):
+        assert_close(g32[name], g64[name], 1e-4, name=f"d{name}")
+
+
+def test_linformer_bad_input(rng):
+    q, k, v, E, F = linformer_inputs(rng, np.float64)
+    raises(ValueError, pyattn.linformer_attention, q, k, v, E[:, :8], F, must=["key lengths", "E's columns"])
+    raises(ValueError, pyattn.linformer_attention, q, k, v, E, F[:3], must=["'F' must have shape"])
+    raises(ValueError, pyattn.linformer_attention, q, k, v, E[0], F, must=["'E' must be 2-D"])
+    raises(TypeError, pyattn.linformer_attention, q, k, v, E.astype(np.float32), F, must=["one dtype"])
