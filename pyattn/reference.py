@@ -582,33 +582,35 @@ def rope(x, positions, theta=10000.0):
 
 
 def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
-    """Per (sequence, head, query): every block's score q . mean(k_block), the blocks chosen
-    by the definition (own block first when causal, then the best past ones, ties to the
-    lower block), the keys visible in them, then softmax."""
+    """Per (sequence, head, query at bottom-right position p): every block's score
+    q . mean(k_block), the blocks chosen by the definition (own block first when causal, then
+    the best past ones, ties to the lower block), the keys visible in them, then softmax."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    B, T, H, Dk = q.shape
-    Hk = k.shape[2]
+    B, Tq, H, Dk = q.shape
+    Tk, Hk = k.shape[1], k.shape[2]
     scale = Dk ** -0.5 if scale is None else scale
-    seqs = ([(b, 0, T) for b in range(B)] if cu_seqlens is None else
-            [(0, cu_seqlens[n], cu_seqlens[n + 1]) for n in range(len(cu_seqlens) - 1)])
+    seqs = ([(b, 0, Tq, 0, Tk) for b in range(B)] if cu_seqlens is None else
+            [(0, cu_seqlens[n], cu_seqlens[n + 1], cu_seqlens[n], cu_seqlens[n + 1])
+             for n in range(len(cu_seqlens) - 1)])
     o = np.zeros(q.shape[:3] + (v.shape[3],))
-    for b, s, e in seqs:
+    for b, qs, qe, s, e in seqs:
         blocks = [(j, min(j + block_size, e)) for j in range(s, e, block_size)]
         for h in range(H):
             kh = h // (H // Hk)
             means = [k[b, j0:j1, kh].mean(axis=0) for j0, j1 in blocks]
-            for i in range(s, e):
-                own = (i - s) // block_size
+            for i in range(qs, qe):
+                p = s + (i - qs) + (e - s) - (qe - qs)  # the query's key position
+                own = (p - s) // block_size
                 score = [float(np.dot(q[b, i, h], m)) for m in means]
                 if causal:
                     past = sorted(range(own), key=lambda j: (-score[j], j))[:top_k - 1]
-                    keys = [t for j in past for t in range(*blocks[j])] + list(range(blocks[own][0], i + 1))
+                    keys = [t for j in past for t in range(*blocks[j])] + list(range(blocks[own][0], p + 1))
                 else:
                     chosen = sorted(range(len(blocks)), key=lambda j: (-score[j], j))[:top_k]
                     keys = [t for j in chosen for t in range(*blocks[j])]
                 s_ij = np.array([scale * np.dot(q[b, i, h], k[b, t, kh]) for t in keys])
-                p = np.exp(s_ij - s_ij.max())
-                o[b, i, h] = p @ v[b, keys, kh] / p.sum()
+                w = np.exp(s_ij - s_ij.max())
+                o[b, i, h] = w @ v[b, keys, kh] / w.sum()
     return o
 
 

@@ -29,10 +29,14 @@ class _MobaCall:
         V.ndim(fn, "q", q, 4, "[B, T, H, Dk]")
         V.ndim(fn, "k", k, 4, "[B, T, Hk, Dk]")
         V.ndim(fn, "v", v, 4, "[B, T, Hk, Dv]")
-        B, T, H, D = q.shape
+        B, Tq, H, D = q.shape
         V.same(fn, "batch sizes", {"q": B, "k": k.shape[0], "v": v.shape[0]})
-        V.same(fn, "sequence lengths (MoBA is self-attention)", {"q": T, "k": k.shape[1], "v": v.shape[1]})
+        V.same(fn, "key lengths", {"k": k.shape[1], "v": v.shape[1]})
         V.same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
+        Tk = k.shape[1]
+        if Tq > Tk:
+            raise ValueError(f"{fn}(): the queries are the last Tq positions of the keys' sequence: "
+                             f"need Tq <= Tk, got Tq={Tq}, Tk={Tk}")
         V.same(fn, "key head dims", {"q": D, "k": k.shape[3]})
         Hk, Dv = k.shape[2], v.shape[3]
         V.divides(fn, "k", Hk, "heads", "q", H)
@@ -42,16 +46,20 @@ class _MobaCall:
         self.top_k = V.integer(fn, "top_k", top_k, 1)
         self.causal = V.boolean(fn, "causal", causal)
         self.scale = V.scale(fn, scale, D ** -0.5, dtype)
-        cu = V.batch_offsets(B, T) if cu_seqlens is None else V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, T, B)
+        if cu_seqlens is None:
+            cu_q, cu = V.batch_offsets(B, Tq), V.batch_offsets(B, Tk)
+        elif Tq != Tk:
+            raise ValueError(f"{fn}(): with 'cu_seqlens' queries and keys are the same rows, got Tq={Tq}, Tk={Tk}")
+        else:
+            cu_q = cu = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, Tk, B)
         self.shape, self.H, self.Hk, self.D, self.Dv = q.shape, H, Hk, D, Dv
-        rows = B * T
-        self.q, self.k, self.v = (x.reshape(rows, x.shape[2], x.shape[3]) for x in (q, k, v))
+        self.q, self.k, self.v = (x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]) for x in (q, k, v))
         # blocks: consecutive rows of one sequence, block_size each but the last
         starts = [np.arange(cu[n], cu[n + 1], self.bs) for n in range(len(cu) - 1)]
         self.bstart = np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, np.int64)
         self.bend = np.minimum(self.bstart + self.bs, np.repeat(cu[1:], [len(s) for s in starts]))
         self.first_block = np.concatenate(([0], np.cumsum([len(s) for s in starts])))
-        self.cu = cu
+        self.cu, self.cu_q = cu, cu_q
         self._choose()
         self._pack()
 
@@ -59,7 +67,7 @@ class _MobaCall:
         """The chosen (row, head, slot, block) of every query, as flat int64 arrays."""
         H, Hk, bs = self.H, self.Hk, self.bs
         G = H // Hk
-        rows = self.q.shape[0]
+        rows = self.k.shape[0]
         nb = len(self.bstart)
         kmean = np.zeros((nb, Hk, self.D), self.k.dtype)
         if rows:
@@ -68,13 +76,13 @@ class _MobaCall:
         picks = []
         for n in range(len(self.cu) - 1):
             b0, b1 = self.first_block[n], self.first_block[n + 1]
-            L = self.cu[n + 1] - self.cu[n]
+            L, Lk = self.cu_q[n + 1] - self.cu_q[n], self.cu[n + 1] - self.cu[n]
             if L == 0:
                 continue
-            qn = self.q[self.cu[n]:self.cu[n + 1]].transpose(1, 0, 2)          # [H, L, D]
+            qn = self.q[self.cu_q[n]:self.cu_q[n + 1]].transpose(1, 0, 2)      # [H, L, D]
             km = kmean[b0:b1][:, np.arange(H) // G, :].transpose(1, 2, 0)      # [H, D, nb]
             score = qn @ km                                                     # [H, L, nb]
-            own = np.arange(L) // bs
+            own = (np.arange(L) + Lk - L) // bs  # bottom-right: the last query at the last key
             if self.causal:  # past blocks only; the own block is a part of its own
                 score = np.where(np.arange(b1 - b0) < own[:, None], score, -np.inf)
                 want = min(self.top_k - 1, b1 - b0)
@@ -84,7 +92,7 @@ class _MobaCall:
             order = np.argsort(-score, axis=-1, kind="stable")[..., :want]     # [H, L, want]
             valid = order < own[None, :, None] if self.causal else np.ones(order.shape, bool)
             h, t, s = np.nonzero(valid)
-            picks.append((self.cu[n] + t, h, s, b0 + order[h, t, s]))
+            picks.append((self.cu_q[n] + t, h, s, b0 + order[h, t, s]))
         cat = [np.concatenate([p[i] for p in picks]) if picks else np.zeros(0, np.int64) for i in range(4)]
         self.row, self.head, self.slot, self.block = (x.astype(np.int64) for x in cat)
         self.slots = max(self.top_k - 1, 0) if self.causal else self.top_k
@@ -97,14 +105,19 @@ class _MobaCall:
         self.order = np.lexsort((self.row, group))
         g = group[self.order]
         first = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1]))) if g.size else np.zeros(0, np.int64)
-        self.cu_q = np.append(first, g.size).astype(np.int64)
+        self.pack_cu_q = np.append(first, g.size).astype(np.int64)
         gh, gb = g[first] // nb, g[first] % nb
         lens = self.bend[gb] - self.bstart[gb]
-        self.cu_k = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
-        within = np.arange(self.cu_k[-1]) - np.repeat(self.cu_k[:-1], lens)
+        self.pack_cu_k = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
+        within = np.arange(self.pack_cu_k[-1]) - np.repeat(self.pack_cu_k[:-1], lens)
         self.krow = np.repeat(self.bstart[gb], lens) + within
         self.khead = np.repeat(gh, lens)  # query head of each packed key row
-        self.cu_blocks = np.append(self.bstart, self.q.shape[0]).astype(np.int64)
+        # the own-block call: block j's keys, and the queries whose position lies in it
+        self.cu_blocks = np.append(self.bstart, self.k.shape[0]).astype(np.int64)
+        seq = np.repeat(np.arange(len(self.cu) - 1), np.diff(self.first_block))
+        lag = (self.cu[seq + 1] - self.cu[seq]) - (self.cu_q[seq + 1] - self.cu_q[seq])
+        first_query = np.clip(self.bstart - self.cu[seq] - lag, 0, self.cu_q[seq + 1] - self.cu_q[seq])
+        self.cu_qblocks = np.append(self.cu_q[seq] + first_query, self.q.shape[0]).astype(np.int64)
 
     def packed_inputs(self):
         G = self.H // self.Hk
@@ -132,12 +145,12 @@ def _moba_forward(c):
     O = np.zeros((c.slots + own, rows, H, Dv), c.q.dtype)
     L = np.full((c.slots + own, rows, H), -np.inf, c.q.dtype)
     packed = c.packed_inputs()
-    po, plse = _flash(*packed, c.cu_q, c.cu_k, c.opts(False))
+    po, plse = _flash(*packed, c.pack_cu_q, c.pack_cu_k, c.opts(False))
     at = (c.slot[c.order] + own, c.row[c.order], c.head[c.order])
     O[at], L[at] = po[0, :, 0], plse[0, :, 0]
     own_out = None
     if c.causal:
-        own_out = _flash(c.q[None], c.k[None], c.v[None], c.cu_blocks, c.cu_blocks, c.opts(True))
+        own_out = _flash(c.q[None], c.k[None], c.v[None], c.cu_qblocks, c.cu_blocks, c.opts(True))
         O[0], L[0] = own_out[0][0], own_out[1][0]
     lse, w = _merge_weights(L)
     o = np.einsum("prh,prhd->rhd", w, O)
@@ -148,16 +161,18 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
     """MoBA, mixture of block attention: each query attends to ``top_k`` blocks of
     ``block_size`` keys.
 
-    q ``[B, T, H, Dk]``, k ``[B, T, Hk, Dk]``, v ``[B, T, Hk, Dv]`` (``H % Hk == 0``; query
-    head h reads KV head ``h // (H // Hk)``); float32 or float64. The keys split into blocks
+    q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``, v ``[B, Tk, Hk, Dv]`` (``H % Hk == 0``; query
+    head h reads KV head ``h // (H // Hk)``); float32 or float64. The queries are the last Tq
+    positions of the keys' sequence (``Tq <= Tk``, bottom-right as ``softmax_attention``:
+    ``Tq = Tk`` in training, the new tokens in decoding). The keys split into blocks
     of ``block_size`` (the last of a sequence may be shorter), each scored for query i of
     head h by ``q_i . mean(k_block)``. Causal (the default): the query's own block is always
     chosen, counts as one of the ``top_k``, and is attended causally; the other ``top_k -
     1`` are the best-scoring past blocks (ties to the lower block), attended whole; future
     blocks never. ``causal=False``: the ``top_k`` best blocks of the sequence, attended
     whole. Within the chosen keys, ``o_i = sum_j softmax_j(scale q_i.k_j) v_j`` (scale
-    ``Dk ** -0.5`` unless given). ``cu_seqlens`` (B = 1) packs sequences; blocks restart at
-    each. Returns ``o [B, T, H, Dv]``. Differentiable in q, k, v through ``pyattn.vjp``; the
+    ``Dk ** -0.5`` unless given). ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences; blocks
+    restart at each. Returns ``o [B, Tq, H, Dv]``. Differentiable in q, k, v through ``pyattn.vjp``; the
     choice of blocks is not differentiated.
     """
     c = _MobaCall(q, k, v, block_size, top_k, causal, scale, cu_seqlens)
@@ -166,7 +181,7 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
 
 def _scatter_heads(grad_rows, c, rows_of, heads_of):
     """[rows, H, D] with the packed gradient rows added at (row, head) (each pair once)."""
-    out = np.zeros((c.q.shape[0], c.H, grad_rows.shape[-1]), grad_rows.dtype)
+    out = np.zeros((c.k.shape[0], c.H, grad_rows.shape[-1]), grad_rows.dtype)
     out[rows_of, heads_of] = grad_rows
     return out
 
@@ -189,7 +204,7 @@ def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, 
         at = (c.slot[c.order] + own, c.row[c.order], c.head[c.order])
         dq_pk, dk_pk, dv_pk = (np.empty_like(x) for x in packed)
         _core.softmax_backward(*packed, po, plse, do_p[at][None, :, None], dlse_p[at][None, :, None],
-                               dq_pk, dk_pk, dv_pk, c.cu_q, c.cu_k, *c.opts(False))
+                               dq_pk, dk_pk, dv_pk, c.pack_cu_q, c.pack_cu_k, *c.opts(False))
         # a (row, head) appears once per slot: sum the slots
         dq = np.zeros((max(c.slots, 1),) + c.q.shape, c.q.dtype)
         dq[at[0] - own, at[1], at[2]] = dq_pk[0, :, 0]
@@ -202,13 +217,13 @@ def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, 
             gq, gk, gv = np.empty_like(c.q[None]), np.empty_like(c.k[None]), np.empty_like(c.v[None])
             _core.softmax_backward(c.q[None], c.k[None], c.v[None], own_out[0], own_out[1],
                                    np.ascontiguousarray(do_p[0][None]), np.ascontiguousarray(dlse_p[0][None]),
-                                   gq, gk, gv, c.cu_blocks, c.cu_blocks, *c.opts(True))
+                                   gq, gk, gv, c.cu_qblocks, c.cu_blocks, *c.opts(True))
             dq += gq[0]
             dk += gk[0]
             dv += gv[0]
-        B, T = c.shape[:2]
-        return {"q": dq.reshape(B, T, c.H, c.D), "k": dk.reshape(B, T, c.Hk, c.D),
-                "v": dv.reshape(B, T, c.Hk, c.Dv)}
+        B, Tq = c.shape[:2]
+        return {"q": dq.reshape(B, Tq, c.H, c.D), "k": dk.reshape(B, -1, c.Hk, c.D),
+                "v": dv.reshape(B, -1, c.Hk, c.Dv)}
 
     return o.reshape(c.shape[:3] + (c.Dv,)), pullback
 

@@ -33,6 +33,24 @@ def test_against_oracle(rng, dtype, causal, T, bs, top_k, H, Hk):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("Tq,Tk,bs,top_k", [(1, 37, 8, 2), (5, 40, 8, 3), (9, 12, 4, 2), (1, 1, 4, 2), (7, 23, 5, 10)])
+def test_last_queries_against_oracle(rng, dtype, causal, Tq, Tk, bs, top_k):
+    """Queries that are the last Tq positions (decoding): the oracle, and the same rows of a
+    call with every query."""
+    q, k, v = qkv(rng, dtype, T=Tk)
+    o = pyattn.moba_attention(q[:, Tk - Tq:], k, v, block_size=bs, top_k=top_k, causal=causal)
+    assert_close(o, reference.moba_attention(q[:, Tk - Tq:], k, v, block_size=bs, top_k=top_k, causal=causal))
+    full = pyattn.moba_attention(q, k, v, block_size=bs, top_k=top_k, causal=causal)
+    assert_close(o, full[:, Tk - Tq:])
+
+
+def test_last_queries_gradcheck(rng):
+    q, k, v = qkv(rng, np.float64, B=2, T=11, H=2, Hk=1, D=3, Dv=2)
+    gradcheck(pyattn.moba_attention, (q[:, 8:], k, v), dict(block_size=3, top_k=2))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_varlen_equals_separate_calls(rng, dtype, causal):
     """Packed sequences restart their blocks: each equals its own call, and the oracle."""
     cu = np.array([0, 13, 13, 40, 41])
@@ -132,7 +150,9 @@ def test_bad_options(rng, bad, exc, must):
 def test_bad_arrays(rng):
     q, k, v = qkv(rng, np.float64, T=9)
     raises(ValueError, pyattn.moba_attention, q, k[:, :8], v[:, :8], block_size=4, top_k=2,
-           must=["sequence lengths"])
+           must=["need Tq <= Tk, got Tq=9, Tk=8"])
+    raises(ValueError, pyattn.moba_attention, q[:, :5], k, v, block_size=4, top_k=2,
+           cu_seqlens=np.array([0, 9]), must=["same rows"])
     raises(ValueError, pyattn.moba_attention, q[:, :, :3], k, v, block_size=4, top_k=2,
            must=["'k' has Hk=2 heads"])
     raises(TypeError, pyattn.moba_attention, q, k.astype(np.float32), v, block_size=4, top_k=2,
