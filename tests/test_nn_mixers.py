@@ -45,10 +45,13 @@ def flat(x):
 
 def literal(name, p, x):
     proj = {n[2:]: x @ w.T for n, w in p.items() if n.startswith("w_") and w.shape[1] == D}
-    if name == "softmax":
+    if name in ("softmax", "moba"):
         pos = np.arange(T)
         q, k = ref.rope(heads(proj["q"], H), pos), ref.rope(heads(proj["k"], H), pos)
-        o = ref.softmax_attention(q, k, heads(proj["v"], H), causal=True)
+        if name == "moba":
+            o = ref.moba_attention(q, k, heads(proj["v"], H), block_size=4, top_k=2)
+        else:
+            o = ref.softmax_attention(q, k, heads(proj["v"], H), causal=True)
         return flat(o) @ p["w_o"].T
     if name == "linear":
         o, _ = ref.linear_attention(heads(proj["q"], H), heads(proj["k"], H), heads(proj["v"], H),
@@ -103,7 +106,7 @@ def literal(name, p, x):
 
 @pytest.mark.parametrize("name", sorted(MIXERS))
 def test_mixer_is_its_published_layer(rng, name):
-    options = {"mamba2": {"d_state": 4}}.get(name, {})
+    options = {"mamba2": {"d_state": 4}, "moba": {"block_size": 4, "top_k": 2}}.get(name, {})
     mixer = MIXERS[name](D, H, dtype=np.float64, rng=rng, out_std=0.5, **options)
     for p in mixer.params.values():  # away from the initial values (norm weights 1, zero biases)
         p += rng.standard_normal(p.shape) * 0.1

@@ -10,9 +10,10 @@ from pyattn.testing import assert_close
 V, D, L, H = 23, 16, 2, 2
 T = 20  # chunk_size 16 below: a full chunk and a ragged one
 
-OPTIONS = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "mla")}
+OPTIONS = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "mla", "moba")}
 OPTIONS["softmax"] = {}
 OPTIONS["mla"] = {}
+OPTIONS["moba"] = {"block_size": 4, "top_k": 2}  # T = 20: five blocks, two past ones chosen
 OPTIONS["mamba2"] = {"chunk_size": 16, "d_state": 8}
 MODELS = {name: [(name, OPTIONS[name])] * L for name in MIXERS}
 MODELS["hybrid"] = [("softmax", {}), ("gated_deltanet", OPTIONS["gated_deltanet"])]

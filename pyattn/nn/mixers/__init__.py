@@ -7,6 +7,7 @@ from .lightning import LightningAttention
 from .linear import LinearAttention
 from .mamba2 import Mamba2
 from .mla import MultiHeadLatentAttention
+from .moba import MoBAAttention
 from .retnet import MultiScaleRetention
 from .simple_gla import SimpleGLA
 from .softmax import SoftmaxAttention
@@ -22,6 +23,7 @@ MIXERS = {
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
     "mla": MultiHeadLatentAttention,
+    "moba": MoBAAttention,
 }
 
 __all__ = ["MIXERS"] + sorted(cls.__name__ for cls in MIXERS.values())

@@ -51,11 +51,15 @@ class SoftmaxAttention(Mixer):
         v = self.proj(x, "w_v").reshape(B, T, self.Hk, self.D)
         q, k = self.rotary.forward(np.arange(pos, pos + T), q, k)
         if cache is None:
-            o, self.pullback = vjp(softmax_attention, q, k, v, **self.mask)
+            o, self.pullback = self.attention_vjp(q, k, v)
         else:
             o = self.attend_cache(q, k, v, cache)
         self.x, self.on = x, o.reshape(B, T, -1)
         return linear(self.on, self.p["w_o"])
+
+    def attention_vjp(self, q, k, v):
+        """The training path's attention and its pullback."""
+        return vjp(softmax_attention, q, k, v, **self.mask)
 
     def attend_cache(self, q, k, v, cache):
         """Writes k, v into the cache rows after its filled part and attends q over all
