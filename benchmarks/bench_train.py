@@ -374,7 +374,7 @@ def main(argv=None):
         MODELS["hybrid"] = (["gated_deltanet", "softmax"] * args.layers)[:args.layers]
         MODELS["softmax"] = ["softmax"] * args.layers
     if args.target is None:
-        args.target = 2.0 if args.quick else 5.0
+        args.target = 1.5 if args.quick else 3.0
     timing = common.timing_from_args(args)
     common.set_threads(args.threads)
     blas_ok = common.set_numpy_blas_threads(args.threads)
