@@ -99,6 +99,38 @@ def numpy_blas_threads() -> Optional[int]:
     return None
 
 
+def _openblas_fn(names: Sequence[str]):
+    """The first of ``names`` exported by an OpenBLAS that numpy loaded, or None."""
+    try:
+        paths = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line}
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in names:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                return fn
+    return None
+
+
+def set_numpy_blas_threads(n: int) -> bool:
+    """Sets the thread count of the OpenBLAS that numpy loaded (overriding the
+    ``OPENBLAS_NUM_THREADS=1`` this module puts in the environment), for benchmarks whose
+    pyattn side runs numpy matmuls (pyattn.nn's layers). Returns whether it could;
+    ``numpy_blas_threads()`` reads the count back."""
+    fn = _openblas_fn(("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                       "openblas_set_num_threads64_", "openblas_set_num_threads"))
+    if fn is None:
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+    fn(int(n))
+    return numpy_blas_threads() == n
+
+
 # ---- machine peak -------------------------------------------------------------------------
 
 

@@ -252,7 +252,8 @@ class SwiGLU(Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         a, b = linear(x, self.w_gate), linear(x, self.w_up)
-        sa, s = silu(a)
+        s = sigmoid(a)
+        sa = np.multiply(a, s, out=a)  # silu(a), in a's own (fresh) buffer
         h = sa * b
         self.x, self.b, self.s, self.sa, self.h = x, b, s, sa, h
         return linear(h, self.w_down)
@@ -309,8 +310,9 @@ class ShortConv(Module):
             self.g["w"][:, i] += np.einsum("btc,btc->c", du, self.xp[:, i:i + T])
         # x_s feeds u_{s+j} through tap K-1-j
         dx = du * self.w[:, K - 1]
+        tap = np.empty_like(dx)
         for j in range(1, min(K, T + 1)):
-            dx[:, :T - j] += du[:, j:] * self.w[:, K - 1 - j]
+            dx[:, :T - j] += np.multiply(du[:, j:], self.w[:, K - 1 - j], out=tap[:, :T - j])
         return dx
 
 

@@ -24,7 +24,9 @@ class Block(Module):
 
     def _finish(self, x, h):
         x = x + h
-        return x + self.mlp.forward(self.norm2.forward(x))
+        y = self.mlp.forward(self.norm2.forward(x))  # a fresh array: add the residual in place
+        y += x
+        return y
 
     def forward(self, x):
         return self._finish(x, self.mixer.forward(self.norm1.forward(x)))
@@ -37,8 +39,11 @@ class Block(Module):
         return self._finish(x, self.mixer.step(self.norm1.forward(x), cache, pos))
 
     def backward(self, dy):
-        dx = dy + self.norm2.backward(self.mlp.backward(dy))
-        return dx + self.norm1.backward(self.mixer.backward(dx))
+        dx = self.norm2.backward(self.mlp.backward(dy))  # fresh arrays: residuals added in place
+        dx += dy
+        dx1 = self.norm1.backward(self.mixer.backward(dx))
+        dx1 += dx
+        return dx1
 
 
 def _mixer_specs(mixers, n_layers) -> List[Tuple[str, dict]]:

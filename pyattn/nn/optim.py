@@ -32,13 +32,13 @@ def cross_entropy(logits, targets, *, ignore_index: int = -100) -> Tuple[float, 
                          f"{ignore_index}")
     n = int(keep.sum())
     shifted = logits - logits.max(axis=-1, keepdims=True)
-    e = np.exp(shifted)
-    s = e.sum(axis=-1, keepdims=True)
     safe = np.where(keep, targets, 0)
     picked = np.take_along_axis(shifted, safe[..., None], axis=-1)[..., 0]
+    e = np.exp(shifted, out=shifted)  # one [..., V] buffer: shifted, then exp, then dlogits
+    s = e.sum(axis=-1, keepdims=True)
     nll = np.log(s[..., 0]) - picked
     loss = float(np.sum(nll[keep], dtype=np.float64) / max(n, 1))
-    dlogits = e / s
+    dlogits = np.divide(e, s, out=e)
     np.put_along_axis(dlogits, safe[..., None],
                       np.take_along_axis(dlogits, safe[..., None], axis=-1) - 1, axis=-1)
     dlogits *= (keep / max(n, 1))[..., None].astype(logits.dtype)
@@ -92,6 +92,12 @@ class AdamW:
         self.t = 0
         self.m = {n: np.zeros_like(p) for n, p in self.params.items()}
         self.v = {n: np.zeros_like(p) for n, p in self.params.items()}
+        # two scratch buffers per dtype, as large as the largest parameter (no temporaries)
+        self._scratch: dict = {}
+        for p in self.params.values():
+            have = self._scratch.get(p.dtype)
+            if have is None or have[0].size < p.size:
+                self._scratch[p.dtype] = (np.empty(p.size, p.dtype), np.empty(p.size, p.dtype))
 
     def decays(self, name: str) -> bool:
         """Whether parameter ``name`` gets weight decay."""
@@ -104,10 +110,15 @@ class AdamW:
         for name, p in self.params.items():
             g = grads[name]
             m, v = self.m[name], self.v[name]
+            s1, s2 = (b[:p.size].reshape(p.shape) for b in self._scratch[p.dtype])
             m *= b1
-            m += (1 - b1) * g
+            m += np.multiply(1 - b1, g, out=s1)
             v *= b2
-            v += (1 - b2) * np.square(g)
+            s1 = np.square(g, out=s1)
+            v += np.multiply(1 - b2, s1, out=s1)
             if self.weight_decay and self.decays(name):
                 p *= p.dtype.type(1 - self.lr * self.weight_decay)
-            p -= (self.lr / c1) * m / (np.sqrt(v / c2) + self.eps)
+            den = np.sqrt(np.divide(v, c2, out=s1), out=s1)  # the same operations, in scratch
+            den += self.eps
+            num = np.multiply(self.lr / c1, m, out=s2)
+            p -= np.divide(num, den, out=s2)
