@@ -80,23 +80,12 @@ def set_threads(n: int) -> None:
 
 def numpy_blas_threads() -> Optional[int]:
     """Threads of the OpenBLAS that numpy loaded, read from the library; None if unknown."""
-    try:
-        paths = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line}
-    except OSError:
+    fn = _openblas_fn(("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
+                       "openblas_get_num_threads64_", "openblas_get_num_threads"))
+    if fn is None:
         return None
-    names = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
-             "openblas_get_num_threads64_", "openblas_get_num_threads")
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in names:
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                return int(fn())
-    return None
+    fn.restype = ctypes.c_int
+    return int(fn())
 
 
 def _openblas_fn(names: Sequence[str]):

@@ -102,6 +102,25 @@ def shape(fn: str, name: str, a: Optional[np.ndarray], expected: tuple, layout: 
         raise ValueError(f"{fn}(): '{name}' must have shape {tuple(expected)}{named}, got {a.shape}")
 
 
+def attention_qkv(fn: str, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Tuple[int, ...]:
+    """Softmax attention's q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``, v ``[B, Tk, Hk, Dv]``
+    checked against each other (``H % Hk == 0``, head dims >= 1); returns (B, Tq, H, Dk, Tk,
+    Hk, Dv)."""
+    ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
+    ndim(fn, "k", k, 4, "[B, Tk, Hk, Dk]")
+    ndim(fn, "v", v, 4, "[B, Tk, Hk, Dv]")
+    B, Tq, H, Dk = q.shape
+    same(fn, "batch sizes", {"q": B, "k": k.shape[0], "v": v.shape[0]})
+    same(fn, "key lengths", {"k": k.shape[1], "v": v.shape[1]})
+    same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
+    same(fn, "key head dims", {"q": Dk, "k": k.shape[3]})
+    Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    divides(fn, "k", Hk, "heads", "q", H)
+    if Dk < 1 or Dv < 1:
+        raise ValueError(f"{fn}(): head dims must be >= 1, got Dk={Dk}, Dv={Dv}")
+    return B, Tq, H, Dk, Tk, Hk, Dv
+
+
 def log_gate(fn: str, name: str, g: Optional[np.ndarray]) -> Optional[np.ndarray]:
     """A log-space gate is a decay: every entry <= 0 (-inf is a full reset). NaN passes, so a
     diverging run shows NaN rather than an exception."""

@@ -44,18 +44,7 @@ def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_se
     fn = "softmax_attention"
     arrs, dtype = V.float_arrays(fn, ("alibi_slopes",), q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     q, k, v, alibi = arrs["q"], arrs["k"], arrs["v"], arrs["alibi_slopes"]
-    V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
-    V.ndim(fn, "k", k, 4, "[B, Tk, Hk, Dk]")
-    V.ndim(fn, "v", v, 4, "[B, Tk, Hk, Dv]")
-    B, Tq, H, Dk = q.shape
-    V.same(fn, "batch sizes", {"q": B, "k": k.shape[0], "v": v.shape[0]})
-    V.same(fn, "key lengths", {"k": k.shape[1], "v": v.shape[1]})
-    V.same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
-    V.same(fn, "key head dims", {"q": Dk, "k": k.shape[3]})
-    Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    V.divides(fn, "k", Hk, "heads", "q", H)
-    if Dk < 1 or Dv < 1:
-        raise ValueError(f"{fn}(): head dims must be >= 1, got Dk={Dk}, Dv={Dv}")
+    B, Tq, H, Dk, Tk, Hk, Dv = V.attention_qkv(fn, q, k, v)
     alibi = _alibi(fn, alibi, H)
     V.form(fn, form, FORMS)
     mask = _mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap)

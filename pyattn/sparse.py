@@ -26,22 +26,10 @@ class _MobaCall:
         fn = "moba_attention"
         arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v)
         q, k, v = arrs["q"], arrs["k"], arrs["v"]
-        V.ndim(fn, "q", q, 4, "[B, T, H, Dk]")
-        V.ndim(fn, "k", k, 4, "[B, T, Hk, Dk]")
-        V.ndim(fn, "v", v, 4, "[B, T, Hk, Dv]")
-        B, Tq, H, D = q.shape
-        V.same(fn, "batch sizes", {"q": B, "k": k.shape[0], "v": v.shape[0]})
-        V.same(fn, "key lengths", {"k": k.shape[1], "v": v.shape[1]})
-        V.same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
-        Tk = k.shape[1]
+        B, Tq, H, D, Tk, Hk, Dv = V.attention_qkv(fn, q, k, v)
         if Tq > Tk:
             raise ValueError(f"{fn}(): the queries are the last Tq positions of the keys' sequence: "
                              f"need Tq <= Tk, got Tq={Tq}, Tk={Tk}")
-        V.same(fn, "key head dims", {"q": D, "k": k.shape[3]})
-        Hk, Dv = k.shape[2], v.shape[3]
-        V.divides(fn, "k", Hk, "heads", "q", H)
-        if D < 1 or Dv < 1:
-            raise ValueError(f"{fn}(): head dims must be >= 1, got Dk={D}, Dv={Dv}")
         self.bs = V.integer(fn, "block_size", block_size, 1)
         self.top_k = V.integer(fn, "top_k", top_k, 1)
         self.causal = V.boolean(fn, "causal", causal)
