@@ -61,7 +61,7 @@ def one_run(opts) -> Dict:
     from pyattn.nn import HybridLM
     from pyattn.train import evaluate
 
-    pyattn.set_num_threads(1)
+    pyattn.set_num_threads(opts.threads)
     sys.modules["tqdm"] = None  # type: ignore[assignment]  # the plain progress line in the log, not tqdm's bar
     model_name, d_model, lr = opts.run[0], int(opts.run[1]), float(opts.run[2])
     t0 = time.perf_counter()
@@ -247,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--evals", type=int, default=10, help="points of each run's accuracy curve")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="with --run: pyattn's threads for that one run (the sweep runs each with 1)")
     ap.add_argument("--shard", type=parse_shard, default=None, help="K/N: the K-th of N subsets")
     ap.add_argument("--out", default=None, help="folder for results.jsonl and logs")
     ap.add_argument("--merge", nargs="+", default=None, help="results.jsonl files or folders: print their table")
