@@ -13,6 +13,12 @@
  * a sequence: it materialises the Tq x Tk scores, and the online softmax reduces to the
  * plain one. The recurrent form is separate code: one query, keys streamed one at a time.
  *
+ * Decode (softmax_decode: flash with at most one query per sequence, and every KV-cache
+ * call): no tiles. Work items are (query, part of its visible keys) over every head, keys
+ * wherever they lie (rows of a contiguous cache or blocks of a paged one); each cached row
+ * of all KV heads is read once, in order, with software prefetch, the heads of a KV head
+ * sharing its loads; the parts are merged by their log-sum-exps (flash decoding).
+ *
  * Backward (flash and parallel): units (sequence, KV head) each own the dK and dV rows of
  * their KV head and the dQ rows of the query heads of their group, so no two threads write
  * one row. Per tile: P is recomputed from the forward's LSE, dV += P^T dO, dP = dO V^T,
