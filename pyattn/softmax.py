@@ -74,6 +74,13 @@ def _forward(q, k, v, opts):
     return o, lse
 
 
+def _backward(q, k, v, o, lse, do, dlse, opts):
+    """(dq, dk, dv) of the flash backward for the call _forward(q, k, v, opts) made."""
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    _core.softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, *opts)
+    return dq, dk, dv
+
+
 def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0,
                       alibi_slopes=None, softcap=0.0, cu_seqlens=None, cu_seqlens_q=None,
                       cu_seqlens_k=None, form="flash", return_lse=False):
@@ -129,8 +136,7 @@ def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
             raise ValueError(f"softmax_attention pullback: 'do' must have shape {o.shape}, got {do.shape}")
         if dlse is not None and dlse.shape != lse.shape:
             raise ValueError(f"softmax_attention pullback: 'dlse' must have shape {lse.shape}, got {dlse.shape}")
-        dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-        _core.softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, *opts)
+        dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, opts)
         return {"q": dq, "k": dk, "v": dv}
 
     return ((o, lse) if return_lse else o), pullback
@@ -319,29 +325,29 @@ class _KVCall:
         j = np.arange(cu_k[-1]) - cu_k[b]
         return b, j, self.rows(b, j), cu_k
 
-    def gathered(self):
-        """q, k, v as softmax_attention's packed varlen call takes them: one sequence row of q
-        per batch entry, the visible keys copied out of the caches; and its (cu_q, cu_k)."""
+    def gathered(self, rows, cu_k):
+        """q, k, v as softmax_attention's packed varlen call takes them (one sequence row of
+        q per batch entry, the visible keys at ``rows`` copied out of the caches) and its
+        options, offsets first."""
         B, Tq, H, Dk = self.q.shape
         Hk = self.kc.shape[2]
-        _, _, rows, cu_k = self.key_rows()
         k = self.kc.reshape(-1, Hk, Dk)[rows][None]
         v = self.vc.reshape(-1, Hk, self.vc.shape[3])[rows][None]
-        return self.q.reshape(1, B * Tq, H, Dk), k, v, V.batch_offsets(B, Tq), cu_k
+        opts = (V.batch_offsets(B, Tq), cu_k, _core.FORM_FLASH) + self.opts
+        return self.q.reshape(1, B * Tq, H, Dk), k, v, opts
 
     def forward(self, colsum):
         B, Tq, H, _ = self.q.shape
+        if Tq > _DECODE_MAX_QUERIES and colsum is None:
+            _, _, rows, cu_k = self.key_rows()
+            o, lse = _forward(*self.gathered(rows, cu_k))
+            return o.reshape(B, Tq, H, -1), lse.reshape(B, Tq, H)
         o = np.empty((B, Tq, H, self.vc.shape[3]), dtype=self.q.dtype)
         lse = np.empty((B, Tq, H), dtype=self.q.dtype)
-        if Tq <= _DECODE_MAX_QUERIES or colsum is not None:
-            start = np.zeros(B, np.int64) if self.table is not None else np.arange(B) * self.kc.shape[1]
-            table = None if self.table is None else self.table.astype(np.int32)
-            _core.softmax_decode(self.q, self.kc, self.vc, o, lse, V.batch_offsets(B, Tq), start,
-                                 start + self.lens, table, self.num_splits, colsum, *self.opts)
-        else:
-            q, k, v, cu_q, cu_k = self.gathered()
-            _core.softmax_forward(q, k, v, o.reshape(1, B * Tq, H, -1), lse.reshape(1, B * Tq, H),
-                                  cu_q, cu_k, _core.FORM_FLASH, *self.opts)
+        start = np.zeros(B, np.int64) if self.table is not None else np.arange(B) * self.kc.shape[1]
+        table = None if self.table is None else self.table.astype(np.int32)
+        _core.softmax_decode(self.q, self.kc, self.vc, o, lse, V.batch_offsets(B, Tq), start,
+                             start + self.lens, table, self.num_splits, colsum, *self.opts)
         return o, lse
 
 
@@ -409,11 +415,10 @@ def _attention_with_kvcache_vjp(q, k_cache, v_cache, cache_seqlens, *, k=None, v
     o, lse = call.forward(None)
     # the pullback works on a copy of the keys read, so later writes into the caches (the
     # next decode step's) do not change it
-    qp, kp, vp, cu_q, cu_k = call.gathered()
+    b, j, rows, cu_k = call.key_rows()
+    qp, kp, vp, opts = call.gathered(rows, cu_k)
     B, Tq, H, _ = call.q.shape
     op, lsep = o.reshape(1, B * Tq, H, -1), lse.reshape(1, B * Tq, H)
-    opts = (cu_q, cu_k, _core.FORM_FLASH) + call.opts
-    b, j, rows, _ = call.key_rows()
     old = j < call.seqlens[b]
     read = np.sort(rows[old]) if call.table is not None else None
     shared_rows = read is not None and bool(np.any(read[1:] == read[:-1]))
@@ -430,8 +435,7 @@ def _attention_with_kvcache_vjp(q, k_cache, v_cache, cache_seqlens, *, k=None, v
         if dlse is not None:
             V.shape(f"{fn} pullback", "dlse", dlse, (B, Tq, H), "[B, Tq, H]")
             dlse = dlse.reshape(1, B * Tq, H)
-        dq, dk, dv = np.empty_like(qp), np.empty_like(kp), np.empty_like(vp)
-        _core.softmax_backward(qp, kp, vp, op, lsep, do.reshape(op.shape), dlse, dq, dk, dv, *opts)
+        dq, dk, dv = _backward(qp, kp, vp, op, lsep, do.reshape(op.shape), dlse, opts)
         grads = {"q": dq.reshape(call.q.shape)}
         for name, cache, d in (("k_cache", call.kc, dk[0]), ("v_cache", call.vc, dv[0])):
             g = np.zeros_like(cache)

@@ -15,7 +15,7 @@ import numpy as np
 from . import _core
 from . import _validate as V
 from .autodiff import register_vjp
-from .softmax import _merge_weights
+from .softmax import _backward, _forward, _merge_weights
 
 
 class _MobaCall:
@@ -114,15 +114,9 @@ class _MobaCall:
         v = self.v[self.krow, self.khead // G][None, :, None, :]
         return q, k, v
 
-    def opts(self, causal):
-        return (_core.FORM_FLASH, causal, -1, -1, 0, None, 0.0, self.scale)
-
-
-def _flash(q, k, v, cu_q, cu_k, opts):
-    o = np.empty(q.shape[:3] + (v.shape[3],), q.dtype)
-    lse = np.empty(q.shape[:3], q.dtype)
-    _core.softmax_forward(q, k, v, o, lse, cu_q, cu_k, *opts)
-    return o, lse
+    def opts(self, cu_q, cu_k, causal):
+        """The flash call's options over the packed rows cu_q, cu_k."""
+        return (cu_q, cu_k, _core.FORM_FLASH, causal, -1, -1, 0, None, 0.0, self.scale)
 
 
 def _moba_forward(c):
@@ -133,12 +127,12 @@ def _moba_forward(c):
     O = np.zeros((c.slots + own, rows, H, Dv), c.q.dtype)
     L = np.full((c.slots + own, rows, H), -np.inf, c.q.dtype)
     packed = c.packed_inputs()
-    po, plse = _flash(*packed, c.pack_cu_q, c.pack_cu_k, c.opts(False))
+    po, plse = _forward(*packed, c.opts(c.pack_cu_q, c.pack_cu_k, False))
     at = (c.slot[c.order] + own, c.row[c.order], c.head[c.order])
     O[at], L[at] = po[0, :, 0], plse[0, :, 0]
     own_out = None
     if c.causal:
-        own_out = _flash(c.q[None], c.k[None], c.v[None], c.cu_qblocks, c.cu_blocks, c.opts(True))
+        own_out = _forward(c.q[None], c.k[None], c.v[None], c.opts(c.cu_qblocks, c.cu_blocks, True))
         O[0], L[0] = own_out[0][0], own_out[1][0]
     lse, w = _merge_weights(L)
     o = np.einsum("prh,prhd->rhd", w, O)
@@ -190,9 +184,8 @@ def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, 
         dlse_p = w * np.einsum("rhd,prhd->prh", do, O - o)
         own = 1 if c.causal else 0
         at = (c.slot[c.order] + own, c.row[c.order], c.head[c.order])
-        dq_pk, dk_pk, dv_pk = (np.empty_like(x) for x in packed)
-        _core.softmax_backward(*packed, po, plse, do_p[at][None, :, None], dlse_p[at][None, :, None],
-                               dq_pk, dk_pk, dv_pk, c.pack_cu_q, c.pack_cu_k, *c.opts(False))
+        dq_pk, dk_pk, dv_pk = _backward(*packed, po, plse, do_p[at][None, :, None], dlse_p[at][None, :, None],
+                                        c.opts(c.pack_cu_q, c.pack_cu_k, False))
         # a (row, head) appears once per slot: sum the slots
         dq = np.zeros((max(c.slots, 1),) + c.q.shape, c.q.dtype)
         dq[at[0] - own, at[1], at[2]] = dq_pk[0, :, 0]
@@ -202,10 +195,8 @@ def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, 
         dk = dk.reshape(-1, c.Hk, G, c.D).sum(2)
         dv = dv.reshape(-1, c.Hk, G, c.Dv).sum(2)
         if c.causal:
-            gq, gk, gv = np.empty_like(c.q[None]), np.empty_like(c.k[None]), np.empty_like(c.v[None])
-            _core.softmax_backward(c.q[None], c.k[None], c.v[None], own_out[0], own_out[1],
-                                   np.ascontiguousarray(do_p[0][None]), np.ascontiguousarray(dlse_p[0][None]),
-                                   gq, gk, gv, c.cu_qblocks, c.cu_blocks, *c.opts(True))
+            gq, gk, gv = _backward(c.q[None], c.k[None], c.v[None], *own_out, do_p[0][None], dlse_p[0][None],
+                                   c.opts(c.cu_qblocks, c.cu_blocks, True))
             dq += gq[0]
             dk += gk[0]
             dv += gv[0]
@@ -220,32 +211,29 @@ def _linformer_prepare(q, k, v, E, F, scale):
     fn = "linformer_attention"
     arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v, E=E, F=F)
     q, k, v, E, F = (arrs[x] for x in ("q", "k", "v", "E", "F"))
-    V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
-    V.ndim(fn, "k", k, 4, "[B, T, Hk, Dk]")
-    V.ndim(fn, "v", v, 4, "[B, T, Hk, Dv]")
+    B, Tq, H, D, Tk = V.attention_qkv(fn, q, k, v)[:5]
     V.ndim(fn, "E", E, 2, "[S, T]")
-    B, Tq, H, D = q.shape
-    V.same(fn, "batch sizes", {"q": B, "k": k.shape[0], "v": v.shape[0]})
-    V.same(fn, "key lengths", {"k": k.shape[1], "v": v.shape[1], "E's columns": E.shape[1]})
-    V.same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
-    V.same(fn, "key head dims", {"q": D, "k": k.shape[3]})
-    V.divides(fn, "k", k.shape[2], "heads", "q", H)
+    V.same(fn, "key lengths", {"k": Tk, "E's columns": E.shape[1]})
     V.shape(fn, "F", F, E.shape, "[S, T] as E")
-    if D < 1 or v.shape[3] < 1 or E.shape[0] < 1:
-        raise ValueError(f"{fn}(): head dims and S must be >= 1, got Dk={D}, Dv={v.shape[3]}, S={E.shape[0]}")
+    if E.shape[0] < 1:
+        raise ValueError(f"{fn}(): E and F need S >= 1 rows, got S={E.shape[0]}")
     return q, k, v, E, F, V.scale(fn, scale, D ** -0.5, dtype)
 
 
 def _project(P, x):
     """P [S, T] applied along time to x [B, T, Hk, D]: [B, S, Hk, D]."""
     B, T = x.shape[:2]
-    return np.ascontiguousarray((P @ x.reshape(B, T, -1)).reshape((B, P.shape[0]) + x.shape[2:]))
+    return (P @ x.reshape(B, T, -1)).reshape((B, P.shape[0]) + x.shape[2:])
 
 
-def _linformer_opts(q, kp, scale):
-    B, Tq = q.shape[:2]
-    return (V.batch_offsets(B, Tq), V.batch_offsets(B, kp.shape[1]), _core.FORM_FLASH, False, -1, -1, 0,
-            None, 0.0, scale)
+def _linformer_call(q, k, v, E, F, scale):
+    """The checked arrays, the projected k' = E k and v' = F v, and the flash call's options."""
+    q, k, v, E, F, scale = _linformer_prepare(q, k, v, E, F, scale)
+    kp, vp = _project(E, k), _project(F, v)
+    B, Tq, S = q.shape[0], q.shape[1], E.shape[0]
+    opts = (V.batch_offsets(B, Tq), V.batch_offsets(B, S), _core.FORM_FLASH, False, -1, -1, 0, None,
+            0.0, scale)
+    return q, k, v, E, F, kp, vp, opts
 
 
 def linformer_attention(q, k, v, E, F, *, scale=None):
@@ -257,25 +245,20 @@ def linformer_attention(q, k, v, E, F, *, scale=None):
     q_i.k'_s) v'_s`` (scale ``Dk ** -0.5`` unless given), computed by the flash kernel over
     the S projected rows. Returns ``o [B, Tq, H, Dv]``. Differentiable in q, k, v, E and F.
     """
-    q, k, v, E, F, scale = _linformer_prepare(q, k, v, E, F, scale)
-    kp, vp = _project(E, k), _project(F, v)
-    opts = _linformer_opts(q, kp, scale)
-    return _flash(q, kp, vp, opts[0], opts[1], opts[2:])[0]
+    q, _, _, _, _, kp, vp, opts = _linformer_call(q, k, v, E, F, scale)
+    return _forward(q, kp, vp, opts)[0]
 
 
 @register_vjp(linformer_attention)
 def _linformer_attention_vjp(q, k, v, E, F, *, scale=None):
-    q, k, v, E, F, scale = _linformer_prepare(q, k, v, E, F, scale)
-    kp, vp = _project(E, k), _project(F, v)
-    opts = _linformer_opts(q, kp, scale)
-    o, lse = _flash(q, kp, vp, opts[0], opts[1], opts[2:])
+    q, k, v, E, F, kp, vp, opts = _linformer_call(q, k, v, E, F, scale)
+    o, lse = _forward(q, kp, vp, opts)
 
     def pullback(do):
         arrs, _ = V.float_arrays("linformer_attention pullback", q=q, do=do)
         do = arrs["do"]
         V.shape("linformer_attention pullback", "do", do, o.shape, "[B, Tq, H, Dv]")
-        dq, dkp, dvp = np.empty_like(q), np.empty_like(kp), np.empty_like(vp)
-        _core.softmax_backward(q, kp, vp, o, lse, do, None, dq, dkp, dvp, *opts)
+        dq, dkp, dvp = _backward(q, kp, vp, o, lse, do, None, opts)
         B, T = k.shape[:2]
         grads = {"q": dq}
         for name, pname, x, P, g in (("k", "E", k, E, dkp), ("v", "F", v, F, dvp)):
