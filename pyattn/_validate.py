@@ -241,24 +241,30 @@ def scale(fn: str, value, default: float, dtype: np.dtype) -> float:
     return float(default) if value is None else real(fn, "scale", value, dtype=dtype)
 
 
+def index_array(fn: str, name: str, x, ndim_: int, layout: str) -> np.ndarray:
+    """An int32/int64 array-like of ``ndim_`` axes (layout names them), as int64."""
+    if x is None or isinstance(x, (bool, np.bool_, str, bytes, dict, set)):
+        raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got {type(x).__name__}")
+    if not isinstance(x, np.ndarray):
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got "
+                            f"{type(x).__name__} ({e})") from None
+    if _native(x.dtype) not in INDEX_DTYPES:
+        raise TypeError(f"{fn}(): '{name}' must be int32 or int64, got {x.dtype}")
+    ndim(fn, name, x, ndim_, layout)
+    return x.astype(np.int64)
+
+
 def cu_seqlens(fn: str, name: str, cu, total: int, batch: int) -> np.ndarray:
     """Sequence offsets (an int32/int64 array-like [N + 1] from 0, non-decreasing, to
     ``total``; the batch must be 1), returned as int64."""
-    if cu is None or isinstance(cu, (bool, np.bool_, str, bytes, dict, set)):
-        raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got {type(cu).__name__}")
-    if not isinstance(cu, np.ndarray):
-        try:
-            cu = np.asarray(cu)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got "
-                            f"{type(cu).__name__} ({e})") from None
-    if _native(cu.dtype) not in INDEX_DTYPES:
-        raise TypeError(f"{fn}(): '{name}' must be int32 or int64, got {cu.dtype}")
-    if cu.ndim != 1 or cu.shape[0] < 2:
+    cu = index_array(fn, name, cu, 1, "[N + 1]")
+    if cu.shape[0] < 2:
         raise ValueError(f"{fn}(): '{name}' must be 1-D with at least 2 entries, got shape {cu.shape}")
     if batch != 1:
         raise ValueError(f"{fn}(): with '{name}' the batch size must be 1, got B={batch}")
-    cu = cu.astype(np.int64)
     if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
         raise ValueError(
             f"{fn}(): '{name}' must start at 0, be non-decreasing and end at T={total}, got {cu.tolist()}"

@@ -218,16 +218,6 @@ def _merge_attention_states_vjp(os, lses):
 _DECODE_MAX_QUERIES = 4
 
 
-def _index_array(fn, name, x, ndim, layout):
-    if x is None or isinstance(x, (bool, np.bool_, str, bytes, dict, set)):
-        raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got {type(x).__name__}")
-    x = np.asarray(x)
-    if x.dtype.kind not in "iu" or x.dtype.itemsize not in (4, 8) or (x.dtype.kind == "u" and x.dtype.itemsize == 8):
-        raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got {x.dtype}")
-    V.ndim(fn, name, x, ndim, layout)
-    return x.astype(np.int64)
-
-
 class _KVCall:
     """An attention_with_kvcache call checked: arrays, cache geometry, key rows, options."""
 
@@ -259,14 +249,14 @@ class _KVCall:
         if Dk < 1 or Dv < 1 or R < 1:
             raise ValueError(f"{fn}(): head dims and cache rows must be >= 1, got Dk={Dk}, Dv={Dv}, rows={R}")
         if paged:
-            table = _index_array(fn, "block_table", block_table, 2, "[B, max_blocks]")
+            table = V.index_array(fn, "block_table", block_table, 2, "[B, max_blocks]")
             if table.shape[0] != B:
                 raise ValueError(f"{fn}(): 'block_table' must have one row per sequence (B={B}), got shape {table.shape}")
             capacity = table.shape[1] * R
         else:
             V.same(fn, "batch sizes", {"q": B, "k_cache": A})
             table, capacity = None, R
-        seqlens = _index_array(fn, "cache_seqlens", cache_seqlens, 1, "[B]")
+        seqlens = V.index_array(fn, "cache_seqlens", cache_seqlens, 1, "[B]")
         if seqlens.shape[0] != B:
             raise ValueError(f"{fn}(): 'cache_seqlens' must have B={B} entries, got shape {seqlens.shape}")
         if np.any(seqlens < 0):

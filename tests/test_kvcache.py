@@ -255,7 +255,7 @@ def bad_calls(rng):
         (TypeError, (qc, kcc, vcc, sc), dict(k=k.astype(np.float32), v=v), ["one dtype", "'k'"]),
         (TypeError, (qc, kcc.tolist(), vcc, sc), dict(k=k, v=v), ["'k_cache' must be a numpy.ndarray"]),
         (ValueError, (qc, kcc[:, ::2], vcc[:, ::2], np.array([1, 1, 1])), dict(k=k, v=v), ["'k_cache' must be a writeable"]),
-        (TypeError, (qc, kcc, vcc, sc.astype(float)), dict(k=k, v=v), ["'cache_seqlens' must be an int32 or int64"]),
+        (TypeError, (qc, kcc, vcc, sc.astype(float)), dict(k=k, v=v), ["'cache_seqlens' must be int32 or int64"]),
         (ValueError, (qc, kcc, vcc, sc[:2]), dict(k=k, v=v), ["'cache_seqlens' must have B=3 entries"]),
         (ValueError, (qc[:, :, :3], kcc, vcc, sc), dict(k=k, v=v), ["'k_cache' has Hk=2 heads"]),
         (ValueError, (qc, kcc, vcc, sc), dict(k=k[:, :, :1], v=v[:, :, :1]), ["'k' must have shape"]),
