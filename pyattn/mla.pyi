@@ -1,5 +1,5 @@
 """Type stubs of pyattn.mla (the implementation is mla.py)."""
-from typing import Literal, Optional, Tuple
+from typing import Dict, Literal, Optional, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -13,5 +13,5 @@ def mla_attention(
 ) -> npt.NDArray[np.floating]: ...
 
 # used by pyattn.nn's MLA mixer to decode in the absorbed form
-def _by_head(x: npt.NDArray[np.floating], w: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]: ...
+def _absorbed(a: Dict[str, npt.NDArray[np.floating]]) -> Tuple[npt.NDArray[np.floating], npt.NDArray[np.floating], npt.NDArray[np.floating]]: ...
 def _by_head_t(y: npt.NDArray[np.floating], w: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]: ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...autodiff import vjp
-from ...mla import _by_head, _by_head_t, mla_attention
+from ...mla import _absorbed, _by_head_t, mla_attention
 from ...softmax import attention_with_kvcache
 from ..layers import Mixer, RMSNorm, Rotary, grow_cache, linear, normal
 
@@ -74,10 +74,9 @@ class MultiHeadLatentAttention(Mixer):
         q_nope, q_rope, c_kv, k_rope, w_uk, w_uv = args
         n, T = cache["len"], c_kv.shape[1]
         grow_cache(cache, ("k", "v"), n + T)
-        q = np.concatenate([_by_head(q_nope, w_uk), q_rope], axis=3)
-        k = np.concatenate([c_kv, k_rope], axis=2)[:, :, None, :]
-        o = attention_with_kvcache(q, cache["k"], cache["v"], np.full(q.shape[0], n), k=k,
-                                   v=c_kv[:, :, None, :], scale=(self.Dn + self.Dr) ** -0.5)
+        q, k, v = _absorbed(dict(q_nope=q_nope, q_rope=q_rope, c_kv=c_kv, k_rope=k_rope, w_uk=w_uk))
+        o = attention_with_kvcache(q, cache["k"], cache["v"], np.full(q.shape[0], n), k=k, v=v,
+                                   scale=(self.Dn + self.Dr) ** -0.5)
         cache["len"] = n + T
         return _by_head_t(o, w_uv)
 
