@@ -150,6 +150,23 @@ def check_forms(op: Union[str, Callable[..., Any]], args: Sequence[Any], kwargs:
     return results
 
 
+def finite_differences(loss: Callable[[], float], x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central differences ``(loss() at x + eps e_i - loss() at x - eps e_i) / (2 eps)`` for
+    every entry i of x, which ``loss`` reads: x is perturbed in place, one entry at a time, and
+    restored."""
+    num = np.zeros_like(x)
+    flat, nflat = x.reshape(-1), num.reshape(-1)
+    for i in range(flat.size):
+        orig = flat[i]
+        flat[i] = orig + eps
+        up = loss()
+        flat[i] = orig - eps
+        down = loss()
+        flat[i] = orig
+        nflat[i] = (up - down) / (2 * eps)
+    return num
+
+
 def gradcheck(op: Union[str, Callable[..., Any]], args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None, *,
               wrt: Optional[Sequence[str]] = None,
               eps: float = 1e-6, atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0) -> Dict[str, float]:
@@ -190,17 +207,7 @@ def gradcheck(op: Union[str, Callable[..., Any]], args: Sequence[Any], kwargs: O
 
     errors = {}
     for name in targets:
-        x = arrays[name]
-        num = np.zeros_like(x)
-        flat, nflat = x.reshape(-1), num.reshape(-1)
-        for i in range(flat.size):
-            orig = flat[i]
-            flat[i] = orig + eps
-            up = loss()
-            flat[i] = orig - eps
-            down = loss()
-            flat[i] = orig
-            nflat[i] = (up - down) / (2 * eps)
+        num = finite_differences(loss, arrays[name], eps)
         diffs = np.abs(grads[name] - num)
         bound = atol + rtol * np.abs(num)
         errors[name] = float(diffs.max()) if diffs.size else 0.0
