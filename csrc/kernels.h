@@ -140,6 +140,13 @@ typedef struct {
     int (*softmax_decode)(const pa_softmax_desc *d, const pa_key_rows *rows, int64_t num_splits,
                           const void *q, const void *k, const void *v, void *o, void *lse,
                           void *colsum, int64_t colsum_len);
+    /* The backward of softmax_decode over the same key rows (no softcap or ALiBi): dq, and dk,
+     * dv of the key_rows rows of k and v (overwritten); dlse may be NULL */
+    int (*softmax_decode_backward)(const pa_softmax_desc *d, const pa_key_rows *rows,
+                                   int64_t key_rows, const void *q, const void *k,
+                                   const void *v, const void *o, const void *lse,
+                                   const void *dout, const void *dlse, void *dq, void *dk,
+                                   void *dv);
     int (*feature_map_forward)(const pa_feature_map_desc *d, const void *x, void *y);
     /* dx [rows, D] from dy [rows, F]; dprojection: performer's dW [m, D] (overwritten), NULL
      * for the other kinds */

@@ -308,88 +308,101 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
     return finish(rc);
 }
 
-/* softmax_decode(q, k, v, o, lse, cu_q, start, end, block_table, num_splits, colsum, causal,
- *                window_left, window_right, sinks, alibi_slopes, softcap, scale): q [B, Tq, H,
- * Dk] placed by cu_q; k [A, R, Hk, Dk], v [A, R, Hk, Dv] hold the keys: sequence n's key j
- * at row start[n] + j of the A R rows, or, with block_table int32 [nseq, max_blocks], at
- * row j % R of block block_table[n, j // R] (R the block size); colsum None or [nseq, H,
- * L] (L >= every end - start), added to */
-static PyObject *py_softmax_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Shared by softmax_decode and its backward: q [B, Tq, H, Dk] placed by cu_q; k [A, R, Hk,
+ * Dk], v [A, R, Hk, Dv] hold the keys: sequence n's key j at row start[n] + j of the A R
+ * rows, or, with block_table int32 [nseq, max_blocks], at row j % R of block
+ * block_table[n, j // R] (R the block size). a = (q, k, v), c = (cu_q, start, end,
+ * block_table), opt the mask/score options. Every listed row is checked to lie in the cache;
+ * *maxk is the most keys of a sequence. */
+static int decode_desc(const char *fn, PyObject *const *a, PyObject *const *c,
+                       PyObject *const *opt, int *t, PyArrayObject **q, PyArrayObject **k,
+                       PyArrayObject **v, pa_softmax_desc *d, pa_key_rows *rows, int64_t *maxk)
 {
-    const char *fn = "softmax_decode";
-    if (expect_nargs(fn, nargs, 18)) return NULL;
-    int t;
-    if (float_type(fn, "q", args[0], &t)) return NULL;
+    if (float_type(fn, "q", a[0], t)) return -1;
     npy_intp four[4] = {-1, -1, -1, -1};
-    PyArrayObject *q = get_array(fn, "q", args[0], t, 4, four, 0);
-    if (!q) return NULL;
-    const npy_intp H = PyArray_DIM(q, 2), Dk = PyArray_DIM(q, 3);
+    if (!(*q = get_array(fn, "q", a[0], *t, 4, four, 0))) return -1;
+    const npy_intp H = PyArray_DIM(*q, 2), Dk = PyArray_DIM(*q, 3);
     npy_intp kshape[4] = {-1, -1, -1, Dk};
-    PyArrayObject *k = get_array(fn, "k", args[1], t, 4, kshape, 0);
-    if (!k) return NULL;
-    const npy_intp A = PyArray_DIM(k, 0), R = PyArray_DIM(k, 1), Hk = PyArray_DIM(k, 2);
+    if (!(*k = get_array(fn, "k", a[1], *t, 4, kshape, 0))) return -1;
+    const npy_intp A = PyArray_DIM(*k, 0), R = PyArray_DIM(*k, 1), Hk = PyArray_DIM(*k, 2);
     npy_intp vshape[4] = {A, R, Hk, -1};
-    PyArrayObject *v = get_array(fn, "v", args[2], t, 4, vshape, 0);
-    if (!v) return NULL;
-    if (Hk < 1 || H % Hk != 0 || Dk < 1 || PyArray_DIM(v, 3) < 1) {
+    if (!(*v = get_array(fn, "v", a[2], *t, 4, vshape, 0))) return -1;
+    if (Hk < 1 || H % Hk != 0 || Dk < 1 || PyArray_DIM(*v, 3) < 1) {
         PyErr_Format(PyExc_ValueError,
                      "%s(): need H %% Hk == 0 and head dims >= 1, got H=%lld Hk=%lld Dk=%lld "
                      "Dv=%lld",
-                     fn, (long long)H, (long long)Hk, (long long)Dk, (long long)PyArray_DIM(v, 3));
-        return NULL;
+                     fn, (long long)H, (long long)Hk, (long long)Dk, (long long)PyArray_DIM(*v, 3));
+        return -1;
     }
-    pa_softmax_desc d;
-    memset(&d, 0, sizeof d);
-    d.H = H;
-    d.Hk = Hk;
-    d.Dk = Dk;
-    d.Dv = PyArray_DIM(v, 3);
-    d.form = PA_FORM_FLASH;
-    if (!(d.cu_q = get_cu(fn, "cu_seqlens_q", args[5], PyArray_DIM(q, 0) * PyArray_DIM(q, 1),
-                          &d.nseq)) ||
-        softmax_options(fn, args + 11, t, &d))
-        return NULL;
-    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), H, d.Dv};
-    PyArrayObject *o = get_array(fn, "o", args[3], t, 4, oshape, 1);
-    PyArrayObject *lse = o ? get_array(fn, "lse", args[4], t, 3, oshape, 1) : NULL;
-    if (!lse) return NULL;
-    npy_intp nshape[1] = {d.nseq};
-    PyArrayObject *st = get_array(fn, "start", args[6], NPY_INT64, 1, nshape, 0);
-    PyArrayObject *en = st ? get_array(fn, "end", args[7], NPY_INT64, 1, nshape, 0) : NULL;
-    if (!en) return NULL;
-    pa_key_rows rows = {PyArray_DATA(st), PyArray_DATA(en), NULL, 0, R};
-    int64_t maxk = 0, max_blocks = 0;
-    if (args[8] != Py_None) {
-        npy_intp tshape[2] = {d.nseq, -1};
-        PyArrayObject *bt = get_array(fn, "block_table", args[8], NPY_INT32, 2, tshape, 0);
-        if (!bt) return NULL;
-        rows.block_table = PyArray_DATA(bt);
-        rows.table_stride = max_blocks = PyArray_DIM(bt, 1);
+    memset(d, 0, sizeof *d);
+    d->H = H;
+    d->Hk = Hk;
+    d->Dk = Dk;
+    d->Dv = PyArray_DIM(*v, 3);
+    d->form = PA_FORM_FLASH;
+    if (!(d->cu_q = get_cu(fn, "cu_seqlens_q", c[0], PyArray_DIM(*q, 0) * PyArray_DIM(*q, 1),
+                           &d->nseq)) ||
+        softmax_options(fn, opt, *t, d))
+        return -1;
+    npy_intp nshape[1] = {d->nseq};
+    PyArrayObject *st = get_array(fn, "start", c[1], NPY_INT64, 1, nshape, 0);
+    PyArrayObject *en = st ? get_array(fn, "end", c[2], NPY_INT64, 1, nshape, 0) : NULL;
+    if (!en) return -1;
+    *rows = (pa_key_rows){PyArray_DATA(st), PyArray_DATA(en), NULL, 0, R};
+    int64_t max_blocks = 0;
+    *maxk = 0;
+    if (c[3] != Py_None) {
+        npy_intp tshape[2] = {d->nseq, -1};
+        PyArrayObject *bt = get_array(fn, "block_table", c[3], NPY_INT32, 2, tshape, 0);
+        if (!bt) return -1;
+        rows->block_table = PyArray_DATA(bt);
+        rows->table_stride = max_blocks = PyArray_DIM(bt, 1);
     }
-    for (int64_t n = 0; n < d.nseq; n++) {
-        const int64_t len = rows.end[n] - rows.start[n];
-        int ok = rows.start[n] >= 0 && len >= 0 &&
-                 (rows.block_table ? R > 0 && len <= max_blocks * R : rows.end[n] <= A * R);
-        for (int64_t b = 0; ok && rows.block_table && b < (len + R - 1) / R; b++) {
-            const int32_t blk = rows.block_table[n * max_blocks + b];
+    for (int64_t n = 0; n < d->nseq; n++) {
+        const int64_t len = rows->end[n] - rows->start[n];
+        int ok = rows->start[n] >= 0 && len >= 0 &&
+                 (rows->block_table ? R > 0 && len <= max_blocks * R : rows->end[n] <= A * R);
+        for (int64_t b = 0; ok && rows->block_table && b < (len + R - 1) / R; b++) {
+            const int32_t blk = rows->block_table[n * max_blocks + b];
             ok = blk >= 0 && blk < A;
         }
         if (!ok) {
             PyErr_Format(PyExc_ValueError,
                          "%s(): the keys of sequence %lld (rows %lld .. %lld) lie outside the "
                          "cache (%lld rows%s)",
-                         fn, (long long)n, (long long)rows.start[n], (long long)rows.end[n],
-                         (long long)(A * R), rows.block_table ? ", paged" : "");
-            return NULL;
+                         fn, (long long)n, (long long)rows->start[n], (long long)rows->end[n],
+                         (long long)(A * R), rows->block_table ? ", paged" : "");
+            return -1;
         }
-        maxk = len > maxk ? len : maxk;
+        *maxk = len > *maxk ? len : *maxk;
     }
+    return 0;
+}
+
+/* softmax_decode(q, k, v, o, lse, cu_q, start, end, block_table, num_splits, colsum, causal,
+ *                window_left, window_right, sinks, alibi_slopes, softcap, scale): the keys as
+ * decode_desc places them; colsum None or [nseq, H, L] (L >= every end - start), added to */
+static PyObject *py_softmax_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "softmax_decode";
+    if (expect_nargs(fn, nargs, 18)) return NULL;
+    int t;
+    PyArrayObject *q, *k, *v;
+    pa_softmax_desc d;
+    pa_key_rows rows;
+    int64_t maxk;
+    PyObject *const cargs[4] = {args[5], args[6], args[7], args[8]};
+    if (decode_desc(fn, args, cargs, args + 11, &t, &q, &k, &v, &d, &rows, &maxk)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
+    PyArrayObject *o = get_array(fn, "o", args[3], t, 4, oshape, 1);
+    PyArrayObject *lse = o ? get_array(fn, "lse", args[4], t, 3, oshape, 1) : NULL;
+    if (!lse) return NULL;
     long long splits;
     if (get_int(fn, "num_splits", args[9], 0, 1024, &splits)) return NULL;
     void *colsum = NULL;
     int64_t clen = 0;
     if (args[10] != Py_None) {
-        npy_intp cshape[3] = {d.nseq, H, -1};
+        npy_intp cshape[3] = {d.nseq, d.H, -1};
         PyArrayObject *cs = get_array(fn, "colsum", args[10], t, 3, cshape, 1);
         if (!cs) return NULL;
         clen = PyArray_DIM(cs, 2);
@@ -405,6 +418,50 @@ static PyObject *py_softmax_decode(PyObject *self, PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     rc = K->softmax_decode(&d, &rows, splits, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
                            PyArray_DATA(o), PyArray_DATA(lse), colsum, clen);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* softmax_decode_backward(q, k, v, o, lse, do, dlse_or_None, dq, dk, dv, cu_q, start, end,
+ *                         block_table, causal, window_left, window_right, sinks,
+ *                         alibi_slopes, softcap, scale): the keys as decode_desc places them;
+ * dk, dv (shaped as k, v) are overwritten. No softcap or ALiBi. */
+static PyObject *py_softmax_decode_backward(PyObject *self, PyObject *const *args,
+                                            Py_ssize_t nargs)
+{
+    const char *fn = "softmax_decode_backward";
+    if (expect_nargs(fn, nargs, 21)) return NULL;
+    int t;
+    PyArrayObject *q, *k, *v;
+    pa_softmax_desc d;
+    pa_key_rows rows;
+    int64_t maxk;
+    if (decode_desc(fn, args, args + 10, args + 14, &t, &q, &k, &v, &d, &rows, &maxk))
+        return NULL;
+    if (d.alibi || d.softcap > 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): softcap and alibi_slopes are not supported", fn);
+        return NULL;
+    }
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
+    PyArrayObject *o, *lse, *dout, *dlse = NULL, *dq, *dk, *dv;
+    if (!(o = get_array(fn, "o", args[3], t, 4, oshape, 0)) ||
+        !(lse = get_array(fn, "lse", args[4], t, 3, oshape, 0)) ||
+        !(dout = get_array(fn, "do", args[5], t, 4, oshape, 0)))
+        return NULL;
+    if (args[6] != Py_None && !(dlse = get_array(fn, "dlse", args[6], t, 3, oshape, 0)))
+        return NULL;
+    if (!(dq = get_array(fn, "dq", args[7], t, 4, PyArray_DIMS(q), 1)) ||
+        !(dk = get_array(fn, "dk", args[8], t, 4, PyArray_DIMS(k), 1)) ||
+        !(dv = get_array(fn, "dv", args[9], t, 4, PyArray_DIMS(v), 1)))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->softmax_decode_backward(&d, &rows, PyArray_DIM(k, 0) * PyArray_DIM(k, 1),
+                                    PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                                    PyArray_DATA(o), PyArray_DATA(lse), PyArray_DATA(dout),
+                                    dlse ? PyArray_DATA(dlse) : NULL, PyArray_DATA(dq),
+                                    PyArray_DATA(dk), PyArray_DATA(dv));
     Py_END_ALLOW_THREADS
     return finish(rc);
 }
@@ -1044,6 +1101,11 @@ static PyMethodDef core_methods[] = {
      "softmax_decode(q, k, v, o, lse, cu_q, start, end, block_table, num_splits, colsum, causal, "
      "window_left, window_right, sinks, alibi_slopes, softcap, scale): few queries against keys "
      "in place in a cache (contiguous rows start .. end, or paged through block_table)"},
+    {"softmax_decode_backward", (PyCFunction)(void (*)(void))py_softmax_decode_backward,
+     METH_FASTCALL,
+     "softmax_decode_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu_q, start, end, "
+     "block_table, causal, window_left, window_right, sinks, alibi_slopes, softcap, scale): the "
+     "backward of softmax_decode over the same keys"},
     {"feature_map_forward", (PyCFunction)(void (*)(void))py_feature_map_forward, METH_FASTCALL,
      "feature_map_forward(x, y, kind, p, max_len, projection): y = phi(x) in place. x [..., D] "
      "(cosformer: [B, T, H, D]); y [..., F]; kind one of FM_*; p (int >= 1, focused) and max_len "

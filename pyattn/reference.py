@@ -630,3 +630,131 @@ def linformer_attention(q, k, v, E, F, *, scale=None):
                 p = np.exp(s - s.max())
                 o[b, i, h] = p @ vp / p.sum()
     return o
+
+
+def nsa_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_count=16, window=512,
+                  k_cmp=None, v_cmp=None, scale=None, cu_seqlens=None):
+    """Per (sequence, query i, KV head, query head of its group): the compressed branch over
+    the complete blocks, one block selection per (i, KV head) from the group's summed
+    importances, the selected keys (own block up to i), the sliding window, then the gated sum."""
+    q, k, v, g_cmp, g_slc, g_swa, k_cmp, v_cmp = _f64(q, k, v, g_cmp, g_slc, g_swa, k_cmp, v_cmp)
+    B, T, H, Dk = q.shape
+    Hk, Dv = k.shape[2], v.shape[3]
+    G = H // Hk
+    bs = block_size
+    scale = Dk ** -0.5 if scale is None else scale
+    o = np.zeros((B, T, H, Dv))
+    row0 = 0
+    for b, s, e in _sequences(B, T, cu_seqlens):
+        L = e - s
+        nb = -(-L // bs)
+        blocks = [(s + c * bs, s + min((c + 1) * bs, L)) for c in range(nb)]
+        row0 = 0 if cu_seqlens is None else row0
+        if k_cmp is None:
+            kc = np.array([[k[b, j0:j1, kh].mean(axis=0) for kh in range(Hk)] for j0, j1 in blocks])
+            vc = np.array([[v[b, j0:j1, kh].mean(axis=0) for kh in range(Hk)] for j0, j1 in blocks])
+        else:
+            kc, vc = k_cmp[b, row0:row0 + nb], v_cmp[b, row0:row0 + nb]
+        row0 += nb
+        for i in range(L):
+            t = s + i
+            own = i // bs
+            for kh in range(Hk):
+                heads = range(kh * G, (kh + 1) * G)
+                visible = range((i + 1) // bs)
+                o_cmp, lse = {}, {}
+                for h in heads:
+                    o_cmp[h] = np.zeros(Dv)
+                    lse[h] = -np.inf
+                    if len(visible):
+                        sc = np.array([scale * np.dot(q[b, t, h], kc[c, kh]) for c in visible])
+                        p = np.exp(sc - sc.max())
+                        o_cmp[h] = p @ vc[list(visible), kh] / p.sum()
+                        lse[h] = sc.max() + np.log(p.sum())
+                imp = [sum(math.exp(scale * np.dot(q[b, t, h], kc[c, kh]) - lse[h]) for h in heads)
+                       for c in range(own)]
+                past = sorted(range(own), key=lambda c: (-imp[c], c))[:max(block_count - 1, 0)]
+                slc_keys = [j for c in past for j in range(*blocks[c])] + list(range(blocks[own][0], t + 1))
+                swa_keys = list(range(s + max(0, i - window + 1), t + 1))
+                for h in heads:
+                    branch = []
+                    for keys in (slc_keys, swa_keys):
+                        sc = np.array([scale * np.dot(q[b, t, h], k[b, j, kh]) for j in keys])
+                        p = np.exp(sc - sc.max())
+                        branch.append(p @ v[b, keys, kh] / p.sum())
+                    o[b, t, h] = (g_cmp[b, t, h] * o_cmp[h] + g_slc[b, t, h] * branch[0]
+                                  + g_swa[b, t, h] * branch[1])
+    return o
+
+
+def dsa_index_scores(index_q, index_k, index_w):
+    """Per (batch, query t, key s, indexer head j): I[t, s] += w_tj * relu(q_tj . k_s)."""
+    index_q, index_k, index_w = _f64(index_q, index_k, index_w)
+    B, T, Hi, _ = index_q.shape
+    scores = np.zeros((B, T, T))
+    for b in range(B):
+        for t in range(T):
+            for s in range(T):
+                for j in range(Hi):
+                    scores[b, t, s] += index_w[b, t, j] * max(0.0, np.dot(index_q[b, t, j], index_k[b, s]))
+    return scores
+
+
+def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None):
+    """Per (sequence, query t): the top_k visible keys by I[t, s] (ties to the lower s), in
+    ascending order of s, then -1 padding."""
+    scores = dsa_index_scores(index_q, index_k, index_w)
+    B, T = scores.shape[:2]
+    idx = np.full((B, T, top_k), -1, dtype=np.int64)
+    for b, s0, e in _sequences(B, T, cu_seqlens):
+        for t in range(s0, e):
+            visible = range(s0, t + 1 if causal else e)
+            best = sorted(sorted(visible, key=lambda s: (-scores[b, t, s], s))[:top_k])
+            idx[b, t, :len(best)] = best
+    return idx
+
+
+def dsa_attention(q, k, v, index_q, index_k, index_w, *, top_k, causal=True, scale=None,
+                  cu_seqlens=None):
+    """Per (batch, query t, head): softmax over the keys dsa_select chose for t."""
+    q, k, v = _f64(q, k, v)
+    B, T, H, Dk = q.shape
+    Hk, Dv = k.shape[2], v.shape[3]
+    scale = Dk ** -0.5 if scale is None else scale
+    idx = dsa_select(index_q, index_k, index_w, top_k=top_k, causal=causal, cu_seqlens=cu_seqlens)
+    o = np.zeros((B, T, H, Dv))
+    for b in range(B):
+        for t in range(T):
+            keys = [int(s) for s in idx[b, t] if s >= 0]
+            if not keys:
+                continue
+            for h in range(H):
+                kh = h // (H // Hk)
+                sc = np.array([scale * np.dot(q[b, t, h], k[b, s, kh]) for s in keys])
+                p = np.exp(sc - sc.max())
+                o[b, t, h] = p @ v[b, keys, kh] / p.sum()
+    return o
+
+
+def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=None):
+    """Per (sequence, query t, head): softmax over the visible keys (or over indices[t] when
+    given), averaged over the heads into P[t, :]."""
+    q, k = _f64(q, k)
+    B, T, H, Dk = q.shape
+    Hk = k.shape[2]
+    scale = Dk ** -0.5 if scale is None else scale
+    P = np.zeros((B, T, T))
+    for b, s0, e in _sequences(B, T, cu_seqlens):
+        for t in range(s0, e):
+            if indices is None:
+                keys = list(range(s0, t + 1 if causal else e))
+            else:
+                keys = [int(s) for s in np.asarray(indices)[b, t] if s >= 0]
+            if not keys:
+                continue
+            for h in range(H):
+                kh = h // (H // Hk)
+                sc = np.array([scale * np.dot(q[b, t, h], k[b, s, kh]) for s in keys])
+                p = np.exp(sc - sc.max())
+                P[b, t, keys] += p / p.sum() / H
+    return P

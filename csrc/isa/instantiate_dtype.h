@@ -3,6 +3,7 @@
 #include "../core/vmath.h"
 #include "../core/gemm.c"
 #include "../ops/softmax_attn.c"
+#include "../ops/sparse_attn.c"
 #include "../ops/feature_maps.c"
 #include "../ops/decay.h"
 #include "../ops/linear_attn.c"
@@ -30,6 +31,7 @@ const pa_kernels PA_FN(pa_kernels) = {
     .softmax_forward = PA_FN(softmax_forward),
     .softmax_backward = PA_FN(softmax_backward),
     .softmax_decode = PA_FN(softmax_decode),
+    .softmax_decode_backward = PA_FN(softmax_decode_backward),
     .feature_map_forward = PA_FN(feature_map_forward),
     .feature_map_backward = PA_FN(feature_map_backward),
     .linear_forward = PA_FN(linear_forward),

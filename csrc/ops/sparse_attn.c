@@ -1,0 +1,165 @@
+/* Sparse softmax attention: the backward of the decode form (softmax_decode) over keys that
+ * lie anywhere, listed per query. Template body (see core/dtype.h); needs ops/softmax_attn.c
+ * before it, whose decode helpers it shares.
+ *
+ * The sparse ops (NSA's compressed and selected branches, DeepSeek sparse attention) run
+ * their forward through softmax_decode: one query row, every head of it, against the key
+ * rows its selection lists (a block table of whole key blocks, or of single rows). Their
+ * backward is this kernel, in the same layout: work items are query rows; per item and key
+ * block P is recomputed from the forward's LSE, dP = dO V^T, dS = P (dP - D) with D =
+ * rowsum(dO * O) - dlse, dQ = scale dS K, dK += scale dS^T Q, dV += P^T dO. The query row
+ * owns its dQ; the keys of one row are listed by many rows, so each thread adds its dK and
+ * dV into a buffer of its own (the first thread into dk, dv), summed in thread order at the
+ * end. Items are dealt round robin, so the result is the same bits for a given thread count.
+ */
+
+/* dst_row[kh] += sum_g w[(kh G + g) * SM_DECODE_KB + c] src[kh G + g] for every KV head kh:
+ * the outer-product update dK (or dV) of one key row from the heads of its groups. */
+static inline void PA_FN(sd_key_update)(real *dst, const real *src, const real *w, int64_t c,
+                                        int64_t H, int64_t Hk, int64_t D)
+{
+    const int64_t G = H / Hk;
+    for (int64_t kh = 0; kh < Hk; kh++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = kh * G + g;
+            PA_FN(axpy)(dst + kh * D, src + h * D, D, w[h * SM_DECODE_KB + c]);
+        }
+}
+
+/* Scratch of one backward thread: the decode scratch (scores -> P), dS [H, SM_DECODE_KB], D
+ * [H]. */
+typedef struct {
+    PA_FN(sm_decode_scratch) w;
+    real *dS, *Drow;
+    void *block;
+} PA_FN(sd_scratch);
+
+static int PA_FN(sd_scratch_alloc)(PA_FN(sd_scratch) * s, const pa_softmax_desc *d)
+{
+    const size_t H = (size_t)d->H;
+    void **parts[] = {(void **)&s->dS, (void **)&s->Drow};
+    const size_t bytes[] = {sizeof(real) * H * SM_DECODE_KB, sizeof(real) * H};
+    s->block = NULL;
+    if (!PA_FN(sm_decode_scratch_alloc)(&s->w, d)) return 0;
+    if (!(s->block = pa_alloc_parts(parts, bytes, 2))) {
+        free(s->w.block);
+        return 0;
+    }
+    return 1;
+}
+
+/* The backward of query i of sequence n (every head): its dq row, and dK, dV of the keys it
+ * sees added into dk, dv (rows as k, v). */
+static void PA_FN(sd_backward_row)(const pa_softmax_desc *d, const pa_key_rows *rows,
+                                   const real *q, const real *k, const real *v, const real *o,
+                                   const real *lse, const real *dout, const real *dlse,
+                                   int64_t n, int64_t i, real *dq, real *dk, real *dv,
+                                   PA_FN(sd_scratch) * s)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, G = H / Hk, KB = SM_DECODE_KB;
+    const int64_t q0 = d->cu_q[n], tk = rows->end[n] - rows->start[n];
+    const int64_t ip = i + tk - (d->cu_q[n + 1] - q0), row = q0 + i;
+    const real *qi = q + row * H * Dk, *doi = dout + row * H * Dv, *li = lse + row * H;
+    const real scale = (real)d->scale;
+    real *dqi = dq + row * H * Dk, *P = s->w.S, *dS = s->dS;
+    /* dP = dO V^T is the decode's score pass over V with dO as the query */
+    pa_softmax_desc dv_desc = *d;
+    dv_desc.Dk = Dv;
+    dv_desc.scale = 1;
+    for (int64_t h = 0; h < H; h++)
+        s->Drow[h] = PA_FN(dot)(doi + h * Dv, o + (row * H + h) * Dv, Dv) -
+                     (dlse ? dlse[row * H + h] : 0);
+    memset(dqi, 0, sizeof(real) * H * Dk);
+    int64_t ranges[2][2];
+    PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, ranges);
+    for (int rg = 0; rg < 2; rg++)
+        for (int64_t jb = ranges[rg][0]; jb < ranges[rg][1]; jb += KB) {
+            const int64_t nb = ranges[rg][1] - jb < KB ? ranges[rg][1] - jb : KB;
+            const int64_t count =
+                PA_FN(sm_block_rows)(d, rows, k, v, n, jb, nb, ranges[rg][1], s->w.kp, s->w.vp);
+            PA_FN(sm_row_scores)(d, qi, s->w.kp, s->w.vp, count, ip, jb, nb, P);
+            PA_FN(sm_row_scores)(&dv_desc, doi, s->w.vp, NULL, nb, ip, jb, nb, dS);
+            for (int64_t h = 0; h < H; h++) {
+                real *p = P + h * KB, *ds = dS + h * KB;
+                for (int64_t c = 0; c < nb; c++) p[c] -= li[h];
+                PA_FN(exp_array)(p, p, nb);
+                for (int64_t c = 0; c < nb; c++) ds[c] = scale * p[c] * (ds[c] - s->Drow[h]);
+            }
+            for (int64_t kh = 0; kh < Hk; kh++) {
+                int64_t g = 0;
+                for (; g + 4 <= G; g += 4)
+                    PA_FN(sm_pv)(dqi + (kh * G + g) * Dk, Dk, dS + (kh * G + g) * KB, s->w.kp,
+                                 kh * Dk, nb, 4);
+                for (; g < G; g++)
+                    PA_FN(sm_pv)(dqi + (kh * G + g) * Dk, Dk, dS + (kh * G + g) * KB, s->w.kp,
+                                 kh * Dk, nb, 1);
+            }
+            for (int64_t c = 0; c < nb; c++) {
+                const int64_t krow = (s->w.kp[c] - k) / (Hk * Dk);
+                PA_FN(sd_key_update)(dk + krow * Hk * Dk, qi, dS, c, H, Hk, Dk);
+                PA_FN(sd_key_update)(dv + krow * Hk * Dv, doi, P, c, H, Hk, Dv);
+            }
+        }
+}
+
+/* dst[0, n) = sum of the `parts` buffers at src (`stride` apart), in order. */
+static void PA_FN(sd_sum_parts)(real *dst, const real *src, int64_t stride, int parts,
+                                int64_t n)
+{
+#pragma omp for schedule(static)
+    for (int64_t e = 0; e < n; e++) {
+        real x = dst[e];
+        for (int p = 0; p < parts; p++) x += src[p * stride + e];
+        dst[e] = x;
+    }
+}
+
+static int PA_FN(softmax_decode_backward)(const pa_softmax_desc *d, const pa_key_rows *rows,
+                                          int64_t key_rows, const void *qv, const void *kv,
+                                          const void *vv, const void *ov, const void *lsev,
+                                          const void *doutv, const void *dlsev, void *dqv,
+                                          void *dkv, void *dvv)
+{
+    const real *q = qv, *k = kv, *v = vv, *o = ov, *lse = lsev, *dout = doutv, *dlse = dlsev;
+    real *dq = dqv, *dk = dkv, *dv = dvv;
+    const int64_t nseq = d->nseq, nq = d->cu_q[nseq];
+    const int64_t nk = key_rows * d->Hk * d->Dk, nv = key_rows * d->Hk * d->Dv;
+    memset(dk, 0, sizeof(real) * (size_t)nk);
+    memset(dv, 0, sizeof(real) * (size_t)nv);
+    if (nq == 0) return PA_OK;
+    double work = 0;
+    for (int64_t n = 0; n < nseq; n++)
+        work += (double)(d->cu_q[n + 1] - d->cu_q[n]) * (double)(rows->end[n] - rows->start[n]);
+    const int threads = pa_threads_for(work * (double)d->H * 2.5 * (double)(d->Dk + d->Dv), nq);
+    /* threads 1 .. threads-1 add into buffers of their own: [threads - 1][dk | dv] */
+    real *extra = NULL;
+    if (threads > 1 && !(extra = pa_alloc(sizeof(real) * (size_t)((threads - 1) * (nk + nv)))))
+        return PA_ENOMEM;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int tid = pa_thread_id();
+        real *mk = tid ? extra + (tid - 1) * (nk + nv) : dk, *mv = tid ? mk + nk : dv;
+        if (tid) memset(mk, 0, sizeof(real) * (size_t)(nk + nv));
+        PA_FN(sd_scratch) s;
+        int ok = pa_scratch_ok(PA_FN(sd_scratch_alloc)(&s, d), &failed);
+        int64_t n = 0;
+#pragma omp for schedule(static, 1)
+        for (int64_t r = 0; r < nq; r++) {
+            while (r >= d->cu_q[n + 1]) n++;
+            if (ok)
+                PA_FN(sd_backward_row)(d, rows, q, k, v, o, lse, dout, dlse, n, r - d->cu_q[n],
+                                       dq, mk, mv, &s);
+        }
+        if (ok) {
+            free(s.block);
+            free(s.w.block);
+        }
+        if (threads > 1) {
+            PA_FN(sd_sum_parts)(dk, extra, nk + nv, threads - 1, nk);
+            PA_FN(sd_sum_parts)(dv, extra + nk, nk + nv, threads - 1, nv);
+        }
+    }
+    free(extra);
+    return failed ? PA_ENOMEM : PA_OK;
+}
