@@ -18,6 +18,29 @@ from .autodiff import register_vjp
 from .softmax import _backward, _forward, _merge_weights
 
 
+def _offsets(fn, B, Tq, Tk, cu_seqlens):
+    """(cu_q, cu_k): the query and key rows of each sequence. The queries are the last Tq
+    positions of their keys' sequence (bottom-right, so Tq <= Tk); with cu_seqlens (B = 1)
+    queries and keys are the same rows."""
+    if Tq > Tk:
+        raise ValueError(f"{fn}(): the queries are the last Tq positions of the keys' sequence: "
+                         f"need Tq <= Tk, got Tq={Tq}, Tk={Tk}")
+    if cu_seqlens is None:
+        return V.batch_offsets(B, Tq), V.batch_offsets(B, Tk)
+    if Tq != Tk:
+        raise ValueError(f"{fn}(): with 'cu_seqlens' queries and keys are the same rows, got Tq={Tq}, Tk={Tk}")
+    cu = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, Tk, B)
+    return cu, cu
+
+
+def _positions(cu_q, cu_k):
+    """(sequence, key position) of every query row: bottom-right, the last query of a
+    sequence at its last key."""
+    nq = np.diff(cu_q)
+    seq = np.repeat(np.arange(len(nq)), nq)
+    return seq, np.arange(cu_q[-1]) - cu_q[seq] + np.diff(cu_k)[seq] - nq[seq]
+
+
 class _MobaCall:
     """A moba_attention call checked, its blocks, the chosen (query, head, block) pairs and
     their packing for the flash kernel."""
@@ -27,19 +50,11 @@ class _MobaCall:
         arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v)
         q, k, v = arrs["q"], arrs["k"], arrs["v"]
         B, Tq, H, D, Tk, Hk, Dv = V.attention_qkv(fn, q, k, v)
-        if Tq > Tk:
-            raise ValueError(f"{fn}(): the queries are the last Tq positions of the keys' sequence: "
-                             f"need Tq <= Tk, got Tq={Tq}, Tk={Tk}")
         self.bs = V.integer(fn, "block_size", block_size, 1)
         self.top_k = V.integer(fn, "top_k", top_k, 1)
         self.causal = V.boolean(fn, "causal", causal)
         self.scale = V.scale(fn, scale, D ** -0.5, dtype)
-        if cu_seqlens is None:
-            cu_q, cu = V.batch_offsets(B, Tq), V.batch_offsets(B, Tk)
-        elif Tq != Tk:
-            raise ValueError(f"{fn}(): with 'cu_seqlens' queries and keys are the same rows, got Tq={Tq}, Tk={Tk}")
-        else:
-            cu_q = cu = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, Tk, B)
+        cu_q, cu = _offsets(fn, B, Tq, Tk, cu_seqlens)
         self.shape, self.H, self.Hk, self.D, self.Dv = q.shape, H, Hk, D, Dv
         self.q, self.k, self.v = (x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]) for x in (q, k, v))
         # blocks: consecutive rows of one sequence, block_size each but the last
@@ -268,3 +283,220 @@ def _linformer_attention_vjp(q, k, v, E, F, *, scale=None):
         return grads
 
     return o, pullback
+
+
+class _Listed:
+    """Query rows each attending to the key rows listed for it, through the decode kernel
+    (softmax_decode) and its backward: q ``[R, Hq, Dk]``, every row its own sequence, every
+    head of a row reading the same keys; the pool k ``[A, bs, Hk, Dk]``, v ``[A, bs, Hk, Dv]``;
+    row r reads keys ``start[r] .. end[r]-1`` of the pool's rows, or, with ``table`` int32
+    ``[R, n]``, key j at row ``j % bs`` of block ``table[r, j // bs]``."""
+
+    def __init__(self, q, k, v, start, end, table, scale):
+        self.q, self.k, self.v = q[None], k, v
+        R = q.shape[0]
+        self.rows = (np.arange(R + 1, dtype=np.int64), start.astype(np.int64), end.astype(np.int64),
+                     None if table is None else np.ascontiguousarray(table, dtype=np.int32))
+        self.opts = (False, -1, -1, 0, None, 0.0, scale)
+
+    def forward(self):
+        """(o [R, Hq, Dv], lse [R, Hq])"""
+        q = self.q
+        self.o = np.empty(q.shape[:3] + (self.v.shape[3],), q.dtype)
+        self.lse = np.empty(q.shape[:3], q.dtype)
+        _core.softmax_decode(q, self.k, self.v, self.o, self.lse, *self.rows, 0, None, *self.opts)
+        return self.o[0], self.lse[0]
+
+    def backward(self, do, dlse=None):
+        """(dq [R, Hq, Dk], dk and dv shaped as the pool)"""
+        dq, dk, dv = np.empty_like(self.q), np.empty_like(self.k), np.empty_like(self.v)
+        _core.softmax_decode_backward(self.q, self.k, self.v, self.o, self.lse, do[None],
+                                      None if dlse is None else dlse[None], dq, dk, dv, *self.rows,
+                                      *self.opts)
+        return dq[0], dk, dv
+
+
+class _NsaCall:
+    """An nsa_attention call checked; its blocks, compressed keys, selection and the three
+    branches' calls."""
+
+    GATES = ("g_cmp", "g_slc", "g_swa")
+
+    def __init__(self, q, k, v, g_cmp, g_slc, g_swa, block_size, block_count, window, k_cmp, v_cmp,
+                 scale, cu_seqlens):
+        fn = "nsa_attention"
+        if (k_cmp is None) != (v_cmp is None):
+            raise ValueError(f"{fn}(): give both 'k_cmp' and 'v_cmp' or neither")
+        arrs, dtype = V.float_arrays(fn, ("k_cmp", "v_cmp"), q=q, k=k, v=v, g_cmp=g_cmp, g_slc=g_slc,
+                                     g_swa=g_swa, k_cmp=k_cmp, v_cmp=v_cmp)
+        q, k, v = arrs["q"], arrs["k"], arrs["v"]
+        B, Tq, H, D, Tk, Hk, Dv = V.attention_qkv(fn, q, k, v)
+        for name in self.GATES:
+            V.shape(fn, name, arrs[name], (B, Tq, H), "[B, T, H]")
+        self.bs = bs = V.integer(fn, "block_size", block_size, 1)
+        self.nsel = V.integer(fn, "block_count", block_count, 1)
+        self.window = V.integer(fn, "window", window, 1)
+        self.scale = V.scale(fn, scale, D ** -0.5, dtype)
+        self.cu_q, self.cu_k = _offsets(fn, B, Tq, Tk, cu_seqlens)
+        self.shape, self.H, self.Hk, self.D, self.Dv = q.shape, H, Hk, D, Dv
+        self.q, self.k, self.v = (x.reshape(-1, x.shape[2], x.shape[3]) for x in (q, k, v))
+        self.gates = [arrs[name].reshape(-1, H, 1) for name in self.GATES]
+        # blocks of bs keys, restarting at each sequence; the last of a sequence may be shorter
+        nbs = -(-np.diff(self.cu_k) // bs)
+        self.first = np.concatenate(([0], np.cumsum(nbs))).astype(np.int64)
+        NB = int(self.first[-1])
+        bseq = np.repeat(np.arange(len(nbs)), nbs)
+        self.bstart = self.cu_k[bseq] + (np.arange(NB) - self.first[bseq]) * bs
+        self.blen = np.minimum(self.bstart + bs, self.cu_k[bseq + 1]) - self.bstart
+        self.given = k_cmp is not None
+        if self.given:
+            V.shape(fn, "k_cmp", arrs["k_cmp"], (B, NB // max(B, 1), Hk, D), "[B, blocks, Hk, Dk]")
+            V.shape(fn, "v_cmp", arrs["v_cmp"], (B, NB // max(B, 1), Hk, Dv), "[B, blocks, Hk, Dv]")
+            self.kc, self.vc = (arrs[x].reshape(NB, Hk, -1) for x in ("k_cmp", "v_cmp"))
+        else:
+            self.kc, self.vc = (self._means(x) for x in (self.k, self.v))
+        self.seq, self.pos = _positions(self.cu_q, self.cu_k)
+        own = self.pos // bs
+        # the compressed branch: every head of a query sees the blocks complete at it
+        start = self.first[self.seq]
+        self.cmp = _Listed(self.q, self.kc[None], self.vc[None], start, start + (self.pos + 1) // bs, None,
+                           self.scale)
+        # the selection branch: items (query, KV head), the G heads of a group reading its blocks
+        self.oc, self.lsec = self.cmp.forward()
+        table, count = self._select(own)
+        within = np.arange(bs)
+        self.block_rows = np.minimum(self.bstart[:, None] + within, self.bstart[:, None] + self.blen[:, None] - 1)
+        self.block_valid = within < self.blen[:, None]
+        pool = [x[self.block_rows].transpose(2, 0, 1, 3).reshape(Hk * NB, bs, 1, -1) for x in (self.k, self.v)]
+        length = ((count - 1) * bs + (self.pos - own * bs + 1)[:, None]).reshape(-1)
+        self.slc = _Listed(self.q.reshape(-1, H // Hk, D), *pool, np.zeros_like(length), length,
+                           table.reshape(-1, table.shape[-1]), self.scale)
+        self.swa_opts = (self.cu_q, self.cu_k, _core.FORM_FLASH, True, self.window - 1, 0, 0, None, 0.0,
+                         self.scale)
+
+    def _means(self, x):
+        """[blocks, Hk, D]: the mean of x over each block's rows."""
+        if not x.shape[0]:
+            return np.zeros((0,) + x.shape[1:], x.dtype)
+        sums = np.add.reduceat(x.reshape(x.shape[0], -1), self.bstart, axis=0)
+        return (sums / self.blen[:, None]).reshape((-1,) + x.shape[1:]).astype(x.dtype)
+
+    def _select(self, own):
+        """Block tables [rows, Hk, block_count] of the selection (past blocks best first, then
+        the own block) and the number of blocks of each (row, KV head)."""
+        Hk, G, D, NB = self.Hk, self.H // self.Hk, self.D, len(self.bstart)
+        rows = self.q.shape[0]
+        table = np.empty((rows, Hk, self.nsel), np.int64)
+        count = np.ones((rows, Hk), np.int64)
+        for n in range(len(self.cu_q) - 1):
+            r0, r1 = self.cu_q[n], self.cu_q[n + 1]
+            b0, nb = self.first[n], self.first[n + 1] - self.first[n]
+            if r0 == r1:
+                continue
+            L = r1 - r0
+            qn = self.q[r0:r1].reshape(L, Hk, G, D).transpose(1, 0, 2, 3).reshape(Hk, L * G, D)
+            s = self.scale * (qn @ self.kc[b0:b0 + nb].transpose(1, 2, 0))          # [Hk, L G, nb]
+            lse = self.lsec[r0:r1].reshape(L, Hk, G).transpose(1, 0, 2).reshape(Hk, L * G, 1)
+            with np.errstate(over="ignore", invalid="ignore"):
+                imp = np.exp(s - lse).reshape(Hk, L, G, nb).sum(axis=2)                # [Hk, L, nb]
+            o = own[r0:r1]
+            imp = np.where(np.arange(nb) < o[:, None], imp, -np.inf)
+            want = min(self.nsel - 1, nb)
+            best = np.argsort(-imp, axis=-1, kind="stable")[..., :want]               # ties: lower block
+            past = np.minimum(want, o)                                                 # [L]
+            padded = np.zeros((Hk, L, self.nsel), np.int64)
+            padded[..., :want] = best
+            slot = np.arange(self.nsel)
+            # the past blocks, then the own block (causal: the last, cut at the query)
+            blocks = np.where(slot < past[:, None], padded, o[:, None])
+            table[r0:r1] = (b0 + np.arange(Hk)[:, None, None] * NB + blocks).transpose(1, 0, 2)
+            count[r0:r1] = (past + 1)[:, None]
+        return table, count
+
+    def forward(self):
+        """o [rows, H, Dv], and the branches' outputs (compressed, selected, window)."""
+        rows, H = self.q.shape[0], self.H
+        os_ = self.slc.forward()[0].reshape(rows, H, self.Dv)
+        self.swa = _forward(self.q[None], self.k[None], self.v[None], self.swa_opts)
+        parts = (self.oc, os_, self.swa[0][0])
+        return sum(g * x for g, x in zip(self.gates, parts)), parts
+
+    def backward(self, do, parts):
+        """The gradients (a dict) from do [rows, H, Dv]."""
+        Hk, G, NB, bs = self.Hk, self.H // self.Hk, len(self.bstart), self.bs
+        grads = {name: np.sum(do * x, axis=-1) for name, x in zip(self.GATES, parts)}
+        dq, dkc, dvc = self.cmp.backward(self.gates[0] * do)
+        dqs, dkb, dvb = self.slc.backward((self.gates[1] * do).reshape(-1, G, self.Dv))
+        dqw, dk, dv = _backward(self.q[None], self.k[None], self.v[None], *self.swa,
+                                (self.gates[2] * do)[None], None, self.swa_opts)
+        dq += dqs.reshape(dq.shape) + dqw[0]
+        dk, dv = dk[0], dv[0]
+        # the selection's pool back to key rows (each valid (block, offset) is one row)
+        for dx, dpool in ((dk, dkb), (dv, dvb)):
+            per_row = dpool.reshape(Hk, NB, bs, -1).transpose(1, 2, 0, 3)
+            dx[self.block_rows[self.block_valid]] += per_row[self.block_valid]
+        if self.given:
+            grads["k_cmp"], grads["v_cmp"] = dkc[0], dvc[0]
+        else:  # through the block means
+            block_of_row = np.repeat(np.arange(NB), self.blen)
+            dk += (dkc[0] / self.blen[:, None, None].astype(dk.dtype))[block_of_row]
+            dv += (dvc[0] / self.blen[:, None, None].astype(dv.dtype))[block_of_row]
+        grads.update(q=dq, k=dk, v=dv)
+        return grads
+
+
+def nsa_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_count=16, window=512,
+                  k_cmp=None, v_cmp=None, scale=None, cu_seqlens=None):
+    """NSA, native sparse attention (Yuan et al., 2025): three causal softmax branches per
+    query, mixed by per-head gates.
+
+    q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``, v ``[B, Tk, Hk, Dv]`` (``H % Hk == 0``, query
+    head h reads KV head ``h // (H // Hk)``), gates ``g_cmp, g_slc, g_swa [B, Tq, H]`` (applied
+    as given: a layer passes them through a sigmoid first); one float dtype. The queries are
+    the last Tq positions of the keys' sequence (``Tq = Tk`` in training). Keys split into
+    blocks of ``block_size`` (restarting at each sequence; the last may be shorter). For the
+    query at position i:
+
+    - compressed: softmax attention over the blocks complete at i (block c with ``(c + 1)
+      block_size <= i + 1``), each a key ``k_cmp`` and value ``v_cmp``: the block means of k
+      and v, or the rows given (``[B, blocks, Hk, D]``, one per block, then differentiable);
+      none complete gives 0;
+    - selected: one choice per (query, KV head), shared by its query heads: the query's own
+      block (attended causally), and the ``block_count - 1`` past blocks of highest
+      importance, the compressed branch's attention probabilities of the block summed over
+      the group's heads (ties to the lower block), attended whole;
+    - sliding window: the keys ``i - window + 1 .. i``.
+
+    ``o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa``, scale ``Dk ** -0.5`` unless given.
+    ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences. Every branch is softmax attention over
+    listed keys, run by the flash and decode kernels; no score matrix is formed. Returns ``o
+    [B, Tq, H, Dv]``; differentiable in q, k, v, the gates and k_cmp, v_cmp through
+    ``pyattn.vjp`` (the choice of blocks is not differentiated).
+    """
+    c = _NsaCall(q, k, v, g_cmp, g_slc, g_swa, block_size, block_count, window, k_cmp, v_cmp, scale,
+                 cu_seqlens)
+    return c.forward()[0].reshape(c.shape[:3] + (c.Dv,))
+
+
+@register_vjp(nsa_attention)
+def _nsa_attention_vjp(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_count=16, window=512,
+                       k_cmp=None, v_cmp=None, scale=None, cu_seqlens=None):
+    c = _NsaCall(q, k, v, g_cmp, g_slc, g_swa, block_size, block_count, window, k_cmp, v_cmp, scale,
+                 cu_seqlens)
+    o, parts = c.forward()
+
+    def pullback(do):
+        arrs, _ = V.float_arrays("nsa_attention pullback", q=c.q, do=do)
+        V.shape("nsa_attention pullback", "do", arrs["do"], c.shape[:3] + (c.Dv,), "[B, T, H, Dv]")
+        grads = c.backward(arrs["do"].reshape(o.shape), parts)
+        B, Tq, Tk = c.shape[0], c.shape[1], c.k.shape[0] // max(c.shape[0], 1)
+        out = {"q": grads["q"].reshape(c.shape), "k": grads["k"].reshape(B, Tk, c.Hk, c.D),
+               "v": grads["v"].reshape(B, Tk, c.Hk, c.Dv)}
+        for name in c.GATES:
+            out[name] = grads[name].reshape(B, Tq, c.H)
+        if c.given:
+            out["k_cmp"] = grads["k_cmp"].reshape(B, -1, c.Hk, c.D)
+            out["v_cmp"] = grads["v_cmp"].reshape(B, -1, c.Hk, c.Dv)
+        return out
+
+    return o.reshape(c.shape[:3] + (c.Dv,)), pullback
