@@ -500,3 +500,258 @@ def _nsa_attention_vjp(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_cou
         return out
 
     return o.reshape(c.shape[:3] + (c.Dv,)), pullback
+
+
+_INDEX_ROWS = 256  # queries per slab of index scores: a slab is [256, Hi, Tk], never [T, T, Hi]
+
+
+def _index_arrays(fn, index_q, index_k, index_w, dtype=None):
+    """index_q [B, Tq, Hi, Di], index_k [B, Tk, Di], index_w [B, Tq, Hi] checked against
+    each other (and against dtype when given)."""
+    arrs, got = V.float_arrays(fn, index_q=index_q, index_k=index_k, index_w=index_w)
+    if dtype is not None and got != dtype:
+        raise TypeError(f"{fn}(): the index arrays must have q's dtype {np.dtype(dtype).name}, got {got.name}")
+    iq, ik, iw = arrs["index_q"], arrs["index_k"], arrs["index_w"]
+    V.ndim(fn, "index_q", iq, 4, "[B, Tq, Hi, Di]")
+    V.ndim(fn, "index_k", ik, 3, "[B, Tk, Di]")
+    V.shape(fn, "index_w", iw, iq.shape[:3], "[B, Tq, Hi]")
+    V.same(fn, "batch sizes", {"index_q": iq.shape[0], "index_k": ik.shape[0]})
+    V.same(fn, "index dims", {"index_q": iq.shape[3], "index_k": ik.shape[2]})
+    return iq, ik, iw
+
+
+def _index_slab(iq, ik, iw):
+    """Scores [L, Tk] = sum_j iw[:, j] relu(iq[:, j] . ik) of L queries, and the relu'd
+    products [L, Hi, Tk] (the backward's)."""
+    L, Hi, Di = iq.shape
+    a = np.maximum(iq.reshape(L * Hi, Di) @ ik.T, 0).reshape(L, Hi, -1)
+    return (iw[:, None, :] @ a)[:, 0], a
+
+
+def dsa_index_scores(index_q, index_k, index_w):
+    """The lightning indexer of DeepSeek sparse attention: ``I[b, t, s] = sum_j index_w[b,
+    t, j] relu(index_q[b, t, j] . index_k[b, s])``.
+
+    index_q ``[B, Tq, Hi, Di]``, index_k ``[B, Tk, Di]``, index_w ``[B, Tq, Hi]``, one float
+    dtype. Returns the unmasked scores ``[B, Tq, Tk]``; differentiable in all three through
+    ``pyattn.vjp``.
+    """
+    iq, ik, iw = _index_arrays("dsa_index_scores", index_q, index_k, index_w)
+    B, Tq = iq.shape[:2]
+    out = np.empty((B, Tq, ik.shape[1]), iq.dtype)
+    for b in range(B):
+        for t0 in range(0, Tq, _INDEX_ROWS):
+            t1 = min(t0 + _INDEX_ROWS, Tq)
+            out[b, t0:t1] = _index_slab(iq[b, t0:t1], ik[b], iw[b, t0:t1])[0]
+    return out
+
+
+@register_vjp(dsa_index_scores)
+def _dsa_index_scores_vjp(index_q, index_k, index_w):
+    iq, ik, iw = _index_arrays("dsa_index_scores", index_q, index_k, index_w)
+    out = dsa_index_scores(iq, ik, iw)
+
+    def pullback(dI):
+        arrs, _ = V.float_arrays("dsa_index_scores pullback", index_q=iq, dI=dI)
+        dI = arrs["dI"]
+        V.shape("dsa_index_scores pullback", "dI", dI, out.shape, "[B, Tq, Tk]")
+        dq, dk, dw = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(iw)
+        B, Tq, Hi, Di = iq.shape
+        for b in range(B):
+            for t0 in range(0, Tq, _INDEX_ROWS):
+                t1 = min(t0 + _INDEX_ROWS, Tq)
+                L = t1 - t0
+                _, a = _index_slab(iq[b, t0:t1], ik[b], iw[b, t0:t1])
+                dw[b, t0:t1] = (a @ dI[b, t0:t1, :, None])[..., 0]
+                da = np.where(a > 0, iw[b, t0:t1, :, None] * dI[b, t0:t1, None, :], 0).reshape(L * Hi, -1)
+                dq[b, t0:t1] = (da @ ik[b]).reshape(L, Hi, Di)
+                dk[b] += da.T @ iq[b, t0:t1].reshape(L * Hi, Di)
+        return {"index_q": dq, "index_k": dk, "index_w": dw}
+
+    return out, pullback
+
+
+def _top_keys(scores, visible, top_k):
+    """Per row of scores [L, n]: the mask of its top_k visible entries, ties to the lower
+    index (all visible ones when fewer). A partition finds each row's k-th largest value; the
+    entries above it are taken, then the equal ones in index order."""
+    masked = np.where(visible, scores, -np.inf)
+    if top_k >= scores.shape[1]:
+        return visible.copy()
+    kth = -np.partition(-masked, top_k - 1, axis=1)[:, top_k - 1:top_k]
+    above = masked > kth
+    equal = masked == kth
+    need = top_k - above.sum(axis=1, keepdims=True)
+    return (above | (equal & (np.cumsum(equal, axis=1) <= need))) & visible
+
+
+class _DsaSelection:
+    """The keys each query of a DSA call attends to: ``rows [Rq, top_k]`` (flattened key rows
+    b * Tk + s, ascending, -1 after the last), their ``count [Rq]``, and ``nan [Rq]``, the
+    queries whose visible index scores hold a NaN (their outputs are NaN)."""
+
+    def __init__(self, fn, iq, ik, iw, top_k, causal, cu_q, cu_k):
+        B, Tq = iq.shape[:2]
+        Tk = ik.shape[1]
+        iq, iw = iq.reshape(B * Tq, *iq.shape[2:]), iw.reshape(B * Tq, -1)
+        ik = ik.reshape(B * Tk, -1)
+        rows = cu_q[-1]
+        self.rows = np.full((rows, top_k), -1, np.int64)
+        self.count = np.zeros(rows, np.int64)
+        self.nan = np.zeros(rows, bool)
+        pos = _positions(cu_q, cu_k)[1]
+        for n in range(len(cu_q) - 1):
+            k0, k1 = cu_k[n], cu_k[n + 1]
+            for r0 in range(cu_q[n], cu_q[n + 1], _INDEX_ROWS):
+                r1 = min(r0 + _INDEX_ROWS, cu_q[n + 1])
+                scores = _index_slab(iq[r0:r1], ik[k0:k1], iw[r0:r1])[0]
+                visible = np.ones(scores.shape, bool)
+                if causal:
+                    visible = np.arange(k1 - k0) <= pos[r0:r1, None]
+                self.nan[r0:r1] = np.isnan(np.where(visible, scores, 0)).any(axis=1)
+                chosen = _top_keys(scores, visible, top_k)
+                r, s = np.nonzero(chosen)
+                slot = np.cumsum(chosen, axis=1)[r, s] - 1
+                self.rows[r0 + r, slot] = k0 + s
+                self.count[r0:r1] = chosen.sum(axis=1)
+
+
+def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None):
+    """The keys DeepSeek sparse attention chooses: for every query, its ``top_k`` visible keys
+    by ``dsa_index_scores`` (ties to the lower key), all visible keys when fewer.
+
+    index_q ``[B, Tq, Hi, Di]``, index_k ``[B, Tk, Di]``, index_w ``[B, Tq, Hi]``; the queries
+    are the last Tq positions of the keys' sequence; causal: key s is visible to the query at
+    position i when ``s <= i``; ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences. Returns int64
+    ``[B, Tq, top_k]``: the key rows (of the batch row, so under cu_seqlens counted from the
+    pack's start), ascending, then -1 where fewer than top_k are visible. Computed in slabs of
+    queries: the ``[Tq, Tk]`` scores are never held at once.
+    """
+    fn = "dsa_select"
+    iq, ik, iw = _index_arrays(fn, index_q, index_k, index_w)
+    top_k = V.integer(fn, "top_k", top_k, 1)
+    causal = V.boolean(fn, "causal", causal)
+    B, Tq, Tk = iq.shape[0], iq.shape[1], ik.shape[1]
+    sel = _DsaSelection(fn, iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
+    rows = sel.rows.reshape(B, Tq, top_k)
+    return np.where(rows >= 0, rows - np.arange(B)[:, None, None] * Tk, -1)
+
+
+class _DsaCall:
+    """A dsa_attention call checked, its selection, and the decode kernel's call over the
+    selected rows."""
+
+    def __init__(self, q, k, v, index_q, index_k, index_w, top_k, causal, scale, cu_seqlens):
+        fn = "dsa_attention"
+        arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v)
+        q, k, v = arrs["q"], arrs["k"], arrs["v"]
+        B, Tq, H, D, Tk, Hk, Dv = V.attention_qkv(fn, q, k, v)
+        iq, ik, iw = _index_arrays(fn, index_q, index_k, index_w, dtype)
+        V.shape(fn, "index_q", iq, (B, Tq) + iq.shape[2:], "[B, Tq, Hi, Di]")
+        V.shape(fn, "index_k", ik, (B, Tk, iq.shape[3]), "[B, Tk, Di]")
+        self.index = (iq, ik, iw)
+        top_k = V.integer(fn, "top_k", top_k, 1)
+        causal = V.boolean(fn, "causal", causal)
+        self.shape, self.kshape, self.Dv = q.shape, k.shape, Dv
+        self.sel = _DsaSelection(fn, iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
+        pool = [x.reshape(B * Tk, 1, Hk, -1) for x in (k, v)]
+        self.call = _Listed(q.reshape(B * Tq, H, D), *pool, np.zeros_like(self.sel.count), self.sel.count,
+                            np.maximum(self.sel.rows, 0), V.scale(fn, scale, D ** -0.5, dtype))
+
+    def forward(self):
+        o = self.call.forward()[0]
+        o[self.sel.nan] = np.nan
+        return o.reshape(self.shape[:3] + (self.Dv,))
+
+
+def dsa_attention(q, k, v, index_q, index_k, index_w, *, top_k, causal=True, scale=None,
+                  cu_seqlens=None):
+    """DeepSeek sparse attention (DeepSeek-V3.2): every query attends to the ``top_k`` keys its
+    lightning indexer scores highest, one choice shared by all of its heads.
+
+    q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``, v ``[B, Tk, Hk, Dv]`` (GQA/MQA as
+    ``softmax_attention``); the indexer's index_q ``[B, Tq, Hi, Di]``, index_k ``[B, Tk, Di]``,
+    index_w ``[B, Tq, Hi]``; one float dtype. The keys of a query are ``dsa_select``'s (its
+    top_k visible keys by ``dsa_index_scores``, ties to the lower key; causal: keys at or
+    before it; the queries are the last Tq positions of the keys' sequence); ``o_i = sum_s
+    softmax_s(scale q_i.k_s) v_s`` over them (scale ``Dk ** -0.5`` unless given), run by the
+    decode kernel over the selected rows. A NaN among a query's visible index scores makes
+    its output NaN. ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences. Returns ``o [B, Tq, H,
+    Dv]``; differentiable in q, k, v through ``pyattn.vjp``. The selection is not
+    differentiated: the index arrays' gradients are 0; the indexer trains on its own loss
+    against ``dsa_index_target``.
+    """
+    return _DsaCall(q, k, v, index_q, index_k, index_w, top_k, causal, scale, cu_seqlens).forward()
+
+
+@register_vjp(dsa_attention)
+def _dsa_attention_vjp(q, k, v, index_q, index_k, index_w, *, top_k, causal=True, scale=None,
+                       cu_seqlens=None):
+    c = _DsaCall(q, k, v, index_q, index_k, index_w, top_k, causal, scale, cu_seqlens)
+    o = c.forward()
+
+    def pullback(do):
+        arrs, _ = V.float_arrays("dsa_attention pullback", q=o, do=do)
+        V.shape("dsa_attention pullback", "do", arrs["do"], o.shape, "[B, T, H, Dv]")
+        dq, dk, dv = c.call.backward(arrs["do"].reshape(-1, *o.shape[2:]))
+        grads = {"q": dq.reshape(c.shape), "k": dk.reshape(c.kshape), "v": dv.reshape(c.kshape[:3] + (c.Dv,))}
+        grads.update({name: np.zeros_like(x) for name, x in zip(("index_q", "index_k", "index_w"), c.index)})
+        return grads
+
+    return o, pullback
+
+
+def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=None):
+    """The distribution DeepSeek-V3.2 trains its indexer towards: the attention probabilities
+    of the main attention summed over the heads and normalised, ``P[b, t, s] = (1/H) sum_h
+    softmax_s(scale q_th . k_s)`` over the keys query t sees (causal: ``s <= t``), or over
+    ``indices`` ``[B, Tq, top_k]`` alone (``dsa_select``'s, -1 ignored) in the sparse
+    stage. q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``. Returns ``P [B, Tq, Tk]`` (0 outside
+    the keys; a query without keys has a row of 0). The indexer's loss is the KL divergence
+    ``sum_s P log(P / softmax_s(I))`` of its scores I (``dsa_index_scores``) restricted to
+    the same keys; P is a target, not differentiated.
+    """
+    fn = "dsa_index_target"
+    arrs, dtype = V.float_arrays(fn, q=q, k=k)
+    q, k = arrs["q"], arrs["k"]
+    V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
+    V.ndim(fn, "k", k, 4, "[B, Tk, Hk, Dk]")
+    B, Tq, H, D = q.shape
+    Tk, Hk = k.shape[1], k.shape[2]
+    V.same(fn, "batch sizes", {"q": B, "k": k.shape[0]})
+    V.same(fn, "key head dims", {"q": D, "k": k.shape[3]})
+    V.divides(fn, "k", Hk, "heads", "q", H)
+    scale = V.scale(fn, scale, D ** -0.5, dtype)
+    causal = V.boolean(fn, "causal", causal)
+    cu_q, cu_k = _offsets(fn, B, Tq, Tk, cu_seqlens)
+    if indices is not None:
+        indices = V.index_array(fn, "indices", indices, 3, "[B, Tq, top_k]")
+        V.shape(fn, "indices", indices, (B, Tq, indices.shape[2]), "[B, Tq, top_k]")
+    q2, k2 = q.reshape(B * Tq, H, D), k.reshape(B * Tk, Hk, D)
+    P = np.zeros((B * Tq, Tk), dtype)
+    pos = _positions(cu_q, cu_k)[1]
+    G = H // Hk
+    for n in range(len(cu_q) - 1):
+        k0, k1 = cu_k[n], cu_k[n + 1]
+        base = k0 % Tk if Tk else 0  # the sequence's first key in its batch row
+        for r0 in range(cu_q[n], cu_q[n + 1], _INDEX_ROWS):
+            r1 = min(r0 + _INDEX_ROWS, cu_q[n + 1])
+            L = r1 - r0
+            qs = q2[r0:r1].reshape(L, Hk, G, D).transpose(1, 0, 2, 3).reshape(Hk, L * G, D)
+            s = scale * (qs @ k2[k0:k1].transpose(1, 2, 0))                      # [Hk, L G, n]
+            keys = np.ones((L, k1 - k0), bool)
+            if causal:
+                keys &= np.arange(k1 - k0) <= pos[r0:r1, None]
+            if indices is not None:
+                chosen = np.zeros((L, k1 - k0 + 1), bool)
+                idx = indices.reshape(B * Tq, -1)[r0:r1] - base
+                ok = (idx >= 0) & (idx < k1 - k0)
+                chosen[np.nonzero(ok)[0], idx[ok]] = True
+                keys &= chosen[:, :-1]
+            s = np.where(np.repeat(keys, G, axis=0)[None], s, -np.inf)
+            m = s.max(axis=-1, keepdims=True)
+            with np.errstate(invalid="ignore"):
+                e = np.where(np.isfinite(m), np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+                p = e / np.where(e.sum(-1, keepdims=True) > 0, e.sum(-1, keepdims=True), 1)
+            P[r0:r1, base:base + k1 - k0] = p.reshape(Hk, L, G, -1).sum(axis=(0, 2)) / H
+    return P.reshape(B, Tq, Tk)
