@@ -1,14 +1,16 @@
-"""Sparse attention against full causal flash attention: moba_attention (the query's own block
-and its top_k - 1 best past blocks) and softmax_attention(causal=True), float32, forward and
+"""Sparse attention against full causal flash attention on the same q, k, v: moba_attention,
+nsa_attention and dsa_attention against softmax_attention(causal=True), float32, forward and
 forward+backward, same thread count, one run.
 
     python benchmarks/bench_sparse.py [--threads N] [--T 4096 16384] [--markdown]
 
-Shapes: B=1, H=8 query heads and as many KV heads, D=64; each T with its block size and
-top_k (one eighth of the blocks chosen: --blocks 32 blocks of T/32 keys, top_k 4). "keys
-touched" is the measured fraction of the causal (query, key) pairs the sparse op computes:
-the chosen past blocks' keys plus the own block's causal part, over T (T + 1) / 2 per head.
-fwd+bwd times one pyattn.vjp call and its pullback.
+Shapes: B=1, D=64, H=8 query heads. MoBA: 8 KV heads, --blocks 32 blocks of T/32 keys,
+top_k 4 (one eighth of the blocks). NSA and DSA: one KV head (NSA's GQA groups, DeepSeek's
+MQA), NSA's published sizes (blocks of 64, 16 selected, window 512, gates 1/3 each), DSA with
+top_k 2048 and an indexer of 4 heads of 32 dims (its scoring and selection are part of the
+op's time). "keys touched" is the measured number of (query head, key) pairs the op computes
+(for NSA the three branches together, a compressed block counting as one key) over the
+H T (T + 1) / 2 of causal attention. fwd+bwd times one pyattn.vjp call and its pullback.
 """
 from __future__ import annotations
 
@@ -23,15 +25,50 @@ from pyattn import sparse  # noqa: E402
 B, H, D = 1, 8, 64
 
 
-def keys_touched(q, k, v, block_size, top_k):
-    """Causal (query, key) pairs moba_attention computes, as a fraction of all causal pairs."""
+def moba_touched(q, k, v, block_size, top_k):
     c = sparse._MobaCall(q, k, v, block_size, top_k, True, None, None)
     past = np.sum(c.bend[c.block] - c.bstart[c.block])
     rows = np.arange(c.q.shape[0])
     block_of_row = np.searchsorted(c.bstart, rows, side="right") - 1
     own = np.sum(rows - c.bstart[block_of_row] + 1) * c.H
-    T = q.shape[1]
-    return (past + own) / (B * c.H * T * (T + 1) / 2)
+    return past + own
+
+
+def nsa_touched(q, k, v, gates, opts):
+    c = sparse._NsaCall(q, k, v, *gates, opts["block_size"], opts["block_count"], opts["window"],
+                        None, None, None, None)
+    G = c.H // c.Hk
+    return c.H * np.sum((c.pos + 1) // c.bs + np.minimum(c.window, c.pos + 1)) + G * np.sum(c.slc.rows[2])
+
+
+def dsa_touched(q, index, top_k):
+    return q.shape[2] * np.sum(sparse.dsa_select(*index, top_k=top_k) >= 0)
+
+
+def ops_for(rng, T, args):
+    """(name, config, pairs touched, q, k, v, op(q, k, v), its vjp's pullback) of each op."""
+    def arrays(Hk):
+        return [rng.standard_normal((B, T, h, D)).astype(np.float32) for h in (H, Hk, Hk)]
+
+    bs = -(-T // args.blocks)
+    moba = dict(block_size=bs, top_k=args.top_k)
+    q, k, v = arrays(H)
+    out = [("moba", f"{args.blocks} blocks of {bs}, top_k {args.top_k}", moba_touched(q, k, v, bs, args.top_k),
+            q, k, v, lambda: pyattn.moba_attention(q, k, v, **moba),
+            lambda: pyattn.vjp(pyattn.moba_attention, q, k, v, **moba)[1])]
+    q1, k1, v1 = arrays(1)
+    gates = [np.full((B, T, H), 1 / 3, np.float32) for _ in range(3)]
+    nsa = dict(block_size=64, block_count=16, window=512)
+    out.append(("nsa", "blocks of 64, 16 chosen, window 512", nsa_touched(q1, k1, v1, gates, nsa), q1, k1, v1,
+                lambda: pyattn.nsa_attention(q1, k1, v1, *gates, **nsa),
+                lambda: pyattn.vjp(pyattn.nsa_attention, q1, k1, v1, *gates, **nsa)[1]))
+    index = (rng.standard_normal((B, T, 4, 32)).astype(np.float32), rng.standard_normal((B, T, 32)).astype(np.float32),
+             rng.standard_normal((B, T, 4)).astype(np.float32))
+    top_k = 2048
+    out.append(("dsa", f"top_k {top_k}, indexer 4 x 32", dsa_touched(q1, index, top_k), q1, k1, v1,
+                lambda: pyattn.dsa_attention(q1, k1, v1, *index, top_k=top_k),
+                lambda: pyattn.vjp(pyattn.dsa_attention, q1, k1, v1, *index, top_k=top_k)[1]))
+    return out
 
 
 def main(argv=None):
@@ -44,32 +81,28 @@ def main(argv=None):
         args.T = [4096]
     timing = common.timing_from_args(args)
     common.set_threads(args.threads)
-    common.print_header(timing, f"shape: B={B} H=Hk={H} D={D}, float32; moba: {args.blocks} blocks, "
-                                f"top_k={args.top_k}")
+    common.print_header(timing, f"shape: B={B} H={H} D={D}, float32")
     rng = np.random.default_rng(0)
     rows, others = [], []
     for T in args.T:
-        bs = -(-T // args.blocks)
-        q, k, v = (rng.standard_normal((B, T, H, D)).astype(np.float32) for _ in range(3))
         do = rng.standard_normal((B, T, H, D)).astype(np.float32)
-        frac = keys_touched(q, k, v, bs, args.top_k)
-        moba = dict(block_size=bs, top_k=args.top_k)
-        passes = {
-            "fwd": (lambda _: pyattn.softmax_attention(q, k, v, causal=True),
-                    lambda _: pyattn.moba_attention(q, k, v, **moba)),
-            "fwd+bwd": (lambda _: pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=True)[1](do),
-                        lambda _: pyattn.vjp(pyattn.moba_attention, q, k, v, **moba)[1](do)),
-        }
-        for name, (full, sparse_call) in passes.items():
-            cases = [Case("flash causal", full), Case("moba", sparse_call)]
-            others.append(common.measure(cases, timing))
-            tf, tm = cases[0].median, cases[1].median
-            rows.append([T, bs, args.top_k, fmt(100 * frac, ".1f") + "%", name, fmt(tf * 1e3, ".1f"),
-                         fmt(tm * 1e3, ".1f"), fmt(tf / tm, ".2f") + "x",
-                         " ".join(c.samples_cell for c in cases), common.load_cell(others[-1])])
+        for name, config, touched, q, k, v, fwd, pullback in ops_for(rng, T, args):
+            frac = touched / (H * T * (T + 1) / 2)
+            passes = {
+                "fwd": (lambda _: pyattn.softmax_attention(q, k, v, causal=True), lambda _: fwd()),
+                "fwd+bwd": (lambda _: pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=True)[1](do),
+                            lambda _: pullback()(do)),
+            }
+            for pname, (full, sparse_call) in passes.items():
+                cases = [Case("flash causal", full), Case(name, sparse_call)]
+                others.append(common.measure(cases, timing))
+                tf, ts = cases[0].median, cases[1].median
+                rows.append([name, T, config, f"{k.shape[2]}", fmt(100 * frac, ".1f") + "%", pname,
+                             fmt(tf * 1e3, ".1f"), fmt(ts * 1e3, ".1f"), fmt(tf / ts, ".2f") + "x",
+                             " ".join(c.samples_cell for c in cases), common.load_cell(others[-1])])
     print()
-    common.print_table(["T", "block", "top_k", "keys touched", "pass", "flash causal ms", "moba ms",
-                        "speed-up", "samples", "other %"], rows, markdown=args.markdown)
+    common.print_table(["op", "T", "configuration", "KV heads", "keys touched", "pass", "flash causal ms",
+                        "op ms", "speed-up", "samples", "other %"], rows, markdown=args.markdown)
     print(common.load_footer(others))
 
 

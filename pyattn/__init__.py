@@ -22,7 +22,8 @@ from .linear import (efficient_attention, gla, lightning_attention, linear_atten
                      retention, simple_gla)
 from .rope import rope
 from .softmax import attention_with_kvcache, merge_attention_states, softmax_attention
-from .sparse import linformer_attention, moba_attention
+from .sparse import (dsa_attention, dsa_index_scores, dsa_index_target, dsa_select, linformer_attention,
+                     moba_attention, nsa_attention)
 from .train import plot_history, train
 from ._ops import OpInfo, build_ops
 from . import nn
@@ -111,6 +112,10 @@ __all__ = [
     "build_info",
     "data",
     "delta_rule",
+    "dsa_attention",
+    "dsa_index_scores",
+    "dsa_index_target",
+    "dsa_select",
     "efficient_attention",
     "feature_map",
     "gated_delta_rule",
@@ -126,6 +131,7 @@ __all__ = [
     "linformer_attention",
     "mla_attention",
     "moba_attention",
+    "nsa_attention",
     "num_threads",
     "plot_history",
     "reference",

@@ -48,6 +48,16 @@ def softmax_decode(
     block_table [N, max_blocks] at row j % R of block block_table[n, j // R]. Writes o and
     lse in place; adds the attention probabilities into colsum [N, H, L] when given."""
 
+def softmax_decode_backward(
+    q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, do: _Float,
+    dlse: Optional[_Float], dq: _Float, dk: _Float, dv: _Float, cu_q: _Int64,
+    start: _Int64, end: _Int64, block_table: Optional[npt.NDArray[np.int32]], causal: bool,
+    window_left: int, window_right: int, sinks: int, alibi_slopes: Optional[_Float],
+    softcap: float, scale: float, /,
+) -> None:
+    """The backward of softmax_decode over the same keys (no softcap or ALiBi): writes dq, and
+    dk, dv shaped as k, v (every row; the rows no query reads get 0)."""
+
 def softmax_backward(
     q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, do: _Float,
     dlse: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,

@@ -169,11 +169,41 @@ def _linformer_example(rng, dtype=np.float64, tiny=False):
     return (q, k, v, E, F), {}
 
 
+def _nsa_example(rng, dtype=np.float64, tiny=False):
+    """GQA, T not a multiple of the block size, a window shorter than the sequence."""
+    B, T, H, Hk, D, Dv, bs, count, window = ((1, 9, 2, 1, 3, 2, 2, 3, 3) if tiny else
+                                             (2, 150, 4, 2, 16, 12, 16, 4, 40))
+    q = rng.standard_normal((B, T, H, D)).astype(dtype)
+    k = rng.standard_normal((B, T, Hk, D)).astype(dtype)
+    v = rng.standard_normal((B, T, Hk, Dv)).astype(dtype)
+    gates = [rng.uniform(0, 1, (B, T, H)).astype(dtype) for _ in range(3)]
+    return (q, k, v, *gates), dict(block_size=bs, block_count=count, window=window)
+
+
+def _index_arrays(rng, dtype, B, Tq, Tk, Hi, Di):
+    return (rng.standard_normal((B, Tq, Hi, Di)).astype(dtype), rng.standard_normal((B, Tk, Di)).astype(dtype),
+            rng.standard_normal((B, Tq, Hi)).astype(dtype))
+
+
+def _dsa_example(rng, dtype=np.float64, tiny=False):
+    """MQA (DeepSeek's indexer shares one choice across the heads), causal."""
+    B, T, H, Hk, D, Dv, Hi, Di, top_k = (1, 7, 2, 1, 3, 2, 2, 2, 3) if tiny else (2, 150, 4, 1, 16, 12, 4, 8, 32)
+    q = rng.standard_normal((B, T, H, D)).astype(dtype)
+    k = rng.standard_normal((B, T, Hk, D)).astype(dtype)
+    v = rng.standard_normal((B, T, Hk, Dv)).astype(dtype)
+    return (q, k, v, *_index_arrays(rng, dtype, B, T, T, Hi, Di)), dict(top_k=top_k, causal=True)
+
+
+def _dsa_index_example(rng, dtype=np.float64, tiny=False):
+    B, Tq, Tk, Hi, Di = (1, 3, 4, 2, 2) if tiny else (2, 60, 150, 4, 16)
+    return _index_arrays(rng, dtype, B, Tq, Tk, Hi, Di), {}
+
+
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, softmax_attention
     from . import delta, linear
     from .mla import FORMS as MLA_FORMS, mla_attention
-    from .sparse import linformer_attention, moba_attention
+    from .sparse import dsa_attention, dsa_index_scores, linformer_attention, moba_attention, nsa_attention
 
     return {
         "softmax_attention": OpInfo(
@@ -210,6 +240,41 @@ def build_ops() -> Dict[str, OpInfo]:
             example=_moba_example,
             description="MoBA: each query's own key block and its top_k - 1 best past blocks "
                         "(by q . mean(k_block)), over the flash kernel",
+        ),
+        "nsa_attention": OpInfo(
+            name="nsa_attention",
+            fn=nsa_attention,
+            forms=(),
+            arrays=("q", "k", "v", "g_cmp", "g_slc", "g_swa"),
+            differentiable=("q", "k", "v", "g_cmp", "g_slc", "g_swa", "k_cmp", "v_cmp"),
+            has_state=False,
+            chunked=False,
+            example=_nsa_example,
+            description="NSA: gated compressed (block means), selected (top blocks per GQA group) "
+                        "and sliding-window branches",
+        ),
+        "dsa_attention": OpInfo(
+            name="dsa_attention",
+            fn=dsa_attention,
+            forms=(),
+            arrays=("q", "k", "v", "index_q", "index_k", "index_w"),
+            differentiable=("q", "k", "v", "index_q", "index_k", "index_w"),
+            has_state=False,
+            chunked=False,
+            example=_dsa_example,
+            description="DeepSeek sparse attention: each query's top_k keys by the lightning "
+                        "indexer, shared by its heads (index gradients 0: the choice)",
+        ),
+        "dsa_index_scores": OpInfo(
+            name="dsa_index_scores",
+            fn=dsa_index_scores,
+            forms=(),
+            arrays=("index_q", "index_k", "index_w"),
+            differentiable=("index_q", "index_k", "index_w"),
+            has_state=False,
+            chunked=False,
+            example=_dsa_index_example,
+            description="DSA's lightning indexer scores sum_j w_tj relu(q_tj . k_s), [B, Tq, Tk]",
         ),
         "linformer_attention": OpInfo(
             name="linformer_attention",

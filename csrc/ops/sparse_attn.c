@@ -14,16 +14,28 @@
  */
 
 /* dst_row[kh] += sum_g w[(kh G + g) * SM_DECODE_KB + c] src[kh G + g] for every KV head kh:
- * the outer-product update dK (or dV) of one key row from the heads of its groups. */
+ * the outer-product update dK (or dV) of one key row from the heads of its groups, each
+ * vector of the row loaded and stored once for all of them. */
 static inline void PA_FN(sd_key_update)(real *dst, const real *src, const real *w, int64_t c,
                                         int64_t H, int64_t Hk, int64_t D)
 {
     const int64_t G = H / Hk;
-    for (int64_t kh = 0; kh < Hk; kh++)
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t h = kh * G + g;
-            PA_FN(axpy)(dst + kh * D, src + h * D, D, w[h * SM_DECODE_KB + c]);
+    for (int64_t kh = 0; kh < Hk; kh++) {
+        real *row = dst + kh * D;
+        const real *x = src + kh * G * D, *wk = w + kh * G * SM_DECODE_KB + c;
+        int64_t e = 0;
+        for (; e + VL <= D; e += VL) {
+            vreal a = PA_FN(vload)(row + e);
+            for (int64_t g = 0; g < G; g++)
+                a += PA_FN(vset)(wk[g * SM_DECODE_KB]) * PA_FN(vload)(x + g * D + e);
+            PA_FN(vstore)(row + e, a);
         }
+        for (; e < D; e++) {
+            real a = row[e];
+            for (int64_t g = 0; g < G; g++) a += wk[g * SM_DECODE_KB] * x[g * D + e];
+            row[e] = a;
+        }
+    }
 }
 
 /* Scratch of one backward thread: the decode scratch (scores -> P), dS [H, SM_DECODE_KB], D
