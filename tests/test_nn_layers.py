@@ -55,16 +55,17 @@ def test_rope_rejects_bad_input(x_shape, pos, match):
 # ---------------------------------------------------------------------------------- layers
 
 
-def check_layer(rng, run, backward, inputs, module, samples=5, eps=1e-6):
+def check_layer(rng, run, backward, inputs, module, samples=5, eps=1e-6, own_loss=()):
     """Central finite differences of sum(run() * cot) at sampled entries of every input in
-    ``inputs`` (name -> array, perturbed in place) and every parameter of ``module``,
-    against ``backward(cot)`` (name -> input gradient) and ``module.grads``."""
+    ``inputs`` (name -> array, perturbed in place) and every parameter of ``module`` but those
+    in ``own_loss`` (trained by a loss of their own, tested with it), against ``backward(cot)``
+    (name -> input gradient) and ``module.grads``."""
     y = run()
     cot = rng.standard_normal(y.shape)
     module.zero_grad()
     dinputs = backward(cot)
     targets = [(f"input {n}", a, dinputs[n]) for n, a in inputs.items()]
-    targets += [(n, module.params[n], module.grads[n]) for n in module.params]
+    targets += [(n, module.params[n], module.grads[n]) for n in module.params if n not in own_loss]
     assert targets
     for name, a, g in targets:
         for _ in range(samples):
@@ -167,13 +168,14 @@ def test_rotary_layer_gradient(rng):
 def test_mixer_gradient(rng, name):
     """Each mixer on its own: the input's and every parameter's gradient."""
     options = {"softmax": {"n_kv_heads": 1, "window": 4, "sinks": 1}, "mamba2": {"d_state": 4, "chunk_size": 16},
-               "mla": {"form": "absorbed"}, "moba": {"block_size": 3, "top_k": 2}}
+               "mla": {"form": "absorbed"}, "moba": {"block_size": 3, "top_k": 2},
+               "nsa": {"block_size": 3, "block_count": 2, "window": 5, "n_kv_heads": 1}, "dsa": {"top_k": 6}}
     mixer = MIXERS[name](8, 2, dtype=F64, rng=rng, out_std=0.5, **options.get(name, {"chunk_size": 16}))
     for p in mixer.params.values():  # away from the initial values (norm weights 1, zero biases)
         p += rng.standard_normal(p.shape) * 0.1
     x = rng.standard_normal((2, 19, 8))
     check_layer(rng, lambda: mixer.forward(x), lambda dy: {"x": mixer.backward(dy)}, {"x": x}, mixer,
-                samples=2)
+                samples=2, own_loss=("w_iq", "w_ik", "w_iw"))  # DSA's indexer: test_dsa_indexer_gradient
 
 
 def test_grow_cache_keeps_rows_and_reaches_any_size():

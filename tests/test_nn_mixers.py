@@ -45,11 +45,19 @@ def flat(x):
 
 def literal(name, p, x):
     proj = {n[2:]: x @ w.T for n, w in p.items() if n.startswith("w_") and w.shape[1] == D}
-    if name in ("softmax", "moba"):
+    if name in ("softmax", "moba", "nsa", "dsa"):
         pos = np.arange(T)
         q, k = ref.rope(heads(proj["q"], H), pos), ref.rope(heads(proj["k"], H), pos)
         if name == "moba":
             o = ref.moba_attention(q, k, heads(proj["v"], H), block_size=4, top_k=2)
+        elif name == "nsa":  # fla's g_proj: sigmoid, then (head, branch) pairs
+            g = sigmoid(proj["g"]).reshape(B, T, H, 3)
+            o = ref.nsa_attention(q, k, heads(proj["v"], H), g[..., 0], g[..., 1], g[..., 2],
+                                  block_size=3, block_count=2, window=4)
+        elif name == "dsa":
+            Hi = p["w_iw"].shape[0]
+            o = ref.dsa_attention(q, k, heads(proj["v"], H), heads(proj["iq"], Hi), proj["ik"],
+                                  proj["iw"] * Hi ** -0.5, top_k=4)
         else:
             o = ref.softmax_attention(q, k, heads(proj["v"], H), causal=True)
         return flat(o) @ p["w_o"].T
@@ -106,7 +114,8 @@ def literal(name, p, x):
 
 @pytest.mark.parametrize("name", sorted(MIXERS))
 def test_mixer_is_its_published_layer(rng, name):
-    options = {"mamba2": {"d_state": 4}, "moba": {"block_size": 4, "top_k": 2}}.get(name, {})
+    options = {"mamba2": {"d_state": 4}, "moba": {"block_size": 4, "top_k": 2},
+               "nsa": {"block_size": 3, "block_count": 2, "window": 4}, "dsa": {"top_k": 4}}.get(name, {})
     mixer = MIXERS[name](D, H, dtype=np.float64, rng=rng, out_std=0.5, **options)
     for p in mixer.params.values():  # away from the initial values (norm weights 1, zero biases)
         p += rng.standard_normal(p.shape) * 0.1

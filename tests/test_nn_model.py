@@ -10,10 +10,12 @@ from pyattn.testing import assert_close
 V, D, L, H = 23, 16, 2, 2
 T = 20  # chunk_size 16 below: a full chunk and a ragged one
 
-OPTIONS = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "mla", "moba")}
+OPTIONS = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "mla", "moba", "nsa", "dsa")}
 OPTIONS["softmax"] = {}
 OPTIONS["mla"] = {}
 OPTIONS["moba"] = {"block_size": 4, "top_k": 2}  # T = 20: five blocks, two past ones chosen
+OPTIONS["nsa"] = {"block_size": 4, "block_count": 2, "window": 3, "n_kv_heads": 1}
+OPTIONS["dsa"] = {"top_k": 5, "index_heads": 2, "index_dim": 4}
 OPTIONS["mamba2"] = {"chunk_size": 16, "d_state": 8}
 MODELS = {name: [(name, OPTIONS[name])] * L for name in MIXERS}
 MODELS["hybrid"] = [("softmax", {}), ("gated_deltanet", OPTIONS["gated_deltanet"])]
@@ -73,7 +75,10 @@ def test_every_parameter_gradient(rng, kind):
     model.backward(cot)
     params, grads = model.params, model.grads
     eps = 1e-6
+    indexer = [n for n in params if n.rsplit(".", 1)[-1] in ("w_iq", "w_ik", "w_iw")]
     for name in params:
+        if name in indexer:  # trained by the indexer's own loss: test_dsa_indexer_gradient
+            continue
         p, g = params[name], grads[name]
         assert np.any(g != 0), name
         for _ in range(3):
@@ -86,6 +91,34 @@ def test_every_parameter_gradient(rng, kind):
             p[i] = old
             fd = (up - down) / (2 * eps)
             assert abs(fd - g[i]) <= 1e-8 + 1e-5 * abs(fd), (name, i, fd, g[i])
+
+
+def test_dsa_indexer_gradient(rng):
+    """The DSA indexer's gradients are those of its distillation loss (the KL divergence to
+    the main attention's distribution over the chosen keys), by central differences."""
+    model = tiny("dsa")
+    tok = tokens(rng)
+    logits = model.forward(tok)
+    model.zero_grad()
+    model.backward(rng.standard_normal(logits.shape))
+    mixers = [block.mixer for block in model.blocks]
+    saved = [(m.x, m.qk) for m in mixers]
+    eps = 1e-6
+    for layer, (mixer, (x, (q, k))) in enumerate(zip(mixers, saved)):
+        assert mixer.index_loss > 0
+        for pname in ("w_iq", "w_ik", "w_iw"):
+            p, g = mixer.params[pname], mixer.grads[pname]
+            assert np.any(g != 0), pname
+            for _ in range(3):
+                i = tuple(int(rng.integers(0, s)) for s in p.shape)
+                old = p[i]
+                p[i] = old + eps
+                up = mixer.index_distillation(x, q, k)[0]
+                p[i] = old - eps
+                down = mixer.index_distillation(x, q, k)[0]
+                p[i] = old
+                fd = (up - down) / (2 * eps)
+                assert abs(fd - g[i]) <= 1e-8 + 1e-5 * abs(fd), (layer, pname, i, fd, g[i])
 
 
 @pytest.mark.parametrize("kind", list(MIXERS) + ["hybrid"])

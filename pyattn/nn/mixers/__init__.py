@@ -1,6 +1,7 @@
 """One mixer per file, as fla/layers/: each the published layer around its pyattn op.
 ``MIXERS`` maps the names HybridLM takes to the classes."""
 from .deltanet import DeltaNet
+from .dsa import DeepSeekSparseAttention
 from .gated_deltanet import GatedDeltaNet
 from .gla import GatedLinearAttention
 from .lightning import LightningAttention
@@ -8,6 +9,7 @@ from .linear import LinearAttention
 from .mamba2 import Mamba2
 from .mla import MultiHeadLatentAttention
 from .moba import MoBAAttention
+from .nsa import NativeSparseAttention
 from .retnet import MultiScaleRetention
 from .simple_gla import SimpleGLA
 from .softmax import SoftmaxAttention
@@ -24,6 +26,8 @@ MIXERS = {
     "gated_deltanet": GatedDeltaNet,
     "mla": MultiHeadLatentAttention,
     "moba": MoBAAttention,
+    "nsa": NativeSparseAttention,
+    "dsa": DeepSeekSparseAttention,
 }
 
 __all__ = ["MIXERS"] + sorted(cls.__name__ for cls in MIXERS.values())
