@@ -737,8 +737,8 @@ def dsa_attention(q, k, v, index_q, index_k, index_w, *, top_k, causal=True, sca
 
 
 def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=None):
-    """Per (sequence, query t, head): softmax over the visible keys (or over indices[t] when
-    given), averaged over the heads into P[t, :]."""
+    """Per (sequence, query t, head): softmax over the visible keys (or over those of them
+    listed in indices[t] when given), averaged over the heads into P[t, :]."""
     q, k = _f64(q, k)
     B, T, H, Dk = q.shape
     Hk = k.shape[2]
@@ -746,10 +746,9 @@ def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=
     P = np.zeros((B, T, T))
     for b, s0, e in _sequences(B, T, cu_seqlens):
         for t in range(s0, e):
-            if indices is None:
-                keys = list(range(s0, t + 1 if causal else e))
-            else:
-                keys = [int(s) for s in np.asarray(indices)[b, t] if s >= 0]
+            keys = list(range(s0, t + 1 if causal else e))
+            if indices is not None:
+                keys = [s for s in keys if s in set(int(x) for x in np.asarray(indices)[b, t])]
             if not keys:
                 continue
             for h in range(H):

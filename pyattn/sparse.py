@@ -367,7 +367,8 @@ class _NsaCall:
         within = np.arange(bs)
         self.block_rows = np.minimum(self.bstart[:, None] + within, self.bstart[:, None] + self.blen[:, None] - 1)
         self.block_valid = within < self.blen[:, None]
-        pool = [x[self.block_rows].transpose(2, 0, 1, 3).reshape(Hk * NB, bs, 1, -1) for x in (self.k, self.v)]
+        pool = [np.ascontiguousarray(x[self.block_rows].transpose(2, 0, 1, 3).reshape(Hk * NB, bs, 1, -1))
+                for x in (self.k, self.v)]
         length = ((count - 1) * bs + (self.pos - own * bs + 1)[:, None]).reshape(-1)
         self.slc = _Listed(self.q.reshape(-1, H // Hk, D), *pool, np.zeros_like(length), length,
                            table.reshape(-1, table.shape[-1]), self.scale)
@@ -400,7 +401,9 @@ class _NsaCall:
             with np.errstate(over="ignore", invalid="ignore"):
                 imp = np.exp(s - lse).reshape(Hk, L, G, nb).sum(axis=2)                # [Hk, L, nb]
             o = own[r0:r1]
-            imp = np.where(np.arange(nb) < o[:, None], imp, -np.inf)
+            # past blocks only; a NaN importance (a NaN query) ranks below every number but
+            # stays a past block
+            imp = np.where(np.arange(nb) < o[:, None], np.where(np.isnan(imp), -1, imp), -np.inf)
             want = min(self.nsel - 1, nb)
             best = np.argsort(-imp, axis=-1, kind="stable")[..., :want]               # ties: lower block
             past = np.minimum(want, o)                                                 # [L]
@@ -704,9 +707,9 @@ def _dsa_attention_vjp(q, k, v, index_q, index_k, index_w, *, top_k, causal=True
 def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=None):
     """The distribution DeepSeek-V3.2 trains its indexer towards: the attention probabilities
     of the main attention summed over the heads and normalised, ``P[b, t, s] = (1/H) sum_h
-    softmax_s(scale q_th . k_s)`` over the keys query t sees (causal: ``s <= t``), or over
-    ``indices`` ``[B, Tq, top_k]`` alone (``dsa_select``'s, -1 ignored) in the sparse
-    stage. q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``. Returns ``P [B, Tq, Tk]`` (0 outside
+    softmax_s(scale q_th . k_s)`` over the keys query t sees (causal: ``s <= t``; the same
+    sequence), or over those of them listed in ``indices`` ``[B, Tq, top_k]``
+    (``dsa_select``'s, -1 ignored) in the sparse stage. q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``. Returns ``P [B, Tq, Tk]`` (0 outside
     the keys; a query without keys has a row of 0). The indexer's loss is the KL divergence
     ``sum_s P log(P / softmax_s(I))`` of its scores I (``dsa_index_scores``) restricted to
     the same keys; P is a target, not differentiated.

@@ -1,13 +1,16 @@
 """moba_attention against its float64 oracle: block choice (own block, best past blocks, ties),
-ragged last blocks, GQA, varlen, non-causal, gradients, bad input."""
+ragged last blocks, GQA, varlen, non-causal, gradients, bad input. linformer_attention.
+nsa_attention and DeepSeek sparse attention (dsa_index_scores, dsa_select, dsa_attention,
+dsa_index_target) against their oracles, and _core.softmax_decode_backward, the kernel under
+their backward, against the flash backward."""
 import numpy as np
 import pytest
 
 import pyattn
-from pyattn import reference
-from pyattn.testing import assert_close, gradcheck
+from pyattn import _core, reference
+from pyattn.testing import TOLERANCES, assert_close, gradcheck
 
-from conftest import raises
+from conftest import f32_exact, raises
 
 CASES = [  # T, block_size, top_k
     (37, 8, 2), (40, 8, 3), (16, 4, 1), (23, 5, 10), (1, 4, 2), (64, 16, 2), (50, 7, 4),
@@ -209,3 +212,796 @@ def test_linformer_bad_input(rng):
     raises(ValueError, pyattn.linformer_attention, q, k, v, E, F[:3], must=["'F' must have shape"])
     raises(ValueError, pyattn.linformer_attention, q, k, v, E[0], F, must=["'E' must be 2-D"])
     raises(TypeError, pyattn.linformer_attention, q, k, v, E.astype(np.float32), F, must=["one dtype"])
+
+
+# --------------------------------------------------------------------------- nsa
+
+F32_GRAD = TOLERANCES[np.dtype(np.float32)][1]  # float32 gradients against float64 ones
+
+
+def nsa_inputs(rng, B=2, T=23, H=4, Hk=2, D=5, Dv=3, Tq=None):
+    """float64 q, k, v and the gates g_cmp, g_slc, g_swa (in (0, 1), as a layer's sigmoids),
+    float32-representable: one float64 oracle serves both dtypes."""
+    Tq = T if Tq is None else Tq
+    q, k, v = (f32_exact(rng.standard_normal(s)) for s in ((B, Tq, H, D), (B, T, Hk, D), (B, T, Hk, Dv)))
+    return [q, k, v] + [f32_exact(rng.uniform(0, 1, (B, Tq, H))) for _ in range(3)]
+
+
+def n_blocks(T, bs, cu=None):
+    """Blocks of one batch row: ceil(T / bs), or the sequences' blocks one after another."""
+    if cu is None:
+        return -(-T // bs)
+    return sum(-(-(int(e) - int(s)) // bs) for s, e in zip(cu[:-1], cu[1:]))
+
+
+def cmp_rows(rng, B, nb, Hk, D, Dv):
+    """Random k_cmp [B, nb, Hk, D], v_cmp [B, nb, Hk, Dv]."""
+    return (f32_exact(rng.standard_normal((B, nb, Hk, D))), f32_exact(rng.standard_normal((B, nb, Hk, Dv))))
+
+
+def block_means(x, bs, cu=None):
+    """[B, blocks, Hk, D]: the mean of x's rows over each block of bs (restarting at each
+    sequence of cu; the last block of a sequence may be shorter)."""
+    bounds = [(0, x.shape[1])] if cu is None else list(zip(cu[:-1], cu[1:]))
+    return np.stack([x[:, j:min(j + bs, e)].mean(axis=1) for s, e in bounds for j in range(s, e, bs)], axis=1)
+
+
+NSA_CASES = {  # name: (B, T, block_size, block_count, window)
+    "ragged": (2, 23, 4, 3, 5),
+    "even": (2, 24, 4, 3, 5),
+    "T1": (2, 1, 4, 3, 5),
+    "count1": (2, 17, 4, 1, 5),
+    "count_gt_blocks": (2, 17, 4, 10, 5),
+    "window1": (2, 17, 4, 3, 1),
+    "window_eq_T": (2, 17, 4, 3, 17),
+    "window_gt_T": (2, 17, 4, 3, 40),
+    "no_complete_block": (2, 9, 16, 3, 5),
+    "bs1": (2, 20, 1, 4, 3),
+    "B1": (1, 30, 4, 3, 6),
+}
+
+
+@pytest.mark.parametrize("H,Hk", [(4, 2), (4, 1), (2, 2)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("case", NSA_CASES.values(), ids=NSA_CASES.keys())
+def test_nsa_against_oracle(rng, case, H, Hk):
+    """float64 and float32 calls against the float64 oracle (Dk = 5 != Dv = 3)."""
+    B, T, bs, count, window = case
+    args = nsa_inputs(rng, B=B, T=T, H=H, Hk=Hk)
+    kw = dict(block_size=bs, block_count=count, window=window)
+    ref = reference.nsa_attention(*args, **kw)
+    for dtype in (np.float64, np.float32):
+        o = pyattn.nsa_attention(*(x.astype(dtype) for x in args), **kw)
+        assert o.dtype == dtype and o.shape == (B, T, H, 3)
+        assert_close(o, ref, name=np.dtype(dtype).name)
+
+
+@pytest.mark.parametrize("H,Hk", [(4, 2), (2, 2), (4, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("T,cu", [(1, None), (3, None), (4, None), (3, [0, 0, 3])],
+                         ids=["T1", "T3", "T4", "varlen"])
+def test_nsa_one_block_in_all(rng, T, cu, H, Hk):
+    """B = 1 and every key in one block (T <= block_size = 4): the call has a single block."""
+    args = nsa_inputs(rng, B=1, T=T, H=H, Hk=Hk)
+    kw = dict(block_size=4, block_count=2, window=2, cu_seqlens=None if cu is None else np.array(cu))
+    ref = reference.nsa_attention(*args, **kw)
+    for dtype in (np.float64, np.float32):
+        assert_close(pyattn.nsa_attention(*(x.astype(dtype) for x in args), **kw), ref, name=np.dtype(dtype).name)
+
+
+def test_nsa_scale(rng):
+    args = nsa_inputs(rng, B=2, T=15)
+    kw = dict(block_size=3, block_count=2, window=4, scale=0.3)
+    assert_close(pyattn.nsa_attention(*args, **kw), reference.nsa_attention(*args, **kw))
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["means", "k_cmp"])
+def test_nsa_varlen_against_oracle(rng, given):
+    """Packed sequences (one empty, one of a single row) restart their blocks."""
+    cu = np.array([0, 7, 7, 20, 21, 30])
+    args = nsa_inputs(rng, B=1, T=30)
+    kw = dict(block_size=4, block_count=3, window=5, cu_seqlens=cu)
+    if given:
+        kw["k_cmp"], kw["v_cmp"] = cmp_rows(rng, 1, n_blocks(30, 4, cu), 2, 5, 3)
+    ref = reference.nsa_attention(*args, **kw)
+    for dtype in (np.float64, np.float32):
+        kwd = {n: (x.astype(dtype) if n in ("k_cmp", "v_cmp") else x) for n, x in kw.items()}
+        o = pyattn.nsa_attention(*(x.astype(dtype) for x in args), **kwd)
+        assert_close(o, ref, name=np.dtype(dtype).name)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["means", "k_cmp"])
+def test_nsa_varlen_equals_batch(rng, given):
+    """Two batch rows give the same outputs as the same rows packed by cu_seqlens."""
+    B, T = 2, 13
+    args = nsa_inputs(rng, B=B, T=T)
+    kw = dict(block_size=4, block_count=2, window=3)
+    packed_kw = dict(kw, cu_seqlens=np.array([0, T, 2 * T]))
+    if given:
+        kw["k_cmp"], kw["v_cmp"] = cmp_rows(rng, B, n_blocks(T, 4), 2, 5, 3)
+        packed_kw["k_cmp"], packed_kw["v_cmp"] = (x.reshape((1, -1) + x.shape[2:]) for x in (kw["k_cmp"], kw["v_cmp"]))
+    o = pyattn.nsa_attention(*args, **kw)
+    packed = pyattn.nsa_attention(*(x.reshape((1, B * T) + x.shape[2:]) for x in args), **packed_kw)
+    assert_close(packed, o.reshape(packed.shape))
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["means", "k_cmp"])
+@pytest.mark.parametrize("Tq", [1, 5, 13])
+def test_nsa_last_queries(rng, Tq, given):
+    """Queries that are the last Tq positions (decoding): the same rows of the oracle over all
+    positions (whose rows depend on their own query and gates only)."""
+    T = 13
+    q, k, v, *g = nsa_inputs(rng, B=2, T=T)
+    kw = dict(block_size=4, block_count=2, window=3)
+    if given:
+        kw["k_cmp"], kw["v_cmp"] = cmp_rows(rng, 2, n_blocks(T, 4), 2, 5, 3)
+    ref = reference.nsa_attention(q, k, v, *g, **kw)[:, T - Tq:]
+    last = [x[:, T - Tq:] for x in [q] + g]
+    for dtype in (np.float64, np.float32):
+        kwd = {n: x.astype(dtype) for n, x in kw.items() if n in ("k_cmp", "v_cmp")}
+        args = [last[0], k, v] + last[1:]
+        o = pyattn.nsa_attention(*(x.astype(dtype) for x in args), **dict(kw, **kwd))
+        assert o.shape == (2, Tq, 4, 3)
+        assert_close(o, ref, name=np.dtype(dtype).name)
+
+
+def test_nsa_k_cmp_given(rng):
+    """Given rows k_cmp, v_cmp against the oracle; the block means given explicitly are the
+    default call (the last block of 13 rows holds one)."""
+    args = nsa_inputs(rng, B=2, T=13)
+    kw = dict(block_size=4, block_count=2, window=3)
+    kc, vc = cmp_rows(rng, 2, 4, 2, 5, 3)
+    ref = reference.nsa_attention(*args, k_cmp=kc, v_cmp=vc, **kw)
+    for dtype in (np.float64, np.float32):
+        o = pyattn.nsa_attention(*(x.astype(dtype) for x in args), k_cmp=kc.astype(dtype), v_cmp=vc.astype(dtype), **kw)
+        assert_close(o, ref, name=np.dtype(dtype).name)
+    means = pyattn.nsa_attention(*args, k_cmp=block_means(args[1], 4), v_cmp=block_means(args[2], 4), **kw)
+    assert_close(means, pyattn.nsa_attention(*args, **kw))
+
+
+def _one_gate(q, name):
+    """Gates with `name` all 1, the others 0."""
+    return [np.full(q.shape[:3], float(n == name), q.dtype) for n in ("g_cmp", "g_slc", "g_swa")]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("branch", ["g_cmp", "g_slc", "g_swa"])
+def test_nsa_branch_alone_is_causal_attention(rng, dtype, branch):
+    """One gate 1, the others 0, and that branch seeing every past key: the window with
+    window >= T, the selection with block_count >= the blocks, the compressed branch with
+    block_size 1 and k_cmp, v_cmp = k, v. Outputs and gradients are causal softmax
+    attention's; the other branches pass no gradient into k, v (and the compressed rows get
+    softmax's dk, dv)."""
+    q, k, v = nsa_inputs(rng, B=2, T=21)[:3]
+    kw = {"g_swa": dict(block_size=4, block_count=2, window=21),
+          "g_slc": dict(block_size=4, block_count=6, window=2),
+          "g_cmp": dict(block_size=1, block_count=2, window=2, k_cmp=k, v_cmp=v)}[branch]
+    do = f32_exact(rng.standard_normal((2, 21, 4, 3)))
+    o_ref, pb = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=True)
+    ref = pb(do)
+    cast = {n: (x.astype(dtype) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    qd, kd, vd = (x.astype(dtype) for x in (q, k, v))
+    o, pullback = pyattn.vjp(pyattn.nsa_attention, qd, kd, vd, *_one_gate(qd, branch), **cast)
+    assert_close(o, o_ref)
+    g = pullback(do.astype(dtype))
+    tol = F32_GRAD if dtype == np.float32 else None
+    assert_close(g["q"], ref["q"], tol, name="dq")
+    dk, dv = (g["k_cmp"], g["v_cmp"]) if branch == "g_cmp" else (g["k"], g["v"])
+    assert_close(dk, ref["k"], tol, name="dk")
+    assert_close(dv, ref["v"], tol, name="dv")
+    if branch == "g_cmp":
+        assert_close(g["k"], np.zeros_like(k), name="dk (other branches)")
+        assert_close(g["v"], np.zeros_like(v), name="dv (other branches)")
+    # the gate's own gradient: sum_d do * o_branch, here o itself
+    assert_close(g[branch], np.sum(do * o_ref, axis=-1), tol, name=f"d{branch}")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_nsa_ties_go_to_the_lower_block(dtype):
+    """Blocks 0 and 2 hold the same keys and have the best (equal, exact) importance: with
+    block_count = 2 a query of block 4 takes block 0 and its own block (v = I shows the keys
+    attended by the selected branch alone)."""
+    T, bs = 20, 4
+    k = np.tile(np.array([0.0, 0.0, 1.0]), (T, 1))
+    k[0:4] = k[8:12] = [2.0, 2.0, 0.0]
+    k = k[None, :, None, :].astype(dtype)
+    q = np.tile(np.array([1.0, 1.0, 0.0], dtype), (1, T, 2, 1))
+    v = np.eye(T, dtype=dtype)[None, :, None, :]
+    g = _one_gate(q, "g_slc")
+    kw = dict(block_size=bs, block_count=2, window=2)
+    o = pyattn.nsa_attention(q, k, v, *g, **kw)
+    assert_close(o, reference.nsa_attention(q, k, v, *g, **kw))
+    for t in range(16, 20):
+        for h in range(2):
+            assert np.array_equal(np.flatnonzero(o[0, t, h]), list(range(4)) + list(range(16, t + 1))), (t, h)
+
+
+NSA_GRAD_LAYOUTS = {  # name: (nsa_inputs kwargs, cu_seqlens)
+    "batch": (dict(B=2, T=7, H=2, Hk=1, D=3, Dv=2), None),
+    "gqa": (dict(B=2, T=6, H=4, Hk=2, D=2, Dv=3), None),
+    "varlen": (dict(B=1, T=14, H=2, Hk=1, D=3, Dv=2), [0, 3, 3, 9, 14]),
+    "last_queries": (dict(B=2, T=7, Tq=3, H=2, Hk=1, D=3, Dv=2), None),
+}
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["means", "k_cmp"])
+@pytest.mark.parametrize("layout", NSA_GRAD_LAYOUTS.values(), ids=NSA_GRAD_LAYOUTS.keys())
+def test_nsa_gradcheck(rng, layout, given):
+    shape, cu = layout
+    args = nsa_inputs(rng, **shape)
+    kw = dict(block_size=2, block_count=2, window=3, cu_seqlens=None if cu is None else np.array(cu))
+    if given:
+        kw["k_cmp"], kw["v_cmp"] = cmp_rows(rng, shape["B"], n_blocks(shape["T"], 2, cu), shape["Hk"],
+                                            shape["D"], shape["Dv"])
+    errs = gradcheck(pyattn.nsa_attention, args, kw)
+    want = {"q", "k", "v", "g_cmp", "g_slc", "g_swa"} | ({"k_cmp", "v_cmp"} if given else set())
+    assert set(errs) == want
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["means", "k_cmp"])
+def test_nsa_float32_gradients(rng, given):
+    args = nsa_inputs(rng, B=2, T=23)
+    kw = dict(block_size=4, block_count=3, window=5)
+    if given:
+        kw["k_cmp"], kw["v_cmp"] = cmp_rows(rng, 2, n_blocks(23, 4), 2, 5, 3)
+    do = f32_exact(rng.standard_normal((2, 23, 4, 3)))
+    g64 = pyattn.vjp(pyattn.nsa_attention, *args, **kw)[1](do)
+    kw32 = {n: (x.astype(np.float32) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    g32 = pyattn.vjp(pyattn.nsa_attention, *(x.astype(np.float32) for x in args), **kw32)[1](do.astype(np.float32))
+    assert set(g32) == set(g64) == {"q", "k", "v", "g_cmp", "g_slc", "g_swa"} | ({"k_cmp", "v_cmp"} if given else set())
+    for name in g64:
+        assert g32[name].dtype == np.float32 and g32[name].shape == g64[name].shape
+        assert_close(g32[name], g64[name], F32_GRAD, name=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("gates", ["random", "g_cmp", "g_slc", "g_swa"])
+@pytest.mark.parametrize("t", [0, 2, 13])
+def test_nsa_nan_query(rng, dtype, gates, t):
+    """A NaN in q at (t, head 1) makes o[t, head 1] NaN (whichever branch is gated on, and
+    also before any block is complete: t = 0, 2 < block_size - 1), never a silent 0. Other
+    rows are unchanged, and so are the heads of the other KV group; the other head of its
+    group (which shares its block choice) stays finite."""
+    q, k, v, *g = (x.astype(dtype) for x in nsa_inputs(rng, B=1, T=20))
+    if gates != "random":
+        g = _one_gate(q, gates)
+    kw = dict(block_size=4, block_count=2, window=3)
+    clean = pyattn.nsa_attention(q, k, v, *g, **kw)
+    q[0, t, 1, 2] = np.nan
+    o = pyattn.nsa_attention(q, k, v, *g, **kw)
+    assert np.all(np.isnan(o[0, t, 1]))
+    assert np.all(np.isfinite(o[0, t, 0]))
+    assert np.array_equal(o[0, t, 2:], clean[0, t, 2:])
+    assert np.array_equal(np.delete(o, t, axis=1), np.delete(clean, t, axis=1))
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_query"])
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("t", [5, 13])
+def test_nsa_is_causal(rng, t, count, nan):
+    """Keys and values after position t never reach the outputs of rows 0 .. t, also when a
+    NaN in one query head at t (head 1) spoils the importances of its group: the other head
+    of the group (head 0, finite) must still choose among past blocks only."""
+    q, k, v, *g = nsa_inputs(rng, B=1, T=20)
+    if nan:
+        q[0, t, 1, 2] = np.nan
+    kw = dict(block_size=4, block_count=count, window=3)
+    o = pyattn.nsa_attention(q, k, v, *g, **kw)
+    k2, v2 = k.copy(), v.copy()
+    k2[0, t + 1:] = rng.standard_normal(k2[0, t + 1:].shape)
+    v2[0, t + 1:] += 100
+    o2 = pyattn.nsa_attention(q, k2, v2, *g, **kw)
+    assert np.array_equal(o[0, :t + 1], o2[0, :t + 1], equal_nan=True)
+    assert np.all(np.isfinite(o[0, t, 0]))
+
+
+def test_nsa_bad_input(rng):
+    q, k, v, *g = nsa_inputs(rng, B=2, T=9)
+    kw = dict(block_size=4, block_count=2, window=3)
+    nsa = pyattn.nsa_attention
+    raises(ValueError, nsa, q, k, v, g[0][..., :2], g[1], g[2], **kw, must=["'g_cmp' must have shape (2, 9, 4)"])
+    raises(ValueError, nsa, q, k, v, g[0], g[1][:, :3], g[2], **kw, must=["'g_slc' must have shape"])
+    raises(ValueError, nsa, q, k, v, *g, k_cmp=np.zeros((2, 3, 2, 5)), **kw, must=["'k_cmp' and 'v_cmp'"])
+    raises(ValueError, nsa, q, k, v, *g, v_cmp=np.zeros((2, 3, 2, 3)), **kw, must=["'k_cmp' and 'v_cmp'"])
+    raises(ValueError, nsa, q, k, v, *g, **dict(kw, block_size=0), must=["'block_size' must be >= 1"])
+    raises(ValueError, nsa, q, k, v, *g, **dict(kw, window=0), must=["'window' must be >= 1"])
+    raises(ValueError, nsa, q, k, v, *g, **dict(kw, block_count=0), must=["'block_count' must be >= 1"])
+    raises(ValueError, nsa, q, k, v, *g, k_cmp=np.zeros((2, 2, 2, 5)), v_cmp=np.zeros((2, 3, 2, 3)), **kw,
+           must=["'k_cmp' must have shape (2, 3, 2, 5)"])
+    raises(ValueError, nsa, q, k, v, *g, k_cmp=np.zeros((2, 3, 2, 5)), v_cmp=np.zeros((2, 3, 2, 5)), **kw,
+           must=["'v_cmp' must have shape (2, 3, 2, 3)"])
+    raises(TypeError, nsa, q, k, v, *g, k_cmp=np.zeros((2, 3, 2, 5), np.float32), v_cmp=np.zeros((2, 3, 2, 3)),
+           **kw, must=["one dtype"])
+    raises(TypeError, nsa, q, k, v, *g, **dict(kw, block_size=2.5), must=["'block_size'"])
+    raises(ValueError, nsa, q, k[:, :5], v[:, :5], *g, **kw, must=["need Tq <= Tk, got Tq=9, Tk=5"])
+    raises(ValueError, nsa, q, k, v, *g, **kw, cu_seqlens=np.array([0, 9]), must=["batch size must be 1"])
+
+
+# --------------------------------------------------------------------------- dsa
+
+
+def index_inputs(rng, B=2, Tq=19, Tk=None, Hi=2, Di=3):
+    """float64 (float32-representable) index_q [B, Tq, Hi, Di], index_k [B, Tk, Di], index_w
+    [B, Tq, Hi]."""
+    Tk = Tq if Tk is None else Tk
+    return [f32_exact(rng.standard_normal(s)) for s in ((B, Tq, Hi, Di), (B, Tk, Di), (B, Tq, Hi))]
+
+
+def dsa_inputs(rng, B=2, T=19, H=4, Hk=2, D=5, Dv=3, Hi=2, Di=3):
+    """q, k, v and the index arrays, float64 and float32-representable."""
+    q, k, v = (f32_exact(rng.standard_normal(s)) for s in ((B, T, H, D), (B, T, Hk, D), (B, T, Hk, Dv)))
+    return [q, k, v] + index_inputs(rng, B, T, T, Hi, Di)
+
+
+def last(arrays, Tq):
+    """The per-query arrays cut to their last Tq rows (index_k, k, v keep every key)."""
+    return [x if i in ("k", "v", "index_k") else x[:, x.shape[1] - Tq:]
+            for i, x in zip(("q", "k", "v", "index_q", "index_k", "index_w"), arrays)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("B,T,Hi,Di", [(2, 17, 3, 4), (1, 1, 2, 3), (2, 30, 1, 8)])
+def test_dsa_index_scores_against_oracle(rng, dtype, B, T, Hi, Di):
+    a = index_inputs(rng, B, T, T, Hi, Di)
+    ref = reference.dsa_index_scores(*a)
+    I = pyattn.dsa_index_scores(*(x.astype(dtype) for x in a))
+    assert I.dtype == dtype and I.shape == (B, T, T)
+    assert_close(I, ref)
+    # queries that are the last rows: the same rows of the scores (Tq < Tk)
+    assert_close(pyattn.dsa_index_scores(a[0][:, T - 1:].astype(dtype), a[1].astype(dtype),
+                                         a[2][:, T - 1:].astype(dtype)), ref[:, T - 1:])
+
+
+@pytest.mark.parametrize("B,Tq,Tk", [(2, 3, 4), (1, 5, 5)])
+def test_dsa_index_scores_gradcheck(rng, B, Tq, Tk):
+    errs = gradcheck(pyattn.dsa_index_scores, index_inputs(rng, B, Tq, Tk, Hi=2, Di=2))
+    assert set(errs) == {"index_q", "index_k", "index_w"}
+
+
+def test_dsa_index_scores_float32_gradients(rng):
+    a = index_inputs(rng, 2, 13, 17, Hi=3, Di=4)
+    dI = f32_exact(rng.standard_normal((2, 13, 17)))
+    g64 = pyattn.vjp(pyattn.dsa_index_scores, *a)[1](dI)
+    g32 = pyattn.vjp(pyattn.dsa_index_scores, *(x.astype(np.float32) for x in a))[1](dI.astype(np.float32))
+    for name in ("index_q", "index_k", "index_w"):
+        assert g32[name].dtype == np.float32
+        assert_close(g32[name], g64[name], F32_GRAD, name=f"d{name}")
+
+
+DSA_LAYOUTS = {  # name: (B, T, Tq, cu_seqlens)
+    "batch": (2, 19, 19, None),
+    "varlen": (1, 20, 20, [0, 6, 6, 15, 20]),
+    "last_queries": (2, 15, 6, None),
+    "one_query": (2, 15, 1, None),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("top_k", [1, 3, 19, 25])
+@pytest.mark.parametrize("layout", DSA_LAYOUTS.values(), ids=DSA_LAYOUTS.keys())
+def test_dsa_select_equals_oracle(rng, layout, top_k, causal):
+    """The int64 rows exactly the oracle's (Tq < Tk: the last Tq rows of the oracle over all
+    positions)."""
+    B, T, Tq, cu = layout
+    a = index_inputs(rng, B, T, T)
+    kw = dict(top_k=top_k, causal=causal, cu_seqlens=None if cu is None else np.array(cu))
+    ref = reference.dsa_select(*a, **kw)[:, T - Tq:]
+    for dtype in (np.float64, np.float32):
+        rows = pyattn.dsa_select(a[0][:, T - Tq:].astype(dtype), a[1].astype(dtype), a[2][:, T - Tq:].astype(dtype),
+                                 **kw)
+        assert rows.dtype == np.int64 and rows.shape == (B, Tq, top_k)
+        assert np.array_equal(rows, ref)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("cu", [None, [0, 4, 4, 11]], ids=["batch", "varlen"])
+def test_dsa_select_every_key_pads(rng, cu, causal):
+    """top_k >= the keys: every visible key, ascending, then -1 (under cu_seqlens the rows
+    count from the pack's start)."""
+    B, T, top_k = (2, 11, 14) if cu is None else (1, 11, 14)
+    rows = pyattn.dsa_select(*index_inputs(rng, B, T, T), top_k=top_k, causal=causal,
+                             cu_seqlens=None if cu is None else np.array(cu))
+    bounds = [(0, T)] if cu is None else list(zip(cu[:-1], cu[1:]))
+    for s, e in bounds:
+        for t in range(s, e):
+            keys = list(range(s, t + 1 if causal else e))
+            want = np.array(keys + [-1] * (top_k - len(keys)))
+            for b in range(B):
+                assert np.array_equal(rows[b, t], want), (b, t, rows[b, t])
+
+
+def _tie_index(T=10):
+    """Index arrays with exact integer scores I[t, s] = relu(a_s) + relu(b_s) (index_q rows
+    the unit vectors, index_w ones): 0, 3, 1, 3, 3, 1, 3, 5, 3, 3 over s."""
+    ik = np.array([[0, 0], [2, 1], [1, 0], [3, 0], [1, 2], [0, 1], [-1, 3], [5, -2], [2, 1], [1, 2]], float)[:T]
+    iq = np.tile(np.eye(2), (1, T, 1, 1))
+    return iq, ik[None], np.ones((1, T, 2))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_dsa_select_ties_go_to_the_lower_key(dtype):
+    """Equal scores: the lower key wins. Keys 1, 3, 4, 6, 8, 9 tie at 3 behind key 7 (5)."""
+    a = [x.astype(dtype) for x in _tie_index()]
+    assert np.array_equal(pyattn.dsa_index_scores(*a)[0, 0], [0, 3, 1, 3, 3, 1, 3, 5, 3, 3])
+    full = pyattn.dsa_select(*a, top_k=3, causal=False)
+    assert np.array_equal(full[0, 9], [1, 3, 7]) and np.array_equal(full[0, 0], [1, 3, 7])
+    causal = pyattn.dsa_select(*a, top_k=3, causal=True)
+    assert np.array_equal(causal[0, 9], [1, 3, 7])
+    assert np.array_equal(causal[0, 6], [1, 3, 4])    # 1, 3, 4, 6 tie at 3
+    assert np.array_equal(causal[0, 2], [0, 1, 2])    # every visible key
+    assert np.array_equal(pyattn.dsa_select(*a, top_k=1, causal=True)[0, :, 0], [0, 1, 1, 1, 1, 1, 1, 7, 7, 7])
+    for top_k in (1, 2, 3, 4, 6):
+        for c in (True, False):
+            assert np.array_equal(pyattn.dsa_select(*a, top_k=top_k, causal=c),
+                                  reference.dsa_select(*a, top_k=top_k, causal=c))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dsa_select_ties_duplicated_keys(rng, causal):
+    """Small integer index arrays with duplicated index_k rows: many exact ties, each broken to
+    the lower key as by the oracle; of two identical key rows the lower is never passed over
+    for the higher."""
+    iq = rng.integers(-2, 3, (2, 16, 2, 3)).astype(float)
+    ik = rng.integers(-2, 3, (2, 16, 3)).astype(float)
+    ik[:, 9], ik[:, 12], ik[:, 14] = ik[:, 2], ik[:, 2], ik[:, 5]
+    iw = rng.integers(1, 3, (2, 16, 2)).astype(float)
+    for top_k in (1, 2, 4, 7):
+        rows = pyattn.dsa_select(iq, ik, iw, top_k=top_k, causal=causal)
+        assert np.array_equal(rows, reference.dsa_select(iq, ik, iw, top_k=top_k, causal=causal))
+        for b in range(2):
+            for t in range(16):
+                chosen = set(rows[b, t].tolist())
+                for lo, hi in ((2, 9), (9, 12), (2, 12), (5, 14)):
+                    assert not (hi in chosen and lo not in chosen), (top_k, b, t, lo, hi)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_dsa_attends_the_chosen_keys(dtype):
+    """q = 0: every chosen key has the same weight 1 / top_k; v = I shows which (the tie
+    index arrays: query 9 takes keys 1, 3, 7)."""
+    T = 10
+    a = [x.astype(dtype) for x in _tie_index(T)]
+    q = np.zeros((1, T, 2, 3), dtype)
+    k = np.ones((1, T, 1, 3), dtype)
+    v = np.eye(T, dtype=dtype)[None, :, None, :]
+    o = pyattn.dsa_attention(q, k, v, *a, top_k=3)
+    rows = pyattn.dsa_select(*a, top_k=3)
+    for t in range(T):
+        want = np.zeros(T)
+        keys = rows[0, t][rows[0, t] >= 0]
+        want[keys] = 1 / len(keys)
+        for h in range(2):
+            assert_close(o[0, t, h], want, name=f"o[{t}, {h}]")
+    assert np.array_equal(np.flatnonzero(o[0, 9, 0]), [1, 3, 7])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("H,Hk", [(4, 2), (4, 1), (2, 2)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("layout", DSA_LAYOUTS.values(), ids=DSA_LAYOUTS.keys())
+def test_dsa_attention_against_oracle(rng, layout, H, Hk, causal):
+    B, T, Tq, cu = layout
+    args = dsa_inputs(rng, B=B, T=T, H=H, Hk=Hk)
+    kw = dict(top_k=4, causal=causal, cu_seqlens=None if cu is None else np.array(cu))
+    ref = reference.dsa_attention(*args, **kw)[:, T - Tq:]
+    for dtype in (np.float64, np.float32):
+        o = pyattn.dsa_attention(*(x.astype(dtype) for x in last(args, Tq)), **kw)
+        assert o.dtype == dtype and o.shape == (B, Tq, H, 3)
+        assert_close(o, ref, name=np.dtype(dtype).name)
+
+
+def test_dsa_attention_scale(rng):
+    args = dsa_inputs(rng, B=2, T=12)
+    kw = dict(top_k=3, scale=0.7)
+    assert_close(pyattn.dsa_attention(*args, **kw), reference.dsa_attention(*args, **kw))
+
+
+DSA_GRAD_LAYOUTS = {  # name: (B, T, Tq, H, Hk, cu_seqlens)
+    "batch": (2, 7, 7, 2, 1, None),
+    "gqa": (2, 6, 6, 4, 2, None),
+    "varlen": (1, 11, 11, 2, 1, [0, 4, 4, 11]),
+    "last_queries": (2, 7, 3, 2, 1, None),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", DSA_GRAD_LAYOUTS.values(), ids=DSA_GRAD_LAYOUTS.keys())
+def test_dsa_attention_gradcheck(rng, layout, causal):
+    B, T, Tq, H, Hk, cu = layout
+    args = last(dsa_inputs(rng, B=B, T=T, H=H, Hk=Hk, D=3, Dv=2, Hi=2, Di=2), Tq)
+    gradcheck(pyattn.dsa_attention, args, dict(top_k=3, causal=causal, cu_seqlens=None if cu is None else np.array(cu)),
+              wrt=["q", "k", "v"])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_dsa_index_gradients_are_zero(rng, dtype):
+    """The choice is not differentiated: the index arrays' gradients are exactly 0, of their
+    shapes and dtype."""
+    args = [x.astype(dtype) for x in dsa_inputs(rng, B=2, T=13)]
+    o, pullback = pyattn.vjp(pyattn.dsa_attention, *args, top_k=4)
+    g = pullback(rng.standard_normal(o.shape).astype(dtype))
+    assert set(g) == {"q", "k", "v", "index_q", "index_k", "index_w"}
+    for name, x in zip(("index_q", "index_k", "index_w"), args[3:]):
+        assert g[name].shape == x.shape and g[name].dtype == dtype
+        assert np.array_equal(g[name], np.zeros_like(x)), name
+    for name in ("q", "k", "v"):
+        assert np.all(np.isfinite(g[name])) and np.any(g[name] != 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("Tq", [17, 5])
+def test_dsa_every_key_is_softmax_attention(rng, dtype, causal, Tq):
+    """top_k >= the keys chooses every visible key: softmax_attention (causal bottom-right
+    or not), outputs and gradients."""
+    T = 17
+    args = last([x.astype(dtype) for x in dsa_inputs(rng, B=2, T=T)], Tq)
+    do = f32_exact(rng.standard_normal((2, Tq, 4, 3))).astype(dtype)
+    o, pb = pyattn.vjp(pyattn.dsa_attention, *args, top_k=T + 3, causal=causal)
+    o_ref, pb_ref = pyattn.vjp(pyattn.softmax_attention, *args[:3], causal=causal)
+    assert_close(o, o_ref)
+    g, ref = pb(do), pb_ref(do)
+    tol = F32_GRAD if dtype == np.float32 else None
+    for name in "qkv":
+        assert_close(g[name], ref[name], tol, name=f"d{name}")
+
+
+def test_dsa_float32_gradients(rng):
+    args = dsa_inputs(rng, B=2, T=23)
+    kw = dict(top_k=5)
+    do = f32_exact(rng.standard_normal((2, 23, 4, 3)))
+    g64 = pyattn.vjp(pyattn.dsa_attention, *args, **kw)[1](do)
+    g32 = pyattn.vjp(pyattn.dsa_attention, *(x.astype(np.float32) for x in args), **kw)[1](do.astype(np.float32))
+    for name in "qkv":
+        assert g32[name].dtype == np.float32
+        assert_close(g32[name], g64[name], F32_GRAD, name=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", DSA_LAYOUTS.values(), ids=DSA_LAYOUTS.keys())
+def test_dsa_index_target_against_oracle(rng, layout, causal, dtype):
+    """Over every visible key and over dsa_select's indices: the oracle; each row a
+    distribution (sums to 1) on exactly its keys, 0 elsewhere."""
+    B, T, Tq, cu = layout
+    q, k, _, *a = dsa_inputs(rng, B=B, T=T, H=4, Hk=2)
+    cu = None if cu is None else np.array(cu)
+    indices = reference.dsa_select(*a, top_k=4, causal=causal, cu_seqlens=cu)
+    qd, kd = q[:, T - Tq:].astype(dtype), k.astype(dtype)
+    for idx in (None, indices):
+        ref = reference.dsa_index_target(q, k, causal=causal, indices=idx, cu_seqlens=cu)[:, T - Tq:]
+        P = pyattn.dsa_index_target(qd, kd, causal=causal, cu_seqlens=cu,
+                                    indices=None if idx is None else idx[:, T - Tq:])
+        assert P.dtype == dtype and P.shape == (B, Tq, T)
+        assert_close(P, ref)
+        assert np.all(P >= 0)
+        assert_close(P.sum(-1), np.ones((B, Tq)), name="row sums")
+        # the keys of each row: visible (causal, its sequence), and among the indices
+        pos = np.arange(T - Tq, T)
+        seq_of = np.zeros(T, int) if cu is None else np.searchsorted(cu, np.arange(T), side="right") - 1
+        keys = (seq_of[None, :] == seq_of[pos][:, None])
+        if causal:
+            keys &= np.arange(T)[None, :] <= pos[:, None]
+        keys = np.broadcast_to(keys, P.shape).copy()
+        if idx is not None:
+            chosen = np.zeros((B, Tq, T + 1), bool)
+            for b in range(B):
+                for i in range(Tq):
+                    chosen[b, i, idx[b, T - Tq + i]] = True  # -1 lands in the extra column
+            keys &= chosen[..., :T]
+        assert np.all(P[~keys] == 0)
+        assert np.all(P[keys] > 0)
+
+
+def test_dsa_index_target_no_keys(rng):
+    """A query whose indices are all -1 has a row of 0; listing every visible key (as
+    dsa_select does with top_k >= T) equals no indices."""
+    q, k = dsa_inputs(rng, B=2, T=9)[:2]
+    idx = np.tile(np.where(np.arange(9) <= np.arange(9)[:, None], np.arange(9), -1), (2, 1, 1))  # keys 0 .. t
+    idx[1, 4] = -1
+    P = pyattn.dsa_index_target(q, k, causal=True, indices=idx)
+    assert np.array_equal(P[1, 4], np.zeros(9))
+    assert_close(P, reference.dsa_index_target(q, k, causal=True, indices=idx))
+    full = pyattn.dsa_index_target(q, k, causal=True)
+    assert_close(np.delete(P.reshape(18, 9), 13, axis=0), np.delete(full.reshape(18, 9), 13, axis=0))
+    every = np.tile(np.arange(9), (2, 9, 1))
+    assert_close(pyattn.dsa_index_target(q, k, causal=False, indices=every),
+                 pyattn.dsa_index_target(q, k, causal=False))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dsa_nan(rng, dtype, causal):
+    """A NaN in q at (t, h) makes o[t, h] NaN; in index_q (or index_w) at t, every head of
+    query t, whose scores hold it; in index_k at key s, every query that sees s (causal: s and
+    later). Never a silent 0, and the other outputs are unchanged."""
+    args = [x.astype(dtype) for x in dsa_inputs(rng, B=1, T=20)]
+    clean = pyattn.dsa_attention(*args, top_k=4, causal=causal)
+
+    def with_nan(i, at):
+        x = [a.copy() for a in args]
+        x[i][at] = np.nan
+        return pyattn.dsa_attention(*x, top_k=4, causal=causal)
+
+    o = with_nan(0, (0, 7, 1, 0))
+    assert np.all(np.isnan(o[0, 7, 1]))
+    rest = np.ones(o.shape, bool)
+    rest[0, 7, 1] = False
+    assert np.array_equal(o[rest], clean[rest])
+    for i, at in ((3, (0, 7, 1, 0)), (5, (0, 7, 1))):
+        o = with_nan(i, at)
+        assert np.all(np.isnan(o[0, 7]))
+        assert np.array_equal(np.delete(o, 7, axis=1), np.delete(clean, 7, axis=1))
+    o = with_nan(4, (0, 7, 1))
+    seen = slice(7, None) if causal else slice(None)
+    assert np.all(np.isnan(o[0, seen]))
+    if causal:
+        assert np.array_equal(o[0, :7], clean[0, :7])
+
+
+def test_dsa_bad_input(rng):
+    q, k, v, iq, ik, iw = dsa_inputs(rng, B=2, T=9)
+    dsa = pyattn.dsa_attention
+    raises(ValueError, dsa, q, k, v, iq, ik[..., :2], iw, top_k=3, must=["index dims must match", "index_k=2"])
+    raises(TypeError, dsa, q, k, v, iq.astype(np.float32), ik.astype(np.float32), iw.astype(np.float32), top_k=3,
+           must=["index arrays must have q's dtype float64"])
+    raises(TypeError, dsa, q, k, v, iq, ik.astype(np.float32), iw, top_k=3, must=["one dtype"])
+    raises(ValueError, dsa, q, k, v, iq, ik, iw, top_k=0, must=["'top_k' must be >= 1"])
+    raises(TypeError, dsa, q, k, v, iq, ik, iw, top_k=2.0, must=["'top_k'"])
+    raises(ValueError, dsa, q, k[:, :5], v[:, :5], iq, ik[:, :5], iw, top_k=3, must=["need Tq <= Tk, got Tq=9, Tk=5"])
+    raises(ValueError, dsa, q, k, v, iq, ik, iw, top_k=3, cu_seqlens=np.array([0, 9]), must=["batch size must be 1"])
+    raises(ValueError, dsa, q, k, v, iq, ik, iw[..., :1], top_k=3, must=["'index_w' must have shape (2, 9, 2)"])
+    raises(ValueError, dsa, q, k, v, iq, ik[:, :5], iw, top_k=3, must=["'index_k' must have shape (2, 9, 3)"])
+    raises(ValueError, pyattn.dsa_select, iq, ik, iw, top_k=0, must=["'top_k' must be >= 1"])
+    raises(ValueError, pyattn.dsa_select, iq, ik[..., :2], iw, top_k=2, must=["index dims must match"])
+    raises(ValueError, pyattn.dsa_select, iq, ik, iw, top_k=2, cu_seqlens=np.array([0, 9]),
+           must=["batch size must be 1"])
+    raises(ValueError, pyattn.dsa_index_scores, iq, ik[..., :2], iw, must=["index dims must match"])
+    raises(TypeError, pyattn.dsa_index_scores, iq, ik.astype(np.float32), iw, must=["one dtype"])
+    raises(ValueError, pyattn.dsa_index_target, q, k[:, :5], must=["need Tq <= Tk, got Tq=9, Tk=5"])
+    raises(TypeError, pyattn.dsa_index_target, q, k, indices=np.zeros((2, 9, 3)), must=["'indices'"])
+
+
+# --------------------------------------------------------------------------- softmax_decode_backward
+
+
+def _decode_rows(B, T):
+    """Every query row its own sequence seeing keys 0 .. i of its batch row: cu_q = arange(B T
+    + 1); the keys of batch row b at rows b T .. (b + 1) T of the pool."""
+    cu = np.arange(B * T + 1, dtype=np.int64)
+    start = np.repeat(np.arange(B, dtype=np.int64) * T, T)
+    end = start + np.tile(np.arange(1, T + 1, dtype=np.int64), B)
+    return cu, start, end
+
+
+def _decode(q, k, v, rows, table, scale, do, dlse):
+    """softmax_decode, then softmax_decode_backward over the same keys: (o, lse, dq, dk, dv);
+    q [1, R, H, Dk] and the pool k, v as given."""
+    opts = (False, -1, -1, 0, None, 0.0, scale)
+    o = np.empty(q.shape[:3] + (v.shape[3],), q.dtype)
+    lse = np.empty(q.shape[:3], q.dtype)
+    _core.softmax_decode(q, k, v, o, lse, *rows, table, 0, None, *opts)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    _core.softmax_decode_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, *rows, table, *opts)
+    return o, lse, dq, dk, dv
+
+
+def _paged(x, R, perm):
+    """x [T, Hk, D] as a pool of blocks of R rows [len(perm), R, Hk, D]: key j in block
+    perm[j // R] at row j % R; the last block of perm is left out (random rows, never read)."""
+    T = x.shape[0]
+    n = -(-T // R)
+    pool = np.random.default_rng(7).standard_normal((len(perm), R) + x.shape[1:]).astype(x.dtype)
+    padded = np.zeros((n * R,) + x.shape[1:], x.dtype)
+    padded[:T] = x
+    pool[perm[:n]] = padded.reshape((n, R) + x.shape[1:])
+    return pool
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("with_dlse", [True, False], ids=["dlse", "no_dlse"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_backward_is_causal_flash_backward(rng, dtype, with_dlse, B):
+    """Query row i of batch row b seeing keys 0 .. i of b (start = b T): the decode forward is
+    causal softmax_attention's (o, lse), and its backward the flash backward with the same do
+    and dlse (GQA, Dk != Dv)."""
+    T, H, Hk, D, Dv = 37, 4, 2, 6, 5
+    q, k, v = (f32_exact(rng.standard_normal(s)) for s in ((B, T, H, D), (B, T, Hk, D), (B, T, Hk, Dv)))
+    do = f32_exact(rng.standard_normal((B, T, H, Dv)))
+    dlse = f32_exact(rng.standard_normal((B, T, H))) if with_dlse else None
+    (o_ref, lse_ref), pullback = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=True, return_lse=True)
+    ref = pullback((do, dlse))
+    cast = [None if x is None else x.astype(dtype) for x in (q, k, v, do, dlse)]
+    q1 = cast[0].reshape(1, B * T, H, D)
+    do1 = cast[3].reshape(1, B * T, H, Dv)
+    dlse1 = None if dlse is None else cast[4].reshape(1, B * T, H)
+    o, lse, dq, dk, dv = _decode(q1, cast[1], cast[2], _decode_rows(B, T), None, D ** -0.5, do1, dlse1)
+    tol = F32_GRAD if dtype == np.float32 else None
+    assert_close(o.reshape(o_ref.shape), o_ref, name="o")
+    assert_close(lse.reshape(lse_ref.shape), lse_ref, name="lse")
+    assert dk.shape == k.shape and dv.shape == v.shape
+    assert_close(dq.reshape(q.shape), ref["q"], tol, name="dq")
+    assert_close(dk, ref["k"], tol, name="dk")
+    assert_close(dv, ref["v"], tol, name="dv")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("R", [1, 4])
+def test_decode_backward_paged(rng, dtype, R):
+    """The same keys through a shuffled block table (blocks of R rows; T = 37 leaves the last
+    block short for R = 4) and a pool with an extra block no query reads: the gradients,
+    unshuffled, are the flash backward's, and the unread rows (the extra block, the padding of
+    the last one) get exactly 0."""
+    T, H, Hk, D, Dv = 37, 4, 2, 6, 5
+    q, k, v = (f32_exact(rng.standard_normal(s)) for s in ((1, T, H, D), (1, T, Hk, D), (1, T, Hk, Dv)))
+    do, dlse = f32_exact(rng.standard_normal((1, T, H, Dv))), f32_exact(rng.standard_normal((1, T, H)))
+    (o_ref, _), pullback = pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=True, return_lse=True)
+    ref = pullback((do, dlse))
+    n = -(-T // R)
+    perm = rng.permutation(n + 1)
+    kp, vp = (_paged(x[0].astype(dtype), R, perm) for x in (k, v))
+    table = np.tile(perm[:n].astype(np.int32), (T, 1))
+    o, _, dq, dkp, dvp = _decode(q.astype(dtype), kp, vp, _decode_rows(1, T), table, D ** -0.5,
+                                 do.astype(dtype), dlse.astype(dtype))
+    tol = F32_GRAD if dtype == np.float32 else None
+    assert_close(o, o_ref, name="o")
+    assert_close(dq, ref["q"], tol, name="dq")
+    assert dkp.shape == kp.shape and dvp.shape == vp.shape
+    for got, want, name in ((dkp, ref["k"], "dk"), (dvp, ref["v"], "dv")):
+        rows = got[perm[:n]].reshape((n * R,) + got.shape[2:])
+        assert_close(rows[:T], want[0], tol, name=name)
+        assert np.all(rows[T:] == 0), f"{name}: padding rows"
+        assert np.all(got[perm[n]] == 0), f"{name}: the unread block"
+
+
+def test_decode_backward_threads(rng):
+    """One thread and two give the same gradients to 1e-12 (dK, dV are summed over per-thread
+    buffers in another order), and two threads the same bits run after run. The work (T = 160,
+    H = 4, Dk + Dv = 32) is well above the kernel's one-thread threshold."""
+    T, H, Hk, D, Dv = 160, 4, 2, 16, 16
+    q, k, v = (rng.standard_normal(s) for s in ((1, T, H, D), (1, T, Hk, D), (1, T, Hk, Dv)))
+    do, dlse = rng.standard_normal((1, T, H, Dv)), rng.standard_normal((1, T, H))
+    rows = _decode_rows(1, T)
+    with pyattn.num_threads(1):
+        one = _decode(q, k, v, rows, None, D ** -0.5, do, dlse)[2:]
+    with pyattn.num_threads(2):
+        two = _decode(q, k, v, rows, None, D ** -0.5, do, dlse)[2:]
+        again = _decode(q, k, v, rows, None, D ** -0.5, do, dlse)[2:]
+    for a, b, c, name in zip(one, two, again, ("dq", "dk", "dv")):
+        assert_close(b, a, 1e-12, name=name)
+        assert np.array_equal(b, c), name
+
+
+def test_decode_backward_bad_input(rng):
+    """softcap (and ALiBi) are refused, and so are gradient buffers of the wrong shape, dtype
+    or writeability, and key rows outside the cache: ValueError / TypeError, never a crash."""
+    T, H, Hk, D, Dv = 9, 2, 1, 4, 3
+    q, k, v = (rng.standard_normal(s) for s in ((1, T, H, D), (1, T, Hk, D), (1, T, Hk, Dv)))
+    do, dlse = rng.standard_normal((1, T, H, Dv)), rng.standard_normal((1, T, H))
+    cu, start, end = _decode_rows(1, T)
+    o, lse = _decode(q, k, v, (cu, start, end), None, 0.5, do, dlse)[:2]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+
+    def call(dq=dq, dk=dk, dv=dv, end=end, softcap=0.0, alibi=None):
+        _core.softmax_decode_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu, start, end, None,
+                                      False, -1, -1, 0, alibi, softcap, 0.5)
+
+    raises(ValueError, call, softcap=5.0, must=["softcap"])
+    raises(ValueError, call, alibi=np.ones(H), must=["alibi_slopes"])
+    raises(ValueError, call, dq=np.zeros((1, 5, H, D)), must=["'dq' must have shape (1, 9, 2, 4)"])
+    raises(ValueError, call, dq=np.zeros((1, T, H, D + 1)), must=["'dq' must have shape"])
+    raises(ValueError, call, dk=np.zeros((1, 5, Hk, D)), must=["'dk' must have shape"])
+    raises(TypeError, call, dq=np.zeros_like(q, np.float32), must=["'dq' must have dtype float64"])
+    raises(ValueError, call, dq=np.broadcast_to(dq, dq.shape), must=["'dq' must be writeable"])
+    raises(ValueError, call, end=end + 1, must=["outside the cache"])
+    raises(TypeError, _core.softmax_decode_backward, q, k, v, must=["21 positional arguments"])
+    call()  # the same buffers pass
+    assert np.all(np.isfinite(dq)) and np.any(dq != 0)
+
+
+def test_dsa_index_target_keeps_only_visible_listed_keys(rng):
+    """Indices that list keys a causal query cannot see (here every key) give the target over
+    the visible ones: the same as no indices, and as the oracle."""
+    q, k = rng.standard_normal((1, 6, 2, 3)), rng.standard_normal((1, 6, 1, 3))
+    every = np.broadcast_to(np.arange(6), (1, 6, 6)).copy()
+    P = pyattn.dsa_index_target(q, k, indices=every)
+    assert_close(P, pyattn.dsa_index_target(q, k))
+    assert_close(P, pyattn.reference.dsa_index_target(q, k, indices=every))
+    assert np.all(np.triu(P[0], 1) == 0)
