@@ -35,6 +35,17 @@ typedef struct {
     int64_t table_stride, block_size;
 } pa_key_rows;
 
+/* DeepSeek sparse attention's selection over packed rows: sequence n owns query rows cu_q[n]
+ * .. cu_q[n+1]-1 of index_q [rows_q, Hi, Di] and index_w [rows_q, Hi], key rows cu_k[n] ..
+ * cu_k[n+1]-1 of index_k [rows_k, Di]; the queries are the last of their sequence's keys
+ * (bottom-right); causal: a query sees the keys at or before it. */
+typedef struct {
+    int64_t nseq;
+    const int64_t *cu_q, *cu_k;
+    int64_t Hi, Di, top_k;
+    int causal;
+} pa_dsa_select_desc;
+
 /* Feature maps of linear attention (docs/ops.md), in this order (pyattn._core.FM_*). */
 enum {
     PA_FM_IDENTITY = 0,
@@ -147,6 +158,10 @@ typedef struct {
                                    const void *v, const void *o, const void *lse,
                                    const void *dout, const void *dlse, void *dq, void *dk,
                                    void *dv);
+    /* rows [rows_q, top_k]: each query's chosen key rows (of index_k), ascending, -1 after
+     * the last; count [rows_q] how many; nan [rows_q] 1 where a visible score is NaN */
+    int (*dsa_select)(const pa_dsa_select_desc *d, const void *index_q, const void *index_k,
+                      const void *index_w, int64_t *rows, int64_t *count, uint8_t *nan);
     int (*feature_map_forward)(const pa_feature_map_desc *d, const void *x, void *y);
     /* dx [rows, D] from dy [rows, F]; dprojection: performer's dW [m, D] (overwritten), NULL
      * for the other kinds */

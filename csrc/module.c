@@ -466,6 +466,59 @@ static PyObject *py_softmax_decode_backward(PyObject *self, PyObject *const *arg
     return finish(rc);
 }
 
+/* dsa_select(index_q, index_k, index_w, cu_q, cu_k, top_k, causal, rows, count, nan):
+ * index_q [Rq, Hi, Di], index_k [Rk, Di], index_w [Rq, Hi]; rows int64 [Rq, top_k], count
+ * int64 [Rq], nan uint8 [Rq] written */
+static PyObject *py_dsa_select(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "dsa_select";
+    if (expect_nargs(fn, nargs, 10)) return NULL;
+    int t;
+    if (float_type(fn, "index_q", args[0], &t)) return NULL;
+    npy_intp qshape[3] = {-1, -1, -1};
+    PyArrayObject *iq = get_array(fn, "index_q", args[0], t, 3, qshape, 0);
+    if (!iq) return NULL;
+    const npy_intp Rq = PyArray_DIM(iq, 0), Hi = PyArray_DIM(iq, 1), Di = PyArray_DIM(iq, 2);
+    npy_intp kshape[2] = {-1, Di}, wshape[2] = {Rq, Hi};
+    PyArrayObject *ik = get_array(fn, "index_k", args[1], t, 2, kshape, 0);
+    PyArrayObject *iw = ik ? get_array(fn, "index_w", args[2], t, 2, wshape, 0) : NULL;
+    if (!iw) return NULL;
+    pa_dsa_select_desc d;
+    memset(&d, 0, sizeof d);
+    d.Hi = Hi;
+    d.Di = Di;
+    int64_t nk;
+    long long top_k;
+    if (!(d.cu_q = get_cu(fn, "cu_q", args[3], Rq, &d.nseq)) ||
+        !(d.cu_k = get_cu(fn, "cu_k", args[4], PyArray_DIM(ik, 0), &nk)) ||
+        get_int(fn, "top_k", args[5], 1, INT32_MAX, &top_k))
+        return NULL;
+    d.top_k = top_k;
+    if ((d.causal = PyObject_IsTrue(args[6])) < 0) return NULL;
+    int ok = nk == d.nseq;
+    for (int64_t n = 0; ok && n < d.nseq; n++)
+        ok = d.cu_q[n + 1] - d.cu_q[n] <= d.cu_k[n + 1] - d.cu_k[n];
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): cu_q and cu_k must have the same length, each sequence with no more "
+                     "queries than keys",
+                     fn);
+        return NULL;
+    }
+    npy_intp rshape[2] = {Rq, d.top_k}, cshape[1] = {Rq};
+    PyArrayObject *rows = get_array(fn, "rows", args[7], NPY_INT64, 2, rshape, 1);
+    PyArrayObject *count = rows ? get_array(fn, "count", args[8], NPY_INT64, 1, cshape, 1) : NULL;
+    PyArrayObject *nan = count ? get_array(fn, "nan", args[9], NPY_UINT8, 1, cshape, 1) : NULL;
+    if (!nan) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->dsa_select(&d, PyArray_DATA(iq), PyArray_DATA(ik), PyArray_DATA(iw), PyArray_DATA(rows),
+                       PyArray_DATA(count), PyArray_DATA(nan));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
 /* ---- feature maps ---- */
 
 static const char *const fm_names[PA_FM_COUNT] = {"identity", "elu1",   "relu",      "softmax",
@@ -1106,6 +1159,9 @@ static PyMethodDef core_methods[] = {
      "softmax_decode_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu_q, start, end, "
      "block_table, causal, window_left, window_right, sinks, alibi_slopes, softcap, scale): the "
      "backward of softmax_decode over the same keys"},
+    {"dsa_select", (PyCFunction)(void (*)(void))py_dsa_select, METH_FASTCALL,
+     "dsa_select(index_q, index_k, index_w, cu_q, cu_k, top_k, causal, rows, count, nan): each "
+     "query's top_k visible keys by the lightning indexer's scores"},
     {"feature_map_forward", (PyCFunction)(void (*)(void))py_feature_map_forward, METH_FASTCALL,
      "feature_map_forward(x, y, kind, p, max_len, projection): y = phi(x) in place. x [..., D] "
      "(cosformer: [B, T, H, D]); y [..., F]; kind one of FM_*; p (int >= 1, focused) and max_len "

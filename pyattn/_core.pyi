@@ -58,6 +58,15 @@ def softmax_decode_backward(
     """The backward of softmax_decode over the same keys (no softcap or ALiBi): writes dq, and
     dk, dv shaped as k, v (every row; the rows no query reads get 0)."""
 
+def dsa_select(
+    index_q: _Float, index_k: _Float, index_w: _Float, cu_q: _Int64, cu_k: _Int64, top_k: int,
+    causal: bool, rows: _Int64, count: _Int64, nan: npt.NDArray[np.uint8], /,
+) -> None:
+    """DeepSeek sparse attention's selection: index_q [Rq, Hi, Di], index_k [Rk, Di], index_w
+    [Rq, Hi] by sequences cu_q, cu_k (queries bottom-right); writes each query's top_k
+    visible key rows (ascending, -1 after the last) into rows [Rq, top_k], their number into
+    count [Rq], and 1 into nan [Rq] where a visible score is NaN."""
+
 def softmax_backward(
     q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, do: _Float,
     dlse: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,

@@ -574,49 +574,20 @@ def _dsa_index_scores_vjp(index_q, index_k, index_w):
     return out, pullback
 
 
-def _top_keys(scores, visible, top_k):
-    """Per row of scores [L, n]: the mask of its top_k visible entries, ties to the lower
-    index (all visible ones when fewer). A partition finds each row's k-th largest value; the
-    entries above it are taken, then the equal ones in index order."""
-    masked = np.where(visible, scores, -np.inf)
-    if top_k >= scores.shape[1]:
-        return visible.copy()
-    kth = -np.partition(-masked, top_k - 1, axis=1)[:, top_k - 1:top_k]
-    above = masked > kth
-    equal = masked == kth
-    need = top_k - above.sum(axis=1, keepdims=True)
-    return (above | (equal & (np.cumsum(equal, axis=1) <= need))) & visible
-
-
 class _DsaSelection:
-    """The keys each query of a DSA call attends to: ``rows [Rq, top_k]`` (flattened key rows
-    b * Tk + s, ascending, -1 after the last), their ``count [Rq]``, and ``nan [Rq]``, the
-    queries whose visible index scores hold a NaN (their outputs are NaN)."""
+    """The keys each query of a DSA call attends to (the C kernel dsa_select: the indexer's
+    scores in tiles of queries, a quickselect per query): ``rows [Rq, top_k]`` (flattened key
+    rows b * Tk + s, ascending, -1 after the last), their ``count [Rq]``, and ``nan [Rq]``,
+    the queries whose visible index scores hold a NaN (their outputs are NaN)."""
 
-    def __init__(self, fn, iq, ik, iw, top_k, causal, cu_q, cu_k):
-        B, Tq = iq.shape[:2]
-        Tk = ik.shape[1]
-        iq, iw = iq.reshape(B * Tq, *iq.shape[2:]), iw.reshape(B * Tq, -1)
-        ik = ik.reshape(B * Tk, -1)
+    def __init__(self, iq, ik, iw, top_k, causal, cu_q, cu_k):
         rows = cu_q[-1]
-        self.rows = np.full((rows, top_k), -1, np.int64)
-        self.count = np.zeros(rows, np.int64)
-        self.nan = np.zeros(rows, bool)
-        pos = _positions(cu_q, cu_k)[1]
-        for n in range(len(cu_q) - 1):
-            k0, k1 = cu_k[n], cu_k[n + 1]
-            for r0 in range(cu_q[n], cu_q[n + 1], _INDEX_ROWS):
-                r1 = min(r0 + _INDEX_ROWS, cu_q[n + 1])
-                scores = _index_slab(iq[r0:r1], ik[k0:k1], iw[r0:r1])[0]
-                visible = np.ones(scores.shape, bool)
-                if causal:
-                    visible = np.arange(k1 - k0) <= pos[r0:r1, None]
-                self.nan[r0:r1] = np.isnan(np.where(visible, scores, 0)).any(axis=1)
-                chosen = _top_keys(scores, visible, top_k)
-                r, s = np.nonzero(chosen)
-                slot = np.cumsum(chosen, axis=1)[r, s] - 1
-                self.rows[r0 + r, slot] = k0 + s
-                self.count[r0:r1] = chosen.sum(axis=1)
+        self.rows = np.empty((rows, top_k), np.int64)
+        self.count = np.empty(rows, np.int64)
+        nan = np.empty(rows, np.uint8)
+        _core.dsa_select(iq.reshape(rows, *iq.shape[2:]), ik.reshape(-1, ik.shape[2]), iw.reshape(rows, -1),
+                         cu_q, cu_k, top_k, causal, self.rows, self.count, nan)
+        self.nan = nan.astype(bool)
 
 
 def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None):
@@ -627,15 +598,16 @@ def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None
     are the last Tq positions of the keys' sequence; causal: key s is visible to the query at
     position i when ``s <= i``; ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences. Returns int64
     ``[B, Tq, top_k]``: the key rows (of the batch row, so under cu_seqlens counted from the
-    pack's start), ascending, then -1 where fewer than top_k are visible. Computed in slabs of
-    queries: the ``[Tq, Tk]`` scores are never held at once.
+    pack's start), ascending, then -1 where fewer than top_k are visible. A C kernel scores
+    tiles of queries and selects by quickselect: the ``[Tq, Tk]`` scores are never held at
+    once.
     """
     fn = "dsa_select"
     iq, ik, iw = _index_arrays(fn, index_q, index_k, index_w)
     top_k = V.integer(fn, "top_k", top_k, 1)
     causal = V.boolean(fn, "causal", causal)
     B, Tq, Tk = iq.shape[0], iq.shape[1], ik.shape[1]
-    sel = _DsaSelection(fn, iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
+    sel = _DsaSelection(iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
     rows = sel.rows.reshape(B, Tq, top_k)
     return np.where(rows >= 0, rows - np.arange(B)[:, None, None] * Tk, -1)
 
@@ -656,7 +628,7 @@ class _DsaCall:
         top_k = V.integer(fn, "top_k", top_k, 1)
         causal = V.boolean(fn, "causal", causal)
         self.shape, self.kshape, self.Dv = q.shape, k.shape, Dv
-        self.sel = _DsaSelection(fn, iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
+        self.sel = _DsaSelection(iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
         pool = [x.reshape(B * Tk, 1, Hk, -1) for x in (k, v)]
         self.call = _Listed(q.reshape(B * Tq, H, D), *pool, np.zeros_like(self.sel.count), self.sel.count,
                             np.maximum(self.sel.rows, 0), V.scale(fn, scale, D ** -0.5, dtype))

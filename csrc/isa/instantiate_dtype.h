@@ -32,6 +32,7 @@ const pa_kernels PA_FN(pa_kernels) = {
     .softmax_backward = PA_FN(softmax_backward),
     .softmax_decode = PA_FN(softmax_decode),
     .softmax_decode_backward = PA_FN(softmax_decode_backward),
+    .dsa_select = PA_FN(dsa_select),
     .feature_map_forward = PA_FN(feature_map_forward),
     .feature_map_backward = PA_FN(feature_map_backward),
     .linear_forward = PA_FN(linear_forward),

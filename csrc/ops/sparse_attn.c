@@ -175,3 +175,128 @@ static int PA_FN(softmax_decode_backward)(const pa_softmax_desc *d, const pa_key
     free(extra);
     return failed ? PA_ENOMEM : PA_OK;
 }
+
+/* DeepSeek sparse attention's selection: the lightning indexer's scores I[t, s] = sum_j
+ * w[t, j] relu(q[t, j] . k[s]) and each query's top_k visible keys by them, without the
+ * [Tq, Tk] scores: work items are tiles of SD_SELECT_ROWS queries of one sequence, whose
+ * scores are formed SD_SELECT_KEYS keys at a time by one GEMM over the tile's (query, index
+ * head) rows, then reduced over the heads into the tile's rows of scores; a quickselect finds
+ * each row's k-th largest score, and one pass in key order takes the keys above it and the
+ * equal ones first in order (ties to the lower key), so the keys come out ascending. */
+
+#define SD_SELECT_ROWS 64
+#define SD_SELECT_KEYS 512
+
+/* The k-th largest of x[0, n) (1 <= k <= n, no NaN), x reordered (Hoare's quickselect,
+ * median-of-three pivots, larger values to the left). */
+static real PA_FN(sd_kth_largest)(real *x, int64_t n, int64_t k)
+{
+    int64_t lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        real a = x[lo], b = x[lo + (hi - lo) / 2], c = x[hi];
+        real pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (x[i] > pivot) i++;
+            while (x[j] < pivot) j--;
+            if (i <= j) {
+                real t = x[i];
+                x[i++] = x[j];
+                x[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return pivot;
+    }
+    return x[want];
+}
+
+typedef struct {
+    real *C, *S, *tmp, *work;
+    void *block;
+} PA_FN(sd_select_scratch);
+
+static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const void *kv,
+                             const void *wv, int64_t *rows, int64_t *count, uint8_t *nan)
+{
+    const real *iq = qv, *ik = kv, *iw = wv;
+    const int64_t Hi = d->Hi, Di = d->Di, top_k = d->top_k, R = SD_SELECT_ROWS;
+    int64_t maxk = 0, items = 0;
+    double work = 0;
+    int64_t *first = malloc(sizeof(int64_t) * (d->nseq + 1));
+    if (!first) return PA_ENOMEM;
+    first[0] = 0;
+    for (int64_t n = 0; n < d->nseq; n++) {
+        const int64_t tq = d->cu_q[n + 1] - d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
+        maxk = tk > maxk ? tk : maxk;
+        first[n + 1] = first[n] + (tq + R - 1) / R;
+        work += (double)tq * (double)tk * (double)(Hi * Di);
+    }
+    items = first[d->nseq];
+    const int threads = pa_threads_for(work, items);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        PA_FN(sd_select_scratch) s;
+        const int64_t kb = SD_SELECT_KEYS < maxk ? SD_SELECT_KEYS : (maxk > 0 ? maxk : 1);
+        void **parts[] = {(void **)&s.C, (void **)&s.S, (void **)&s.tmp, (void **)&s.work};
+        const size_t bytes[] = {sizeof(real) * (size_t)(R * Hi * kb), sizeof(real) * (size_t)(R * maxk + 1),
+                                sizeof(real) * (size_t)(maxk + 1),
+                                sizeof(real) * (size_t)PA_FN(gemm_work_elems)(R * Hi, kb, Di)};
+        s.block = pa_alloc_parts(parts, bytes, 4);
+        const int ok = pa_scratch_ok(s.block != NULL, &failed);
+        int64_t n = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            while (t >= first[n + 1]) n++;
+            if (!ok) continue;
+            const int64_t q0 = d->cu_q[n], tq = d->cu_q[n + 1] - q0, k0 = d->cu_k[n];
+            const int64_t tk = d->cu_k[n + 1] - k0, i0 = (t - first[n]) * R;
+            const int64_t nr = tq - i0 < R ? tq - i0 : R, lag = tk - tq;
+            /* keys visible to the tile's last query (bottom-right causal) */
+            const int64_t kvis = d->causal ? i0 + nr + lag : tk;
+            for (int64_t j0 = 0; j0 < kvis; j0 += kb) {
+                const int64_t nb = kvis - j0 < kb ? kvis - j0 : kb;
+                PA_FN(gemm)(nr * Hi, nb, Di, 1, iq + (q0 + i0) * Hi * Di, Di, 1, ik + (k0 + j0) * Di,
+                            1, Di, 0, s.C, nb, s.work);
+                for (int64_t r = 0; r < nr; r++) {
+                    real *out = s.S + r * maxk + j0;
+                    const real *w = iw + (q0 + i0 + r) * Hi;
+                    for (int64_t c = 0; c < nb; c++) out[c] = 0;
+                    for (int64_t j = 0; j < Hi; j++) {
+                        const real *x = s.C + (r * Hi + j) * nb, wj = w[j];
+                        /* relu as x < 0 ? 0 : x, so a NaN stays NaN */
+                        for (int64_t c = 0; c < nb; c++) out[c] += wj * (x[c] < 0 ? 0 : x[c]);
+                    }
+                }
+            }
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t row = q0 + i0 + r, vis = d->causal ? i0 + r + lag + 1 : tk;
+                const real *S = s.S + r * maxk;
+                int64_t *out = rows + row * top_k, taken = 0;
+                uint8_t bad = 0;
+                for (int64_t c = 0; c < vis; c++) {
+                    bad |= S[c] != S[c];
+                    s.tmp[c] = S[c] != S[c] ? -(real)INFINITY : S[c];
+                }
+                nan[row] = bad;
+                if (vis <= top_k) {
+                    for (int64_t c = 0; c < vis; c++) out[taken++] = k0 + c;
+                } else {
+                    const real kth = PA_FN(sd_kth_largest)(s.tmp, vis, top_k);
+                    int64_t above = 0;
+                    for (int64_t c = 0; c < vis; c++) above += S[c] > kth;
+                    int64_t ties = top_k - above;
+                    for (int64_t c = 0; c < vis && taken < top_k; c++)
+                        if (S[c] > kth || (S[c] == kth && ties-- > 0)) out[taken++] = k0 + c;
+                }
+                count[row] = taken;
+                for (int64_t c = taken; c < top_k; c++) out[c] = -1;
+            }
+        }
+        free(s.block);
+    }
+    free(first);
+    return failed ? PA_ENOMEM : PA_OK;
+}
