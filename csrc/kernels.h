@@ -158,10 +158,10 @@ typedef struct {
                                    const void *v, const void *o, const void *lse,
                                    const void *dout, const void *dlse, void *dq, void *dk,
                                    void *dv);
-    /* rows [rows_q, top_k]: each query's chosen key rows (of index_k), ascending, -1 after
+    /* rows int32 [rows_q, top_k]: each query's chosen key rows (of index_k), ascending, -1 after
      * the last; count [rows_q] how many; nan [rows_q] 1 where a visible score is NaN */
     int (*dsa_select)(const pa_dsa_select_desc *d, const void *index_q, const void *index_k,
-                      const void *index_w, int64_t *rows, int64_t *count, uint8_t *nan);
+                      const void *index_w, int32_t *rows, int64_t *count, uint8_t *nan);
     int (*feature_map_forward)(const pa_feature_map_desc *d, const void *x, void *y);
     /* dx [rows, D] from dy [rows, F]; dprojection: performer's dW [m, D] (overwritten), NULL
      * for the other kinds */

@@ -467,8 +467,8 @@ static PyObject *py_softmax_decode_backward(PyObject *self, PyObject *const *arg
 }
 
 /* dsa_select(index_q, index_k, index_w, cu_q, cu_k, top_k, causal, rows, count, nan):
- * index_q [Rq, Hi, Di], index_k [Rk, Di], index_w [Rq, Hi]; rows int64 [Rq, top_k], count
- * int64 [Rq], nan uint8 [Rq] written */
+ * index_q [Rq, Hi, Di], index_k [Rk, Di], index_w [Rq, Hi]; rows int32 [Rq, top_k] (a block
+ * table of single rows for softmax_decode), count int64 [Rq], nan uint8 [Rq] written */
 static PyObject *py_dsa_select(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "dsa_select";
@@ -506,7 +506,12 @@ static PyObject *py_dsa_select(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     npy_intp rshape[2] = {Rq, d.top_k}, cshape[1] = {Rq};
-    PyArrayObject *rows = get_array(fn, "rows", args[7], NPY_INT64, 2, rshape, 1);
+    if (PyArray_DIM(ik, 0) > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s(): at most %d key rows, got %lld", fn, INT32_MAX,
+                     (long long)PyArray_DIM(ik, 0));
+        return NULL;
+    }
+    PyArrayObject *rows = get_array(fn, "rows", args[7], NPY_INT32, 2, rshape, 1);
     PyArrayObject *count = rows ? get_array(fn, "count", args[8], NPY_INT64, 1, cshape, 1) : NULL;
     PyArrayObject *nan = count ? get_array(fn, "nan", args[9], NPY_UINT8, 1, cshape, 1) : NULL;
     if (!nan) return NULL;

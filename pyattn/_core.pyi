@@ -60,7 +60,7 @@ def softmax_decode_backward(
 
 def dsa_select(
     index_q: _Float, index_k: _Float, index_w: _Float, cu_q: _Int64, cu_k: _Int64, top_k: int,
-    causal: bool, rows: _Int64, count: _Int64, nan: npt.NDArray[np.uint8], /,
+    causal: bool, rows: npt.NDArray[np.int32], count: _Int64, nan: npt.NDArray[np.uint8], /,
 ) -> None:
     """DeepSeek sparse attention's selection: index_q [Rq, Hi, Di], index_k [Rk, Di], index_w
     [Rq, Hi] by sequences cu_q, cu_k (queries bottom-right); writes each query's top_k

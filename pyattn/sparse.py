@@ -576,13 +576,14 @@ def _dsa_index_scores_vjp(index_q, index_k, index_w):
 
 class _DsaSelection:
     """The keys each query of a DSA call attends to (the C kernel dsa_select: the indexer's
-    scores in tiles of queries, a quickselect per query): ``rows [Rq, top_k]`` (flattened key
-    rows b * Tk + s, ascending, -1 after the last), their ``count [Rq]``, and ``nan [Rq]``,
-    the queries whose visible index scores hold a NaN (their outputs are NaN)."""
+    scores in tiles of queries, a quickselect per query): ``rows`` int32 ``[Rq, top_k]``
+    (flattened key rows b * Tk + s, ascending, -1 after the last: the decode kernel's block
+    table of single rows), their ``count [Rq]``, and ``nan [Rq]``, the queries whose visible
+    index scores hold a NaN (their outputs are NaN)."""
 
     def __init__(self, iq, ik, iw, top_k, causal, cu_q, cu_k):
         rows = cu_q[-1]
-        self.rows = np.empty((rows, top_k), np.int64)
+        self.rows = np.empty((rows, top_k), np.int32)
         self.count = np.empty(rows, np.int64)
         nan = np.empty(rows, np.uint8)
         _core.dsa_select(iq.reshape(rows, *iq.shape[2:]), ik.reshape(-1, ik.shape[2]), iw.reshape(rows, -1),
@@ -608,7 +609,7 @@ def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None
     causal = V.boolean(fn, "causal", causal)
     B, Tq, Tk = iq.shape[0], iq.shape[1], ik.shape[1]
     sel = _DsaSelection(iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
-    rows = sel.rows.reshape(B, Tq, top_k)
+    rows = sel.rows.reshape(B, Tq, top_k).astype(np.int64)
     return np.where(rows >= 0, rows - np.arange(B)[:, None, None] * Tk, -1)
 
 
@@ -631,7 +632,7 @@ class _DsaCall:
         self.sel = _DsaSelection(iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
         pool = [x.reshape(B * Tk, 1, Hk, -1) for x in (k, v)]
         self.call = _Listed(q.reshape(B * Tq, H, D), *pool, np.zeros_like(self.sel.count), self.sel.count,
-                            np.maximum(self.sel.rows, 0), V.scale(fn, scale, D ** -0.5, dtype))
+                            self.sel.rows, V.scale(fn, scale, D ** -0.5, dtype))
 
     def forward(self):
         o = self.call.forward()[0]

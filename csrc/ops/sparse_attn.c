@@ -212,13 +212,79 @@ static real PA_FN(sd_kth_largest)(real *x, int64_t n, int64_t k)
     return x[want];
 }
 
+/* Per-thread scratch of the selection: the GEMM's output C [rows * Hi, keys], the tile's
+ * scores S [rows, maxk], a query's candidates (values, a copy the quickselect reorders, key
+ * indices; maxk each), a sample, and the GEMM's workspace. */
 typedef struct {
-    real *C, *S, *tmp, *work;
+    real *C, *S, *val, *work_val, *sample, *work;
+    int64_t *idx;
     void *block;
 } PA_FN(sd_select_scratch);
 
+#define SD_SAMPLE 512
+
+/* The top_k of the scores S[0, vis) (ties to the lower key; NaN never taken) as rows k0 + c,
+ * ascending, into out (-1 after the last); *nan = 1 when a score is NaN. Returns how many.
+ * The k-th largest score comes from a sample first: a value t a little below the sample's
+ * matching rank, so that (with high probability) at least top_k scores are >= t; one pass
+ * keeps those as candidates in key order, a quickselect over them gives the k-th largest,
+ * and the candidates above it (then the ties, in order) are the keys. A sample that misses
+ * falls back to every score as a candidate. */
+static int64_t PA_FN(sd_top_keys)(const real *S, int64_t vis, int64_t top_k, int64_t k0,
+                                  int32_t *out, uint8_t *nan, PA_FN(sd_select_scratch) * s)
+{
+    int64_t taken = 0, m = 0;
+    uint8_t bad = 0;
+    real t = -(real)INFINITY;
+    if (vis > top_k) {
+        const int64_t ns = vis < SD_SAMPLE ? vis : SD_SAMPLE;
+        const double expect = (double)top_k * (double)ns / (double)vis;
+        const int64_t rank = (int64_t)(expect + 3 * sqrt(expect) + 4);
+        if (rank < ns) {
+            for (int64_t j = 0; j < ns; j++) {
+                const real x = S[j * vis / ns];
+                s->sample[j] = x != x ? -(real)INFINITY : x;
+            }
+            t = PA_FN(sd_kth_largest)(s->sample, ns, rank + 1);
+        }
+    }
+    for (int64_t c = 0; c < vis; c++) {
+        const real x = S[c];
+        bad |= x != x;
+        s->idx[m] = c;
+        s->val[m] = x;
+        m += x >= t;
+    }
+    *nan = bad;
+    if (vis <= top_k) {
+        for (int64_t c = 0; c < vis; c++) out[taken++] = (int32_t)(k0 + c);
+    } else {
+        if (m < top_k) { /* the sample missed (or NaN scores): every score a candidate */
+            for (int64_t c = 0; c < vis; c++) {
+                s->idx[c] = c;
+                s->val[c] = S[c];
+            }
+            m = vis;
+        }
+        for (int64_t j = 0; j < m; j++) s->work_val[j] = s->val[j] != s->val[j] ? -(real)INFINITY : s->val[j];
+        const real kth = PA_FN(sd_kth_largest)(s->work_val, m, top_k);
+        int64_t above = 0;
+        for (int64_t j = 0; j < m; j++) above += s->val[j] > kth;
+        int64_t ties = top_k - above;
+        /* branch-free: the next slot is written always and advances when the key is taken */
+        for (int64_t j = 0; j < m && taken < top_k; j++) {
+            const int tie = s->val[j] == kth && ties > 0;
+            ties -= tie;
+            out[taken] = (int32_t)(k0 + s->idx[j]);
+            taken += (s->val[j] > kth) | tie;
+        }
+    }
+    for (int64_t c = taken; c < top_k; c++) out[c] = -1;
+    return taken;
+}
+
 static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const void *kv,
-                             const void *wv, int64_t *rows, int64_t *count, uint8_t *nan)
+                             const void *wv, int32_t *rows, int64_t *count, uint8_t *nan)
 {
     const real *iq = qv, *ik = kv, *iw = wv;
     const int64_t Hi = d->Hi, Di = d->Di, top_k = d->top_k, R = SD_SELECT_ROWS;
@@ -240,11 +306,14 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
     {
         PA_FN(sd_select_scratch) s;
         const int64_t kb = SD_SELECT_KEYS < maxk ? SD_SELECT_KEYS : (maxk > 0 ? maxk : 1);
-        void **parts[] = {(void **)&s.C, (void **)&s.S, (void **)&s.tmp, (void **)&s.work};
-        const size_t bytes[] = {sizeof(real) * (size_t)(R * Hi * kb), sizeof(real) * (size_t)(R * maxk + 1),
-                                sizeof(real) * (size_t)(maxk + 1),
-                                sizeof(real) * (size_t)PA_FN(gemm_work_elems)(R * Hi, kb, Di)};
-        s.block = pa_alloc_parts(parts, bytes, 4);
+        void **parts[] = {(void **)&s.C,      (void **)&s.S,    (void **)&s.val, (void **)&s.work_val,
+                          (void **)&s.sample, (void **)&s.work, (void **)&s.idx};
+        const size_t row = sizeof(real) * (size_t)(maxk + 1);
+        const size_t bytes[] = {sizeof(real) * (size_t)(R * Hi * kb), row * R, row, row,
+                                sizeof(real) * SD_SAMPLE,
+                                sizeof(real) * (size_t)PA_FN(gemm_work_elems)(R * Hi, kb, Di),
+                                sizeof(int64_t) * (size_t)(maxk + 1)};
+        s.block = pa_alloc_parts(parts, bytes, 7);
         const int ok = pa_scratch_ok(s.block != NULL, &failed);
         int64_t n = 0;
 #pragma omp for schedule(dynamic, 1)
@@ -273,26 +342,8 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
             }
             for (int64_t r = 0; r < nr; r++) {
                 const int64_t row = q0 + i0 + r, vis = d->causal ? i0 + r + lag + 1 : tk;
-                const real *S = s.S + r * maxk;
-                int64_t *out = rows + row * top_k, taken = 0;
-                uint8_t bad = 0;
-                for (int64_t c = 0; c < vis; c++) {
-                    bad |= S[c] != S[c];
-                    s.tmp[c] = S[c] != S[c] ? -(real)INFINITY : S[c];
-                }
-                nan[row] = bad;
-                if (vis <= top_k) {
-                    for (int64_t c = 0; c < vis; c++) out[taken++] = k0 + c;
-                } else {
-                    const real kth = PA_FN(sd_kth_largest)(s.tmp, vis, top_k);
-                    int64_t above = 0;
-                    for (int64_t c = 0; c < vis; c++) above += S[c] > kth;
-                    int64_t ties = top_k - above;
-                    for (int64_t c = 0; c < vis && taken < top_k; c++)
-                        if (S[c] > kth || (S[c] == kth && ties-- > 0)) out[taken++] = k0 + c;
-                }
-                count[row] = taken;
-                for (int64_t c = taken; c < top_k; c++) out[c] = -1;
+                count[row] = PA_FN(sd_top_keys)(s.S + r * maxk, vis, top_k, k0, rows + row * top_k,
+                                                nan + row, &s);
             }
         }
         free(s.block);
