@@ -170,14 +170,18 @@ def _linformer_example(rng, dtype=np.float64, tiny=False):
 
 
 def _nsa_example(rng, dtype=np.float64, tiny=False):
-    """GQA, T not a multiple of the block size, a window shorter than the sequence."""
+    """GQA, T not a multiple of the block size, a window shorter than the sequence, learned
+    compressed keys and values (one row per block)."""
     B, T, H, Hk, D, Dv, bs, count, window = ((1, 9, 2, 1, 3, 2, 2, 3, 3) if tiny else
                                              (2, 150, 4, 2, 16, 12, 16, 4, 40))
     q = rng.standard_normal((B, T, H, D)).astype(dtype)
     k = rng.standard_normal((B, T, Hk, D)).astype(dtype)
     v = rng.standard_normal((B, T, Hk, Dv)).astype(dtype)
     gates = [rng.uniform(0, 1, (B, T, H)).astype(dtype) for _ in range(3)]
-    return (q, k, v, *gates), dict(block_size=bs, block_count=count, window=window)
+    blocks = -(-T // bs)
+    k_cmp = rng.standard_normal((B, blocks, Hk, D)).astype(dtype)
+    v_cmp = rng.standard_normal((B, blocks, Hk, Dv)).astype(dtype)
+    return (q, k, v, *gates), dict(block_size=bs, block_count=count, window=window, k_cmp=k_cmp, v_cmp=v_cmp)
 
 
 def _index_arrays(rng, dtype, B, Tq, Tk, Hi, Di):

@@ -690,13 +690,15 @@ def nsa_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_count=16
 def dsa_index_scores(index_q, index_k, index_w):
     """Per (batch, query t, key s, indexer head j): I[t, s] += w_tj * relu(q_tj . k_s)."""
     index_q, index_k, index_w = _f64(index_q, index_k, index_w)
-    B, T, Hi, _ = index_q.shape
-    scores = np.zeros((B, T, T))
+    B, Tq, Hi, _ = index_q.shape
+    Tk = index_k.shape[1]
+    scores = np.zeros((B, Tq, Tk))
     for b in range(B):
-        for t in range(T):
-            for s in range(T):
+        for t in range(Tq):
+            for s in range(Tk):
                 for j in range(Hi):
-                    scores[b, t, s] += index_w[b, t, j] * max(0.0, np.dot(index_q[b, t, j], index_k[b, s]))
+                    x = float(np.dot(index_q[b, t, j], index_k[b, s]))
+                    scores[b, t, s] += index_w[b, t, j] * (0.0 if x < 0 else x)  # NaN stays NaN
     return scores
 
 
