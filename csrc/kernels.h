@@ -46,6 +46,19 @@ typedef struct {
     int causal;
 } pa_dsa_select_desc;
 
+/* MoBA's chosen blocks over packed rows: sequence n owns query rows cu_q[n] .. cu_q[n+1]-1
+ * of q [rows_q, H, Dk] and key rows cu_k[n] .. cu_k[n+1]-1 of k [rows_k, Hk, Dk], v [rows_k,
+ * Hk, Dv], its keys in blocks of block_size (the last maybe shorter), global blocks
+ * first_block[n] .. first_block[n+1]-1 (block_seq: each global block's sequence). choice
+ * int32 [rows_q, H, slots]: the blocks (of its sequence, 0-based) each (query, head) attends
+ * to whole, -1 for none. */
+typedef struct {
+    int64_t nseq;
+    const int64_t *cu_q, *cu_k, *first_block, *block_seq;
+    int64_t H, Hk, Dk, Dv, block_size, slots;
+    double scale;
+} pa_moba_desc;
+
 /* Feature maps of linear attention (docs/ops.md), in this order (pyattn._core.FM_*). */
 enum {
     PA_FM_IDENTITY = 0,
@@ -162,6 +175,13 @@ typedef struct {
      * the last; count [rows_q] how many; nan [rows_q] 1 where a visible score is NaN */
     int (*dsa_select)(const pa_dsa_select_desc *d, const void *index_q, const void *index_k,
                       const void *index_w, int32_t *rows, int64_t *count, uint8_t *nan);
+    /* o [rows_q, H, Dv], lse [rows_q, H] (0 and -inf where nothing is chosen) */
+    int (*moba_forward)(const pa_moba_desc *d, const void *q, const void *k, const void *v,
+                        const int32_t *choice, void *o, void *lse);
+    /* dq, dk, dv (overwritten) from the forward's o, lse and dout, dlse (NULL: zero) */
+    int (*moba_backward)(const pa_moba_desc *d, const void *q, const void *k, const void *v,
+                         const void *o, const void *lse, const void *dout, const void *dlse,
+                         const int32_t *choice, void *dq, void *dk, void *dv);
     int (*feature_map_forward)(const pa_feature_map_desc *d, const void *x, void *y);
     /* dx [rows, D] from dy [rows, F]; dprojection: performer's dW [m, D] (overwritten), NULL
      * for the other kinds */

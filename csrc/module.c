@@ -524,6 +524,140 @@ static PyObject *py_dsa_select(PyObject *self, PyObject *const *args, Py_ssize_t
     return finish(rc);
 }
 
+/* Shared by moba_forward and moba_backward: q [Rq, H, Dk], k [Rk, Hk, Dk], v [Rk, Hk, Dv],
+ * choice int32 [Rq, H, slots] (each entry -1 or a block of the row's sequence), cu_q, cu_k,
+ * block_size, scale from a[0..2], c[0..4]. Fills d, whose first_block and block_seq are one
+ * allocation at *blocks (freed by the caller). */
+static int moba_desc(const char *fn, PyObject *const *a, PyObject *const *c, int *t,
+                     PyArrayObject **q, PyArrayObject **k, PyArrayObject **v,
+                     PyArrayObject **choice, pa_moba_desc *d, int64_t **blocks)
+{
+    if (float_type(fn, "q", a[0], t)) return -1;
+    npy_intp three[3] = {-1, -1, -1};
+    if (!(*q = get_array(fn, "q", a[0], *t, 3, three, 0))) return -1;
+    const npy_intp Rq = PyArray_DIM(*q, 0), H = PyArray_DIM(*q, 1), Dk = PyArray_DIM(*q, 2);
+    npy_intp kshape[3] = {-1, -1, Dk};
+    if (!(*k = get_array(fn, "k", a[1], *t, 3, kshape, 0))) return -1;
+    npy_intp vshape[3] = {PyArray_DIM(*k, 0), PyArray_DIM(*k, 1), -1};
+    if (!(*v = get_array(fn, "v", a[2], *t, 3, vshape, 0))) return -1;
+    const npy_intp Hk = PyArray_DIM(*k, 1);
+    if (Hk < 1 || H % Hk != 0 || Dk < 1 || PyArray_DIM(*v, 2) < 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): need H %% Hk == 0 and head dims >= 1", fn);
+        return -1;
+    }
+    npy_intp cshape[3] = {Rq, H, -1};
+    if (!(*choice = get_array(fn, "choice", c[0], NPY_INT32, 3, cshape, 0))) return -1;
+    memset(d, 0, sizeof *d);
+    d->H = H;
+    d->Hk = Hk;
+    d->Dk = Dk;
+    d->Dv = PyArray_DIM(*v, 2);
+    d->slots = PyArray_DIM(*choice, 2);
+    int64_t nk;
+    long long bs;
+    if (!(d->cu_q = get_cu(fn, "cu_q", c[1], Rq, &d->nseq)) ||
+        !(d->cu_k = get_cu(fn, "cu_k", c[2], PyArray_DIM(*k, 0), &nk)) ||
+        get_int(fn, "block_size", c[3], 1, INT32_MAX, &bs) ||
+        get_double(fn, "scale", c[4], -INFINITY, &d->scale))
+        return -1;
+    d->block_size = bs;
+    if (nk != d->nseq) {
+        PyErr_Format(PyExc_ValueError, "%s(): cu_q and cu_k must have the same length", fn);
+        return -1;
+    }
+    int64_t nb = 0;
+    for (int64_t n = 0; n < d->nseq; n++) nb += (d->cu_k[n + 1] - d->cu_k[n] + bs - 1) / bs;
+    int64_t *mem = malloc(sizeof(int64_t) * (d->nseq + 1 + nb + 1));
+    if (!mem) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int64_t *first = mem, *seq = mem + d->nseq + 1;
+    first[0] = 0;
+    for (int64_t n = 0; n < d->nseq; n++) {
+        first[n + 1] = first[n] + (d->cu_k[n + 1] - d->cu_k[n] + bs - 1) / bs;
+        for (int64_t b = first[n]; b < first[n + 1]; b++) seq[b] = n;
+    }
+    const int32_t *ch = PyArray_DATA(*choice);
+    for (int64_t n = 0; n < d->nseq; n++)
+        for (int64_t x = d->cu_q[n] * H * d->slots; x < d->cu_q[n + 1] * H * d->slots; x++)
+            if (ch[x] < -1 || ch[x] >= first[n + 1] - first[n]) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s(): 'choice' holds block %d for a query of sequence %lld, which "
+                             "has %lld blocks",
+                             fn, (int)ch[x], (long long)n, (long long)(first[n + 1] - first[n]));
+                free(mem);
+                return -1;
+            }
+    d->first_block = first;
+    d->block_seq = seq;
+    *blocks = mem;
+    return 0;
+}
+
+/* moba_forward(q, k, v, choice, cu_q, cu_k, block_size, scale, o, lse) */
+static PyObject *py_moba_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "moba_forward";
+    if (expect_nargs(fn, nargs, 10)) return NULL;
+    int t;
+    PyArrayObject *q, *k, *v, *choice;
+    pa_moba_desc d;
+    int64_t *blocks;
+    if (moba_desc(fn, args, args + 3, &t, &q, &k, &v, &choice, &d, &blocks)) return NULL;
+    npy_intp oshape[3] = {PyArray_DIM(q, 0), d.H, d.Dv};
+    PyArrayObject *o = get_array(fn, "o", args[8], t, 3, oshape, 1);
+    PyArrayObject *lse = o ? get_array(fn, "lse", args[9], t, 2, oshape, 1) : NULL;
+    if (!lse) {
+        free(blocks);
+        return NULL;
+    }
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->moba_forward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v), PyArray_DATA(choice),
+                         PyArray_DATA(o), PyArray_DATA(lse));
+    Py_END_ALLOW_THREADS
+    free(blocks);
+    return finish(rc);
+}
+
+/* moba_backward(q, k, v, o, lse, do, dlse_or_None, choice, cu_q, cu_k, block_size, scale, dq,
+ *               dk, dv) */
+static PyObject *py_moba_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "moba_backward";
+    if (expect_nargs(fn, nargs, 15)) return NULL;
+    int t;
+    PyArrayObject *q, *k, *v, *choice;
+    pa_moba_desc d;
+    int64_t *blocks;
+    if (moba_desc(fn, args, args + 7, &t, &q, &k, &v, &choice, &d, &blocks)) return NULL;
+    npy_intp oshape[3] = {PyArray_DIM(q, 0), d.H, d.Dv};
+    PyArrayObject *o, *lse, *dout, *dlse = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
+    int ok = (o = get_array(fn, "o", args[3], t, 3, oshape, 0)) &&
+             (lse = get_array(fn, "lse", args[4], t, 2, oshape, 0)) &&
+             (dout = get_array(fn, "do", args[5], t, 3, oshape, 0)) &&
+             (args[6] == Py_None || (dlse = get_array(fn, "dlse", args[6], t, 2, oshape, 0))) &&
+             (dq = get_array(fn, "dq", args[12], t, 3, PyArray_DIMS(q), 1)) &&
+             (dk = get_array(fn, "dk", args[13], t, 3, PyArray_DIMS(k), 1)) &&
+             (dv = get_array(fn, "dv", args[14], t, 3, PyArray_DIMS(v), 1));
+    if (!ok) {
+        free(blocks);
+        return NULL;
+    }
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->moba_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v), PyArray_DATA(o),
+                          PyArray_DATA(lse), PyArray_DATA(dout), dlse ? PyArray_DATA(dlse) : NULL,
+                          PyArray_DATA(choice), PyArray_DATA(dq), PyArray_DATA(dk),
+                          PyArray_DATA(dv));
+    Py_END_ALLOW_THREADS
+    free(blocks);
+    return finish(rc);
+}
+
 /* ---- feature maps ---- */
 
 static const char *const fm_names[PA_FM_COUNT] = {"identity", "elu1",   "relu",      "softmax",
@@ -1167,6 +1301,12 @@ static PyMethodDef core_methods[] = {
     {"dsa_select", (PyCFunction)(void (*)(void))py_dsa_select, METH_FASTCALL,
      "dsa_select(index_q, index_k, index_w, cu_q, cu_k, top_k, causal, rows, count, nan): each "
      "query's top_k visible keys by the lightning indexer's scores"},
+    {"moba_forward", (PyCFunction)(void (*)(void))py_moba_forward, METH_FASTCALL,
+     "moba_forward(q, k, v, choice, cu_q, cu_k, block_size, scale, o, lse): attention of each "
+     "(query, head) to the whole key blocks it chose"},
+    {"moba_backward", (PyCFunction)(void (*)(void))py_moba_backward, METH_FASTCALL,
+     "moba_backward(q, k, v, o, lse, do, dlse, choice, cu_q, cu_k, block_size, scale, dq, dk, "
+     "dv): the backward of moba_forward"},
     {"feature_map_forward", (PyCFunction)(void (*)(void))py_feature_map_forward, METH_FASTCALL,
      "feature_map_forward(x, y, kind, p, max_len, projection): y = phi(x) in place. x [..., D] "
      "(cosformer: [B, T, H, D]); y [..., F]; kind one of FM_*; p (int >= 1, focused) and max_len "

@@ -67,6 +67,21 @@ def dsa_select(
     visible key rows (ascending, -1 after the last) into rows [Rq, top_k], their number into
     count [Rq], and 1 into nan [Rq] where a visible score is NaN."""
 
+def moba_forward(
+    q: _Float, k: _Float, v: _Float, choice: npt.NDArray[np.int32], cu_q: _Int64, cu_k: _Int64,
+    block_size: int, scale: float, o: _Float, lse: _Float, /,
+) -> None:
+    """Each (query, head) of q [Rq, H, Dk] attends to the whole key blocks (of block_size rows
+    of its sequence: cu_q, cu_k) listed in choice int32 [Rq, H, slots] (-1: none) of k [Rk, Hk,
+    Dk], v [Rk, Hk, Dv]; writes o [Rq, H, Dv] and lse [Rq, H] (0 and -inf where none)."""
+
+def moba_backward(
+    q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, do: _Float, dlse: Optional[_Float],
+    choice: npt.NDArray[np.int32], cu_q: _Int64, cu_k: _Int64, block_size: int, scale: float,
+    dq: _Float, dk: _Float, dv: _Float, /,
+) -> None:
+    """The backward of moba_forward: writes dq, dk, dv (keys no query chose get 0)."""
+
 def softmax_backward(
     q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, do: _Float,
     dlse: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,

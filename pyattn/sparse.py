@@ -1,12 +1,15 @@
-"""Sparse softmax attention over the flash kernel: MoBA (mixture of block attention), and
-Linformer's attention over projected keys.
+"""Sparse softmax attention: MoBA (mixture of block attention), NSA (native sparse
+attention), DeepSeek sparse attention with its lightning indexer, and Linformer's attention
+over projected keys. Every op is softmax attention over a chosen set of keys, computed by
+the flash kernel, the decode kernel over listed key rows, or MoBA's block kernel; none forms
+a score matrix.
 
 A MoBA query attends to a few key blocks: its own (causal inside it) and the past blocks
-whose mean key best matches it. The kernel work is two flash calls and no score matrix:
-one varlen call whose "sequences" are (head, key block) pairs, each holding the queries that
-chose that block (gathered) against that block's keys, and, causal, one call over the
-blocks themselves (each query's own block). The parts are merged by their log-sum-exps,
-as merge_attention_states does, and the backward runs the flash backward of both calls.
+whose mean key best matches it. Two kernel calls: the block kernel (_core.moba_forward) over
+each (query, head)'s chosen past blocks, whole, with one online softmax across them; and a
+causal flash call over the blocks themselves (each query's own block). The two parts merge
+by their log-sum-exps, as merge_attention_states does; the backward runs both kernels'
+backwards.
 """
 from __future__ import annotations
 
@@ -101,33 +104,21 @@ class _MobaCall:
         self.slots = max(self.top_k - 1, 0) if self.causal else self.top_k
 
     def _pack(self):
-        """The pairs grouped by (head, block), queries in order: the varlen flash call's q,
-        its cu_seqlens, and the key rows (row, KV head) of each group's block."""
-        nb = len(self.bstart)
-        group = self.head * nb + self.block
-        self.order = np.lexsort((self.row, group))
-        g = group[self.order]
-        first = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1]))) if g.size else np.zeros(0, np.int64)
-        self.pack_cu_q = np.append(first, g.size).astype(np.int64)
-        gh, gb = g[first] // nb, g[first] % nb
-        lens = self.bend[gb] - self.bstart[gb]
-        self.pack_cu_k = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
-        within = np.arange(self.pack_cu_k[-1]) - np.repeat(self.pack_cu_k[:-1], lens)
-        self.krow = np.repeat(self.bstart[gb], lens) + within
-        self.khead = np.repeat(gh, lens)  # query head of each packed key row
-        # the own-block call: block j's keys, and the queries whose position lies in it
+        """The block kernel's choice [rows, H, slots] (block of the sequence, -1 for none), and
+        the own-block flash call's rows: block j's keys, and the queries whose position lies
+        in it."""
+        seq_of_row = np.repeat(np.arange(len(self.cu_q) - 1), np.diff(self.cu_q))
+        self.choice = np.full((self.q.shape[0], self.H, max(self.slots, 1)), -1, np.int32)
+        self.choice[self.row, self.head, self.slot] = self.block - self.first_block[seq_of_row[self.row]]
         self.cu_blocks = np.append(self.bstart, self.k.shape[0]).astype(np.int64)
         seq = np.repeat(np.arange(len(self.cu) - 1), np.diff(self.first_block))
         lag = (self.cu[seq + 1] - self.cu[seq]) - (self.cu_q[seq + 1] - self.cu_q[seq])
         first_query = np.clip(self.bstart - self.cu[seq] - lag, 0, self.cu_q[seq + 1] - self.cu_q[seq])
         self.cu_qblocks = np.append(self.cu_q[seq] + first_query, self.q.shape[0]).astype(np.int64)
 
-    def packed_inputs(self):
-        G = self.H // self.Hk
-        q = self.q[self.row[self.order], self.head[self.order]][None, :, None, :]
-        k = self.k[self.krow, self.khead // G][None, :, None, :]
-        v = self.v[self.krow, self.khead // G][None, :, None, :]
-        return q, k, v
+    def blocks_args(self):
+        """The block kernel's arguments after q, k, v."""
+        return self.choice, self.cu_q, self.cu, self.bs, self.scale
 
     def opts(self, cu_q, cu_k, causal):
         """The flash call's options over the packed rows cu_q, cu_k."""
@@ -135,23 +126,17 @@ class _MobaCall:
 
 
 def _moba_forward(c):
-    """(o [rows, H, Dv], the parts (o_p [P, rows, H, Dv], lse_p [P, rows, H]), the merge's
-    weights and LSE, the packed call's inputs and outputs, the own-block call's outputs)."""
+    """(o [rows, H, Dv], the parts (o_p [P, rows, H, Dv], lse_p [P, rows, H]): the chosen past
+    blocks, then (causal) the own block, and the merge's weights and LSE."""
     rows, H, Dv = c.q.shape[0], c.H, c.Dv
-    own = 1 if c.causal else 0
-    O = np.zeros((c.slots + own, rows, H, Dv), c.q.dtype)
-    L = np.full((c.slots + own, rows, H), -np.inf, c.q.dtype)
-    packed = c.packed_inputs()
-    po, plse = _forward(*packed, c.opts(c.pack_cu_q, c.pack_cu_k, False))
-    at = (c.slot[c.order] + own, c.row[c.order], c.head[c.order])
-    O[at], L[at] = po[0, :, 0], plse[0, :, 0]
-    own_out = None
-    if c.causal:
-        own_out = _forward(c.q[None], c.k[None], c.v[None], c.opts(c.cu_qblocks, c.cu_blocks, True))
-        O[0], L[0] = own_out[0][0], own_out[1][0]
+    ob, lb = np.empty((rows, H, Dv), c.q.dtype), np.empty((rows, H), c.q.dtype)
+    _core.moba_forward(c.q, c.k, c.v, *c.blocks_args(), ob, lb)
+    if not c.causal:
+        return ob, (ob[None], lb[None], np.ones((1,) + lb.shape, lb.dtype), lb)
+    own_o, own_lse = _forward(c.q[None], c.k[None], c.v[None], c.opts(c.cu_qblocks, c.cu_blocks, True))
+    O, L = np.stack([ob, own_o[0]]), np.stack([lb, own_lse[0]])
     lse, w = _merge_weights(L)
-    o = np.einsum("prh,prhd->rhd", w, O)
-    return o, (O, L, w, lse), packed, (po, plse), own_out
+    return np.einsum("prh,prhd->rhd", w, O), (O, L, w, lse)
 
 
 def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
@@ -176,18 +161,10 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
     return _moba_forward(c)[0].reshape(c.shape[:3] + (c.Dv,))
 
 
-def _scatter_heads(grad_rows, c, rows_of, heads_of):
-    """[rows, H, D] with the packed gradient rows added at (row, head) (each pair once)."""
-    out = np.zeros((c.k.shape[0], c.H, grad_rows.shape[-1]), grad_rows.dtype)
-    out[rows_of, heads_of] = grad_rows
-    return out
-
-
 @register_vjp(moba_attention)
 def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
     c = _MobaCall(q, k, v, block_size, top_k, causal, scale, cu_seqlens)
-    o, (O, L, w, lse), packed, (po, plse), own_out = _moba_forward(c)
-    G = c.H // c.Hk
+    o, (O, L, w, lse) = _moba_forward(c)
 
     def pullback(do):
         arrs, _ = V.float_arrays("moba_attention pullback", q=c.q, do=do)
@@ -197,21 +174,11 @@ def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, 
         # the merge: o = sum_p w_p o_p, w_p = exp(lse_p - lse)
         do_p = w[..., None] * do
         dlse_p = w * np.einsum("rhd,prhd->prh", do, O - o)
-        own = 1 if c.causal else 0
-        at = (c.slot[c.order] + own, c.row[c.order], c.head[c.order])
-        dq_pk, dk_pk, dv_pk = _backward(*packed, po, plse, do_p[at][None, :, None], dlse_p[at][None, :, None],
-                                        c.opts(c.pack_cu_q, c.pack_cu_k, False))
-        # a (row, head) appears once per slot: sum the slots
-        dq = np.zeros((max(c.slots, 1),) + c.q.shape, c.q.dtype)
-        dq[at[0] - own, at[1], at[2]] = dq_pk[0, :, 0]
-        dq = dq.sum(0)
-        dk = _scatter_heads(dk_pk[0, :, 0], c, c.krow, c.khead)
-        dv = _scatter_heads(dv_pk[0, :, 0], c, c.krow, c.khead)
-        dk = dk.reshape(-1, c.Hk, G, c.D).sum(2)
-        dv = dv.reshape(-1, c.Hk, G, c.Dv).sum(2)
+        dq, dk, dv = np.empty_like(c.q), np.empty_like(c.k), np.empty_like(c.v)
+        _core.moba_backward(c.q, c.k, c.v, O[0], L[0], do_p[0], dlse_p[0], *c.blocks_args(), dq, dk, dv)
         if c.causal:
-            gq, gk, gv = _backward(c.q[None], c.k[None], c.v[None], *own_out, do_p[0][None], dlse_p[0][None],
-                                   c.opts(c.cu_qblocks, c.cu_blocks, True))
+            gq, gk, gv = _backward(c.q[None], c.k[None], c.v[None], O[1][None], L[1][None], do_p[1][None],
+                                   dlse_p[1][None], c.opts(c.cu_qblocks, c.cu_blocks, True))
             dq += gq[0]
             dk += gk[0]
             dv += gv[0]

@@ -8,7 +8,7 @@ import pytest
 
 import pyattn
 from pyattn import _core, reference
-from pyattn.testing import TOLERANCES, assert_close, gradcheck
+from pyattn.testing import TOLERANCES, assert_close, finite_differences, gradcheck
 
 from conftest import f32_exact, raises
 
@@ -1005,3 +1005,68 @@ def test_dsa_index_target_keeps_only_visible_listed_keys(rng):
     assert_close(P, pyattn.dsa_index_target(q, k))
     assert_close(P, pyattn.reference.dsa_index_target(q, k, indices=every))
     assert np.all(np.triu(P[0], 1) == 0)
+
+
+def _literal_blocks(q, k, v, choice, cu, bs, scale):
+    """Each (row, head) attends to the whole blocks it lists: o and lse, literally."""
+    R, H, _ = q.shape
+    G = H // k.shape[1]
+    o, lse = np.zeros((R, H, v.shape[2])), np.full((R, H), -np.inf)
+    for n in range(len(cu) - 1):
+        for r in range(cu[n], cu[n + 1]):
+            for h in range(H):
+                keys = [x for j in choice[r, h] if j >= 0
+                        for x in range(cu[n] + j * bs, min(cu[n] + (j + 1) * bs, cu[n + 1]))]
+                if keys:
+                    s = scale * k[keys, h // G] @ q[r, h]
+                    p = np.exp(s - s.max())
+                    o[r, h] = p @ v[keys, h // G] / p.sum()
+                    lse[r, h] = s.max() + np.log(p.sum())
+    return o, lse
+
+
+@pytest.mark.parametrize("cu, H, Hk, bs", [([0, 23], 4, 2, 5), ([0, 9, 9, 26], 2, 1, 4)])
+def test_moba_block_kernel(rng, cu, H, Hk, bs):
+    """_core.moba_forward against the literal block attention (rows choosing no block: 0 and
+    -inf), and moba_backward against central differences of sum(o do) + sum(lse dlse)."""
+    cu = np.array(cu, np.int64)
+    T, D, Dv, S = cu[-1], 4, 3, 2
+    q, k, v = rng.standard_normal((T, H, D)), rng.standard_normal((T, Hk, D)), rng.standard_normal((T, Hk, Dv))
+    choice = np.full((T, H, S), -1, np.int32)
+    for n in range(len(cu) - 1):
+        nb = -(-(cu[n + 1] - cu[n]) // bs)
+        for r in range(cu[n], cu[n + 1]):
+            for h in range(H):
+                c = rng.permutation(nb)[:rng.integers(0, S + 1)]
+                choice[r, h, :len(c)] = c
+    scale = D ** -0.5
+
+    def run():
+        o, lse = np.empty((T, H, Dv)), np.empty((T, H))
+        _core.moba_forward(q, k, v, choice, cu, cu, bs, scale, o, lse)
+        return o, lse
+
+    o, lse = run()
+    ro, rl = _literal_blocks(q, k, v, choice, cu, bs, scale)
+    assert_close(o, ro)
+    assert_close(lse, rl)
+    do, dlse = rng.standard_normal(o.shape), rng.standard_normal(lse.shape)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    _core.moba_backward(q, k, v, o, lse, do, dlse, choice, cu, cu, bs, scale, dq, dk, dv)
+
+    def loss():
+        oo, ll = run()
+        return np.sum(oo * do) + np.sum(np.where(np.isinf(ll), 0, ll) * dlse)
+
+    for x, g in ((q, dq), (k, dk), (v, dv)):
+        np.testing.assert_allclose(g, finite_differences(loss, x), rtol=1e-5, atol=1e-8)
+
+
+def test_moba_block_kernel_checks_choice(rng):
+    q, k, v = rng.standard_normal((8, 2, 4)), rng.standard_normal((8, 1, 4)), rng.standard_normal((8, 1, 4))
+    cu = np.array([0, 8], np.int64)
+    choice = np.zeros((8, 2, 1), np.int32)
+    choice[3, 1, 0] = 2  # blocks of 4: the sequence has 2
+    o, lse = np.empty((8, 2, 4)), np.empty((8, 2))
+    with pytest.raises(ValueError, match="'choice' holds block 2 for a query of sequence 0, which has 2 blocks"):
+        _core.moba_forward(q, k, v, choice, cu, cu, 4, 0.5, o, lse)

@@ -351,3 +351,423 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
     free(first);
     return failed ? PA_ENOMEM : PA_OK;
 }
+
+/* MoBA's chosen blocks (moba_forward, moba_backward): every (query row, head) attends to a
+ * list of whole key blocks of its sequence (the past blocks it chose; MoBA's own, causal
+ * block is a flash call of its own, merged by the log-sum-exps). No mask inside a block, so
+ * every product is a plain GEMM. K and V are packed once per call, per (KV head, block), in
+ * each layout the GEMMs read. Forward: items (sequence, head, SB_ROWS query rows); an
+ * item's queries are bucketed by chosen block, and per block the bucket's rows are gathered
+ * into one GEMM against the block's keys, with the online softmax kept per query across its
+ * blocks. Backward: dQ by the same items (recomputing P and dP per block); dK and dV by
+ * items (KV head, block), each gathering the (query, head) pairs that chose the block from a
+ * list built at the start, so no two threads write one row. */
+
+#define SB_ROWS 256
+
+/* The packed operands of every (KV head, block): K^T and V^T as B operands [D x bk] (scores,
+ * dP), K and V as B operands [bk x D] (dQ, P V). */
+typedef struct {
+    real *kt, *vt, *kr, *vr;
+    int64_t *off_kt, *off_vt, *off_kr, *off_vr; /* [Hk * nblocks + 1] */
+    void *block;
+} PA_FN(sb_packs);
+
+static int64_t PA_FN(sb_block_len)(const pa_moba_desc *d, int64_t gb)
+{
+    const int64_t n = d->block_seq[gb], j = gb - d->first_block[n];
+    const int64_t start = d->cu_k[n] + j * d->block_size, end = d->cu_k[n + 1];
+    return end - start < d->block_size ? end - start : d->block_size;
+}
+
+static int64_t PA_FN(sb_block_row)(const pa_moba_desc *d, int64_t gb)
+{
+    const int64_t n = d->block_seq[gb];
+    return d->cu_k[n] + (gb - d->first_block[n]) * d->block_size;
+}
+
+/* Lays out and fills the packings (which: 1 forward: kt, vr; 2 backward: kt, vt, kr). */
+static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real *k,
+                          const real *v, int backward)
+{
+    const int64_t nb = d->first_block[d->nseq], units = d->Hk * nb, Dk = d->Dk, Dv = d->Dv;
+    memset(p, 0, sizeof *p);
+    int64_t *offs = malloc(sizeof(int64_t) * 4 * (units + 1));
+    if (!offs) return 0;
+    p->off_kt = offs;
+    p->off_vt = offs + (units + 1);
+    p->off_kr = offs + 2 * (units + 1);
+    p->off_vr = offs + 3 * (units + 1);
+    int64_t tot[4] = {0, 0, 0, 0};
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t bk = PA_FN(sb_block_len)(d, u % nb);
+        p->off_kt[u] = tot[0];
+        p->off_vt[u] = tot[1];
+        p->off_kr[u] = tot[2];
+        p->off_vr[u] = tot[3];
+        tot[0] += PA_FN(packed_b_elems)(Dk, bk);
+        tot[1] += backward ? PA_FN(packed_b_elems)(Dv, bk) : 0;
+        tot[2] += backward ? PA_FN(packed_b_elems)(bk, Dk) : 0;
+        tot[3] += backward ? 0 : PA_FN(packed_b_elems)(bk, Dv);
+    }
+    p->off_kt[units] = tot[0];
+    p->off_vt[units] = tot[1];
+    p->off_kr[units] = tot[2];
+    p->off_vr[units] = tot[3];
+    void **parts[] = {(void **)&p->kt, (void **)&p->vt, (void **)&p->kr, (void **)&p->vr};
+    const size_t bytes[] = {sizeof(real) * (size_t)(tot[0] + 1), sizeof(real) * (size_t)(tot[1] + 1),
+                            sizeof(real) * (size_t)(tot[2] + 1), sizeof(real) * (size_t)(tot[3] + 1)};
+    if (!(p->block = pa_alloc_parts(parts, bytes, 4))) {
+        free(offs);
+        return 0;
+    }
+    const int64_t ldk = d->Hk * Dk, ldv = d->Hk * Dv;
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t kh = u / nb, gb = u % nb, bk = PA_FN(sb_block_len)(d, gb);
+        const real *K = k + PA_FN(sb_block_row)(d, gb) * ldk + kh * Dk;
+        const real *V = v + PA_FN(sb_block_row)(d, gb) * ldv + kh * Dv;
+        PA_FN(pack_b)(Dk, bk, K, 1, ldk, p->kt + p->off_kt[u]);
+        if (backward) {
+            PA_FN(pack_b)(Dv, bk, V, 1, ldv, p->vt + p->off_vt[u]);
+            PA_FN(pack_b)(bk, Dk, K, ldk, 1, p->kr + p->off_kr[u]);
+        } else {
+            PA_FN(pack_b)(bk, Dv, V, ldv, 1, p->vr + p->off_vr[u]);
+        }
+    }
+    return 1;
+}
+
+static void PA_FN(sb_packs_free)(PA_FN(sb_packs) * p)
+{
+    free(p->block);
+    free(p->off_kt);
+}
+
+/* Per-thread scratch: gathered rows Q [SB_ROWS x Dk], dO [SB_ROWS x Dv], scores S and dP
+ * [SB_ROWS x bs], an output T [SB_ROWS x max(Dk, Dv)], the item's accumulators O, m, l,
+ * the bucketing (count per block, order), and the GEMMs' workspace. */
+typedef struct {
+    real *Q, *dO, *S, *dP, *T, *O, *m, *l, *dKb, *dVb, *work;
+    int64_t *cnt, *order, *pos;
+    void *block;
+} PA_FN(sb_scratch);
+
+static int PA_FN(sb_scratch_alloc)(PA_FN(sb_scratch) * s, const pa_moba_desc *d, int64_t maxnb)
+{
+    const int64_t R = SB_ROWS, bs = d->block_size, D = d->Dk > d->Dv ? d->Dk : d->Dv;
+    const int64_t slots = d->slots > 0 ? d->slots : 1;
+    int64_t w = PA_FN(gemm_work_elems)(R, bs, D), w2 = PA_FN(gemm_work_elems)(R, D, bs);
+    int64_t w3 = PA_FN(gemm_work_elems)(bs, D, R);
+    w = w > w2 ? w : w2;
+    w = w > w3 ? w : w3;
+    void **parts[] = {(void **)&s->Q,   (void **)&s->dO,  (void **)&s->S,     (void **)&s->dP,
+                      (void **)&s->T,   (void **)&s->O,   (void **)&s->m,     (void **)&s->l,
+                      (void **)&s->dKb, (void **)&s->dVb, (void **)&s->work,  (void **)&s->cnt,
+                      (void **)&s->order, (void **)&s->pos};
+    const size_t bytes[] = {sizeof(real) * R * d->Dk,  sizeof(real) * R * d->Dv,
+                            sizeof(real) * R * bs,     sizeof(real) * R * bs,
+                            sizeof(real) * R * D,      sizeof(real) * R * D,
+                            sizeof(real) * R,          sizeof(real) * R,
+                            sizeof(real) * bs * d->Dk, sizeof(real) * bs * d->Dv,
+                            sizeof(real) * w,          sizeof(int64_t) * (maxnb + 1),
+                            sizeof(int64_t) * R * slots, sizeof(int64_t) * R * slots};
+    s->block = pa_alloc_parts(parts, bytes, 14);
+    return s->block != NULL;
+}
+
+/* The item's (row, slot) pairs bucketed by chosen block: s->cnt[j] .. s->cnt[j+1] of
+ * s->order hold the local rows (r) that chose block j of the sequence, ascending. */
+static void PA_FN(sb_bucket)(const pa_moba_desc *d, const int32_t *choice, int64_t row0,
+                             int64_t nr, int64_t h, int64_t nbs, PA_FN(sb_scratch) * s)
+{
+    const int64_t S = d->slots, H = d->H;
+    memset(s->cnt, 0, sizeof(int64_t) * (nbs + 1));
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t t = 0; t < S; t++) {
+            const int32_t j = choice[((row0 + r) * H + h) * S + t];
+            if (j >= 0) s->cnt[j + 1]++;
+        }
+    for (int64_t j = 0; j < nbs; j++) s->cnt[j + 1] += s->cnt[j];
+    memcpy(s->pos, s->cnt, sizeof(int64_t) * nbs);
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t t = 0; t < S; t++) {
+            const int32_t j = choice[((row0 + r) * H + h) * S + t];
+            if (j >= 0) s->order[s->pos[j]++] = r;
+        }
+}
+
+/* 1 when (query, head) `row` (of q's rows times heads) chose some block. */
+static inline int PA_FN(sb_chose)(const pa_moba_desc *d, const int32_t *choice, int64_t row)
+{
+    for (int64_t t = 0; t < d->slots; t++)
+        if (choice[row * d->slots + t] >= 0) return 1;
+    return 0;
+}
+
+/* Forward of one item: sequence n, head h, query rows row0 .. row0+nr-1. */
+static void PA_FN(sb_forward_item)(const pa_moba_desc *d, const PA_FN(sb_packs) * p,
+                                   const real *q, const int32_t *choice, int64_t n, int64_t h,
+                                   int64_t row0, int64_t nr, real *o, real *lse,
+                                   PA_FN(sb_scratch) * s)
+{
+    const int64_t H = d->H, Dk = d->Dk, Dv = d->Dv, kh = h / (H / d->Hk);
+    const int64_t fb = d->first_block[n], nbs = d->first_block[n + 1] - fb, nb = d->first_block[d->nseq];
+    for (int64_t r = 0; r < nr; r++) {
+        s->m[r] = -(real)INFINITY;
+        s->l[r] = 0;
+    }
+    memset(s->O, 0, sizeof(real) * nr * Dv);
+    PA_FN(sb_bucket)(d, choice, row0, nr, h, nbs, s);
+    for (int64_t j = 0; j < nbs; j++) {
+        const int64_t a = s->cnt[j], mj = s->cnt[j + 1] - a;
+        if (!mj) continue;
+        const int64_t u = kh * nb + fb + j, bk = PA_FN(sb_block_len)(d, fb + j);
+        for (int64_t c = 0; c < mj; c++)
+            memcpy(s->Q + c * Dk, q + ((row0 + s->order[a + c]) * H + h) * Dk, sizeof(real) * Dk);
+        PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, s->Q, Dk, 1, p->kt + p->off_kt[u], Dk * NR,
+                             0, s->S, bk, s->work);
+        for (int64_t c = 0; c < mj; c++) {
+            const int64_t r = s->order[a + c];
+            real *Sr = s->S + c * bk;
+            PA_FN(sm_raise_max)(s->m + r, s->l + r, s->O + r * Dv, Dv, PA_FN(row_max)(Sr, bk));
+            s->l[r] += PA_FN(row_exp_sum)(Sr, bk, s->m[r] == -(real)INFINITY ? 0 : s->m[r]);
+        }
+        PA_FN(gemm_packed_b)(mj, Dv, bk, 1, s->S, bk, 1, p->vr + p->off_vr[u], bk * NR, 0, s->T,
+                             Dv, s->work);
+        for (int64_t c = 0; c < mj; c++)
+            PA_FN(axpy)(s->O + s->order[a + c] * Dv, s->T + c * Dv, Dv, 1);
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t row = (row0 + r) * H + h;
+        PA_FN(sm_write_row)(o + row * Dv, lse + row, s->O + r * Dv, Dv, s->m[r], s->l[r],
+                            PA_FN(sb_chose)(d, choice, row));
+    }
+}
+
+/* Items (sequence, head, SB_ROWS query rows): *count, and first[n] the first of sequence n. */
+static int64_t *PA_FN(sb_items)(const pa_moba_desc *d, int64_t *count)
+{
+    int64_t *first = malloc(sizeof(int64_t) * (d->nseq + 1));
+    if (!first) return NULL;
+    first[0] = 0;
+    for (int64_t n = 0; n < d->nseq; n++)
+        first[n + 1] = first[n] + (d->cu_q[n + 1] - d->cu_q[n] + SB_ROWS - 1) / SB_ROWS * d->H;
+    *count = first[d->nseq];
+    return first;
+}
+
+static int64_t PA_FN(sb_max_blocks)(const pa_moba_desc *d)
+{
+    int64_t mx = 0;
+    for (int64_t n = 0; n < d->nseq; n++)
+        mx = d->first_block[n + 1] - d->first_block[n] > mx ? d->first_block[n + 1] - d->first_block[n] : mx;
+    return mx;
+}
+
+static int PA_FN(moba_forward)(const pa_moba_desc *d, const void *qv, const void *kv,
+                               const void *vv, const int32_t *choice, void *ov, void *lsev)
+{
+    const real *q = qv;
+    real *o = ov, *lse = lsev;
+    PA_FN(sb_packs) p;
+    int64_t items;
+    int64_t *first = PA_FN(sb_items)(d, &items);
+    if (!first) return PA_ENOMEM;
+    if (!PA_FN(sb_pack)(&p, d, kv, vv, 0)) {
+        free(first);
+        return PA_ENOMEM;
+    }
+    const int64_t maxnb = PA_FN(sb_max_blocks)(d);
+    double work = (double)d->cu_q[d->nseq] * (double)d->H * (double)d->slots *
+                  (double)d->block_size * (double)(d->Dk + d->Dv);
+    int failed = 0;
+#pragma omp parallel num_threads(pa_threads_for(work, items))
+    {
+        PA_FN(sb_scratch) s;
+        const int ok = pa_scratch_ok(PA_FN(sb_scratch_alloc)(&s, d, maxnb), &failed);
+        int64_t n = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            while (t >= first[n + 1]) n++;
+            const int64_t local = t - first[n], h = local % d->H, c = local / d->H;
+            const int64_t row0 = d->cu_q[n] + c * SB_ROWS, end = d->cu_q[n + 1];
+            if (ok)
+                PA_FN(sb_forward_item)(d, &p, q, choice, n, h, row0,
+                                       end - row0 < SB_ROWS ? end - row0 : SB_ROWS, o, lse, &s);
+        }
+        if (ok) free(s.block);
+    }
+    PA_FN(sb_packs_free)(&p);
+    free(first);
+    return failed ? PA_ENOMEM : PA_OK;
+}
+
+/* P = exp(S - lse) and dS = scale P (dP - D) for the mj gathered rows (their lse and D at
+ * lse_of[c], D_of[c]), S and dP [mj x bk]; S becomes P, dP becomes dS. */
+static void PA_FN(sb_grad_scores)(real *S, real *dP, int64_t mj, int64_t bk, const real *lse_of,
+                                  const real *D_of, real scale)
+{
+    for (int64_t c = 0; c < mj; c++) {
+        real *p = S + c * bk, *dp = dP + c * bk;
+        for (int64_t x = 0; x < bk; x++) p[x] -= lse_of[c];
+        PA_FN(exp_array)(p, p, bk);
+        for (int64_t x = 0; x < bk; x++) dp[x] = scale * p[x] * (dp[x] - D_of[c]);
+    }
+}
+
+/* dQ of one item (sequence n, head h, query rows row0 ..): per chosen block, its rows'
+ * P and dS recomputed and dQ += dS K. lse and D are [rows, H]. */
+static void PA_FN(sb_dq_item)(const pa_moba_desc *d, const PA_FN(sb_packs) * p, const real *q,
+                              const real *dout, const real *lse, const real *Dr,
+                              const int32_t *choice, int64_t n, int64_t h, int64_t row0,
+                              int64_t nr, real *dq, PA_FN(sb_scratch) * s)
+{
+    const int64_t H = d->H, Dk = d->Dk, Dv = d->Dv, kh = h / (H / d->Hk);
+    const int64_t fb = d->first_block[n], nbs = d->first_block[n + 1] - fb, nb = d->first_block[d->nseq];
+    memset(s->O, 0, sizeof(real) * nr * Dk);
+    PA_FN(sb_bucket)(d, choice, row0, nr, h, nbs, s);
+    for (int64_t j = 0; j < nbs; j++) {
+        const int64_t a = s->cnt[j], mj = s->cnt[j + 1] - a;
+        if (!mj) continue;
+        const int64_t u = kh * nb + fb + j, bk = PA_FN(sb_block_len)(d, fb + j);
+        for (int64_t c = 0; c < mj; c++) {
+            const int64_t row = (row0 + s->order[a + c]) * H + h;
+            memcpy(s->Q + c * Dk, q + row * Dk, sizeof(real) * Dk);
+            memcpy(s->dO + c * Dv, dout + row * Dv, sizeof(real) * Dv);
+            s->m[c] = lse[row];
+            s->l[c] = Dr[row];
+        }
+        PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, s->Q, Dk, 1, p->kt + p->off_kt[u], Dk * NR,
+                             0, s->S, bk, s->work);
+        PA_FN(gemm_packed_b)(mj, bk, Dv, 1, s->dO, Dv, 1, p->vt + p->off_vt[u], Dv * NR, 0, s->dP,
+                             bk, s->work);
+        PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale);
+        PA_FN(gemm_packed_b)(mj, Dk, bk, 1, s->dP, bk, 1, p->kr + p->off_kr[u], bk * NR, 0, s->T,
+                             Dk, s->work);
+        for (int64_t c = 0; c < mj; c++)
+            PA_FN(axpy)(s->O + s->order[a + c] * Dk, s->T + c * Dk, Dk, 1);
+    }
+    for (int64_t r = 0; r < nr; r++)
+        memcpy(dq + ((row0 + r) * H + h) * Dk, s->O + r * Dk, sizeof(real) * Dk);
+}
+
+/* dK and dV of block unit u (KV head, block): the (query, head) pairs that chose it,
+ * pairs[0, m), SB_ROWS at a time: P, dS recomputed, dV += P^T dO, dK += dS^T Q. */
+static void PA_FN(sb_dkv_unit)(const pa_moba_desc *d, const PA_FN(sb_packs) * p, const real *q,
+                               const real *dout, const real *lse, const real *Dr,
+                               const int64_t *pairs, int64_t m, int64_t u, real *dk, real *dv,
+                               PA_FN(sb_scratch) * s)
+{
+    const int64_t Dk = d->Dk, Dv = d->Dv, Hk = d->Hk, nb = d->first_block[d->nseq];
+    const int64_t kh = u / nb, gb = u % nb, bk = PA_FN(sb_block_len)(d, gb);
+    memset(s->dKb, 0, sizeof(real) * bk * Dk);
+    memset(s->dVb, 0, sizeof(real) * bk * Dv);
+    for (int64_t c0 = 0; c0 < m; c0 += SB_ROWS) {
+        const int64_t mj = m - c0 < SB_ROWS ? m - c0 : SB_ROWS;
+        for (int64_t c = 0; c < mj; c++) {
+            const int64_t row = pairs[c0 + c];
+            memcpy(s->Q + c * Dk, q + row * Dk, sizeof(real) * Dk);
+            memcpy(s->dO + c * Dv, dout + row * Dv, sizeof(real) * Dv);
+            s->m[c] = lse[row];
+            s->l[c] = Dr[row];
+        }
+        PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, s->Q, Dk, 1, p->kt + p->off_kt[u], Dk * NR,
+                             0, s->S, bk, s->work);
+        PA_FN(gemm_packed_b)(mj, bk, Dv, 1, s->dO, Dv, 1, p->vt + p->off_vt[u], Dv * NR, 0, s->dP,
+                             bk, s->work);
+        PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale);
+        PA_FN(gemm)(bk, Dv, mj, 1, s->S, 1, bk, s->dO, Dv, 1, 1, s->dVb, Dv, s->work);
+        PA_FN(gemm)(bk, Dk, mj, 1, s->dP, 1, bk, s->Q, Dk, 1, 1, s->dKb, Dk, s->work);
+    }
+    const int64_t r0 = PA_FN(sb_block_row)(d, gb);
+    for (int64_t x = 0; x < bk; x++) {
+        memcpy(dk + ((r0 + x) * Hk + kh) * Dk, s->dKb + x * Dk, sizeof(real) * Dk);
+        memcpy(dv + ((r0 + x) * Hk + kh) * Dv, s->dVb + x * Dv, sizeof(real) * Dv);
+    }
+}
+
+static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const void *kv,
+                                const void *vv, const void *ov, const void *lsev,
+                                const void *doutv, const void *dlsev, const int32_t *choice,
+                                void *dqv, void *dkv, void *dvv)
+{
+    const real *q = qv, *o = ov, *lse = lsev, *dout = doutv, *dlse = dlsev;
+    real *dq = dqv, *dk = dkv, *dv = dvv;
+    const int64_t H = d->H, Hk = d->Hk, G = H / Hk, S = d->slots, rows = d->cu_q[d->nseq];
+    const int64_t nb = d->first_block[d->nseq], units = Hk * nb;
+    memset(dk, 0, sizeof(real) * (size_t)(d->cu_k[d->nseq] * Hk * d->Dk));
+    memset(dv, 0, sizeof(real) * (size_t)(d->cu_k[d->nseq] * Hk * d->Dv));
+    int64_t items;
+    int64_t *first = PA_FN(sb_items)(d, &items);
+    real *Dr = pa_alloc(sizeof(real) * (size_t)(rows * H + 1));
+    int64_t *ucnt = malloc(sizeof(int64_t) * (units + 1)), *pairs = NULL, *fill = NULL;
+    int64_t npairs = 0;
+    for (int64_t x = 0; x < rows * H * S; x++) npairs += choice[x] >= 0;
+    pairs = malloc(sizeof(int64_t) * (npairs + 1));
+    fill = malloc(sizeof(int64_t) * (units + 1));
+    PA_FN(sb_packs) p;
+    int packed = first && Dr && ucnt && pairs && fill && PA_FN(sb_pack)(&p, d, kv, vv, 1);
+    if (!packed) {
+        free(first);
+        free(Dr);
+        free(ucnt);
+        free(pairs);
+        free(fill);
+        return PA_ENOMEM;
+    }
+    /* the pairs of each unit, (query, head) rows ascending */
+    memset(ucnt, 0, sizeof(int64_t) * (units + 1));
+    for (int64_t n = 0, row = 0; row < rows; row++) {
+        while (row >= d->cu_q[n + 1]) n++;
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < S; t++) {
+                const int32_t j = choice[(row * H + h) * S + t];
+                if (j >= 0) ucnt[(h / G) * nb + d->first_block[n] + j + 1]++;
+            }
+    }
+    for (int64_t u = 0; u < units; u++) ucnt[u + 1] += ucnt[u];
+    memcpy(fill, ucnt, sizeof(int64_t) * units);
+    for (int64_t n = 0, row = 0; row < rows; row++) {
+        while (row >= d->cu_q[n + 1]) n++;
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < S; t++) {
+                const int32_t j = choice[(row * H + h) * S + t];
+                if (j >= 0) pairs[fill[(h / G) * nb + d->first_block[n] + j]++] = row * H + h;
+            }
+    }
+    const int64_t maxnb = PA_FN(sb_max_blocks)(d);
+    double work = (double)npairs * (double)d->block_size * (double)(d->Dk + d->Dv) * 3;
+    int failed = 0;
+#pragma omp parallel num_threads(pa_threads_for(work, items))
+    {
+        PA_FN(sb_scratch) s;
+        const int ok = pa_scratch_ok(PA_FN(sb_scratch_alloc)(&s, d, maxnb), &failed);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows * H; r++)
+            Dr[r] = PA_FN(dot)(dout + r * d->Dv, o + r * d->Dv, d->Dv) - (dlse ? dlse[r] : 0);
+        int64_t n = 0;
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t t = 0; t < items; t++) {
+            while (t >= first[n + 1]) n++;
+            const int64_t local = t - first[n], h = local % H, c = local / H;
+            const int64_t row0 = d->cu_q[n] + c * SB_ROWS, end = d->cu_q[n + 1];
+            if (ok)
+                PA_FN(sb_dq_item)(d, &p, q, dout, lse, Dr, choice, n, h, row0,
+                                  end - row0 < SB_ROWS ? end - row0 : SB_ROWS, dq, &s);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++)
+            if (ok && ucnt[u + 1] > ucnt[u])
+                PA_FN(sb_dkv_unit)(d, &p, q, dout, lse, Dr, pairs + ucnt[u], ucnt[u + 1] - ucnt[u], u,
+                                   dk, dv, &s);
+        if (ok) free(s.block);
+    }
+    PA_FN(sb_packs_free)(&p);
+    free(first);
+    free(Dr);
+    free(ucnt);
+    free(pairs);
+    free(fill);
+    return failed ? PA_ENOMEM : PA_OK;
+}
