@@ -36,6 +36,22 @@ def _offsets(fn, B, Tq, Tk, cu_seqlens):
     return cu, cu
 
 
+def _block_means(x, cu, bs):
+    """[blocks, ...]: the mean of x [rows, ...] over each block of bs rows of every sequence
+    (cu), the last of a sequence maybe shorter; the full blocks of a sequence as one reshape."""
+    n = len(cu) - 1
+    lens = np.diff(cu)
+    first = np.concatenate(([0], np.cumsum(-(-lens // bs)))).astype(np.int64)
+    out = np.empty((first[-1],) + x.shape[1:], x.dtype)
+    for i in range(n):
+        full, tail = divmod(int(lens[i]), bs)
+        rows = x[cu[i]:cu[i] + full * bs]
+        out[first[i]:first[i] + full] = rows.reshape((full, bs) + x.shape[1:]).mean(axis=1)
+        if tail:
+            out[first[i] + full] = x[cu[i] + full * bs:cu[i + 1]].mean(axis=0)
+    return out
+
+
 def _positions(cu_q, cu_k):
     """(sequence, key position) of every query row: bottom-right, the last query of a
     sequence at its last key."""
@@ -45,8 +61,8 @@ def _positions(cu_q, cu_k):
 
 
 class _MobaCall:
-    """A moba_attention call checked, its blocks, the chosen (query, head, block) pairs and
-    their packing for the flash kernel."""
+    """A moba_attention call checked, its blocks, the chosen (query, head, block) pairs, the
+    block kernel's choice array and the own-block flash call's rows."""
 
     def __init__(self, q, k, v, block_size, top_k, causal, scale, cu_seqlens):
         fn = "moba_attention"
@@ -73,12 +89,7 @@ class _MobaCall:
         """The chosen (row, head, slot, block) of every query, as flat int64 arrays."""
         H, Hk, bs = self.H, self.Hk, self.bs
         G = H // Hk
-        rows = self.k.shape[0]
-        nb = len(self.bstart)
-        kmean = np.zeros((nb, Hk, self.D), self.k.dtype)
-        if rows:
-            sums = np.add.reduceat(self.k.reshape(rows, -1), self.bstart, axis=0)
-            kmean = (sums / (self.bend - self.bstart)[:, None]).reshape(nb, Hk, self.D).astype(self.k.dtype)
+        kmean = _block_means(self.k, self.cu, bs)
         picks = []
         for n in range(len(self.cu) - 1):
             b0, b1 = self.first_block[n], self.first_block[n + 1]
@@ -321,7 +332,7 @@ class _NsaCall:
             V.shape(fn, "v_cmp", arrs["v_cmp"], (B, NB // max(B, 1), Hk, Dv), "[B, blocks, Hk, Dv]")
             self.kc, self.vc = (arrs[x].reshape(NB, Hk, -1) for x in ("k_cmp", "v_cmp"))
         else:
-            self.kc, self.vc = (self._means(x) for x in (self.k, self.v))
+            self.kc, self.vc = (_block_means(x, self.cu_k, bs) for x in (self.k, self.v))
         self.seq, self.pos = _positions(self.cu_q, self.cu_k)
         own = self.pos // bs
         # the compressed branch: every head of a query sees the blocks complete at it
@@ -341,13 +352,6 @@ class _NsaCall:
                            table.reshape(-1, table.shape[-1]), self.scale)
         self.swa_opts = (self.cu_q, self.cu_k, _core.FORM_FLASH, True, self.window - 1, 0, 0, None, 0.0,
                          self.scale)
-
-    def _means(self, x):
-        """[blocks, Hk, D]: the mean of x over each block's rows."""
-        if not x.shape[0]:
-            return np.zeros((0,) + x.shape[1:], x.dtype)
-        sums = np.add.reduceat(x.reshape(x.shape[0], -1), self.bstart, axis=0)
-        return (sums / self.blen[:, None]).reshape((-1,) + x.shape[1:]).astype(x.dtype)
 
     def _select(self, own):
         """Block tables [rows, Hk, block_count] of the selection (past blocks best first, then

@@ -359,11 +359,12 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
  * each layout the GEMMs read. Forward: items (sequence, head, SB_ROWS query rows); an
  * item's queries are bucketed by chosen block, and per block the bucket's rows are gathered
  * into one GEMM against the block's keys, with the online softmax kept per query across its
- * blocks. Backward: dQ by the same items (recomputing P and dP per block); dK and dV by
- * items (KV head, block), each gathering the (query, head) pairs that chose the block from a
- * list built at the start, so no two threads write one row. */
+ * blocks. Backward: items (KV head, block), each gathering the (query, head) pairs that
+ * chose the block from a list built at the start: the item owns the block's dK and dV rows,
+ * and adds dS K into the pairs' dQ rows in a buffer of its thread's (the first thread's is
+ * dq), the buffers summed in thread order at the end. */
 
-#define SB_ROWS 256
+#define SB_ROWS 512
 
 /* The packed operands of every (KV head, block): K^T and V^T as B operands [D x bk] (scores,
  * dP), K and V as B operands [bk x D] (dQ, P V). */
@@ -616,48 +617,13 @@ static void PA_FN(sb_grad_scores)(real *S, real *dP, int64_t mj, int64_t bk, con
     }
 }
 
-/* dQ of one item (sequence n, head h, query rows row0 ..): per chosen block, its rows'
- * P and dS recomputed and dQ += dS K. lse and D are [rows, H]. */
-static void PA_FN(sb_dq_item)(const pa_moba_desc *d, const PA_FN(sb_packs) * p, const real *q,
-                              const real *dout, const real *lse, const real *Dr,
-                              const int32_t *choice, int64_t n, int64_t h, int64_t row0,
-                              int64_t nr, real *dq, PA_FN(sb_scratch) * s)
-{
-    const int64_t H = d->H, Dk = d->Dk, Dv = d->Dv, kh = h / (H / d->Hk);
-    const int64_t fb = d->first_block[n], nbs = d->first_block[n + 1] - fb, nb = d->first_block[d->nseq];
-    memset(s->O, 0, sizeof(real) * nr * Dk);
-    PA_FN(sb_bucket)(d, choice, row0, nr, h, nbs, s);
-    for (int64_t j = 0; j < nbs; j++) {
-        const int64_t a = s->cnt[j], mj = s->cnt[j + 1] - a;
-        if (!mj) continue;
-        const int64_t u = kh * nb + fb + j, bk = PA_FN(sb_block_len)(d, fb + j);
-        for (int64_t c = 0; c < mj; c++) {
-            const int64_t row = (row0 + s->order[a + c]) * H + h;
-            memcpy(s->Q + c * Dk, q + row * Dk, sizeof(real) * Dk);
-            memcpy(s->dO + c * Dv, dout + row * Dv, sizeof(real) * Dv);
-            s->m[c] = lse[row];
-            s->l[c] = Dr[row];
-        }
-        PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, s->Q, Dk, 1, p->kt + p->off_kt[u], Dk * NR,
-                             0, s->S, bk, s->work);
-        PA_FN(gemm_packed_b)(mj, bk, Dv, 1, s->dO, Dv, 1, p->vt + p->off_vt[u], Dv * NR, 0, s->dP,
-                             bk, s->work);
-        PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale);
-        PA_FN(gemm_packed_b)(mj, Dk, bk, 1, s->dP, bk, 1, p->kr + p->off_kr[u], bk * NR, 0, s->T,
-                             Dk, s->work);
-        for (int64_t c = 0; c < mj; c++)
-            PA_FN(axpy)(s->O + s->order[a + c] * Dk, s->T + c * Dk, Dk, 1);
-    }
-    for (int64_t r = 0; r < nr; r++)
-        memcpy(dq + ((row0 + r) * H + h) * Dk, s->O + r * Dk, sizeof(real) * Dk);
-}
-
-/* dK and dV of block unit u (KV head, block): the (query, head) pairs that chose it,
- * pairs[0, m), SB_ROWS at a time: P, dS recomputed, dV += P^T dO, dK += dS^T Q. */
-static void PA_FN(sb_dkv_unit)(const pa_moba_desc *d, const PA_FN(sb_packs) * p, const real *q,
-                               const real *dout, const real *lse, const real *Dr,
-                               const int64_t *pairs, int64_t m, int64_t u, real *dk, real *dv,
-                               PA_FN(sb_scratch) * s)
+/* The backward of block unit u (KV head, block) over the (query, head) pairs that chose it,
+ * pairs[0, m), SB_ROWS at a time: P and dS recomputed, dV += P^T dO, dK += dS^T Q (the
+ * unit's own rows of dk, dv, written), and dS K added into the pairs' rows of dq. */
+static void PA_FN(sb_backward_unit)(const pa_moba_desc *d, const PA_FN(sb_packs) * p,
+                                    const real *q, const real *dout, const real *lse,
+                                    const real *Dr, const int64_t *pairs, int64_t m, int64_t u,
+                                    real *dq, real *dk, real *dv, PA_FN(sb_scratch) * s)
 {
     const int64_t Dk = d->Dk, Dv = d->Dv, Hk = d->Hk, nb = d->first_block[d->nseq];
     const int64_t kh = u / nb, gb = u % nb, bk = PA_FN(sb_block_len)(d, gb);
@@ -679,6 +645,9 @@ static void PA_FN(sb_dkv_unit)(const pa_moba_desc *d, const PA_FN(sb_packs) * p,
         PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale);
         PA_FN(gemm)(bk, Dv, mj, 1, s->S, 1, bk, s->dO, Dv, 1, 1, s->dVb, Dv, s->work);
         PA_FN(gemm)(bk, Dk, mj, 1, s->dP, 1, bk, s->Q, Dk, 1, 1, s->dKb, Dk, s->work);
+        PA_FN(gemm_packed_b)(mj, Dk, bk, 1, s->dP, bk, 1, p->kr + p->off_kr[u], bk * NR, 0, s->T,
+                             Dk, s->work);
+        for (int64_t c = 0; c < mj; c++) PA_FN(axpy)(dq + pairs[c0 + c] * Dk, s->T + c * Dk, Dk, 1);
     }
     const int64_t r0 = PA_FN(sb_block_row)(d, gb);
     for (int64_t x = 0; x < bk; x++) {
@@ -698,8 +667,6 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
     const int64_t nb = d->first_block[d->nseq], units = Hk * nb;
     memset(dk, 0, sizeof(real) * (size_t)(d->cu_k[d->nseq] * Hk * d->Dk));
     memset(dv, 0, sizeof(real) * (size_t)(d->cu_k[d->nseq] * Hk * d->Dv));
-    int64_t items;
-    int64_t *first = PA_FN(sb_items)(d, &items);
     real *Dr = pa_alloc(sizeof(real) * (size_t)(rows * H + 1));
     int64_t *ucnt = malloc(sizeof(int64_t) * (units + 1)), *pairs = NULL, *fill = NULL;
     int64_t npairs = 0;
@@ -707,9 +674,8 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
     pairs = malloc(sizeof(int64_t) * (npairs + 1));
     fill = malloc(sizeof(int64_t) * (units + 1));
     PA_FN(sb_packs) p;
-    int packed = first && Dr && ucnt && pairs && fill && PA_FN(sb_pack)(&p, d, kv, vv, 1);
+    int packed = Dr && ucnt && pairs && fill && PA_FN(sb_pack)(&p, d, kv, vv, 1);
     if (!packed) {
-        free(first);
         free(Dr);
         free(ucnt);
         free(pairs);
@@ -736,35 +702,34 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
                 if (j >= 0) pairs[fill[(h / G) * nb + d->first_block[n] + j]++] = row * H + h;
             }
     }
-    const int64_t maxnb = PA_FN(sb_max_blocks)(d);
-    double work = (double)npairs * (double)d->block_size * (double)(d->Dk + d->Dv) * 3;
-    int failed = 0;
-#pragma omp parallel num_threads(pa_threads_for(work, items))
-    {
+    const int64_t maxnb = PA_FN(sb_max_blocks)(d), nq = rows * H * d->Dk;
+    double work = (double)npairs * (double)d->block_size * (double)(d->Dk + d->Dv) * 2.5;
+    const int threads = pa_threads_for(work, units);
+    /* threads 1 .. threads-1 add their dQ into buffers of their own, summed in thread order */
+    real *extra = threads > 1 ? pa_alloc(sizeof(real) * (size_t)((threads - 1) * nq)) : NULL;
+    int failed = threads > 1 && !extra;
+    memset(dq, 0, sizeof(real) * (size_t)nq);
+#pragma omp parallel num_threads(threads) if (!failed)
+    if (!failed) {
+        const int tid = pa_thread_id();
+        real *mine = tid ? extra + (tid - 1) * nq : dq;
+        if (tid) memset(mine, 0, sizeof(real) * (size_t)nq);
         PA_FN(sb_scratch) s;
         const int ok = pa_scratch_ok(PA_FN(sb_scratch_alloc)(&s, d, maxnb), &failed);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows * H; r++)
             Dr[r] = PA_FN(dot)(dout + r * d->Dv, o + r * d->Dv, d->Dv) - (dlse ? dlse[r] : 0);
-        int64_t n = 0;
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t t = 0; t < items; t++) {
-            while (t >= first[n + 1]) n++;
-            const int64_t local = t - first[n], h = local % H, c = local / H;
-            const int64_t row0 = d->cu_q[n] + c * SB_ROWS, end = d->cu_q[n + 1];
-            if (ok)
-                PA_FN(sb_dq_item)(d, &p, q, dout, lse, Dr, choice, n, h, row0,
-                                  end - row0 < SB_ROWS ? end - row0 : SB_ROWS, dq, &s);
-        }
-#pragma omp for schedule(dynamic, 1)
+        /* units dealt round robin: the same bits on every run with this many threads */
+#pragma omp for schedule(static, 1)
         for (int64_t u = 0; u < units; u++)
             if (ok && ucnt[u + 1] > ucnt[u])
-                PA_FN(sb_dkv_unit)(d, &p, q, dout, lse, Dr, pairs + ucnt[u], ucnt[u + 1] - ucnt[u], u,
-                                   dk, dv, &s);
+                PA_FN(sb_backward_unit)(d, &p, q, dout, lse, Dr, pairs + ucnt[u], ucnt[u + 1] - ucnt[u],
+                                        u, mine, dk, dv, &s);
         if (ok) free(s.block);
+        if (threads > 1) PA_FN(sd_sum_parts)(dq, extra, nq, threads - 1, nq);
     }
+    free(extra);
     PA_FN(sb_packs_free)(&p);
-    free(first);
     free(Dr);
     free(ucnt);
     free(pairs);
