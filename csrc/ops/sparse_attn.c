@@ -1,16 +1,19 @@
-/* Sparse softmax attention: the backward of the decode form (softmax_decode) over keys that
- * lie anywhere, listed per query. Template body (see core/dtype.h); needs ops/softmax_attn.c
- * before it, whose decode helpers it shares.
+/* Sparse softmax attention: the kernels of the sparse ops beyond the flash and decode forms.
+ * Template body (see core/dtype.h); needs ops/softmax_attn.c before it, whose decode helpers
+ * it shares. Three parts:
  *
- * The sparse ops (NSA's compressed and selected branches, DeepSeek sparse attention) run
- * their forward through softmax_decode: one query row, every head of it, against the key
- * rows its selection lists (a block table of whole key blocks, or of single rows). Their
- * backward is this kernel, in the same layout: work items are query rows; per item and key
- * block P is recomputed from the forward's LSE, dP = dO V^T, dS = P (dP - D) with D =
- * rowsum(dO * O) - dlse, dQ = scale dS K, dK += scale dS^T Q, dV += P^T dO. The query row
- * owns its dQ; the keys of one row are listed by many rows, so each thread adds its dK and
- * dV into a buffer of its own (the first thread into dk, dv), summed in thread order at the
- * end. Items are dealt round robin, so the result is the same bits for a given thread count.
+ * 1. softmax_decode_backward, the backward of the decode form over keys that lie anywhere,
+ *    listed per query. NSA's compressed and selected branches and DeepSeek sparse attention
+ *    run their forward through softmax_decode: one query row, every head of it, against the
+ *    key rows its selection lists (a block table of whole key blocks, or of single rows).
+ *    Work items are query rows; per item and key block P is recomputed from the forward's
+ *    LSE, dP = dO V^T, dS = P (dP - D) with D = rowsum(dO * O) - dlse, dQ = scale dS K, dK +=
+ *    scale dS^T Q, dV += P^T dO. The query row owns its dQ; the keys of one row are listed
+ *    by many rows, so each thread adds its dK and dV into a buffer of its own (the first
+ *    thread into dk, dv), summed in thread order at the end. Items are dealt round robin,
+ *    so the result is the same bits for a given thread count.
+ * 2. dsa_select, DeepSeek sparse attention's choice of keys (below).
+ * 3. moba_forward / moba_backward, MoBA's attention to chosen whole blocks (below).
  */
 
 /* dst_row[kh] += sum_g w[(kh G + g) * SM_DECODE_KB + c] src[kh G + g] for every KV head kh:
@@ -387,7 +390,8 @@ static int64_t PA_FN(sb_block_row)(const pa_moba_desc *d, int64_t gb)
     return d->cu_k[n] + (gb - d->first_block[n]) * d->block_size;
 }
 
-/* Lays out and fills the packings (which: 1 forward: kt, vr; 2 backward: kt, vt, kr). */
+/* Lays out and fills the packings a pass needs: the forward kt and vr, the backward kt, vt
+ * and kr; 0 when out of memory. */
 static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real *k,
                           const real *v, int backward)
 {
