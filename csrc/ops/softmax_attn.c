@@ -598,17 +598,81 @@ static inline int64_t PA_FN(sm_block_rows)(const pa_softmax_desc *d, const pa_ke
     return count;
 }
 
+#if PA_VBYTES == 64 && !PA_DOUBLE
+#define SM_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+/* The lane sums of v[0..15], as the lanes of one vector (lane i the sum of v[i]): four
+ * stages, each adding the halves of every segment of two vectors into one, 45 operations
+ * where 16 separate horizontal sums take 128. */
+static inline vreal PA_FN(sm_hsum16)(const vreal *v)
+{
+    vreal w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = SM_SHUF(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SM_SHUF(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        x[i] = SM_SHUF(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SM_SHUF(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        y[i] = SM_SHUF(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SM_SHUF(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SM_SHUF(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SM_SHUF(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef SM_SHUF
+
+/* Scores of four heads (rows q0, Dk apart) against four keys (rows kr[0..3]), Dk a multiple
+ * of VL, into S[r * SM_DECODE_KB + c] (r the head, c the key), times scale. */
+static inline void PA_FN(sm_scores_4x4)(const real *q0, const real *const *kr, int64_t Dk,
+                                        real scale, real *S)
+{
+    vreal acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = PA_FN(vset)(0);
+    for (int64_t e = 0; e < Dk; e += VL) {
+        const vreal k0 = PA_FN(vload)(kr[0] + e), k1 = PA_FN(vload)(kr[1] + e),
+                    k2 = PA_FN(vload)(kr[2] + e), k3 = PA_FN(vload)(kr[3] + e);
+        for (int r = 0; r < 4; r++) {
+            const vreal qv = PA_FN(vload)(q0 + r * Dk + e);
+            acc[4 * r] += qv * k0;
+            acc[4 * r + 1] += qv * k1;
+            acc[4 * r + 2] += qv * k2;
+            acc[4 * r + 3] += qv * k3;
+        }
+    }
+    real z[16];
+    PA_FN(vstore)(z, PA_FN(sm_hsum16)(acc) * scale);
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) S[r * SM_DECODE_KB + c] = z[4 * r + c];
+}
+#endif
+
 /* Scores of every head of the query at ip (rows qi, Dk apart) against the nb keys j0.. whose
- * K rows are kp, into S[h * SM_DECODE_KB + c]. Key by key, so each K row (all KV heads) is
- * read from memory once and in order; the rows kp[nb ..] (count in all) and V's rows vp[..
- * nb] are prefetched on the way. */
+ * K rows are kp, into S[h * SM_DECODE_KB + c]. Key by key (with AVX-512 and float, four keys
+ * by four heads at a time where it can), so each K row (all KV heads) is read from memory
+ * once and in order; the rows kp[nb ..] (count in all) and V's rows vp[.. nb] are prefetched
+ * on the way. */
 static void PA_FN(sm_row_scores)(const pa_softmax_desc *d, const real *qi, const real *const *kp,
                                  const real *const *vp, int64_t count, int64_t ip, int64_t j0,
                                  int64_t nb, real *S)
 {
     const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, G = H / Hk, KB = SM_DECODE_KB;
     const real scale = (real)d->scale;
-    for (int64_t c = 0; c < nb; c++) {
+    int64_t c = 0;
+#if PA_VBYTES == 64 && !PA_DOUBLE
+    if (G % 4 == 0 && Dk % VL == 0)
+        for (; c + 4 <= nb; c += 4) {
+            for (int64_t i = c; i < c + 4; i++) {
+                if (i + SM_DECODE_AHEAD < count) PA_FN(sm_prefetch)(kp[i + SM_DECODE_AHEAD], Hk * Dk);
+                if (vp) PA_FN(sm_prefetch)(vp[i], Hk * d->Dv);
+            }
+            for (int64_t kh = 0; kh < Hk; kh++) {
+                const real *kr[4] = {kp[c] + kh * Dk, kp[c + 1] + kh * Dk, kp[c + 2] + kh * Dk,
+                                     kp[c + 3] + kh * Dk};
+                for (int64_t g = 0; g < G; g += 4)
+                    PA_FN(sm_scores_4x4)(qi + (kh * G + g) * Dk, kr, Dk, scale, S + (kh * G + g) * KB + c);
+            }
+        }
+#endif
+    for (; c < nb; c++) {
         if (c + SM_DECODE_AHEAD < count) PA_FN(sm_prefetch)(kp[c + SM_DECODE_AHEAD], Hk * Dk);
         if (vp) PA_FN(sm_prefetch)(vp[c], Hk * d->Dv);
         for (int64_t kh = 0; kh < Hk; kh++) {
