@@ -1070,3 +1070,27 @@ def test_moba_block_kernel_checks_choice(rng):
     o, lse = np.empty((8, 2, 4)), np.empty((8, 2))
     with pytest.raises(ValueError, match="'choice' holds block 2 for a query of sequence 0, which has 2 blocks"):
         _core.moba_forward(q, k, v, choice, cu, cu, 4, 0.5, o, lse)
+
+
+@pytest.mark.parametrize("H, Hk, D, nk", [(8, 1, 32, 37), (8, 2, 16, 64), (4, 1, 64, 9)])
+def test_decode_scores_four_by_four(rng, H, Hk, D, nk):
+    """Shapes where float32 AVX-512 scores four keys by four heads at a time (G a multiple of 4,
+    D a multiple of 16, short rows), with key counts not a multiple of 4: attention over a
+    KV cache and DSA (forward and gradients) within float32 accuracy of float64."""
+    q = rng.standard_normal((2, 1, H, D))
+    kc, vc = rng.standard_normal((2, nk, Hk, D)), rng.standard_normal((2, nk, Hk, D))
+    lens = np.array([nk, nk - 3])
+    o64 = pyattn.attention_with_kvcache(q, kc.copy(), vc.copy(), lens)
+    o32 = pyattn.attention_with_kvcache(*(x.astype(np.float32) for x in (q, kc, vc)), lens)
+    assert_close(o32, o64, TOLERANCES[np.dtype(np.float32)][0])
+    T = nk
+    args = [f32_exact(rng.standard_normal(s)) for s in ((1, T, H, D), (1, T, Hk, D), (1, T, Hk, D), (1, T, 2, 4),
+                                                        (1, T, 4), (1, T, 2))]
+    kw = dict(top_k=max(T // 3, 1))
+    o, pb = pyattn.vjp(pyattn.dsa_attention, *args, **kw)
+    o32, pb32 = pyattn.vjp(pyattn.dsa_attention, *(a.astype(np.float32) for a in args), **kw)
+    assert_close(o32, o, TOLERANCES[np.dtype(np.float32)][0])
+    do = rng.standard_normal(o.shape)
+    g, g32 = pb(do), pb32(do.astype(np.float32))
+    for name in ("q", "k", "v"):
+        assert_close(g32[name], g[name], TOLERANCES[np.dtype(np.float32)][1], name=name)
