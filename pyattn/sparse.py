@@ -294,6 +294,9 @@ class _Listed:
         return dq[0], dk, dv
 
 
+_SELECT_ROWS = 1024  # queries per slab of NSA's block importances
+
+
 class _NsaCall:
     """An nsa_attention call checked; its blocks, compressed keys, selection and the three
     branches' calls."""
@@ -360,11 +363,11 @@ class _NsaCall:
         rows = self.q.shape[0]
         table = np.empty((rows, Hk, self.nsel), np.int64)
         count = np.ones((rows, Hk), np.int64)
-        for n in range(len(self.cu_q) - 1):
-            r0, r1 = self.cu_q[n], self.cu_q[n + 1]
+        # a slab of _SELECT_ROWS queries at a time bounds the [Hk, rows G, blocks] scores
+        slabs = [(n, r0, min(r0 + _SELECT_ROWS, self.cu_q[n + 1])) for n in range(len(self.cu_q) - 1)
+                 for r0 in range(self.cu_q[n], self.cu_q[n + 1], _SELECT_ROWS)]
+        for n, r0, r1 in slabs:
             b0, nb = self.first[n], self.first[n + 1] - self.first[n]
-            if r0 == r1:
-                continue
             L = r1 - r0
             qn = self.q[r0:r1].reshape(L, Hk, G, D).transpose(1, 0, 2, 3).reshape(Hk, L * G, D)
             s = self.scale * (qn @ self.kc[b0:b0 + nb].transpose(1, 2, 0))          # [Hk, L G, nb]

@@ -1094,3 +1094,14 @@ def test_decode_scores_four_by_four(rng, H, Hk, D, nk):
     g, g32 = pb(do), pb32(do.astype(np.float32))
     for name in ("q", "k", "v"):
         assert_close(g32[name], g[name], TOLERANCES[np.dtype(np.float32)][1], name=name)
+
+
+def test_nsa_selection_in_slabs(rng, monkeypatch):
+    """The block importances computed a few queries at a time (slabs of 3 rows, across
+    sequence ends) choose what the oracle chooses."""
+    from pyattn import sparse
+    monkeypatch.setattr(sparse, "_SELECT_ROWS", 3)
+    q, k, v = rng.standard_normal((1, 23, 4, 4)), rng.standard_normal((1, 23, 2, 4)), rng.standard_normal((1, 23, 2, 3))
+    g = [rng.uniform(0, 1, (1, 23, 4)) for _ in range(3)]
+    kw = dict(block_size=3, block_count=3, window=2, cu_seqlens=np.array([0, 10, 23]))
+    assert_close(pyattn.nsa_attention(q, k, v, *g, **kw), reference.nsa_attention(q, k, v, *g, **kw))
