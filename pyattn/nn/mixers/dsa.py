@@ -6,7 +6,7 @@ import numpy as np
 
 from ...autodiff import vjp
 from ...sparse import dsa_attention, dsa_index_scores, dsa_index_target, dsa_select
-from ..layers import grow_cache, linear, normal
+from ..layers import linear, normal
 from .softmax import SoftmaxAttention
 
 
@@ -62,13 +62,9 @@ class DeepSeekSparseAttention(SoftmaxAttention):
         return vjp(dsa_attention, q, k, v, *self.index, top_k=self.top_k)
 
     def attend_cache(self, q, k, v, cache):
-        n, T = cache["len"], k.shape[1]
-        grow_cache(cache, ("k", "v", "ik"), n + T)
-        cache["k"][:, n:n + T], cache["v"][:, n:n + T], cache["ik"][:, n:n + T] = k, v, self.index[1]
-        cache["len"] = n + T
-        iq, _, iw = self.index
-        return dsa_attention(q, cache["k"][:, :n + T], cache["v"][:, :n + T], iq, cache["ik"][:, :n + T], iw,
-                             top_k=self.top_k)
+        iq, ik, iw = self.index
+        kc, vc, ikc = self.append_cache(cache, k=k, v=v, ik=ik)
+        return dsa_attention(q, kc, vc, iq, ikc, iw, top_k=self.top_k)
 
     def index_distillation(self, x, q, k):
         """(the indexer's loss, its gradient in the scores [B, T, T], the scores' pullback)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from ...autodiff import vjp
 from ...sparse import moba_attention
-from ..layers import grow_cache
 from .softmax import SoftmaxAttention
 
 
@@ -30,9 +29,4 @@ class MoBAAttention(SoftmaxAttention):
         return vjp(moba_attention, q, k, v, **self.moba)
 
     def attend_cache(self, q, k, v, cache):
-        n, T = cache["len"], k.shape[1]
-        grow_cache(cache, ("k", "v"), n + T)
-        cache["k"][:, n:n + T] = k
-        cache["v"][:, n:n + T] = v
-        cache["len"] = n + T
-        return moba_attention(q, cache["k"][:, :n + T], cache["v"][:, :n + T], **self.moba)
+        return moba_attention(q, *self.append_cache(cache, k=k, v=v), **self.moba)

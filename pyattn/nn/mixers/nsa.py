@@ -6,7 +6,7 @@ import numpy as np
 
 from ...autodiff import vjp
 from ...sparse import nsa_attention
-from ..layers import grow_cache, linear, normal, sigmoid
+from ..layers import linear, normal, sigmoid
 from .softmax import SoftmaxAttention
 
 _GATES = ("g_cmp", "g_slc", "g_swa")
@@ -49,12 +49,7 @@ class NativeSparseAttention(SoftmaxAttention):
         return o, gates_too
 
     def attend_cache(self, q, k, v, cache):
-        n, T = cache["len"], k.shape[1]
-        grow_cache(cache, ("k", "v"), n + T)
-        cache["k"][:, n:n + T] = k
-        cache["v"][:, n:n + T] = v
-        cache["len"] = n + T
-        return nsa_attention(q, cache["k"][:, :n + T], cache["v"][:, :n + T], *self.gates, **self.nsa)
+        return nsa_attention(q, *self.append_cache(cache, k=k, v=v), *self.gates, **self.nsa)
 
     def backward(self, dy):
         dx = super().backward(dy)

@@ -72,6 +72,18 @@ class SoftmaxAttention(Mixer):
         cache["len"] = n + T
         return o
 
+    @staticmethod
+    def append_cache(cache, **rows):
+        """Writes each of rows (name -> [B, T, ...]) into the cache rows after its filled part
+        and returns them as they are now filled, in the order given: the cached keys that a
+        sparse layer's op reads whole (its new queries the last positions)."""
+        n, T = cache["len"], next(iter(rows.values())).shape[1]
+        grow_cache(cache, tuple(rows), n + T)
+        for name, x in rows.items():
+            cache[name][:, n:n + T] = x
+        cache["len"] = n + T
+        return [cache[name][:, :n + T] for name in rows]
+
     def backward(self, dy):
         B, T, _ = dy.shape
         don = self.proj_backward(dy, self.on, "w_o")
