@@ -581,6 +581,14 @@ def rope(x, positions, theta=10000.0):
     return y
 
 
+def _attend(qi, keys, values, scale):
+    """One query's softmax attention over the listed key and value rows: (o, lse, the
+    probabilities), each score scale * qi . k_j written out."""
+    sc = np.array([scale * np.dot(qi, kj) for kj in keys])
+    p = np.exp(sc - sc.max())
+    return p @ values / p.sum(), sc.max() + np.log(p.sum()), p / p.sum()
+
+
 def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
     """Per (sequence, head, query at bottom-right position p): every block's score
     q . mean(k_block), the blocks chosen by the definition (own block first when causal, then
@@ -608,9 +616,7 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
                 else:
                     chosen = sorted(range(len(blocks)), key=lambda j: (-score[j], j))[:top_k]
                     keys = [t for j in chosen for t in range(*blocks[j])]
-                s_ij = np.array([scale * np.dot(q[b, i, h], k[b, t, kh]) for t in keys])
-                w = np.exp(s_ij - s_ij.max())
-                o[b, i, h] = w @ v[b, keys, kh] / w.sum()
+                o[b, i, h] = _attend(q[b, i, h], k[b, keys, kh], v[b, keys, kh], scale)[0]
     return o
 
 
@@ -667,21 +673,16 @@ def nsa_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_count=16
                     o_cmp[h] = np.zeros(Dv)
                     lse[h] = -np.inf
                     if len(visible):
-                        sc = np.array([scale * np.dot(q[b, t, h], kc[c, kh]) for c in visible])
-                        p = np.exp(sc - sc.max())
-                        o_cmp[h] = p @ vc[list(visible), kh] / p.sum()
-                        lse[h] = sc.max() + np.log(p.sum())
+                        o_cmp[h], lse[h], _ = _attend(q[b, t, h], kc[list(visible), kh], vc[list(visible), kh],
+                                                      scale)
                 imp = [sum(math.exp(scale * np.dot(q[b, t, h], kc[c, kh]) - lse[h]) for h in heads)
                        for c in range(own)]
                 past = sorted(range(own), key=lambda c: (-imp[c], c))[:max(block_count - 1, 0)]
                 slc_keys = [j for c in past for j in range(*blocks[c])] + list(range(blocks[own][0], t + 1))
                 swa_keys = list(range(s + max(0, i - window + 1), t + 1))
                 for h in heads:
-                    branch = []
-                    for keys in (slc_keys, swa_keys):
-                        sc = np.array([scale * np.dot(q[b, t, h], k[b, j, kh]) for j in keys])
-                        p = np.exp(sc - sc.max())
-                        branch.append(p @ v[b, keys, kh] / p.sum())
+                    branch = [_attend(q[b, t, h], k[b, keys, kh], v[b, keys, kh], scale)[0]
+                              for keys in (slc_keys, swa_keys)]
                     o[b, t, h] = (g_cmp[b, t, h] * o_cmp[h] + g_slc[b, t, h] * branch[0]
                                   + g_swa[b, t, h] * branch[1])
     return o
@@ -732,9 +733,7 @@ def dsa_attention(q, k, v, index_q, index_k, index_w, *, top_k, causal=True, sca
                 continue
             for h in range(H):
                 kh = h // (H // Hk)
-                sc = np.array([scale * np.dot(q[b, t, h], k[b, s, kh]) for s in keys])
-                p = np.exp(sc - sc.max())
-                o[b, t, h] = p @ v[b, keys, kh] / p.sum()
+                o[b, t, h] = _attend(q[b, t, h], k[b, keys, kh], v[b, keys, kh], scale)[0]
     return o
 
 
@@ -755,7 +754,5 @@ def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=
                 continue
             for h in range(H):
                 kh = h // (H // Hk)
-                sc = np.array([scale * np.dot(q[b, t, h], k[b, s, kh]) for s in keys])
-                p = np.exp(sc - sc.max())
-                P[b, t, keys] += p / p.sum() / H
+                P[b, t, keys] += _attend(q[b, t, h], k[b, keys, kh], k[b, keys, kh], scale)[2] / H
     return P
