@@ -203,6 +203,15 @@ def _dsa_index_example(rng, dtype=np.float64, tiny=False):
     return _index_arrays(rng, dtype, B, Tq, Tk, Hi, Di), {}
 
 
+def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tuple[str, ...],
+                  differentiable: Tuple[str, ...] = (), forms: Tuple[str, ...] = ()) -> OpInfo:
+    """An op of the softmax family: no state, no chunk size; differentiable in its arrays and
+    the keyword arrays named in ``differentiable``."""
+    return OpInfo(name=fn.__name__, fn=fn, forms=forms, arrays=arrays,
+                  differentiable=arrays + differentiable, has_state=False, chunked=False,
+                  example=example, description=description)
+
+
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, softmax_attention
     from . import delta, linear
@@ -210,100 +219,44 @@ def build_ops() -> Dict[str, OpInfo]:
     from .sparse import dsa_attention, dsa_index_scores, linformer_attention, moba_attention, nsa_attention
 
     return {
-        "softmax_attention": OpInfo(
-            name="softmax_attention",
-            fn=softmax_attention,
-            forms=("flash",) + tuple(f for f in SOFTMAX_FORMS if f != "flash"),
-            arrays=("q", "k", "v"),
-            differentiable=("q", "k", "v"),
-            has_state=False,
-            chunked=False,
-            example=_softmax_example,
-            description="softmax attention: causal/window/sinks/ALiBi/softcap, GQA, varlen",
-        ),
-        "attention_with_kvcache": OpInfo(
-            name="attention_with_kvcache",
-            fn=attention_with_kvcache,
-            forms=(),
-            arrays=("q", "k_cache", "v_cache"),
-            differentiable=("q", "k_cache", "v_cache", "k", "v"),
-            has_state=False,
-            chunked=False,
-            example=_kvcache_example,
-            description="decode over a KV cache (contiguous or paged), new keys written in place, "
-                        "flash-decoding splits",
-        ),
-        "moba_attention": OpInfo(
-            name="moba_attention",
-            fn=moba_attention,
-            forms=(),
-            arrays=("q", "k", "v"),
-            differentiable=("q", "k", "v"),
-            has_state=False,
-            chunked=False,
-            example=_moba_example,
-            description="MoBA: each query's own key block and its top_k - 1 best past blocks "
-                        "(by q . mean(k_block)), over the flash kernel",
-        ),
-        "nsa_attention": OpInfo(
-            name="nsa_attention",
-            fn=nsa_attention,
-            forms=(),
-            arrays=("q", "k", "v", "g_cmp", "g_slc", "g_swa"),
-            differentiable=("q", "k", "v", "g_cmp", "g_slc", "g_swa", "k_cmp", "v_cmp"),
-            has_state=False,
-            chunked=False,
-            example=_nsa_example,
-            description="NSA: gated compressed (block means), selected (top blocks per GQA group) "
-                        "and sliding-window branches",
-        ),
-        "dsa_attention": OpInfo(
-            name="dsa_attention",
-            fn=dsa_attention,
-            forms=(),
-            arrays=("q", "k", "v", "index_q", "index_k", "index_w"),
-            differentiable=("q", "k", "v", "index_q", "index_k", "index_w"),
-            has_state=False,
-            chunked=False,
-            example=_dsa_example,
-            description="DeepSeek sparse attention: each query's top_k keys by the lightning "
-                        "indexer, shared by its heads (index gradients 0: the choice)",
-        ),
-        "dsa_index_scores": OpInfo(
-            name="dsa_index_scores",
-            fn=dsa_index_scores,
-            forms=(),
-            arrays=("index_q", "index_k", "index_w"),
-            differentiable=("index_q", "index_k", "index_w"),
-            has_state=False,
-            chunked=False,
-            example=_dsa_index_example,
-            description="DSA's lightning indexer scores sum_j w_tj relu(q_tj . k_s), [B, Tq, Tk]",
-        ),
-        "linformer_attention": OpInfo(
-            name="linformer_attention",
-            fn=linformer_attention,
-            forms=(),
-            arrays=("q", "k", "v", "E", "F"),
-            differentiable=("q", "k", "v", "E", "F"),
-            has_state=False,
-            chunked=False,
-            example=_linformer_example,
-            description="Linformer: softmax attention over keys and values projected along time "
-                        "by E and F [S, T]",
-        ),
-        "mla_attention": OpInfo(
-            name="mla_attention",
-            fn=mla_attention,
-            forms=MLA_FORMS,
-            arrays=("q_nope", "q_rope", "c_kv", "k_rope", "w_uk", "w_uv"),
-            differentiable=("q_nope", "q_rope", "c_kv", "k_rope", "w_uk", "w_uv"),
-            has_state=False,
-            chunked=False,
-            example=_mla_example,
-            description="multi-head latent attention (MLA): naive (decompressed K/V) or absorbed "
-                        "(MQA over the latent cache)",
-        ),
+        "softmax_attention": _attention_op(
+            softmax_attention, _softmax_example,
+            "softmax attention: causal/window/sinks/ALiBi/softcap, GQA, varlen",
+            arrays=("q", "k", "v"), forms=("flash",) + tuple(f for f in SOFTMAX_FORMS if f != "flash")),
+        "attention_with_kvcache": _attention_op(
+            attention_with_kvcache, _kvcache_example,
+            "decode over a KV cache (contiguous or paged), new keys written in place, "
+            "flash-decoding splits",
+            arrays=("q", "k_cache", "v_cache"), differentiable=("k", "v")),
+        "moba_attention": _attention_op(
+            moba_attention, _moba_example,
+            "MoBA: each query's own key block and its top_k - 1 best past blocks "
+            "(by q . mean(k_block)), over MoBA's block kernel and flash",
+            arrays=("q", "k", "v")),
+        "nsa_attention": _attention_op(
+            nsa_attention, _nsa_example,
+            "NSA: gated compressed (block means), selected (top blocks per GQA group) "
+            "and sliding-window branches",
+            arrays=("q", "k", "v", "g_cmp", "g_slc", "g_swa"), differentiable=("k_cmp", "v_cmp")),
+        "dsa_attention": _attention_op(
+            dsa_attention, _dsa_example,
+            "DeepSeek sparse attention: each query's top_k keys by the lightning "
+            "indexer, shared by its heads (index gradients 0: the choice)",
+            arrays=("q", "k", "v", "index_q", "index_k", "index_w")),
+        "dsa_index_scores": _attention_op(
+            dsa_index_scores, _dsa_index_example,
+            "DSA's lightning indexer scores sum_j w_tj relu(q_tj . k_s), [B, Tq, Tk]",
+            arrays=("index_q", "index_k", "index_w")),
+        "linformer_attention": _attention_op(
+            linformer_attention, _linformer_example,
+            "Linformer: softmax attention over keys and values projected along time "
+            "by E and F [S, T]",
+            arrays=("q", "k", "v", "E", "F")),
+        "mla_attention": _attention_op(
+            mla_attention, _mla_example,
+            "multi-head latent attention (MLA): naive (decompressed K/V) or absorbed "
+            "(MQA over the latent cache)",
+            arrays=("q_nope", "q_rope", "c_kv", "k_rope", "w_uk", "w_uv"), forms=MLA_FORMS),
         **{
             name: OpInfo(
                 name=name,
