@@ -121,6 +121,20 @@ def attention_qkv(fn: str, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Tuple
     return B, Tq, H, Dk, Tk, Hk, Dv
 
 
+def queries_keys(fn: str, q: np.ndarray, k: np.ndarray, qname: str = "q",
+                 dims: str = "key head dims",
+                 layouts: Tuple[str, str] = ("[B, Tq, H, Dk]", "[B, Tk, Hk, Dk]")) -> Tuple[int, ...]:
+    """Queries ``[B, Tq, H, D]`` (named qname) and keys ``[B, Tk, Hk, D]`` checked against each
+    other (same batch and head dim, ``H % Hk == 0``); returns (B, Tq, H, D, Tk, Hk)."""
+    ndim(fn, qname, q, 4, layouts[0])
+    ndim(fn, "k", k, 4, layouts[1])
+    B, Tq, H, D = q.shape
+    same(fn, "batch sizes", {qname: B, "k": k.shape[0]})
+    same(fn, dims, {qname: D, "k": k.shape[3]})
+    divides(fn, "k", k.shape[2], "heads", qname, H)
+    return B, Tq, H, D, k.shape[1], k.shape[2]
+
+
 def log_gate(fn: str, name: str, g: Optional[np.ndarray]) -> Optional[np.ndarray]:
     """A log-space gate is a decay: every entry <= 0 (-inf is a full reset). NaN passes, so a
     diverging run shows NaN rather than an exception."""

@@ -111,13 +111,7 @@ def snapkv_keep(q_obs, k, budget, window, *, kernel=5, scale=None):
     fn = "snapkv_keep"
     arrs, dtype = V.float_arrays(fn, q_obs=q_obs, k=k)
     q, k = V.finite(fn, "q_obs", arrs["q_obs"]), V.finite(fn, "k", arrs["k"])
-    V.ndim(fn, "q_obs", q, 4, "[B, Tw, H, D]")
-    V.ndim(fn, "k", k, 4, "[B, T, Hk, D]")
-    B, Tw, H, D = q.shape
-    T, Hk = k.shape[1], k.shape[2]
-    V.same(fn, "batch sizes", {"q_obs": B, "k": k.shape[0]})
-    V.same(fn, "head dims", {"q_obs": D, "k": k.shape[3]})
-    V.divides(fn, "k", Hk, "heads", "q_obs", H)
+    B, Tw, H, D, T, Hk = V.queries_keys(fn, q, k, "q_obs", "head dims", ("[B, Tw, H, D]", "[B, T, Hk, D]"))
     if not 1 <= Tw <= T:
         raise ValueError(f"{fn}(): 'q_obs' holds the queries that vote, those of the prompt's last Tw "
                          f"positions: 1 <= Tw <= T (k's T={T}), got Tw={Tw}")

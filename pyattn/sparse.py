@@ -664,13 +664,7 @@ def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=
     fn = "dsa_index_target"
     arrs, dtype = V.float_arrays(fn, q=q, k=k)
     q, k = arrs["q"], arrs["k"]
-    V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
-    V.ndim(fn, "k", k, 4, "[B, Tk, Hk, Dk]")
-    B, Tq, H, D = q.shape
-    Tk, Hk = k.shape[1], k.shape[2]
-    V.same(fn, "batch sizes", {"q": B, "k": k.shape[0]})
-    V.same(fn, "key head dims", {"q": D, "k": k.shape[3]})
-    V.divides(fn, "k", Hk, "heads", "q", H)
+    B, Tq, H, D, Tk, Hk = V.queries_keys(fn, q, k)
     scale = V.scale(fn, scale, D ** -0.5, dtype)
     causal = V.boolean(fn, "causal", causal)
     cu_q, cu_k = _offsets(fn, B, Tq, Tk, cu_seqlens)
