@@ -275,6 +275,29 @@ static PyObject *py_softmax_forward(PyObject *self, PyObject *const *args, Py_ss
     return finish(rc);
 }
 
+/* The arrays of an attention backward besides q, k, v: o (nd dims, shape oshape), lse (its
+ * first nd - 1), do (as o) and dlse (None or as lse) from a[0..3], read; dq, dk, dv from
+ * g[0..2], written, shaped as q, k, v. */
+typedef struct {
+    PyArrayObject *o, *lse, *dout, *dlse, *dq, *dk, *dv;
+} attn_grads;
+
+static int attn_grad_arrays(const char *fn, PyObject *const *a, PyObject *const *g, int t, int nd,
+                            const npy_intp *oshape, PyArrayObject *q, PyArrayObject *k,
+                            PyArrayObject *v, attn_grads *r)
+{
+    r->dlse = NULL;
+    return (r->o = get_array(fn, "o", a[0], t, nd, oshape, 0)) &&
+                   (r->lse = get_array(fn, "lse", a[1], t, nd - 1, oshape, 0)) &&
+                   (r->dout = get_array(fn, "do", a[2], t, nd, oshape, 0)) &&
+                   (a[3] == Py_None || (r->dlse = get_array(fn, "dlse", a[3], t, nd - 1, oshape, 0))) &&
+                   (r->dq = get_array(fn, "dq", g[0], t, nd, PyArray_DIMS(q), 1)) &&
+                   (r->dk = get_array(fn, "dk", g[1], t, nd, PyArray_DIMS(k), 1)) &&
+                   (r->dv = get_array(fn, "dv", g[2], t, nd, PyArray_DIMS(v), 1))
+               ? 0
+               : -1;
+}
+
 /* softmax_backward(q, k, v, o, lse, do, dlse_or_None, dq, dk, dv, cu_q, cu_k, form, causal,
  *                  window_left, window_right, sinks, alibi_slopes, softcap, scale) */
 static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -286,24 +309,15 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
     pa_softmax_desc d;
     if (softmax_desc(fn, args, args + 10, &t, &q, &k, &v, &d)) return NULL;
     npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
-    PyArrayObject *o, *lse, *dout, *dlse = NULL, *dq, *dk, *dv;
-    if (!(o = get_array(fn, "o", args[3], t, 4, oshape, 0)) ||
-        !(lse = get_array(fn, "lse", args[4], t, 3, oshape, 0)) ||
-        !(dout = get_array(fn, "do", args[5], t, 4, oshape, 0)))
-        return NULL;
-    if (args[6] != Py_None && !(dlse = get_array(fn, "dlse", args[6], t, 3, oshape, 0)))
-        return NULL;
-    if (!(dq = get_array(fn, "dq", args[7], t, 4, PyArray_DIMS(q), 1)) ||
-        !(dk = get_array(fn, "dk", args[8], t, 4, PyArray_DIMS(k), 1)) ||
-        !(dv = get_array(fn, "dv", args[9], t, 4, PyArray_DIMS(v), 1)))
-        return NULL;
+    attn_grads g;
+    if (attn_grad_arrays(fn, args + 3, args + 7, t, 4, oshape, q, k, v, &g)) return NULL;
     const pa_kernels *K = kernels_for(t);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = K->softmax_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
-                             PyArray_DATA(o), PyArray_DATA(lse), PyArray_DATA(dout),
-                             dlse ? PyArray_DATA(dlse) : NULL, PyArray_DATA(dq), PyArray_DATA(dk),
-                             PyArray_DATA(dv));
+                             PyArray_DATA(g.o), PyArray_DATA(g.lse), PyArray_DATA(g.dout),
+                             g.dlse ? PyArray_DATA(g.dlse) : NULL, PyArray_DATA(g.dq),
+                             PyArray_DATA(g.dk), PyArray_DATA(g.dv));
     Py_END_ALLOW_THREADS
     return finish(rc);
 }
@@ -443,25 +457,16 @@ static PyObject *py_softmax_decode_backward(PyObject *self, PyObject *const *arg
         return NULL;
     }
     npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
-    PyArrayObject *o, *lse, *dout, *dlse = NULL, *dq, *dk, *dv;
-    if (!(o = get_array(fn, "o", args[3], t, 4, oshape, 0)) ||
-        !(lse = get_array(fn, "lse", args[4], t, 3, oshape, 0)) ||
-        !(dout = get_array(fn, "do", args[5], t, 4, oshape, 0)))
-        return NULL;
-    if (args[6] != Py_None && !(dlse = get_array(fn, "dlse", args[6], t, 3, oshape, 0)))
-        return NULL;
-    if (!(dq = get_array(fn, "dq", args[7], t, 4, PyArray_DIMS(q), 1)) ||
-        !(dk = get_array(fn, "dk", args[8], t, 4, PyArray_DIMS(k), 1)) ||
-        !(dv = get_array(fn, "dv", args[9], t, 4, PyArray_DIMS(v), 1)))
-        return NULL;
+    attn_grads g;
+    if (attn_grad_arrays(fn, args + 3, args + 7, t, 4, oshape, q, k, v, &g)) return NULL;
     const pa_kernels *K = kernels_for(t);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = K->softmax_decode_backward(&d, &rows, PyArray_DIM(k, 0) * PyArray_DIM(k, 1),
                                     PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
-                                    PyArray_DATA(o), PyArray_DATA(lse), PyArray_DATA(dout),
-                                    dlse ? PyArray_DATA(dlse) : NULL, PyArray_DATA(dq),
-                                    PyArray_DATA(dk), PyArray_DATA(dv));
+                                    PyArray_DATA(g.o), PyArray_DATA(g.lse), PyArray_DATA(g.dout),
+                                    g.dlse ? PyArray_DATA(g.dlse) : NULL, PyArray_DATA(g.dq),
+                                    PyArray_DATA(g.dk), PyArray_DATA(g.dv));
     Py_END_ALLOW_THREADS
     return finish(rc);
 }
@@ -634,25 +639,18 @@ static PyObject *py_moba_backward(PyObject *self, PyObject *const *args, Py_ssiz
     int64_t *blocks;
     if (moba_desc(fn, args, args + 7, &t, &q, &k, &v, &choice, &d, &blocks)) return NULL;
     npy_intp oshape[3] = {PyArray_DIM(q, 0), d.H, d.Dv};
-    PyArrayObject *o, *lse, *dout, *dlse = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
-    int ok = (o = get_array(fn, "o", args[3], t, 3, oshape, 0)) &&
-             (lse = get_array(fn, "lse", args[4], t, 2, oshape, 0)) &&
-             (dout = get_array(fn, "do", args[5], t, 3, oshape, 0)) &&
-             (args[6] == Py_None || (dlse = get_array(fn, "dlse", args[6], t, 2, oshape, 0))) &&
-             (dq = get_array(fn, "dq", args[12], t, 3, PyArray_DIMS(q), 1)) &&
-             (dk = get_array(fn, "dk", args[13], t, 3, PyArray_DIMS(k), 1)) &&
-             (dv = get_array(fn, "dv", args[14], t, 3, PyArray_DIMS(v), 1));
-    if (!ok) {
+    attn_grads g;
+    if (attn_grad_arrays(fn, args + 3, args + 12, t, 3, oshape, q, k, v, &g)) {
         free(blocks);
         return NULL;
     }
     const pa_kernels *K = kernels_for(t);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = K->moba_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v), PyArray_DATA(o),
-                          PyArray_DATA(lse), PyArray_DATA(dout), dlse ? PyArray_DATA(dlse) : NULL,
-                          PyArray_DATA(choice), PyArray_DATA(dq), PyArray_DATA(dk),
-                          PyArray_DATA(dv));
+    rc = K->moba_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v), PyArray_DATA(g.o),
+                          PyArray_DATA(g.lse), PyArray_DATA(g.dout),
+                          g.dlse ? PyArray_DATA(g.dlse) : NULL, PyArray_DATA(choice),
+                          PyArray_DATA(g.dq), PyArray_DATA(g.dk), PyArray_DATA(g.dv));
     Py_END_ALLOW_THREADS
     free(blocks);
     return finish(rc);
