@@ -17,8 +17,8 @@ import numpy as np
 
 from . import _core
 from . import _validate as V
-from .autodiff import register_vjp
-from .softmax import _backward, _forward, _merge_weights
+from .autodiff import register_vjp, vjp
+from .softmax import _backward, _forward, merge_attention_states
 
 
 def _offsets(fn, B, Tq, Tk, cu_seqlens):
@@ -137,17 +137,16 @@ class _MobaCall:
 
 
 def _moba_forward(c):
-    """(o [rows, H, Dv], the parts (o_p [P, rows, H, Dv], lse_p [P, rows, H]): the chosen past
-    blocks, then (causal) the own block, and the merge's weights and LSE."""
+    """(o [rows, H, Dv], the chosen past blocks' part (o, lse), the own blocks' part (o, lse) or
+    None when not causal, the merge's pullback or None)."""
     rows, H, Dv = c.q.shape[0], c.H, c.Dv
-    ob, lb = np.empty((rows, H, Dv), c.q.dtype), np.empty((rows, H), c.q.dtype)
-    _core.moba_forward(c.q, c.k, c.v, *c.blocks_args(), ob, lb)
+    past = np.empty((rows, H, Dv), c.q.dtype), np.empty((rows, H), c.q.dtype)
+    _core.moba_forward(c.q, c.k, c.v, *c.blocks_args(), *past)
     if not c.causal:
-        return ob, (ob[None], lb[None], np.ones((1,) + lb.shape, lb.dtype), lb)
-    own_o, own_lse = _forward(c.q[None], c.k[None], c.v[None], c.opts(c.cu_qblocks, c.cu_blocks, True))
-    O, L = np.stack([ob, own_o[0]]), np.stack([lb, own_lse[0]])
-    lse, w = _merge_weights(L)
-    return np.einsum("prh,prhd->rhd", w, O), (O, L, w, lse)
+        return past[0], past, None, None
+    own = _forward(c.q[None], c.k[None], c.v[None], c.opts(c.cu_qblocks, c.cu_blocks, True))
+    (o, _), merge_pullback = vjp(merge_attention_states, [past[0][None], own[0]], [past[1][None], own[1]])
+    return o[0], past, own, merge_pullback
 
 
 def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
@@ -175,21 +174,22 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
 @register_vjp(moba_attention)
 def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
     c = _MobaCall(q, k, v, block_size, top_k, causal, scale, cu_seqlens)
-    o, (O, L, w, lse) = _moba_forward(c)
+    o, past, own, merge_pullback = _moba_forward(c)
 
     def pullback(do):
         arrs, _ = V.float_arrays("moba_attention pullback", q=c.q, do=do)
         do = arrs["do"]
         V.shape("moba_attention pullback", "do", do, c.shape[:3] + (c.Dv,), "[B, T, H, Dv]")
-        do = do.reshape(o.shape)
-        # the merge: o = sum_p w_p o_p, w_p = exp(lse_p - lse)
-        do_p = w[..., None] * do
-        dlse_p = w * np.einsum("rhd,prhd->prh", do, O - o)
-        dq, dk, dv = np.empty_like(c.q), np.empty_like(c.k), np.empty_like(c.v)
-        _core.moba_backward(c.q, c.k, c.v, O[0], L[0], do_p[0], dlse_p[0], *c.blocks_args(), dq, dk, dv)
+        do, dlse = do.reshape(o.shape), None
         if c.causal:
-            gq, gk, gv = _backward(c.q[None], c.k[None], c.v[None], O[1][None], L[1][None], do_p[1][None],
-                                   dlse_p[1][None], c.opts(c.cu_qblocks, c.cu_blocks, True))
+            g = merge_pullback((do[None], None))
+            (do, do_own), (dlse, dlse_own) = g["os"], g["lses"]
+            do, dlse = do[0], dlse[0]
+        dq, dk, dv = np.empty_like(c.q), np.empty_like(c.k), np.empty_like(c.v)
+        _core.moba_backward(c.q, c.k, c.v, *past, do, dlse, *c.blocks_args(), dq, dk, dv)
+        if c.causal:
+            gq, gk, gv = _backward(c.q[None], c.k[None], c.v[None], *own, do_own, dlse_own,
+                                   c.opts(c.cu_qblocks, c.cu_blocks, True))
             dq += gq[0]
             dk += gk[0]
             dv += gv[0]
