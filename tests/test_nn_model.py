@@ -113,9 +113,9 @@ def test_dsa_indexer_gradient(rng):
                 i = tuple(int(rng.integers(0, s)) for s in p.shape)
                 old = p[i]
                 p[i] = old + eps
-                up = mixer.index_distillation(x, q, k)[0]
+                up = mixer.index_distillation(mixer.indexer(x), q, k)[0]
                 p[i] = old - eps
-                down = mixer.index_distillation(x, q, k)[0]
+                down = mixer.index_distillation(mixer.indexer(x), q, k)[0]
                 p[i] = old
                 fd = (up - down) / (2 * eps)
                 assert abs(fd - g[i]) <= 1e-8 + 1e-5 * abs(fd), (layer, pname, i, fd, g[i])

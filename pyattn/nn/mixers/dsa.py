@@ -66,10 +66,9 @@ class DeepSeekSparseAttention(SoftmaxAttention):
         kc, vc, ikc = self.append_cache(cache, k=k, v=v, ik=ik)
         return dsa_attention(q, kc, vc, iq, ikc, iw, top_k=self.top_k)
 
-    def index_distillation(self, x, q, k):
+    def index_distillation(self, index, q, k):
         """(the indexer's loss, its gradient in the scores [B, T, T], the scores' pullback)
-        for input x and the main attention's rotated q, k."""
-        index = self.indexer(x)
+        for the indexer's arrays (``indexer(x)``) and the main attention's rotated q, k."""
         scores, pullback = vjp(dsa_index_scores, *index)
         chosen = dsa_select(*index, top_k=self.top_k)
         target = dsa_index_target(q, k, indices=chosen)
@@ -86,10 +85,11 @@ class DeepSeekSparseAttention(SoftmaxAttention):
 
     def backward(self, dy):
         dx = super().backward(dy)
-        self.index_loss, dscores, pullback = self.index_distillation(self.x, *self.qk)
+        self.index_loss, dscores, pullback = self.index_distillation(self.index, *self.qk)
         grads = pullback(dscores.astype(self.dtype))
-        B, T, _ = self.x.shape
-        for name, g in (("w_iq", grads["index_q"].reshape(B, T, -1)), ("w_ik", grads["index_k"]),
+        x = self.x.reshape(-1, self.x.shape[-1])
+        # the indexer's input is detached: its weights' gradients only, no dx
+        for name, g in (("w_iq", grads["index_q"]), ("w_ik", grads["index_k"]),
                         ("w_iw", grads["index_w"] * self.Hi ** -0.5)):
-            self.proj_backward(g, self.x, name)  # the indexer's input is detached: no dx
+            self.g[name] += g.reshape(x.shape[0], -1).T @ x
         return dx
