@@ -136,16 +136,19 @@ class _MobaCall:
         return (cu_q, cu_k, _core.FORM_FLASH, causal, -1, -1, 0, None, 0.0, self.scale)
 
 
-def _moba_forward(c):
+def _moba_forward(c, pullback=False):
     """(o [rows, H, Dv], the chosen past blocks' part (o, lse), the own blocks' part (o, lse) or
-    None when not causal, the merge's pullback or None)."""
+    None when not causal, the merge's pullback when asked for and causal, else None)."""
     rows, H, Dv = c.q.shape[0], c.H, c.Dv
     past = np.empty((rows, H, Dv), c.q.dtype), np.empty((rows, H), c.q.dtype)
     _core.moba_forward(c.q, c.k, c.v, *c.blocks_args(), *past)
     if not c.causal:
         return past[0], past, None, None
     own = _forward(c.q[None], c.k[None], c.v[None], c.opts(c.cu_qblocks, c.cu_blocks, True))
-    (o, _), merge_pullback = vjp(merge_attention_states, [past[0][None], own[0]], [past[1][None], own[1]])
+    parts = [past[0][None], own[0]], [past[1][None], own[1]]
+    if not pullback:
+        return merge_attention_states(*parts)[0][0], past, own, None
+    (o, _), merge_pullback = vjp(merge_attention_states, *parts)
     return o[0], past, own, merge_pullback
 
 
@@ -174,7 +177,7 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
 @register_vjp(moba_attention)
 def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
     c = _MobaCall(q, k, v, block_size, top_k, causal, scale, cu_seqlens)
-    o, past, own, merge_pullback = _moba_forward(c)
+    o, past, own, merge_pullback = _moba_forward(c, pullback=True)
 
     def pullback(do):
         arrs, _ = V.float_arrays("moba_attention pullback", q=c.q, do=do)
