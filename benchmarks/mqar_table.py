@@ -50,8 +50,14 @@ COST = {64: {"softmax": 133, "linear": 90, "retnet": 141, "mamba2": 207, "gla": 
               "deltanet": 265, "gated_deltanet": 290, "hybrid": 248}}
 
 
-def mixers_of(model: str):
-    return HYBRID if model == "hybrid" else model
+# Zoology puts a short convolution before the sequence mixer of every MQAR model; the mixers
+# that have none by default get theirs through their short_conv option.
+SHORT_CONV = ("softmax", "linear", "retnet", "gla")
+
+
+def mixers_of(model: str, layers: int):
+    names = HYBRID if model == "hybrid" else [model] * layers
+    return [(n, {"short_conv": True}) if n in SHORT_CONV else n for n in names]
 
 
 def one_run(opts) -> Dict:
@@ -68,7 +74,7 @@ def one_run(opts) -> Dict:
     train_data = pyattn.data.mqar(opts.examples, opts.seq_len, opts.kv_pairs, opts.vocab, seed=opts.seed)
     eval_data = pyattn.data.mqar(opts.eval_examples, opts.seq_len, opts.kv_pairs, opts.vocab,
                                  seed=opts.seed + 1)
-    model = HybridLM(opts.vocab, d_model, opts.layers, mixers_of(model_name), n_heads=opts.heads,
+    model = HybridLM(opts.vocab, d_model, opts.layers, mixers_of(model_name, opts.layers), n_heads=opts.heads,
                      seed=opts.seed)
     # the curve on the first 256 held-out rows; the final figure on all of them
     probe = (eval_data[0][:256], eval_data[1][:256])

@@ -23,6 +23,10 @@ MODELS["softmax_gqa_window_sinks"] = [("softmax", {"n_kv_heads": 1, "window": 5,
 MODELS["mla_absorbed"] = [("mla", {"form": "absorbed"})] * L
 MODELS["linear_normalized_taylor"] = [("linear", {"feature_map": "taylor", "normalize": True,
                                                   "chunk_size": 16})] * L
+# the mixers whose short convolutions are an option (Zoology's MQAR setting)
+SHORT_CONV = ["softmax", "linear", "retnet", "gla"]
+for name in SHORT_CONV:
+    MODELS[name + "_short_conv"] = [(name, dict(OPTIONS[name], short_conv=True))] * L
 
 
 def tiny(kind, dtype="float64", seed=0):
@@ -63,7 +67,7 @@ def test_greedy_generate_equals_repeated_forward(rng, kind):
     assert np.array_equal(out, seq)
 
 
-@pytest.mark.parametrize("kind", list(MIXERS) + ["hybrid"])
+@pytest.mark.parametrize("kind", list(MIXERS) + ["hybrid"] + [n + "_short_conv" for n in SHORT_CONV])
 def test_every_parameter_gradient(rng, kind):
     """Central finite differences of sum(logits * cot) at sampled entries of every
     parameter tensor, against backward's grads (float64)."""

@@ -392,6 +392,33 @@ class Mixer(Module):
         o, cache["state"] = op(*args, initial_state=cache["state"], output_final_state=True, **kwargs)
         return o
 
+    def add_qkv(self, rng, d_model: int, widths: Sequence[int], short_conv: bool) -> None:
+        """The q, k, v projections ``w_q, w_k, w_v`` (output widths ``widths``), each followed
+        by a short causal convolution (``conv_q`` ...: ShortConv, kernel 4, SiLU) when
+        ``short_conv``, as fla's ``use_short_conv``."""
+        for n, width in zip("qkv", widths):
+            self.add_param("w_" + n, normal(rng, (width, d_model)))
+        self.qkv_convs = tuple(self.add_module("conv_" + n, ShortConv(width, dtype=self.dtype, rng=rng))
+                               for n, width in zip("qkv", widths)) if short_conv else ()
+
+    def project_qkv(self, x: np.ndarray, cache: Optional[dict]):
+        """q, k, v ``[B, T, width]`` of x, through the short convolutions when there are any
+        (continuing from the cached convolution states when decoding)."""
+        xs = tuple(self.proj(x, "w_" + n) for n in "qkv")
+        return tuple(self.convs(self.qkv_convs, xs, cache)) if self.qkv_convs else xs
+
+    def project_qkv_backward(self, x: np.ndarray, *dqkv: np.ndarray) -> np.ndarray:
+        """dx of ``project_qkv`` from the gradients of q, k, v (each ``[B, T, ...]``)."""
+        B, T, _ = x.shape
+        dx = None
+        for i, (n, d) in enumerate(zip("qkv", dqkv)):
+            d = d.reshape(B, T, -1)
+            if self.qkv_convs:
+                d = self.qkv_convs[i].backward(d)
+            dxi = self.proj_backward(d, x, "w_" + n)
+            dx = dxi if dx is None else dx + dxi
+        return dx
+
     def convs(self, convs, xs, cache: Optional[dict]):
         """The short convolutions of xs, continuing from (and updating) the cached states."""
         states = [None] * len(convs) if cache is None or cache["conv"] is None else cache["conv"]

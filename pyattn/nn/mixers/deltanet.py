@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...delta import delta_rule
-from ..layers import Mixer, RMSNorm, ShortConv, linear, normal, sigmoid
+from ..layers import Mixer, RMSNorm, linear, normal, sigmoid
 
 
 class DeltaNet(Mixer):
@@ -22,18 +22,15 @@ class DeltaNet(Mixer):
         H = n_heads
         K = head_dim or d_model // H
         self.H, self.K, self.chunk_size = H, K, chunk_size
-        for name, n in (("w_q", H * K), ("w_k", H * K), ("w_v", H * K), ("w_b", H)):
-            self.add_param(name, normal(rng, (n, d_model)))
+        self.add_qkv(rng, d_model, (H * K,) * 3, short_conv=True)
+        self.add_param("w_b", normal(rng, (H, d_model)))
         self.add_param("w_o", normal(rng, (d_model, H * K), out_std))
-        self.conv_q, self.conv_k, self.conv_v = (
-            self.add_module(f"conv_{n}", ShortConv(H * K, dtype=dtype, rng=rng)) for n in "qkv")
         self.o_norm = self.add_module("o_norm", RMSNorm(K, dtype=dtype, eps=norm_eps))
 
     def _mix(self, x, cache, pos):
         B, T, _ = x.shape
         shape = (B, T, self.H, self.K)
-        q, k, v = self.convs((self.conv_q, self.conv_k, self.conv_v),
-                             (self.proj(x, "w_q"), self.proj(x, "w_k"), self.proj(x, "w_v")), cache)
+        q, k, v = self.project_qkv(x, cache)
         beta = sigmoid(self.proj(x, "w_b"))
         o = self.run_op(delta_rule, (q.reshape(shape), k.reshape(shape), v.reshape(shape), beta),
                         dict(qk_l2norm=True, chunk_size=self.chunk_size), cache)
@@ -47,7 +44,4 @@ class DeltaNet(Mixer):
         don = self.proj_backward(dy, on, "w_o")
         gr = self.pullback(self.o_norm.backward(don.reshape(B, T, self.H, self.K)))
         dx = self.proj_backward(gr["beta"] * beta * (1 - beta), x, "w_b")
-        for conv, name, d in ((self.conv_q, "w_q", gr["q"]), (self.conv_k, "w_k", gr["k"]),
-                              (self.conv_v, "w_v", gr["v"])):
-            dx += self.proj_backward(conv.backward(d.reshape(B, T, -1)), x, name)
-        return dx
+        return dx + self.project_qkv_backward(x, gr["q"], gr["k"], gr["v"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...delta import gated_delta_rule
-from ..layers import (Mixer, RMSNorm, ShortConv, linear, normal, sigmoid, softplus)
+from ..layers import Mixer, RMSNorm, linear, normal, sigmoid, softplus
 
 
 def dt_bias_init(rng, H):
@@ -37,22 +37,18 @@ class GatedDeltaNet(Mixer):
         K = head_dim or d_model // H
         Vd = int(K * expand_v)
         self.H, self.K, self.Vd, self.chunk_size = H, K, Vd, chunk_size
-        for name, n in (("w_q", H * K), ("w_k", H * K), ("w_v", H * Vd), ("w_a", H), ("w_b", H),
-                        ("w_g", H * Vd)):
+        self.add_qkv(rng, d_model, (H * K, H * K, H * Vd), short_conv=True)
+        for name, n in (("w_a", H), ("w_b", H), ("w_g", H * Vd)):
             self.add_param(name, normal(rng, (n, d_model)))
         self.add_param("w_o", normal(rng, (d_model, H * Vd), out_std))
         self.add_param("A_log", np.log(rng.uniform(0, 16, H)))
         self.add_param("dt_bias", dt_bias_init(rng, H))
-        self.conv_q = self.add_module("conv_q", ShortConv(H * K, dtype=dtype, rng=rng))
-        self.conv_k = self.add_module("conv_k", ShortConv(H * K, dtype=dtype, rng=rng))
-        self.conv_v = self.add_module("conv_v", ShortConv(H * Vd, dtype=dtype, rng=rng))
         self.o_norm = self.add_module("o_norm", RMSNorm(Vd, dtype=dtype, eps=norm_eps, gated=True))
 
     def _mix(self, x, cache, pos):
         B, T, _ = x.shape
         H, K, Vd = self.H, self.K, self.Vd
-        q, k, v = self.convs((self.conv_q, self.conv_k, self.conv_v),
-                             (self.proj(x, "w_q"), self.proj(x, "w_k"), self.proj(x, "w_v")), cache)
+        q, k, v = self.project_qkv(x, cache)
         a, b = self.proj(x, "w_a"), self.proj(x, "w_b")
         A = -np.exp(self.p["A_log"])
         sp = softplus(a + self.p["dt_bias"])
@@ -77,7 +73,4 @@ class GatedDeltaNet(Mixer):
         da = dg * A * sigmoid(a + self.p["dt_bias"])
         self.g["dt_bias"] += da.sum(axis=(0, 1))
         dx += self.proj_backward(da, x, "w_a")
-        for conv, name, d in ((self.conv_q, "w_q", gr["q"]), (self.conv_k, "w_k", gr["k"]),
-                              (self.conv_v, "w_v", gr["v"])):
-            dx += self.proj_backward(conv.backward(d.reshape(B, T, -1)), x, name)
-        return dx
+        return dx + self.project_qkv_backward(x, gr["q"], gr["k"], gr["v"])

@@ -16,19 +16,22 @@ class GatedLinearAttention(Mixer):
     swish output gate).
 
     Options: ``expand_k`` (0.5), ``expand_v`` (1), ``gate_low_rank_dim`` (16),
-    ``gate_logit_normalizer`` (16), ``norm_eps`` (1e-5), ``chunk_size`` (64). Differs from
-    fla: no short-convolution, feature-map, ``clamp_min`` or KV-group options.
+    ``gate_logit_normalizer`` (16), ``norm_eps`` (1e-5), ``chunk_size`` (64), ``short_conv``
+    (False, as fla's ``use_short_conv``: a short causal convolution, kernel 4 with SiLU,
+    after each of the q, k, v projections). Differs from fla: no feature-map, ``clamp_min``
+    or KV-group options.
     """
 
     def __init__(self, d_model, n_heads, *, dtype, rng, out_std, expand_k=0.5, expand_v=1.0,
-                 gate_low_rank_dim=16, gate_logit_normalizer=16, norm_eps=1e-5, chunk_size=64):
+                 gate_low_rank_dim=16, gate_logit_normalizer=16, norm_eps=1e-5, chunk_size=64,
+                 short_conv=False):
         super().__init__(dtype)
         H = n_heads
         K, Vd = int(d_model * expand_k) // H, int(d_model * expand_v) // H
         self.H, self.K, self.Vd, self.chunk_size = H, K, Vd, chunk_size
         self.normalizer = gate_logit_normalizer
-        for name, n in (("w_q", H * K), ("w_k", H * K), ("w_v", H * Vd), ("w_g", H * Vd),
-                        ("w_gk1", gate_low_rank_dim)):
+        self.add_qkv(rng, d_model, (H * K, H * K, H * Vd), short_conv)
+        for name, n in (("w_g", H * Vd), ("w_gk1", gate_low_rank_dim)):
             self.add_param(name, normal(rng, (n, d_model)))
         self.add_param("w_gk2", normal(rng, (H * K, gate_low_rank_dim)))
         self.add_param("b_gk", np.zeros(H * K))
@@ -38,7 +41,7 @@ class GatedLinearAttention(Mixer):
     def _mix(self, x, cache, pos):
         B, T, _ = x.shape
         H, K, Vd = self.H, self.K, self.Vd
-        q, k, v = (self.proj(x, n) for n in ("w_q", "w_k", "w_v"))
+        q, k, v = self.project_qkv(x, cache)
         low = self.proj(x, "w_gk1")
         gk = linear(low, self.p["w_gk2"]) + self.p["b_gk"]
         g = (logsigmoid(gk) / self.normalizer).reshape(B, T, H, K)
@@ -59,6 +62,4 @@ class GatedLinearAttention(Mixer):
         self.g["b_gk"] += dgk.sum(axis=(0, 1))
         dlow = linear_backward(dgk, low, self.p["w_gk2"], self.g["w_gk2"])
         dx += self.proj_backward(dlow, x, "w_gk1")
-        for name in ("q", "k", "v"):
-            dx += self.proj_backward(gr[name].reshape(B, T, -1), x, "w_" + name)
-        return dx
+        return dx + self.project_qkv_backward(x, gr["q"], gr["k"], gr["v"])

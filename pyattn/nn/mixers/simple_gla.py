@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...linear import simple_gla
-from ..layers import Mixer, RMSNorm, ShortConv, linear, logsigmoid, normal, sigmoid
+from ..layers import Mixer, RMSNorm, linear, logsigmoid, normal, sigmoid
 
 
 class SimpleGLA(Mixer):
@@ -26,19 +26,17 @@ class SimpleGLA(Mixer):
         H = n_heads
         K = head_dim or d_model // H
         self.H, self.K, self.chunk_size, self.normalizer = H, K, chunk_size, gate_logit_normalizer
-        for name, n in (("w_q", H * K), ("w_k", H * K), ("w_v", H * K), ("w_gk", H), ("w_g", H * K)):
+        self.add_qkv(rng, d_model, (H * K,) * 3, short_conv=True)
+        for name, n in (("w_gk", H), ("w_g", H * K)):
             self.add_param(name, normal(rng, (n, d_model)))
         self.add_param("b_gk", np.zeros(H))
         self.add_param("w_o", normal(rng, (d_model, H * K), out_std))
-        self.conv_q, self.conv_k, self.conv_v = (
-            self.add_module(f"conv_{n}", ShortConv(H * K, dtype=dtype, rng=rng)) for n in "qkv")
         self.o_norm = self.add_module("o_norm", RMSNorm(K, dtype=dtype, eps=norm_eps, gated=True))
 
     def _mix(self, x, cache, pos):
         B, T, _ = x.shape
         shape = (B, T, self.H, self.K)
-        q, k, v = self.convs((self.conv_q, self.conv_k, self.conv_v),
-                             (self.proj(x, "w_q"), self.proj(x, "w_k"), self.proj(x, "w_v")), cache)
+        q, k, v = self.project_qkv(x, cache)
         gk = self.proj(x, "w_gk") + self.p["b_gk"]
         g = logsigmoid(gk) / self.normalizer
         o = self.run_op(simple_gla, (q.reshape(shape), k.reshape(shape), v.reshape(shape), g),
@@ -57,7 +55,4 @@ class SimpleGLA(Mixer):
         dgk = gr["g"] * sigmoid(-gk) / self.normalizer
         self.g["b_gk"] += dgk.sum(axis=(0, 1))
         dx += self.proj_backward(dgk, x, "w_gk")
-        for conv, name, d in ((self.conv_q, "w_q", gr["q"]), (self.conv_k, "w_k", gr["k"]),
-                              (self.conv_v, "w_v", gr["v"])):
-            dx += self.proj_backward(conv.backward(d.reshape(B, T, -1)), x, name)
-        return dx
+        return dx + self.project_qkv_backward(x, gr["q"], gr["k"], gr["v"])

@@ -16,7 +16,10 @@ class SoftmaxAttention(Mixer):
     Options: ``n_kv_heads`` (default n_heads), ``head_dim`` (default d_model / n_heads),
     ``window`` (each query sees itself and the ``window - 1`` keys before it, fla's
     ``window_size``; default unbounded), ``sinks`` (the first ``sinks`` keys stay visible
-    to every query, StreamingLLM's attention sinks), ``rope_theta`` (10000).
+    to every query, StreamingLLM's attention sinks), ``rope_theta`` (10000), ``short_conv``
+    (False, as fla's attention layer; True puts a short causal convolution, kernel 4 with
+    SiLU, after each of the q, k, v projections, as the convolution that Zoology's MQAR
+    models put before every mixer; decoding then carries its state).
 
     Decoding keeps a preallocated KV cache per layer (``[B, max_len, Hk, D]``, doubled when a
     step would overflow it): ``pyattn.attention_with_kvcache`` writes each step's keys into it
@@ -25,7 +28,7 @@ class SoftmaxAttention(Mixer):
     """
 
     def __init__(self, d_model, n_heads, *, dtype, rng, out_std, n_kv_heads=None, head_dim=None,
-                 window=None, sinks=0, rope_theta=10000.0):
+                 window=None, sinks=0, rope_theta=10000.0, short_conv=False):
         super().__init__(dtype)
         H = n_heads
         Hk = n_kv_heads or H
@@ -33,22 +36,22 @@ class SoftmaxAttention(Mixer):
             raise ValueError(f"softmax mixer: n_kv_heads={Hk} must divide n_heads={H}")
         D = head_dim or d_model // H
         self.H, self.Hk, self.D = H, Hk, D
-        self.add_param("w_q", normal(rng, (H * D, d_model)))
-        self.add_param("w_k", normal(rng, (Hk * D, d_model)))
-        self.add_param("w_v", normal(rng, (Hk * D, d_model)))
+        self.add_qkv(rng, d_model, (H * D, Hk * D, Hk * D), short_conv)
         self.add_param("w_o", normal(rng, (d_model, H * D), out_std))
         self.rotary = Rotary(D, rope_theta)
         self.mask = dict(causal=True, window=None if window is None else (window - 1, 0), sinks=sinks)
 
     def new_cache(self, batch, max_len):
         shape = (batch, max_len, self.Hk, self.D)
-        return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0}
+        return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0,
+                "conv": None}
 
     def _mix(self, x, cache, pos):
         B, T, _ = x.shape
-        q = self.proj(x, "w_q").reshape(B, T, self.H, self.D)
-        k = self.proj(x, "w_k").reshape(B, T, self.Hk, self.D)
-        v = self.proj(x, "w_v").reshape(B, T, self.Hk, self.D)
+        q, k, v = self.project_qkv(x, cache)
+        q = q.reshape(B, T, self.H, self.D)
+        k = k.reshape(B, T, self.Hk, self.D)
+        v = v.reshape(B, T, self.Hk, self.D)
         q, k = self.rotary.forward(np.arange(pos, pos + T), q, k)
         if cache is None:
             o, self.pullback = self.attention_vjp(q, k, v)
@@ -89,7 +92,4 @@ class SoftmaxAttention(Mixer):
         don = self.proj_backward(dy, self.on, "w_o")
         gr = self.pullback(don.reshape(B, T, self.H, self.D))
         dq, dk = self.rotary.backward(gr["q"], gr["k"])
-        dx = self.proj_backward(dq.reshape(B, T, -1), self.x, "w_q")
-        dx += self.proj_backward(dk.reshape(B, T, -1), self.x, "w_k")
-        dx += self.proj_backward(gr["v"].reshape(B, T, -1), self.x, "w_v")
-        return dx
+        return self.project_qkv_backward(self.x, dq, dk, gr["v"])
