@@ -51,11 +51,14 @@ typedef struct {
  * Hk, Dv], its keys in blocks of block_size (the last maybe shorter), global blocks
  * first_block[n] .. first_block[n+1]-1 (block_seq: each global block's sequence). choice
  * int32 [rows_q, H, slots]: the blocks (of its sequence, 0-based) each (query, head) attends
- * to whole, -1 for none. */
+ * to whole, -1 for none. causal: every query also attends to its own block (the one holding
+ * its position; the queries are the last of their sequence's keys), up to itself; its
+ * choices then lie before that block. */
 typedef struct {
     int64_t nseq;
     const int64_t *cu_q, *cu_k, *first_block, *block_seq;
     int64_t H, Hk, Dk, Dv, block_size, slots;
+    int causal;
     double scale;
 } pa_moba_desc;
 

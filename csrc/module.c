@@ -559,17 +559,24 @@ static int moba_desc(const char *fn, PyObject *const *a, PyObject *const *c, int
     d->Dv = PyArray_DIM(*v, 2);
     d->slots = PyArray_DIM(*choice, 2);
     int64_t nk;
-    long long bs;
+    long long bs, causal;
     if (!(d->cu_q = get_cu(fn, "cu_q", c[1], Rq, &d->nseq)) ||
         !(d->cu_k = get_cu(fn, "cu_k", c[2], PyArray_DIM(*k, 0), &nk)) ||
-        get_int(fn, "block_size", c[3], 1, INT32_MAX, &bs) ||
-        get_double(fn, "scale", c[4], -INFINITY, &d->scale))
+        get_int(fn, "block_size", c[3], 1, INT32_MAX, &bs) || get_int(fn, "causal", c[4], 0, 1, &causal) ||
+        get_double(fn, "scale", c[5], -INFINITY, &d->scale))
         return -1;
     d->block_size = bs;
+    d->causal = (int)causal;
     if (nk != d->nseq) {
         PyErr_Format(PyExc_ValueError, "%s(): cu_q and cu_k must have the same length", fn);
         return -1;
     }
+    for (int64_t n = 0; n < d->nseq; n++)
+        if (d->cu_q[n + 1] - d->cu_q[n] > d->cu_k[n + 1] - d->cu_k[n]) {
+            PyErr_Format(PyExc_ValueError, "%s(): sequence %lld has more queries than keys", fn,
+                         (long long)n);
+            return -1;
+        }
     int64_t nb = 0;
     for (int64_t n = 0; n < d->nseq; n++) nb += (d->cu_k[n + 1] - d->cu_k[n] + bs - 1) / bs;
     int64_t *mem = malloc(sizeof(int64_t) * (d->nseq + 1 + nb + 1));
@@ -584,35 +591,41 @@ static int moba_desc(const char *fn, PyObject *const *a, PyObject *const *c, int
         for (int64_t b = first[n]; b < first[n + 1]; b++) seq[b] = n;
     }
     const int32_t *ch = PyArray_DATA(*choice);
-    for (int64_t n = 0; n < d->nseq; n++)
-        for (int64_t x = d->cu_q[n] * H * d->slots; x < d->cu_q[n + 1] * H * d->slots; x++)
-            if (ch[x] < -1 || ch[x] >= first[n + 1] - first[n]) {
+    const int64_t per_row = H * d->slots;
+    for (int64_t n = 0; n < d->nseq; n++) {
+        const int64_t lag = (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
+        for (int64_t x = d->cu_q[n] * per_row; x < d->cu_q[n + 1] * per_row; x++) {
+            /* causal: only the blocks before the query's own */
+            const int64_t limit = causal ? (x / per_row - d->cu_q[n] + lag) / bs : first[n + 1] - first[n];
+            if (ch[x] < -1 || ch[x] >= limit) {
                 PyErr_Format(PyExc_ValueError,
                              "%s(): 'choice' holds block %d for a query of sequence %lld, which "
-                             "has %lld blocks",
-                             fn, (int)ch[x], (long long)n, (long long)(first[n + 1] - first[n]));
+                             "may choose blocks below %lld",
+                             fn, (int)ch[x], (long long)n, (long long)limit);
                 free(mem);
                 return -1;
             }
+        }
+    }
     d->first_block = first;
     d->block_seq = seq;
     *blocks = mem;
     return 0;
 }
 
-/* moba_forward(q, k, v, choice, cu_q, cu_k, block_size, scale, o, lse) */
+/* moba_forward(q, k, v, choice, cu_q, cu_k, block_size, causal, scale, o, lse) */
 static PyObject *py_moba_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "moba_forward";
-    if (expect_nargs(fn, nargs, 10)) return NULL;
+    if (expect_nargs(fn, nargs, 11)) return NULL;
     int t;
     PyArrayObject *q, *k, *v, *choice;
     pa_moba_desc d;
     int64_t *blocks;
     if (moba_desc(fn, args, args + 3, &t, &q, &k, &v, &choice, &d, &blocks)) return NULL;
     npy_intp oshape[3] = {PyArray_DIM(q, 0), d.H, d.Dv};
-    PyArrayObject *o = get_array(fn, "o", args[8], t, 3, oshape, 1);
-    PyArrayObject *lse = o ? get_array(fn, "lse", args[9], t, 2, oshape, 1) : NULL;
+    PyArrayObject *o = get_array(fn, "o", args[9], t, 3, oshape, 1);
+    PyArrayObject *lse = o ? get_array(fn, "lse", args[10], t, 2, oshape, 1) : NULL;
     if (!lse) {
         free(blocks);
         return NULL;
@@ -627,12 +640,12 @@ static PyObject *py_moba_forward(PyObject *self, PyObject *const *args, Py_ssize
     return finish(rc);
 }
 
-/* moba_backward(q, k, v, o, lse, do, dlse_or_None, choice, cu_q, cu_k, block_size, scale, dq,
- *               dk, dv) */
+/* moba_backward(q, k, v, o, lse, do, dlse_or_None, choice, cu_q, cu_k, block_size, causal,
+ *               scale, dq, dk, dv) */
 static PyObject *py_moba_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "moba_backward";
-    if (expect_nargs(fn, nargs, 15)) return NULL;
+    if (expect_nargs(fn, nargs, 16)) return NULL;
     int t;
     PyArrayObject *q, *k, *v, *choice;
     pa_moba_desc d;
@@ -640,7 +653,7 @@ static PyObject *py_moba_backward(PyObject *self, PyObject *const *args, Py_ssiz
     if (moba_desc(fn, args, args + 7, &t, &q, &k, &v, &choice, &d, &blocks)) return NULL;
     npy_intp oshape[3] = {PyArray_DIM(q, 0), d.H, d.Dv};
     attn_grads g;
-    if (attn_grad_arrays(fn, args + 3, args + 12, t, 3, oshape, q, k, v, &g)) {
+    if (attn_grad_arrays(fn, args + 3, args + 13, t, 3, oshape, q, k, v, &g)) {
         free(blocks);
         return NULL;
     }

@@ -69,16 +69,18 @@ def dsa_select(
 
 def moba_forward(
     q: _Float, k: _Float, v: _Float, choice: npt.NDArray[np.int32], cu_q: _Int64, cu_k: _Int64,
-    block_size: int, scale: float, o: _Float, lse: _Float, /,
+    block_size: int, causal: bool, scale: float, o: _Float, lse: _Float, /,
 ) -> None:
     """Each (query, head) of q [Rq, H, Dk] attends to the whole key blocks (of block_size rows
     of its sequence: cu_q, cu_k) listed in choice int32 [Rq, H, slots] (-1: none) of k [Rk, Hk,
-    Dk], v [Rk, Hk, Dv]; writes o [Rq, H, Dv] and lse [Rq, H] (0 and -inf where none)."""
+    Dk], v [Rk, Hk, Dv], and, when causal, to its own block up to its position (the queries
+    are the last of their sequence's keys; the choices then lie before the own block);
+    writes o [Rq, H, Dv] and lse [Rq, H] (0 and -inf where none)."""
 
 def moba_backward(
     q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, do: _Float, dlse: Optional[_Float],
-    choice: npt.NDArray[np.int32], cu_q: _Int64, cu_k: _Int64, block_size: int, scale: float,
-    dq: _Float, dk: _Float, dv: _Float, /,
+    choice: npt.NDArray[np.int32], cu_q: _Int64, cu_k: _Int64, block_size: int, causal: bool,
+    scale: float, dq: _Float, dk: _Float, dv: _Float, /,
 ) -> None:
     """The backward of moba_forward: writes dq, dk, dv (keys no query chose get 0)."""
 

@@ -5,11 +5,9 @@ the flash kernel, the decode kernel over listed key rows, or MoBA's block kernel
 a score matrix.
 
 A MoBA query attends to a few key blocks: its own (causal inside it) and the past blocks
-whose mean key best matches it. Two kernel calls: the block kernel (_core.moba_forward) over
-each (query, head)'s chosen past blocks, whole, with one online softmax across them; and a
-causal flash call over the blocks themselves (each query's own block). The two parts merge
-by their log-sum-exps, as merge_attention_states does; the backward runs both kernels'
-backwards.
+whose mean key best matches it. One kernel call each way: the block kernel
+(_core.moba_forward) runs each (query, head)'s chosen past blocks whole and its own block up
+to its position, with one online softmax across them; _core.moba_backward is its backward.
 """
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ import numpy as np
 from . import _core
 from . import _validate as V
 from .autodiff import register_vjp, vjp
-from .softmax import _backward, _forward, merge_attention_states
+from .softmax import _backward, _forward
 
 
 def _offsets(fn, B, Tq, Tk, cu_seqlens):
@@ -61,8 +59,8 @@ def _positions(cu_q, cu_k):
 
 
 class _MobaCall:
-    """A moba_attention call checked, its blocks, the chosen (query, head, block) pairs, the
-    block kernel's choice array and the own-block flash call's rows."""
+    """A moba_attention call checked, its blocks, the chosen (query, head, block) pairs and the
+    kernel's choice array."""
 
     def __init__(self, q, k, v, block_size, top_k, causal, scale, cu_seqlens):
         fn = "moba_attention"
@@ -115,41 +113,23 @@ class _MobaCall:
         self.slots = max(self.top_k - 1, 0) if self.causal else self.top_k
 
     def _pack(self):
-        """The block kernel's choice [rows, H, slots] (block of the sequence, -1 for none), and
-        the own-block flash call's rows: block j's keys, and the queries whose position lies
-        in it."""
+        """The kernel's choice [rows, H, slots] (block of the sequence, -1 for none; causal:
+        the past blocks, the own block being the kernel's to add)."""
         seq_of_row = np.repeat(np.arange(len(self.cu_q) - 1), np.diff(self.cu_q))
         self.choice = np.full((self.q.shape[0], self.H, max(self.slots, 1)), -1, np.int32)
         self.choice[self.row, self.head, self.slot] = self.block - self.first_block[seq_of_row[self.row]]
-        self.cu_blocks = np.append(self.bstart, self.k.shape[0]).astype(np.int64)
-        seq = np.repeat(np.arange(len(self.cu) - 1), np.diff(self.first_block))
-        lag = (self.cu[seq + 1] - self.cu[seq]) - (self.cu_q[seq + 1] - self.cu_q[seq])
-        first_query = np.clip(self.bstart - self.cu[seq] - lag, 0, self.cu_q[seq + 1] - self.cu_q[seq])
-        self.cu_qblocks = np.append(self.cu_q[seq] + first_query, self.q.shape[0]).astype(np.int64)
 
     def blocks_args(self):
-        """The block kernel's arguments after q, k, v."""
-        return self.choice, self.cu_q, self.cu, self.bs, self.scale
-
-    def opts(self, cu_q, cu_k, causal):
-        """The flash call's options over the packed rows cu_q, cu_k."""
-        return (cu_q, cu_k, _core.FORM_FLASH, causal, -1, -1, 0, None, 0.0, self.scale)
+        """The kernel's arguments after q, k, v."""
+        return self.choice, self.cu_q, self.cu, self.bs, self.causal, self.scale
 
 
-def _moba_forward(c, pullback=False):
-    """(o [rows, H, Dv], the chosen past blocks' part (o, lse), the own blocks' part (o, lse) or
-    None when not causal, the merge's pullback when asked for and causal, else None)."""
+def _moba_forward(c):
+    """(o [rows, H, Dv], lse [rows, H])."""
     rows, H, Dv = c.q.shape[0], c.H, c.Dv
-    past = np.empty((rows, H, Dv), c.q.dtype), np.empty((rows, H), c.q.dtype)
-    _core.moba_forward(c.q, c.k, c.v, *c.blocks_args(), *past)
-    if not c.causal:
-        return past[0], past, None, None
-    own = _forward(c.q[None], c.k[None], c.v[None], c.opts(c.cu_qblocks, c.cu_blocks, True))
-    parts = [past[0][None], own[0]], [past[1][None], own[1]]
-    if not pullback:
-        return merge_attention_states(*parts)[0][0], past, own, None
-    (o, _), merge_pullback = vjp(merge_attention_states, *parts)
-    return o[0], past, own, merge_pullback
+    o, lse = np.empty((rows, H, Dv), c.q.dtype), np.empty((rows, H), c.q.dtype)
+    _core.moba_forward(c.q, c.k, c.v, *c.blocks_args(), o, lse)
+    return o, lse
 
 
 def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
@@ -177,25 +157,15 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
 @register_vjp(moba_attention)
 def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
     c = _MobaCall(q, k, v, block_size, top_k, causal, scale, cu_seqlens)
-    o, past, own, merge_pullback = _moba_forward(c, pullback=True)
+    o, lse = _moba_forward(c)
 
     def pullback(do):
         arrs, _ = V.float_arrays("moba_attention pullback", q=c.q, do=do)
         do = arrs["do"]
         V.shape("moba_attention pullback", "do", do, c.shape[:3] + (c.Dv,), "[B, T, H, Dv]")
-        do, dlse = do.reshape(o.shape), None
-        if c.causal:
-            g = merge_pullback((do[None], None))
-            (do, do_own), (dlse, dlse_own) = g["os"], g["lses"]
-            do, dlse = do[0], dlse[0]
         dq, dk, dv = np.empty_like(c.q), np.empty_like(c.k), np.empty_like(c.v)
-        _core.moba_backward(c.q, c.k, c.v, *past, do, dlse, *c.blocks_args(), dq, dk, dv)
-        if c.causal:
-            gq, gk, gv = _backward(c.q[None], c.k[None], c.v[None], *own, do_own, dlse_own,
-                                   c.opts(c.cu_qblocks, c.cu_blocks, True))
-            dq += gq[0]
-            dk += gk[0]
-            dv += gv[0]
+        _core.moba_backward(c.q, c.k, c.v, o, lse, do.reshape(o.shape), None, *c.blocks_args(),
+                            dq, dk, dv)
         B, Tq = c.shape[:2]
         return {"q": dq.reshape(B, Tq, c.H, c.D), "k": dk.reshape(B, -1, c.Hk, c.D),
                 "v": dv.reshape(B, -1, c.Hk, c.Dv)}

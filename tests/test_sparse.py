@@ -1007,8 +1007,9 @@ def test_dsa_index_target_keeps_only_visible_listed_keys(rng):
     assert np.all(np.triu(P[0], 1) == 0)
 
 
-def _literal_blocks(q, k, v, choice, cu, bs, scale):
-    """Each (row, head) attends to the whole blocks it lists: o and lse, literally."""
+def _literal_blocks(q, k, v, choice, cu, bs, scale, causal):
+    """Each (row, head) attends to the whole blocks it lists and, causal, to its own block up
+    to itself: o and lse, literally."""
     R, H, _ = q.shape
     G = H // k.shape[1]
     o, lse = np.zeros((R, H, v.shape[2])), np.full((R, H), -np.inf)
@@ -1017,6 +1018,8 @@ def _literal_blocks(q, k, v, choice, cu, bs, scale):
             for h in range(H):
                 keys = [x for j in choice[r, h] if j >= 0
                         for x in range(cu[n] + j * bs, min(cu[n] + (j + 1) * bs, cu[n + 1]))]
+                if causal:
+                    keys += list(range(cu[n] + (r - cu[n]) // bs * bs, r + 1))
                 if keys:
                     s = scale * k[keys, h // G] @ q[r, h]
                     p = np.exp(s - s.max())
@@ -1025,10 +1028,12 @@ def _literal_blocks(q, k, v, choice, cu, bs, scale):
     return o, lse
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("cu, H, Hk, bs", [([0, 23], 4, 2, 5), ([0, 9, 9, 26], 2, 1, 4)])
-def test_moba_block_kernel(rng, cu, H, Hk, bs):
-    """_core.moba_forward against the literal block attention (rows choosing no block: 0 and
-    -inf), and moba_backward against central differences of sum(o do) + sum(lse dlse)."""
+def test_moba_block_kernel(rng, cu, H, Hk, bs, causal):
+    """_core.moba_forward against the literal block attention (rows choosing no block and not
+    causal: 0 and -inf), and moba_backward against central differences of sum(o do) +
+    sum(lse dlse)."""
     cu = np.array(cu, np.int64)
     T, D, Dv, S = cu[-1], 4, 3, 2
     q, k, v = rng.standard_normal((T, H, D)), rng.standard_normal((T, Hk, D)), rng.standard_normal((T, Hk, Dv))
@@ -1037,22 +1042,22 @@ def test_moba_block_kernel(rng, cu, H, Hk, bs):
         nb = -(-(cu[n + 1] - cu[n]) // bs)
         for r in range(cu[n], cu[n + 1]):
             for h in range(H):
-                c = rng.permutation(nb)[:rng.integers(0, S + 1)]
+                c = rng.permutation((r - cu[n]) // bs if causal else nb)[:rng.integers(0, S + 1)]
                 choice[r, h, :len(c)] = c
     scale = D ** -0.5
 
     def run():
         o, lse = np.empty((T, H, Dv)), np.empty((T, H))
-        _core.moba_forward(q, k, v, choice, cu, cu, bs, scale, o, lse)
+        _core.moba_forward(q, k, v, choice, cu, cu, bs, causal, scale, o, lse)
         return o, lse
 
     o, lse = run()
-    ro, rl = _literal_blocks(q, k, v, choice, cu, bs, scale)
+    ro, rl = _literal_blocks(q, k, v, choice, cu, bs, scale, causal)
     assert_close(o, ro)
     assert_close(lse, rl)
     do, dlse = rng.standard_normal(o.shape), rng.standard_normal(lse.shape)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    _core.moba_backward(q, k, v, o, lse, do, dlse, choice, cu, cu, bs, scale, dq, dk, dv)
+    _core.moba_backward(q, k, v, o, lse, do, dlse, choice, cu, cu, bs, causal, scale, dq, dk, dv)
 
     def loss():
         oo, ll = run()
@@ -1068,8 +1073,14 @@ def test_moba_block_kernel_checks_choice(rng):
     choice = np.zeros((8, 2, 1), np.int32)
     choice[3, 1, 0] = 2  # blocks of 4: the sequence has 2
     o, lse = np.empty((8, 2, 4)), np.empty((8, 2))
-    with pytest.raises(ValueError, match="'choice' holds block 2 for a query of sequence 0, which has 2 blocks"):
-        _core.moba_forward(q, k, v, choice, cu, cu, 4, 0.5, o, lse)
+    with pytest.raises(ValueError, match="'choice' holds block 2 for a query of sequence 0, which may "
+                                         "choose blocks below 2"):
+        _core.moba_forward(q, k, v, choice, cu, cu, 4, False, 0.5, o, lse)
+    choice[:] = -1
+    choice[5, 0, 0] = 1  # causal: row 5 lies in block 1, its own
+    with pytest.raises(ValueError, match="'choice' holds block 1 for a query of sequence 0, which may "
+                                         "choose blocks below 1"):
+        _core.moba_forward(q, k, v, choice, cu, cu, 4, True, 0.5, o, lse)
 
 
 @pytest.mark.parametrize("H, Hk, D, nk", [(8, 1, 32, 37), (8, 2, 16, 64), (4, 1, 64, 9)])
@@ -1105,3 +1116,51 @@ def test_nsa_selection_in_slabs(rng, monkeypatch):
     g = [rng.uniform(0, 1, (1, 23, 4)) for _ in range(3)]
     kw = dict(block_size=3, block_count=3, window=2, cu_seqlens=np.array([0, 10, 23]))
     assert_close(pyattn.nsa_attention(q, k, v, *g, **kw), reference.nsa_attention(q, k, v, *g, **kw))
+
+
+def test_moba_own_block_keeps_nan_to_who_sees_it(rng):
+    """Inside the causal own block a masked pair is an exact 0 in the kernel's GEMMs; a NaN
+    there reaches only the queries (keys) that see it. A NaN key and value at the last
+    position: every earlier query's output and dq are those of a finite input. A NaN query
+    at the first position of a block: the later keys of that block keep finite dk and dv."""
+    T, bs = 12, 4
+    q, k, v, do = (rng.standard_normal((1, T, 2, 3)) for _ in range(4))
+    opts = dict(block_size=bs, top_k=2)
+    o, pb = pyattn.vjp(pyattn.moba_attention, q, k, v, **opts)
+    g = pb(do)
+    kn, vn = k.copy(), v.copy()
+    kn[0, T - 1], vn[0, T - 1] = np.nan, np.nan
+    on, pbn = pyattn.vjp(pyattn.moba_attention, q, kn, vn, **opts)
+    gn = pbn(do)
+    assert np.all(np.isnan(on[0, T - 1]))
+    assert_close(on[:, :T - 1], o[:, :T - 1])
+    assert_close(on[:, :T - 1], pyattn.reference.moba_attention(q, kn, vn, **opts)[:, :T - 1])
+    assert_close(gn["q"][:, :T - 1], g["q"][:, :T - 1])
+    qn = q.copy()
+    qn[0, 8] = np.nan  # block 2 is keys 8..11: only key 8 is visible to query 8
+    gq = pyattn.vjp(pyattn.moba_attention, qn, k, v, **opts)[1](do)
+    assert np.all(np.isfinite(gq["k"][0, 9:])) and np.all(np.isfinite(gq["v"][0, 9:]))
+    assert np.all(np.isnan(gq["k"][0, 8]))
+
+
+def test_moba_blocks_wider_than_a_kernel_tile(rng):
+    """Blocks of 650 keys: an own block's queries and a past block's choosers (650 rows each)
+    span more than one 512-row GEMM of the kernel; forward and gradients against the oracle
+    and float64 finite differences of the op."""
+    T, bs = 1300, 650
+    q, k, v = (rng.standard_normal((1, T, 1, 4)) for _ in range(3))
+    opts = dict(block_size=bs, top_k=2)
+    o, pb = pyattn.vjp(pyattn.moba_attention, q, k, v, **opts)
+    assert_close(o, pyattn.reference.moba_attention(q, k, v, **opts))
+    do = rng.standard_normal(o.shape)
+    g = pb(do)
+    for name, x in (("q", q), ("k", k), ("v", v)) * 3:
+        i = (0, int(rng.integers(0, T)), 0, int(rng.integers(0, 4)))
+        old = x[i]
+        x[i] = old + 1e-6
+        up = np.sum(pyattn.moba_attention(q, k, v, **opts) * do)
+        x[i] = old - 1e-6
+        down = np.sum(pyattn.moba_attention(q, k, v, **opts) * do)
+        x[i] = old
+        fd = (up - down) / 2e-6
+        assert abs(fd - g[name][i]) <= 1e-7 + 1e-5 * abs(fd), (name, i, fd, g[name][i])

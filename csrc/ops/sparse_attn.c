@@ -355,25 +355,32 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
     return failed ? PA_ENOMEM : PA_OK;
 }
 
-/* MoBA's chosen blocks (moba_forward, moba_backward): every (query row, head) attends to a
- * list of whole key blocks of its sequence (the past blocks it chose; MoBA's own, causal
- * block is a flash call of its own, merged by the log-sum-exps). No mask inside a block, so
- * every product is a plain GEMM. K and V are packed once per call, per (KV head, block), in
- * each layout the GEMMs read. Forward: items (sequence, head, SB_ROWS query rows); an
- * item's queries are bucketed by chosen block, and per block the bucket's rows are gathered
- * into one GEMM against the block's keys, with the online softmax kept per query across its
- * blocks. Backward: items (KV head, block), each gathering the (query, head) pairs that
- * chose the block from a list built at the start: the item owns the block's dK and dV rows,
- * and adds dS K into the pairs' dQ rows in a buffer of its thread's (the first thread's is
- * dq), the buffers summed in thread order at the end. */
+/* MoBA (moba_forward, moba_backward): every (query row, head) attends to a list of whole
+ * key blocks of its sequence (the past blocks it chose), and, when causal, to its own block
+ * up to its position. K and V are packed once per call, per (KV head, block), in each layout
+ * the GEMMs read. Forward: items (sequence, head, SB_ITEM_ROWS query rows); an item's queries are
+ * bucketed by chosen block, and per block the bucket's rows are gathered into one GEMM
+ * against the block's keys; the own block takes the item's rows that lie in it (consecutive
+ * rows of q, no gather) against the keys up to the last of them, the keys after a row's
+ * position masked by selection; one online softmax per query across all its blocks.
+ * Backward: items (KV head, block), each over the (query, head) pairs that chose the block
+ * (a list built at the start) and the query rows whose own block it is: the item owns the
+ * block's dK and dV rows, and adds dS K into the pairs' dQ rows in a buffer of its thread's
+ * (the first thread's is dq), the buffers summed in thread order at the end. A masked pair
+ * is an exact 0 in the GEMMs of the own block, and 0 * NaN would carry a non-finite value to
+ * pairs that cannot see it: the packing notes which blocks have a non-finite K or V row,
+ * and an own block whose operands are not all finite goes pair by pair over its visible
+ * keys (sb_own_pairs_slow). */
 
-#define SB_ROWS 512
+#define SB_ROWS 512       /* rows of a GEMM: S [SB_ROWS x block] stays in L2 */
+#define SB_ITEM_ROWS 2048 /* query rows of a forward item: a block meets a few hundred of them */
 
 /* The packed operands of every (KV head, block): K^T and V^T as B operands [D x bk] (scores,
  * dP), K and V as B operands [bk x D] (dQ, P V). */
 typedef struct {
     real *kt, *vt, *kr, *vr;
     int64_t *off_kt, *off_vt, *off_kr, *off_vr; /* [Hk * nblocks + 1] */
+    unsigned char *k_finite, *v_finite;         /* [Hk * nblocks]: 1 when every row is finite */
     void *block;
 } PA_FN(sb_packs);
 
@@ -397,8 +404,10 @@ static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real
 {
     const int64_t nb = d->first_block[d->nseq], units = d->Hk * nb, Dk = d->Dk, Dv = d->Dv;
     memset(p, 0, sizeof *p);
-    int64_t *offs = malloc(sizeof(int64_t) * 4 * (units + 1));
+    int64_t *offs = malloc(sizeof(int64_t) * 4 * (units + 1) + 2 * (size_t)units + 1);
     if (!offs) return 0;
+    p->k_finite = (unsigned char *)(offs + 4 * (units + 1));
+    p->v_finite = p->k_finite + units;
     p->off_kt = offs;
     p->off_vt = offs + (units + 1);
     p->off_kr = offs + 2 * (units + 1);
@@ -432,6 +441,13 @@ static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real
         const int64_t kh = u / nb, gb = u % nb, bk = PA_FN(sb_block_len)(d, gb);
         const real *K = k + PA_FN(sb_block_row)(d, gb) * ldk + kh * Dk;
         const real *V = v + PA_FN(sb_block_row)(d, gb) * ldv + kh * Dv;
+        int kf = 1, vf = 1;
+        for (int64_t x = 0; x < bk; x++) {
+            kf &= PA_FN(sm_all_finite)(K + x * ldk, Dk);
+            vf &= PA_FN(sm_all_finite)(V + x * ldv, Dv);
+        }
+        p->k_finite[u] = (unsigned char)kf;
+        p->v_finite[u] = (unsigned char)vf;
         PA_FN(pack_b)(Dk, bk, K, 1, ldk, p->kt + p->off_kt[u]);
         if (backward) {
             PA_FN(pack_b)(Dv, bk, V, 1, ldv, p->vt + p->off_vt[u]);
@@ -450,8 +466,8 @@ static void PA_FN(sb_packs_free)(PA_FN(sb_packs) * p)
 }
 
 /* Per-thread scratch: gathered rows Q [SB_ROWS x Dk], dO [SB_ROWS x Dv], scores S and dP
- * [SB_ROWS x bs], an output T [SB_ROWS x max(Dk, Dv)], the item's accumulators O, m, l,
- * the bucketing (count per block, order), and the GEMMs' workspace. */
+ * [SB_ROWS x bs], an output T [SB_ROWS x max(Dk, Dv)], a forward item's accumulators O, m,
+ * l [SB_ITEM_ROWS], the bucketing (count per block, order), and the GEMMs' workspace. */
 typedef struct {
     real *Q, *dO, *S, *dP, *T, *O, *m, *l, *dKb, *dVb, *work;
     int64_t *cnt, *order, *pos;
@@ -460,7 +476,7 @@ typedef struct {
 
 static int PA_FN(sb_scratch_alloc)(PA_FN(sb_scratch) * s, const pa_moba_desc *d, int64_t maxnb)
 {
-    const int64_t R = SB_ROWS, bs = d->block_size, D = d->Dk > d->Dv ? d->Dk : d->Dv;
+    const int64_t R = SB_ROWS, RI = SB_ITEM_ROWS, bs = d->block_size, D = d->Dk > d->Dv ? d->Dk : d->Dv;
     const int64_t slots = d->slots > 0 ? d->slots : 1;
     int64_t w = PA_FN(gemm_work_elems)(R, bs, D), w2 = PA_FN(gemm_work_elems)(R, D, bs);
     int64_t w3 = PA_FN(gemm_work_elems)(bs, D, R);
@@ -472,11 +488,11 @@ static int PA_FN(sb_scratch_alloc)(PA_FN(sb_scratch) * s, const pa_moba_desc *d,
                       (void **)&s->order, (void **)&s->pos};
     const size_t bytes[] = {sizeof(real) * R * d->Dk,  sizeof(real) * R * d->Dv,
                             sizeof(real) * R * bs,     sizeof(real) * R * bs,
-                            sizeof(real) * R * D,      sizeof(real) * R * D,
-                            sizeof(real) * R,          sizeof(real) * R,
+                            sizeof(real) * R * D,      sizeof(real) * RI * D,
+                            sizeof(real) * RI,         sizeof(real) * RI,
                             sizeof(real) * bs * d->Dk, sizeof(real) * bs * d->Dv,
                             sizeof(real) * w,          sizeof(int64_t) * (maxnb + 1),
-                            sizeof(int64_t) * R * slots, sizeof(int64_t) * R * slots};
+                            sizeof(int64_t) * RI * slots, sizeof(int64_t) * RI * slots};
     s->block = pa_alloc_parts(parts, bytes, 14);
     return s->block != NULL;
 }
@@ -510,10 +526,49 @@ static inline int PA_FN(sb_chose)(const pa_moba_desc *d, const int32_t *choice, 
     return 0;
 }
 
+/* The query rows [ra, rb) of item rows 0 .. nr-1 (position base + r in the sequence's keys)
+ * that lie in block j, and the keys of j that row ra sees; 0 when none lie in it. */
+static inline int64_t PA_FN(sb_own_rows)(int64_t base, int64_t nr, int64_t j, int64_t bs,
+                                         int64_t *ra, int64_t *rb)
+{
+    *ra = j * bs - base > 0 ? j * bs - base : 0;
+    *rb = (j + 1) * bs - base < nr ? (j + 1) * bs - base : nr;
+    return *rb > *ra ? base + *ra - j * bs + 1 : 0;
+}
+
+/* The own block j (unit u) of the item's rows [ra, rb): S = scale Q K^T over the keys the
+ * last of them sees, the later keys of each row masked, the online softmax, O += P V. */
+static void PA_FN(sb_forward_own)(const pa_moba_desc *d, const PA_FN(sb_packs) * p,
+                                  const real *q, const real *v, int64_t h, int64_t row0,
+                                  int64_t ra, int64_t rb, int64_t vis0, int64_t u, int64_t gb,
+                                  PA_FN(sb_scratch) * s)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, kh = h / (H / Hk);
+    const int64_t mj = rb - ra, bk = vis0 + mj - 1, bkfull = PA_FN(sb_block_len)(d, gb);
+    PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, q + ((row0 + ra) * H + h) * Dk, H * Dk, 1,
+                         p->kt + p->off_kt[u], Dk * NR, 0, s->S, bk, s->work);
+    for (int64_t c = 0; c < mj; c++) {
+        const int64_t r = ra + c, vis = vis0 + c;
+        real *Sr = s->S + c * bk;
+        for (int64_t x = vis; x < bk; x++) Sr[x] = -(real)INFINITY;
+        PA_FN(sm_raise_max)(s->m + r, s->l + r, s->O + r * Dv, Dv, PA_FN(row_max)(Sr, vis));
+        s->l[r] += PA_FN(row_exp_sum)(Sr, bk, s->m[r] == -(real)INFINITY ? 0 : s->m[r]);
+    }
+    if (p->v_finite[u]) {
+        PA_FN(gemm_packed_b)(mj, Dv, bk, 1, s->S, bk, 1, p->vr + p->off_vr[u], bkfull * NR, 1,
+                             s->O + ra * Dv, Dv, s->work);
+        return;
+    }
+    const real *V = v + PA_FN(sb_block_row)(d, gb) * Hk * Dv + kh * Dv;
+    for (int64_t c = 0; c < mj; c++) /* visible keys only: no 0 * NaN from the masked ones */
+        for (int64_t x = 0; x < vis0 + c; x++)
+            PA_FN(axpy)(s->O + (ra + c) * Dv, V + x * Hk * Dv, Dv, s->S[c * bk + x]);
+}
+
 /* Forward of one item: sequence n, head h, query rows row0 .. row0+nr-1. */
 static void PA_FN(sb_forward_item)(const pa_moba_desc *d, const PA_FN(sb_packs) * p,
-                                   const real *q, const int32_t *choice, int64_t n, int64_t h,
-                                   int64_t row0, int64_t nr, real *o, real *lse,
+                                   const real *q, const real *v, const int32_t *choice, int64_t n,
+                                   int64_t h, int64_t row0, int64_t nr, real *o, real *lse,
                                    PA_FN(sb_scratch) * s)
 {
     const int64_t H = d->H, Dk = d->Dk, Dv = d->Dv, kh = h / (H / d->Hk);
@@ -524,9 +579,9 @@ static void PA_FN(sb_forward_item)(const pa_moba_desc *d, const PA_FN(sb_packs) 
     }
     memset(s->O, 0, sizeof(real) * nr * Dv);
     PA_FN(sb_bucket)(d, choice, row0, nr, h, nbs, s);
-    for (int64_t j = 0; j < nbs; j++) {
-        const int64_t a = s->cnt[j], mj = s->cnt[j + 1] - a;
-        if (!mj) continue;
+    for (int64_t j = 0; j < nbs; j++)
+    for (int64_t a = s->cnt[j]; a < s->cnt[j + 1]; a += SB_ROWS) {
+        const int64_t mj = s->cnt[j + 1] - a < SB_ROWS ? s->cnt[j + 1] - a : SB_ROWS;
         const int64_t u = kh * nb + fb + j, bk = PA_FN(sb_block_len)(d, fb + j);
         for (int64_t c = 0; c < mj; c++)
             memcpy(s->Q + c * Dk, q + ((row0 + s->order[a + c]) * H + h) * Dk, sizeof(real) * Dk);
@@ -543,21 +598,34 @@ static void PA_FN(sb_forward_item)(const pa_moba_desc *d, const PA_FN(sb_packs) 
         for (int64_t c = 0; c < mj; c++)
             PA_FN(axpy)(s->O + s->order[a + c] * Dv, s->T + c * Dv, Dv, 1);
     }
+    if (d->causal) {
+        const int64_t bs = d->block_size;
+        const int64_t base = row0 - d->cu_q[n] + (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
+        for (int64_t j = base / bs; j <= (base + nr - 1) / bs; j++) {
+            int64_t ra, rb;
+            const int64_t vis0 = PA_FN(sb_own_rows)(base, nr, j, bs, &ra, &rb);
+            if (!vis0) continue;
+            for (int64_t a = ra; a < rb; a += SB_ROWS)
+                PA_FN(sb_forward_own)(d, p, q, v, h, row0, a, rb - a < SB_ROWS ? rb : a + SB_ROWS,
+                                      vis0 + a - ra, kh * nb + fb + j, fb + j, s);
+        }
+    }
     for (int64_t r = 0; r < nr; r++) {
         const int64_t row = (row0 + r) * H + h;
         PA_FN(sm_write_row)(o + row * Dv, lse + row, s->O + r * Dv, Dv, s->m[r], s->l[r],
-                            PA_FN(sb_chose)(d, choice, row));
+                            d->causal || PA_FN(sb_chose)(d, choice, row));
     }
 }
 
-/* Items (sequence, head, SB_ROWS query rows): *count, and first[n] the first of sequence n. */
+/* Items (sequence, head, SB_ITEM_ROWS query rows): *count, and first[n] the first of
+ * sequence n. */
 static int64_t *PA_FN(sb_items)(const pa_moba_desc *d, int64_t *count)
 {
     int64_t *first = malloc(sizeof(int64_t) * (d->nseq + 1));
     if (!first) return NULL;
     first[0] = 0;
     for (int64_t n = 0; n < d->nseq; n++)
-        first[n + 1] = first[n] + (d->cu_q[n + 1] - d->cu_q[n] + SB_ROWS - 1) / SB_ROWS * d->H;
+        first[n + 1] = first[n] + (d->cu_q[n + 1] - d->cu_q[n] + SB_ITEM_ROWS - 1) / SB_ITEM_ROWS * d->H;
     *count = first[d->nseq];
     return first;
 }
@@ -584,7 +652,7 @@ static int PA_FN(moba_forward)(const pa_moba_desc *d, const void *qv, const void
         return PA_ENOMEM;
     }
     const int64_t maxnb = PA_FN(sb_max_blocks)(d);
-    double work = (double)d->cu_q[d->nseq] * (double)d->H * (double)d->slots *
+    double work = (double)d->cu_q[d->nseq] * (double)d->H * ((double)d->slots + 0.5 * d->causal) *
                   (double)d->block_size * (double)(d->Dk + d->Dv);
     int failed = 0;
 #pragma omp parallel num_threads(pa_threads_for(work, items))
@@ -596,10 +664,10 @@ static int PA_FN(moba_forward)(const pa_moba_desc *d, const void *qv, const void
         for (int64_t t = 0; t < items; t++) {
             while (t >= first[n + 1]) n++;
             const int64_t local = t - first[n], h = local % d->H, c = local / d->H;
-            const int64_t row0 = d->cu_q[n] + c * SB_ROWS, end = d->cu_q[n + 1];
+            const int64_t row0 = d->cu_q[n] + c * SB_ITEM_ROWS, end = d->cu_q[n + 1];
             if (ok)
-                PA_FN(sb_forward_item)(d, &p, q, choice, n, h, row0,
-                                       end - row0 < SB_ROWS ? end - row0 : SB_ROWS, o, lse, &s);
+                PA_FN(sb_forward_item)(d, &p, q, vv, choice, n, h, row0,
+                                       end - row0 < SB_ITEM_ROWS ? end - row0 : SB_ITEM_ROWS, o, lse, &s);
         }
         if (ok) free(s.block);
     }
@@ -608,26 +676,88 @@ static int PA_FN(moba_forward)(const pa_moba_desc *d, const void *qv, const void
     return failed ? PA_ENOMEM : PA_OK;
 }
 
-/* P = exp(S - lse) and dS = scale P (dP - D) for the mj gathered rows (their lse and D at
- * lse_of[c], D_of[c]), S and dP [mj x bk]; S becomes P, dP becomes dS. */
+/* P = exp(S - lse) and dS = scale P (dP - D) for the mj rows (their lse and D at lse_of[c],
+ * D_of[c]), S and dP [mj x bk]; S becomes P, dP becomes dS. Row c sees the first vis0 + c
+ * keys (all with vis0 >= bk); the others get an exact 0 in both. */
 static void PA_FN(sb_grad_scores)(real *S, real *dP, int64_t mj, int64_t bk, const real *lse_of,
-                                  const real *D_of, real scale)
+                                  const real *D_of, real scale, int64_t vis0)
 {
     for (int64_t c = 0; c < mj; c++) {
         real *p = S + c * bk, *dp = dP + c * bk;
-        for (int64_t x = 0; x < bk; x++) p[x] -= lse_of[c];
-        PA_FN(exp_array)(p, p, bk);
-        for (int64_t x = 0; x < bk; x++) dp[x] = scale * p[x] * (dp[x] - D_of[c]);
+        const int64_t vis = vis0 + c < bk ? vis0 + c : bk;
+        for (int64_t x = 0; x < vis; x++) p[x] -= lse_of[c];
+        PA_FN(exp_array)(p, p, vis);
+        for (int64_t x = 0; x < vis; x++) dp[x] = scale * p[x] * (dp[x] - D_of[c]);
+        for (int64_t x = vis; x < bk; x++) p[x] = dp[x] = 0;
     }
 }
 
+/* The own block's part of unit u's backward, pair by pair over the visible keys: for an own
+ * block with a non-finite K row or a non-finite row of Q or dO among its queries. */
+static void PA_FN(sb_own_pairs_slow)(const pa_moba_desc *d, const real *Q, const real *dO,
+                                     const real *K, const real *V, int64_t mj, int64_t vis0,
+                                     real *dqr, PA_FN(sb_scratch) * s)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
+    const real scale = (real)d->scale;
+    for (int64_t c = 0; c < mj; c++) {
+        const real *qc = Q + c * H * Dk, *doc = dO + c * H * Dv;
+        for (int64_t x = 0; x < vis0 + c; x++) {
+            const real *kx = K + x * Hk * Dk, *vx = V + x * Hk * Dv;
+            const real pr = (real)exp((double)(scale * PA_FN(dot)(qc, kx, Dk)) - (double)s->m[c]);
+            const real ds = scale * pr * (PA_FN(dot)(doc, vx, Dv) - s->l[c]);
+            PA_FN(axpy)(s->dVb + x * Dv, doc, Dv, pr);
+            PA_FN(axpy)(s->dKb + x * Dk, qc, Dk, ds);
+            PA_FN(axpy)(dqr + c * H * Dk, kx, Dk, ds);
+        }
+    }
+}
+
+/* The own block's part of unit u's backward: the query rows row .. row+mj-1 of head h, row c
+ * seeing the block's first vis0 + c keys; dK and dV into the unit's dKb, dVb, dS K into dq. */
+static void PA_FN(sb_own_backward)(const pa_moba_desc *d, const PA_FN(sb_packs) * p,
+                                   const real *q, const real *k, const real *v, const real *dout,
+                                   const real *lse, const real *Dr, int64_t u, int64_t h,
+                                   int64_t row, int64_t mj, int64_t vis0, real *dq,
+                                   PA_FN(sb_scratch) * s)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, nb = d->first_block[d->nseq];
+    const int64_t kh = u / nb, gb = u % nb, bkfull = PA_FN(sb_block_len)(d, gb), bk = vis0 + mj - 1;
+    const real *Q = q + (row * H + h) * Dk, *dO = dout + (row * H + h) * Dv;
+    real *dqr = dq + (row * H + h) * Dk;
+    int finite = p->k_finite[u];
+    for (int64_t c = 0; c < mj; c++) {
+        s->m[c] = lse[(row + c) * H + h];
+        s->l[c] = Dr[(row + c) * H + h];
+        finite = finite && PA_FN(sm_all_finite)(Q + c * H * Dk, Dk) &&
+                 PA_FN(sm_all_finite)(dO + c * H * Dv, Dv);
+    }
+    if (!finite) {
+        const int64_t r0 = PA_FN(sb_block_row)(d, gb);
+        PA_FN(sb_own_pairs_slow)(d, Q, dO, k + (r0 * Hk + kh) * Dk, v + (r0 * Hk + kh) * Dv, mj,
+                                 vis0, dqr, s);
+        return;
+    }
+    PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, Q, H * Dk, 1, p->kt + p->off_kt[u], Dk * NR,
+                         0, s->S, bk, s->work);
+    PA_FN(gemm_packed_b)(mj, bk, Dv, 1, dO, H * Dv, 1, p->vt + p->off_vt[u], Dv * NR, 0, s->dP,
+                         bk, s->work);
+    PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale, vis0);
+    PA_FN(gemm)(bk, Dv, mj, 1, s->S, 1, bk, dO, H * Dv, 1, 1, s->dVb, Dv, s->work);
+    PA_FN(gemm)(bk, Dk, mj, 1, s->dP, 1, bk, Q, H * Dk, 1, 1, s->dKb, Dk, s->work);
+    PA_FN(gemm_packed_b)(mj, Dk, bk, 1, s->dP, bk, 1, p->kr + p->off_kr[u], bkfull * NR, 1, dqr,
+                         H * Dk, s->work);
+}
+
 /* The backward of block unit u (KV head, block) over the (query, head) pairs that chose it,
- * pairs[0, m), SB_ROWS at a time: P and dS recomputed, dV += P^T dO, dK += dS^T Q (the
- * unit's own rows of dk, dv, written), and dS K added into the pairs' rows of dq. */
+ * pairs[0, m), SB_ROWS at a time, and (causal) the query rows whose own block it is: P and
+ * dS recomputed, dV += P^T dO, dK += dS^T Q (the unit's own rows of dk, dv, written), and dS
+ * K added into the pairs' rows of dq. */
 static void PA_FN(sb_backward_unit)(const pa_moba_desc *d, const PA_FN(sb_packs) * p,
-                                    const real *q, const real *dout, const real *lse,
-                                    const real *Dr, const int64_t *pairs, int64_t m, int64_t u,
-                                    real *dq, real *dk, real *dv, PA_FN(sb_scratch) * s)
+                                    const real *q, const real *k, const real *v, const real *dout,
+                                    const real *lse, const real *Dr, const int64_t *pairs,
+                                    int64_t m, int64_t u, real *dq, real *dk, real *dv,
+                                    PA_FN(sb_scratch) * s)
 {
     const int64_t Dk = d->Dk, Dv = d->Dv, Hk = d->Hk, nb = d->first_block[d->nseq];
     const int64_t kh = u / nb, gb = u % nb, bk = PA_FN(sb_block_len)(d, gb);
@@ -646,12 +776,23 @@ static void PA_FN(sb_backward_unit)(const pa_moba_desc *d, const PA_FN(sb_packs)
                              0, s->S, bk, s->work);
         PA_FN(gemm_packed_b)(mj, bk, Dv, 1, s->dO, Dv, 1, p->vt + p->off_vt[u], Dv * NR, 0, s->dP,
                              bk, s->work);
-        PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale);
+        PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale, bk);
         PA_FN(gemm)(bk, Dv, mj, 1, s->S, 1, bk, s->dO, Dv, 1, 1, s->dVb, Dv, s->work);
         PA_FN(gemm)(bk, Dk, mj, 1, s->dP, 1, bk, s->Q, Dk, 1, 1, s->dKb, Dk, s->work);
         PA_FN(gemm_packed_b)(mj, Dk, bk, 1, s->dP, bk, 1, p->kr + p->off_kr[u], bk * NR, 0, s->T,
                              Dk, s->work);
         for (int64_t c = 0; c < mj; c++) PA_FN(axpy)(dq + pairs[c0 + c] * Dk, s->T + c * Dk, Dk, 1);
+    }
+    if (d->causal) {
+        const int64_t n = d->block_seq[gb], bs = d->block_size, G = d->H / Hk;
+        const int64_t j0 = (gb - d->first_block[n]) * bs;
+        const int64_t lag = (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
+        /* the block's query rows: local rows i0 .. i1-1, at positions i + lag */
+        const int64_t i0 = j0 - lag > 0 ? j0 - lag : 0, i1 = j0 + bk - lag;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t a = i0; a < i1; a += SB_ROWS)
+                PA_FN(sb_own_backward)(d, p, q, k, v, dout, lse, Dr, u, kh * G + g, d->cu_q[n] + a,
+                                       i1 - a < SB_ROWS ? i1 - a : SB_ROWS, a + lag - j0 + 1, dq, s);
     }
     const int64_t r0 = PA_FN(sb_block_row)(d, gb);
     for (int64_t x = 0; x < bk; x++) {
@@ -707,7 +848,8 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
             }
     }
     const int64_t maxnb = PA_FN(sb_max_blocks)(d), nq = rows * H * d->Dk;
-    double work = (double)npairs * (double)d->block_size * (double)(d->Dk + d->Dv) * 2.5;
+    double work = ((double)npairs + 0.5 * d->causal * (double)(rows * H)) * (double)d->block_size *
+                  (double)(d->Dk + d->Dv) * 2.5;
     const int threads = pa_threads_for(work, units);
     /* threads 1 .. threads-1 add their dQ into buffers of their own, summed in thread order */
     real *extra = threads > 1 ? pa_alloc(sizeof(real) * (size_t)((threads - 1) * nq)) : NULL;
@@ -726,9 +868,9 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
         /* units dealt round robin: the same bits on every run with this many threads */
 #pragma omp for schedule(static, 1)
         for (int64_t u = 0; u < units; u++)
-            if (ok && ucnt[u + 1] > ucnt[u])
-                PA_FN(sb_backward_unit)(d, &p, q, dout, lse, Dr, pairs + ucnt[u], ucnt[u + 1] - ucnt[u],
-                                        u, mine, dk, dv, &s);
+            if (ok && (ucnt[u + 1] > ucnt[u] || d->causal))
+                PA_FN(sb_backward_unit)(d, &p, q, kv, vv, dout, lse, Dr, pairs + ucnt[u],
+                                        ucnt[u + 1] - ucnt[u], u, mine, dk, dv, &s);
         if (ok) free(s.block);
         if (threads > 1) PA_FN(sd_sum_parts)(dq, extra, nq, threads - 1, nq);
     }
