@@ -2,11 +2,11 @@
 token-by-token implementation in torch, float32, same thread count, one run; with --decode,
 one recurrent decode step against the bytes of state it touches.
 
-    python benchmarks/bench_linear.py [--quick] [--threads N] [--markdown] [--T 1024 4096 ...]
+    python benchmarks/bench_linear.py [--quick] [--threads N [N ...]] [--markdown] [--T 1024 ...]
                                       [--ops simple_gla gla] [--passes fwd fwd+bwd]
                                       [--parallel-max-t 4096] [--torch-recurrent-max-t 4096]
                                       [--torch-recurrent-prefix 1024] [--no-check]
-    python benchmarks/bench_linear.py --decode [--threads N] [--markdown]
+    python benchmarks/bench_linear.py --decode [--threads N [N ...]] [--markdown]
 
 A full run takes about a quarter of an hour on 2 quiet cores (the torch baselines at
 T=16384 and the parallel form at T=4096 dominate; torch's GLA chunk at T=16384 fwd+bwd holds
@@ -487,7 +487,7 @@ def decode(args, timing):
 
 def main(argv=None):
     global MASKS, B, H
-    p = common.base_parser(__doc__.splitlines()[0], default_threads=2)
+    p = common.base_parser(__doc__.splitlines()[0], default_threads=2, sweep=True)
     p.add_argument("--batch", type=int, default=B,
                    help=f"B (default {B}); with --heads 1, one (sequence, head) unit: the chunk "
                         "form then splits it by chunk")
@@ -516,12 +516,12 @@ def main(argv=None):
     if args.torch_recurrent_prefix is None:
         args.torch_recurrent_prefix = 256 if args.quick else 1024
     timing = common.timing_from_args(args)
-    common.set_threads(args.threads)
     if torch is not None:
         MASKS = _masks()
-    if args.decode:
-        return decode(args, timing)
-    return sweep(args, timing)
+    rc = 0
+    for one in common.thread_runs(args):
+        rc |= (decode if args.decode else sweep)(one, timing) or 0
+    return rc
 
 
 if __name__ == "__main__":

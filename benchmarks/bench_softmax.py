@@ -1,7 +1,7 @@
 """Softmax attention: pyattn (flash form; parallel form for small T) against torch's
 scaled_dot_product_attention, float32, same thread count, one run.
 
-    python benchmarks/bench_softmax.py [--quick] [--threads N] [--markdown]
+    python benchmarks/bench_softmax.py [--quick] [--threads N [N ...]] [--markdown]
                                        [--T 512 2048 ...] [--parallel-max-t 512] [--no-check]
 
 Shapes: B=2, H=8, D=64 (Dk = Dv), Tq = Tk = T in {512, 2048, 8192} ({512, 2048} with
@@ -88,7 +88,7 @@ def check(q, k, v, do, causal, form):
 
 def main(argv=None):
     global B, H, HK
-    p = common.base_parser(__doc__.splitlines()[0], default_threads=2)
+    p = common.base_parser(__doc__.splitlines()[0], default_threads=2, sweep=True)
     p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths")
     p.add_argument("--parallel-max-t", type=int, default=512,
                    help="also time form='parallel' for T <= this (default 512; 0: never)")
@@ -99,9 +99,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     B, H = args.batch, args.heads
     HK = args.kv_heads or H
+    for one in common.thread_runs(args):
+        run(one)
+    return 0
+
+
+def run(args):
+    """The table at args.threads threads."""
     Ts = args.T or ([512, 2048] if args.quick else [512, 2048, 8192])
     timing = common.timing_from_args(args)
-    common.set_threads(args.threads)
     wall0 = time.perf_counter()
 
     peak0 = common.fma_peak(np.float32, args.threads)
@@ -160,7 +166,6 @@ def main(argv=None):
     for n in notes:
         print("note:", n)
     print(f"wall time {time.perf_counter() - wall0:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":

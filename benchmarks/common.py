@@ -445,16 +445,36 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown:
 # ---- command line -------------------------------------------------------------------------
 
 
-def base_parser(description: str, default_threads: int) -> argparse.ArgumentParser:
+def base_parser(description: str, default_threads: int, sweep: bool = False) -> argparse.ArgumentParser:
+    """The options every benchmark takes; with ``sweep``, ``--threads`` takes a list of thread
+    counts (``args.threads`` a list), each run in turn (``thread_runs``)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true",
                    help="CI-sized run: fewer sizes, shorter measurements")
-    p.add_argument("--threads", type=int, default=default_threads,
-                   help=f"threads for pyattn and torch (default {default_threads})")
+    if sweep:
+        p.add_argument("--threads", type=int, nargs="+", default=[default_threads],
+                       help=f"thread counts for pyattn and torch, one table each (default {default_threads})")
+    else:
+        p.add_argument("--threads", type=int, default=default_threads,
+                       help=f"threads for pyattn and torch (default {default_threads})")
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
     p.add_argument("--target", type=float, default=None,
                    help="seconds of timed runs per case (default 0.5, --quick 0.15)")
     return p
+
+
+def thread_runs(args):
+    """For a sweep parser's args: per thread count, a copy of args with ``threads`` that count,
+    the threads of pyattn, torch and BLAS set to it, and a heading line printed when there
+    are several."""
+    import copy
+    for n in args.threads:
+        one = copy.copy(args)
+        one.threads = n
+        set_threads(n)
+        if len(args.threads) > 1:
+            print(f"\n## threads: {n}\n", flush=True)
+        yield one
 
 
 def timing_from_args(args) -> Timing:
