@@ -27,7 +27,7 @@ B, H, D = 1, 8, 64
 
 def moba_touched(q, k, v, block_size, top_k):
     c = sparse._MobaCall(q, k, v, block_size, top_k, True, None, None)
-    past = np.sum(c.bend[c.block] - c.bstart[c.block])
+    past = np.sum((c.bend - c.bstart)[c.choice[c.choice >= 0]])  # B = 1: one sequence
     rows = np.arange(c.q.shape[0])
     block_of_row = np.searchsorted(c.bstart, rows, side="right") - 1
     own = np.sum(rows - c.bstart[block_of_row] + 1) * c.H

@@ -166,7 +166,7 @@ static const int64_t *get_cu(const char *fn, const char *name, PyObject *obj, in
     if (!a) return NULL;
     const int64_t *cu = PyArray_DATA(a);
     int64_t n = PyArray_DIM(a, 0) - 1;
-    int ok = n >= 0 && cu[0] == 0 && cu[n] == rows;
+    int ok = n >= 0 && cu[0] == 0 && (rows < 0 || cu[n] == rows); /* rows < 0: any end */
     for (int64_t i = 0; ok && i < n; i++) ok = cu[i + 1] >= cu[i];
     if (!ok) {
         PyErr_Format(PyExc_ValueError,
@@ -529,6 +529,29 @@ static PyObject *py_dsa_select(PyObject *self, PyObject *const *args, Py_ssize_t
     return finish(rc);
 }
 
+/* The blocks of d's key sequences (block_size each, the last of a sequence maybe shorter):
+ * sets d->first_block and d->block_seq in one allocation, returned (NULL: MemoryError). */
+static int64_t *moba_blocks(pa_moba_desc *d)
+{
+    const int64_t bs = d->block_size;
+    int64_t nb = 0;
+    for (int64_t n = 0; n < d->nseq; n++) nb += (d->cu_k[n + 1] - d->cu_k[n] + bs - 1) / bs;
+    int64_t *mem = malloc(sizeof(int64_t) * (d->nseq + 1 + nb + 1));
+    if (!mem) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    int64_t *first = mem, *seq = mem + d->nseq + 1;
+    first[0] = 0;
+    for (int64_t n = 0; n < d->nseq; n++) {
+        first[n + 1] = first[n] + (d->cu_k[n + 1] - d->cu_k[n] + bs - 1) / bs;
+        for (int64_t b = first[n]; b < first[n + 1]; b++) seq[b] = n;
+    }
+    d->first_block = first;
+    d->block_seq = seq;
+    return mem;
+}
+
 /* Shared by moba_forward and moba_backward: q [Rq, H, Dk], k [Rk, Hk, Dk], v [Rk, Hk, Dv],
  * choice int32 [Rq, H, slots] (each entry -1 or a block of the row's sequence), cu_q, cu_k,
  * block_size, scale from a[0..2], c[0..4]. Fills d, whose first_block and block_seq are one
@@ -577,19 +600,9 @@ static int moba_desc(const char *fn, PyObject *const *a, PyObject *const *c, int
                          (long long)n);
             return -1;
         }
-    int64_t nb = 0;
-    for (int64_t n = 0; n < d->nseq; n++) nb += (d->cu_k[n + 1] - d->cu_k[n] + bs - 1) / bs;
-    int64_t *mem = malloc(sizeof(int64_t) * (d->nseq + 1 + nb + 1));
-    if (!mem) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    int64_t *first = mem, *seq = mem + d->nseq + 1;
-    first[0] = 0;
-    for (int64_t n = 0; n < d->nseq; n++) {
-        first[n + 1] = first[n] + (d->cu_k[n + 1] - d->cu_k[n] + bs - 1) / bs;
-        for (int64_t b = first[n]; b < first[n + 1]; b++) seq[b] = n;
-    }
+    int64_t *mem = moba_blocks(d);
+    if (!mem) return -1;
+    const int64_t *first = d->first_block;
     const int32_t *ch = PyArray_DATA(*choice);
     const int64_t per_row = H * d->slots;
     for (int64_t n = 0; n < d->nseq; n++) {
@@ -607,10 +620,70 @@ static int moba_desc(const char *fn, PyObject *const *a, PyObject *const *c, int
             }
         }
     }
-    d->first_block = first;
-    d->block_seq = seq;
     *blocks = mem;
     return 0;
+}
+
+/* moba_select(q, kmean, cu_q, cu_k, block_size, causal, slots, choice) */
+static PyObject *py_moba_select(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "moba_select";
+    if (expect_nargs(fn, nargs, 8)) return NULL;
+    int t;
+    if (float_type(fn, "q", args[0], &t)) return NULL;
+    npy_intp three[3] = {-1, -1, -1};
+    PyArrayObject *q = get_array(fn, "q", args[0], t, 3, three, 0);
+    if (!q) return NULL;
+    npy_intp kshape[3] = {-1, -1, PyArray_DIM(q, 2)};
+    PyArrayObject *km = get_array(fn, "kmean", args[1], t, 3, kshape, 0);
+    if (!km) return NULL;
+    pa_moba_desc d;
+    memset(&d, 0, sizeof d);
+    d.H = PyArray_DIM(q, 1);
+    d.Hk = PyArray_DIM(km, 1);
+    d.Dk = PyArray_DIM(q, 2);
+    int64_t nk;
+    long long bs, causal, slots;
+    if (d.Hk < 1 || d.H % d.Hk != 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): need H %% Hk == 0", fn);
+        return NULL;
+    }
+    if (!(d.cu_q = get_cu(fn, "cu_q", args[2], PyArray_DIM(q, 0), &d.nseq)) ||
+        !(d.cu_k = get_cu(fn, "cu_k", args[3], -1, &nk)) ||
+        get_int(fn, "block_size", args[4], 1, INT32_MAX, &bs) || get_int(fn, "causal", args[5], 0, 1, &causal) ||
+        get_int(fn, "slots", args[6], 0, INT32_MAX, &slots))
+        return NULL;
+    d.block_size = bs;
+    d.causal = (int)causal;
+    d.slots = slots;
+    if (nk != d.nseq) {
+        PyErr_Format(PyExc_ValueError, "%s(): cu_q and cu_k must have the same length", fn);
+        return NULL;
+    }
+    for (int64_t n = 0; n < d.nseq; n++)
+        if (d.cu_q[n + 1] - d.cu_q[n] > d.cu_k[n + 1] - d.cu_k[n]) {
+            PyErr_Format(PyExc_ValueError, "%s(): sequence %lld has more queries than keys", fn,
+                         (long long)n);
+            return NULL;
+        }
+    npy_intp cshape[3] = {PyArray_DIM(q, 0), d.H, slots > 0 ? slots : 1};
+    PyArrayObject *choice = get_array(fn, "choice", args[7], NPY_INT32, 3, cshape, 1);
+    if (!choice) return NULL;
+    int64_t *blocks = moba_blocks(&d);
+    if (!blocks) return NULL;
+    if (PyArray_DIM(km, 0) != d.first_block[d.nseq]) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'kmean' must have a row per block (%lld), got %lld", fn,
+                     (long long)d.first_block[d.nseq], (long long)PyArray_DIM(km, 0));
+        free(blocks);
+        return NULL;
+    }
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->moba_select(&d, PyArray_DATA(q), PyArray_DATA(km), PyArray_DATA(choice));
+    Py_END_ALLOW_THREADS
+    free(blocks);
+    return finish(rc);
 }
 
 /* moba_forward(q, k, v, choice, cu_q, cu_k, block_size, causal, scale, o, lse) */
@@ -1312,11 +1385,14 @@ static PyMethodDef core_methods[] = {
     {"dsa_select", (PyCFunction)(void (*)(void))py_dsa_select, METH_FASTCALL,
      "dsa_select(index_q, index_k, index_w, cu_q, cu_k, top_k, causal, rows, count, nan): each "
      "query's top_k visible keys by the lightning indexer's scores"},
+    {"moba_select", (PyCFunction)(void (*)(void))py_moba_select, METH_FASTCALL,
+     "moba_select(q, kmean, cu_q, cu_k, block_size, causal, slots, choice): MoBA's choice of "
+     "blocks"},
     {"moba_forward", (PyCFunction)(void (*)(void))py_moba_forward, METH_FASTCALL,
-     "moba_forward(q, k, v, choice, cu_q, cu_k, block_size, scale, o, lse): attention of each "
+     "moba_forward(q, k, v, choice, cu_q, cu_k, block_size, causal, scale, o, lse): attention of each "
      "(query, head) to the whole key blocks it chose"},
     {"moba_backward", (PyCFunction)(void (*)(void))py_moba_backward, METH_FASTCALL,
-     "moba_backward(q, k, v, o, lse, do, dlse, choice, cu_q, cu_k, block_size, scale, dq, dk, "
+     "moba_backward(q, k, v, o, lse, do, dlse, choice, cu_q, cu_k, block_size, causal, scale, dq, dk, "
      "dv): the backward of moba_forward"},
     {"feature_map_forward", (PyCFunction)(void (*)(void))py_feature_map_forward, METH_FASTCALL,
      "feature_map_forward(x, y, kind, p, max_len, projection): y = phi(x) in place. x [..., D] "

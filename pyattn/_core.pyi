@@ -67,6 +67,15 @@ def dsa_select(
     visible key rows (ascending, -1 after the last) into rows [Rq, top_k], their number into
     count [Rq], and 1 into nan [Rq] where a visible score is NaN."""
 
+def moba_select(
+    q: _Float, kmean: _Float, cu_q: _Int64, cu_k: _Int64, block_size: int, causal: bool,
+    slots: int, choice: npt.NDArray[np.int32], /,
+) -> None:
+    """MoBA's choice: per (query, head) of q [Rq, H, Dk], the `slots` blocks of its sequence
+    (cu_q, cu_k; block_size keys each) whose means kmean [nblocks, Hk, Dk] score highest
+    against it, best first, ties to the lower block (causal: past blocks only), -1 after
+    them, into choice int32 [Rq, H, max(slots, 1)]."""
+
 def moba_forward(
     q: _Float, k: _Float, v: _Float, choice: npt.NDArray[np.int32], cu_q: _Int64, cu_k: _Int64,
     block_size: int, causal: bool, scale: float, o: _Float, lse: _Float, /,

@@ -59,8 +59,7 @@ def _positions(cu_q, cu_k):
 
 
 class _MobaCall:
-    """A moba_attention call checked, its blocks, the chosen (query, head, block) pairs and the
-    kernel's choice array."""
+    """A moba_attention call checked, its blocks and the kernel's choice array."""
 
     def __init__(self, q, k, v, block_size, top_k, causal, scale, cu_seqlens):
         fn = "moba_attention"
@@ -81,43 +80,15 @@ class _MobaCall:
         self.first_block = np.concatenate(([0], np.cumsum([len(s) for s in starts])))
         self.cu, self.cu_q = cu, cu_q
         self._choose()
-        self._pack()
 
     def _choose(self):
-        """The chosen (row, head, slot, block) of every query, as flat int64 arrays."""
-        H, Hk, bs = self.H, self.Hk, self.bs
-        G = H // Hk
-        kmean = _block_means(self.k, self.cu, bs)
-        picks = []
-        for n in range(len(self.cu) - 1):
-            b0, b1 = self.first_block[n], self.first_block[n + 1]
-            L, Lk = self.cu_q[n + 1] - self.cu_q[n], self.cu[n + 1] - self.cu[n]
-            if L == 0:
-                continue
-            qn = self.q[self.cu_q[n]:self.cu_q[n + 1]].transpose(1, 0, 2)      # [H, L, D]
-            km = kmean[b0:b1][:, np.arange(H) // G, :].transpose(1, 2, 0)      # [H, D, nb]
-            score = qn @ km                                                     # [H, L, nb]
-            own = (np.arange(L) + Lk - L) // bs  # bottom-right: the last query at the last key
-            if self.causal:  # past blocks only; the own block is a part of its own
-                score = np.where(np.arange(b1 - b0) < own[:, None], score, -np.inf)
-                want = min(self.top_k - 1, b1 - b0)
-            else:
-                want = min(self.top_k, b1 - b0)
-            # best first, ties to the lower block (a stable sort keeps index order)
-            order = np.argsort(-score, axis=-1, kind="stable")[..., :want]     # [H, L, want]
-            valid = order < own[None, :, None] if self.causal else np.ones(order.shape, bool)
-            h, t, s = np.nonzero(valid)
-            picks.append((self.cu_q[n] + t, h, s, b0 + order[h, t, s]))
-        cat = [np.concatenate([p[i] for p in picks]) if picks else np.zeros(0, np.int64) for i in range(4)]
-        self.row, self.head, self.slot, self.block = (x.astype(np.int64) for x in cat)
+        """The kernel's choice [rows, H, slots]: per (query, head) the blocks best by
+        q . mean(k_block), best first, ties to the lower block, -1 after them (causal: the
+        past blocks only, top_k - 1 of them, the own block being the kernel's to add)."""
         self.slots = max(self.top_k - 1, 0) if self.causal else self.top_k
-
-    def _pack(self):
-        """The kernel's choice [rows, H, slots] (block of the sequence, -1 for none; causal:
-        the past blocks, the own block being the kernel's to add)."""
-        seq_of_row = np.repeat(np.arange(len(self.cu_q) - 1), np.diff(self.cu_q))
-        self.choice = np.full((self.q.shape[0], self.H, max(self.slots, 1)), -1, np.int32)
-        self.choice[self.row, self.head, self.slot] = self.block - self.first_block[seq_of_row[self.row]]
+        self.choice = np.empty((self.q.shape[0], self.H, max(self.slots, 1)), np.int32)
+        _core.moba_select(self.q, _block_means(self.k, self.cu, self.bs), self.cu_q, self.cu, self.bs,
+                          self.causal, self.slots, self.choice)
 
     def blocks_args(self):
         """The kernel's arguments after q, k, v."""

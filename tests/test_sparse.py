@@ -1164,3 +1164,31 @@ def test_moba_blocks_wider_than_a_kernel_tile(rng):
         x[i] = old
         fd = (up - down) / 2e-6
         assert abs(fd - g[name][i]) <= 1e-7 + 1e-5 * abs(fd), (name, i, fd, g[name][i])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_moba_select_is_a_stable_sort(rng, causal):
+    """_core.moba_select against a stable argsort of -q.mean(k_block) (causal: blocks at and
+    after the query's own as +inf, dropped after the sort; NaN scores last), with NaN and
+    tied scores present, GQA, two sequences and fewer queries than keys."""
+    H, Hk, D, bs, slots = 4, 2, 3, 4, 3
+    cu_q, cu_k = np.array([0, 9, 20], np.int64), np.array([0, 13, 30], np.int64)
+    q = rng.standard_normal((20, H, D))
+    q[3, 1] = np.nan
+    q[12, 2] = 0  # every score 0: ties
+    nb = [-(-int(n) // bs) for n in np.diff(cu_k)]
+    km = rng.standard_normal((sum(nb), Hk, D))
+    km[1, 0, 0] = np.nan
+    choice = np.empty((20, H, slots), np.int32)
+    _core.moba_select(q, km, cu_q, cu_k, bs, causal, slots, choice)
+    first = np.concatenate(([0], np.cumsum(nb)))
+    for n in range(2):
+        lag = (cu_k[n + 1] - cu_k[n]) - (cu_q[n + 1] - cu_q[n])
+        for r in range(cu_q[n], cu_q[n + 1]):
+            limit = (r - cu_q[n] + lag) // bs if causal else nb[n]
+            for h in range(H):
+                with np.errstate(invalid="ignore"):
+                    x = -(km[first[n]:first[n + 1], h // (H // Hk)] @ q[r, h])
+                x[limit:] = np.inf
+                order = [j for j in np.argsort(x, kind="stable")[:slots] if j < limit]
+                assert list(choice[r, h]) == order + [-1] * (slots - len(order)), (r, h)

@@ -13,7 +13,8 @@
  *    thread into dk, dv), summed in thread order at the end. Items are dealt round robin,
  *    so the result is the same bits for a given thread count.
  * 2. dsa_select, DeepSeek sparse attention's choice of keys (below).
- * 3. moba_forward / moba_backward, MoBA's attention to chosen whole blocks (below).
+ * 3. moba_select, moba_forward / moba_backward: MoBA's choice of blocks and its attention to
+ *    them (below).
  */
 
 /* dst_row[kh] += sum_g w[(kh G + g) * SM_DECODE_KB + c] src[kh G + g] for every KV head kh:
@@ -636,6 +637,61 @@ static int64_t PA_FN(sb_max_blocks)(const pa_moba_desc *d)
     for (int64_t n = 0; n < d->nseq; n++)
         mx = d->first_block[n + 1] - d->first_block[n] > mx ? d->first_block[n + 1] - d->first_block[n] : mx;
     return mx;
+}
+
+/* 1 when x comes before y in ascending order with NaN last (a stable sort then keeps the
+ * lower index first among equals). */
+static inline int PA_FN(sb_before)(real x, real y)
+{
+    if (x != x) return 0;
+    return y != y || x < y;
+}
+
+/* MoBA's choice: for every (query row, head), the d->slots blocks of its sequence first in a
+ * stable ascending sort of -q.mean(k_block) (causal: the blocks at and after the query's own
+ * count as +inf, and are dropped once chosen, so a query before its slots' worth of past
+ * blocks takes all it has), in that order, -1 after them. */
+static int PA_FN(moba_select)(const pa_moba_desc *d, const void *qv, const void *kmv, int32_t *choice)
+{
+    const real *q = qv, *km = kmv;
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, G = H / Hk, S = d->slots, bs = d->block_size;
+    const int64_t rows = d->cu_q[d->nseq], maxnb = PA_FN(sb_max_blocks)(d), width = S > 0 ? S : 1;
+    const double work = (double)rows * (double)H * (double)maxnb * (double)(Dk + S);
+    int failed = 0;
+#pragma omp parallel num_threads(pa_threads_for(work, rows))
+    {
+        real *x = malloc(sizeof(real) * (size_t)(maxnb + 1));
+        unsigned char *taken = malloc((size_t)maxnb + 1);
+        const int ok = pa_scratch_ok(x && taken, &failed);
+        int64_t n = 0;
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            if (!ok) continue;
+            while (row >= d->cu_q[n + 1]) n++; /* rows ascend within a thread's share */
+            const int64_t fb = d->first_block[n], nbs = d->first_block[n + 1] - fb;
+            const int64_t lag = (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
+            const int64_t limit = d->causal ? (row - d->cu_q[n] + lag) / bs : nbs;
+            for (int64_t h = 0; h < H; h++) {
+                const real *qh = q + (row * H + h) * Dk;
+                int32_t *out = choice + (row * H + h) * width;
+                for (int64_t j = 0; j < nbs; j++) {
+                    x[j] = j < limit ? -PA_FN(dot)(qh, km + ((fb + j) * Hk + h / G) * Dk, Dk) : (real)INFINITY;
+                    taken[j] = 0;
+                }
+                for (int64_t s = 0; s < width; s++) out[s] = -1;
+                for (int64_t s = 0, got = 0; s < S && s < nbs; s++) {
+                    int64_t best = -1;
+                    for (int64_t j = 0; j < nbs; j++)
+                        if (!taken[j] && (best < 0 || PA_FN(sb_before)(x[j], x[best]))) best = j;
+                    taken[best] = 1;
+                    if (best < limit) out[got++] = (int32_t)best;
+                }
+            }
+        }
+        free(x);
+        free(taken);
+    }
+    return failed ? PA_ENOMEM : PA_OK;
 }
 
 static int PA_FN(moba_forward)(const pa_moba_desc *d, const void *qv, const void *kv,
