@@ -907,28 +907,38 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
     double work = ((double)npairs + 0.5 * d->causal * (double)(rows * H)) * (double)d->block_size *
                   (double)(d->Dk + d->Dv) * 2.5;
     const int threads = pa_threads_for(work, units);
-    /* threads 1 .. threads-1 add their dQ into buffers of their own, summed in thread order */
-    real *extra = threads > 1 ? pa_alloc(sizeof(real) * (size_t)((threads - 1) * nq)) : NULL;
-    int failed = threads > 1 && !extra;
+    /* With a KV head per thread or more, a thread takes whole KV heads, whose query heads'
+     * dQ rows no other thread touches. Otherwise threads 1 .. threads-1 add their dQ into
+     * buffers of their own, summed in thread order. */
+    const int by_head = Hk >= threads;
+    real *extra = threads > 1 && !by_head ? pa_alloc(sizeof(real) * (size_t)((threads - 1) * nq)) : NULL;
+    int failed = threads > 1 && !by_head && !extra;
     memset(dq, 0, sizeof(real) * (size_t)nq);
 #pragma omp parallel num_threads(threads) if (!failed)
     if (!failed) {
         const int tid = pa_thread_id();
-        real *mine = tid ? extra + (tid - 1) * nq : dq;
-        if (tid) memset(mine, 0, sizeof(real) * (size_t)nq);
+        real *mine = tid && extra ? extra + (tid - 1) * nq : dq;
+        if (mine != dq) memset(mine, 0, sizeof(real) * (size_t)nq);
         PA_FN(sb_scratch) s;
         const int ok = pa_scratch_ok(PA_FN(sb_scratch_alloc)(&s, d, maxnb), &failed);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows * H; r++)
             Dr[r] = PA_FN(dot)(dout + r * d->Dv, o + r * d->Dv, d->Dv) - (dlse ? dlse[r] : 0);
-        /* units dealt round robin: the same bits on every run with this many threads */
+        /* by KV head, blocks in order: the same bits for any thread count; else units dealt
+         * round robin: the same bits on every run with this many threads */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t kh = 0; kh < (by_head ? Hk : 0); kh++)
+            for (int64_t u = kh * nb; u < (kh + 1) * nb; u++)
+                if (ok && (ucnt[u + 1] > ucnt[u] || d->causal))
+                    PA_FN(sb_backward_unit)(d, &p, q, kv, vv, dout, lse, Dr, pairs + ucnt[u],
+                                            ucnt[u + 1] - ucnt[u], u, dq, dk, dv, &s);
 #pragma omp for schedule(static, 1)
-        for (int64_t u = 0; u < units; u++)
+        for (int64_t u = 0; u < (by_head ? 0 : units); u++)
             if (ok && (ucnt[u + 1] > ucnt[u] || d->causal))
                 PA_FN(sb_backward_unit)(d, &p, q, kv, vv, dout, lse, Dr, pairs + ucnt[u],
                                         ucnt[u + 1] - ucnt[u], u, mine, dk, dv, &s);
         if (ok) free(s.block);
-        if (threads > 1) PA_FN(sd_sum_parts)(dq, extra, nq, threads - 1, nq);
+        if (extra) PA_FN(sd_sum_parts)(dq, extra, nq, threads - 1, nq);
     }
     free(extra);
     PA_FN(sb_packs_free)(&p);
