@@ -366,8 +366,9 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
  * position masked by selection; one online softmax per query across all its blocks.
  * Backward: items (KV head, block), each over the (query, head) pairs that chose the block
  * (a list built at the start) and the query rows whose own block it is: the item owns the
- * block's dK and dV rows, and adds dS K into the pairs' dQ rows in a buffer of its thread's
- * (the first thread's is dq), the buffers summed in thread order at the end. A masked pair
+ * block's dK and dV rows, and adds dS K into the pairs' dQ rows: with a KV head per thread or
+ * more, a thread takes whole KV heads and writes dq itself; otherwise into a buffer of its
+ * thread's (the first thread's is dq), the buffers summed in thread order at the end. A masked pair
  * is an exact 0 in the GEMMs of the own block, and 0 * NaN would carry a non-finite value to
  * pairs that cannot see it: the packing notes which blocks have a non-finite K or V row,
  * and an own block whose operands are not all finite goes pair by pair over its visible
