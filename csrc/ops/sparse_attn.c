@@ -739,13 +739,24 @@ static int PA_FN(moba_forward)(const pa_moba_desc *d, const void *qv, const void
 static void PA_FN(sb_grad_scores)(real *S, real *dP, int64_t mj, int64_t bk, const real *lse_of,
                                   const real *D_of, real scale, int64_t vis0)
 {
+    const vreal vs = PA_FN(vset)(scale);
     for (int64_t c = 0; c < mj; c++) {
         real *p = S + c * bk, *dp = dP + c * bk;
         const int64_t vis = vis0 + c < bk ? vis0 + c : bk;
-        for (int64_t x = 0; x < vis; x++) p[x] -= lse_of[c];
-        PA_FN(exp_array)(p, p, vis);
-        for (int64_t x = 0; x < vis; x++) dp[x] = scale * p[x] * (dp[x] - D_of[c]);
-        for (int64_t x = vis; x < bk; x++) p[x] = dp[x] = 0;
+        const vreal vl = PA_FN(vset)(lse_of[c]), vd = PA_FN(vset)(D_of[c]);
+        int64_t x = 0;
+        for (; x + VL <= vis; x += VL) { /* one pass: P and dS of VL keys */
+            const vreal pv = PA_FN(vexp)(PA_FN(vload)(p + x) - vl);
+            PA_FN(vstore)(p + x, pv);
+            PA_FN(vstore)(dp + x, vs * pv * (PA_FN(vload)(dp + x) - vd));
+        }
+        if (x < vis) {
+            const int r = (int)(vis - x);
+            const vreal pv = PA_FN(vexp)(PA_FN(vload_part)(p + x, r, 0) - vl);
+            PA_FN(vstore_part)(p + x, pv, r);
+            PA_FN(vstore_part)(dp + x, vs * pv * (PA_FN(vload_part)(dp + x, r, 0) - vd), r);
+        }
+        for (x = vis; x < bk; x++) p[x] = dp[x] = 0;
     }
 }
 
