@@ -878,8 +878,7 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
     real *dq = dqv, *dk = dkv, *dv = dvv;
     const int64_t H = d->H, Hk = d->Hk, G = H / Hk, S = d->slots, rows = d->cu_q[d->nseq];
     const int64_t nb = d->first_block[d->nseq], units = Hk * nb;
-    memset(dk, 0, sizeof(real) * (size_t)(d->cu_k[d->nseq] * Hk * d->Dk));
-    memset(dv, 0, sizeof(real) * (size_t)(d->cu_k[d->nseq] * Hk * d->Dv));
+    /* every unit runs, and writes its block's dK and dV rows (zeros where no query chose it) */
     real *Dr = pa_alloc(sizeof(real) * (size_t)(rows * H + 1));
     int64_t *ucnt = malloc(sizeof(int64_t) * (units + 1)), *pairs = NULL, *fill = NULL;
     int64_t npairs = 0;
@@ -941,12 +940,12 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
 #pragma omp for schedule(dynamic, 1)
         for (int64_t kh = 0; kh < (by_head ? Hk : 0); kh++)
             for (int64_t u = kh * nb; u < (kh + 1) * nb; u++)
-                if (ok && (ucnt[u + 1] > ucnt[u] || d->causal))
+                if (ok)
                     PA_FN(sb_backward_unit)(d, &p, q, kv, vv, dout, lse, Dr, pairs + ucnt[u],
                                             ucnt[u + 1] - ucnt[u], u, dq, dk, dv, &s);
 #pragma omp for schedule(static, 1)
         for (int64_t u = 0; u < (by_head ? 0 : units); u++)
-            if (ok && (ucnt[u + 1] > ucnt[u] || d->causal))
+            if (ok)
                 PA_FN(sb_backward_unit)(d, &p, q, kv, vv, dout, lse, Dr, pairs + ucnt[u],
                                         ucnt[u + 1] - ucnt[u], u, mine, dk, dv, &s);
         if (ok) free(s.block);
