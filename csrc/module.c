@@ -552,10 +552,36 @@ static int64_t *moba_blocks(pa_moba_desc *d)
     return mem;
 }
 
+/* MoBA's sequences and blocks from c[0..3] = cu_q, cu_k, block_size, causal (cu_q ending at
+ * rq, cu_k at rk, or anywhere with rk < 0): fills d's cu_q, cu_k, nseq, block_size, causal,
+ * first_block and block_seq, whose allocation is returned (NULL with an exception set). */
+static int64_t *moba_layout(const char *fn, PyObject *const *c, int64_t rq, int64_t rk, pa_moba_desc *d)
+{
+    int64_t nk;
+    long long bs, causal;
+    if (!(d->cu_q = get_cu(fn, "cu_q", c[0], rq, &d->nseq)) || !(d->cu_k = get_cu(fn, "cu_k", c[1], rk, &nk)) ||
+        get_int(fn, "block_size", c[2], 1, INT32_MAX, &bs) || get_int(fn, "causal", c[3], 0, 1, &causal))
+        return NULL;
+    d->block_size = bs;
+    d->causal = (int)causal;
+    if (nk != d->nseq) {
+        PyErr_Format(PyExc_ValueError, "%s(): cu_q and cu_k must have the same length", fn);
+        return NULL;
+    }
+    for (int64_t n = 0; n < d->nseq; n++)
+        if (d->cu_q[n + 1] - d->cu_q[n] > d->cu_k[n + 1] - d->cu_k[n]) {
+            PyErr_Format(PyExc_ValueError, "%s(): sequence %lld has more queries than keys", fn,
+                         (long long)n);
+            return NULL;
+        }
+    return moba_blocks(d);
+}
+
 /* Shared by moba_forward and moba_backward: q [Rq, H, Dk], k [Rk, Hk, Dk], v [Rk, Hk, Dv],
- * choice int32 [Rq, H, slots] (each entry -1 or a block of the row's sequence), cu_q, cu_k,
- * block_size, scale from a[0..2], c[0..4]. Fills d, whose first_block and block_seq are one
- * allocation at *blocks (freed by the caller). */
+ * choice int32 [Rq, H, slots] (each entry -1 or a block of the row's sequence; causal, one
+ * before the query's own), cu_q, cu_k, block_size, causal, scale from a[0..2], c[0..5].
+ * Fills d, whose first_block and block_seq are one allocation at *blocks (freed by the
+ * caller). */
 static int moba_desc(const char *fn, PyObject *const *a, PyObject *const *c, int *t,
                      PyArrayObject **q, PyArrayObject **k, PyArrayObject **v,
                      PyArrayObject **choice, pa_moba_desc *d, int64_t **blocks)
@@ -581,35 +607,17 @@ static int moba_desc(const char *fn, PyObject *const *a, PyObject *const *c, int
     d->Dk = Dk;
     d->Dv = PyArray_DIM(*v, 2);
     d->slots = PyArray_DIM(*choice, 2);
-    int64_t nk;
-    long long bs, causal;
-    if (!(d->cu_q = get_cu(fn, "cu_q", c[1], Rq, &d->nseq)) ||
-        !(d->cu_k = get_cu(fn, "cu_k", c[2], PyArray_DIM(*k, 0), &nk)) ||
-        get_int(fn, "block_size", c[3], 1, INT32_MAX, &bs) || get_int(fn, "causal", c[4], 0, 1, &causal) ||
-        get_double(fn, "scale", c[5], -INFINITY, &d->scale))
-        return -1;
-    d->block_size = bs;
-    d->causal = (int)causal;
-    if (nk != d->nseq) {
-        PyErr_Format(PyExc_ValueError, "%s(): cu_q and cu_k must have the same length", fn);
-        return -1;
-    }
-    for (int64_t n = 0; n < d->nseq; n++)
-        if (d->cu_q[n + 1] - d->cu_q[n] > d->cu_k[n + 1] - d->cu_k[n]) {
-            PyErr_Format(PyExc_ValueError, "%s(): sequence %lld has more queries than keys", fn,
-                         (long long)n);
-            return -1;
-        }
-    int64_t *mem = moba_blocks(d);
+    if (get_double(fn, "scale", c[5], -INFINITY, &d->scale)) return -1;
+    int64_t *mem = moba_layout(fn, c + 1, Rq, PyArray_DIM(*k, 0), d);
     if (!mem) return -1;
-    const int64_t *first = d->first_block;
+    const int64_t *first = d->first_block, bs = d->block_size;
     const int32_t *ch = PyArray_DATA(*choice);
     const int64_t per_row = H * d->slots;
     for (int64_t n = 0; n < d->nseq; n++) {
         const int64_t lag = (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
         for (int64_t x = d->cu_q[n] * per_row; x < d->cu_q[n + 1] * per_row; x++) {
             /* causal: only the blocks before the query's own */
-            const int64_t limit = causal ? (x / per_row - d->cu_q[n] + lag) / bs : first[n + 1] - first[n];
+            const int64_t limit = d->causal ? (x / per_row - d->cu_q[n] + lag) / bs : first[n + 1] - first[n];
             if (ch[x] < -1 || ch[x] >= limit) {
                 PyErr_Format(PyExc_ValueError,
                              "%s(): 'choice' holds block %d for a query of sequence %lld, which "
@@ -642,34 +650,17 @@ static PyObject *py_moba_select(PyObject *self, PyObject *const *args, Py_ssize_
     d.H = PyArray_DIM(q, 1);
     d.Hk = PyArray_DIM(km, 1);
     d.Dk = PyArray_DIM(q, 2);
-    int64_t nk;
-    long long bs, causal, slots;
+    long long slots;
     if (d.Hk < 1 || d.H % d.Hk != 0) {
         PyErr_Format(PyExc_ValueError, "%s(): need H %% Hk == 0", fn);
         return NULL;
     }
-    if (!(d.cu_q = get_cu(fn, "cu_q", args[2], PyArray_DIM(q, 0), &d.nseq)) ||
-        !(d.cu_k = get_cu(fn, "cu_k", args[3], -1, &nk)) ||
-        get_int(fn, "block_size", args[4], 1, INT32_MAX, &bs) || get_int(fn, "causal", args[5], 0, 1, &causal) ||
-        get_int(fn, "slots", args[6], 0, INT32_MAX, &slots))
-        return NULL;
-    d.block_size = bs;
-    d.causal = (int)causal;
+    if (get_int(fn, "slots", args[6], 0, INT32_MAX, &slots)) return NULL;
     d.slots = slots;
-    if (nk != d.nseq) {
-        PyErr_Format(PyExc_ValueError, "%s(): cu_q and cu_k must have the same length", fn);
-        return NULL;
-    }
-    for (int64_t n = 0; n < d.nseq; n++)
-        if (d.cu_q[n + 1] - d.cu_q[n] > d.cu_k[n + 1] - d.cu_k[n]) {
-            PyErr_Format(PyExc_ValueError, "%s(): sequence %lld has more queries than keys", fn,
-                         (long long)n);
-            return NULL;
-        }
     npy_intp cshape[3] = {PyArray_DIM(q, 0), d.H, slots > 0 ? slots : 1};
     PyArrayObject *choice = get_array(fn, "choice", args[7], NPY_INT32, 3, cshape, 1);
     if (!choice) return NULL;
-    int64_t *blocks = moba_blocks(&d);
+    int64_t *blocks = moba_layout(fn, args + 2, PyArray_DIM(q, 0), -1, &d);
     if (!blocks) return NULL;
     if (PyArray_DIM(km, 0) != d.first_block[d.nseq]) {
         PyErr_Format(PyExc_ValueError, "%s(): 'kmean' must have a row per block (%lld), got %lld", fn,

@@ -399,6 +399,18 @@ static int64_t PA_FN(sb_block_row)(const pa_moba_desc *d, int64_t gb)
     return d->cu_k[n] + (gb - d->first_block[n]) * d->block_size;
 }
 
+/* Keys before sequence n's first query: query i sits at key position i + lag. */
+static inline int64_t PA_FN(sb_lag)(const pa_moba_desc *d, int64_t n)
+{
+    return (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
+}
+
+/* The unit (KV head, global block) of head h's choice j (a block of sequence n). */
+static inline int64_t PA_FN(sb_unit)(const pa_moba_desc *d, int64_t n, int64_t h, int64_t j)
+{
+    return h / (d->H / d->Hk) * d->first_block[d->nseq] + d->first_block[n] + j;
+}
+
 /* Lays out and fills the packings a pass needs: the forward kt and vr, the backward kt, vt
  * and kr; 0 when out of memory. */
 static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real *k,
@@ -528,6 +540,15 @@ static inline int PA_FN(sb_chose)(const pa_moba_desc *d, const int32_t *choice, 
     return 0;
 }
 
+/* The online softmax of item row r over one block's scores Sr (its first n visible, bk in
+ * all): m and l updated, O's row rescaled where the max grew, Sr replaced by exp(Sr - m). */
+static inline void PA_FN(sb_softmax_row)(PA_FN(sb_scratch) * s, int64_t r, real *Sr, int64_t n,
+                                         int64_t bk, int64_t Dv)
+{
+    PA_FN(sm_raise_max)(s->m + r, s->l + r, s->O + r * Dv, Dv, PA_FN(row_max)(Sr, n));
+    s->l[r] += PA_FN(row_exp_sum)(Sr, bk, s->m[r] == -(real)INFINITY ? 0 : s->m[r]);
+}
+
 /* The query rows [ra, rb) of item rows 0 .. nr-1 (position base + r in the sequence's keys)
  * that lie in block j, and the keys of j that row ra sees; 0 when none lie in it. */
 static inline int64_t PA_FN(sb_own_rows)(int64_t base, int64_t nr, int64_t j, int64_t bs,
@@ -550,11 +571,9 @@ static void PA_FN(sb_forward_own)(const pa_moba_desc *d, const PA_FN(sb_packs) *
     PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, q + ((row0 + ra) * H + h) * Dk, H * Dk, 1,
                          p->kt + p->off_kt[u], Dk * NR, 0, s->S, bk, s->work);
     for (int64_t c = 0; c < mj; c++) {
-        const int64_t r = ra + c, vis = vis0 + c;
         real *Sr = s->S + c * bk;
-        for (int64_t x = vis; x < bk; x++) Sr[x] = -(real)INFINITY;
-        PA_FN(sm_raise_max)(s->m + r, s->l + r, s->O + r * Dv, Dv, PA_FN(row_max)(Sr, vis));
-        s->l[r] += PA_FN(row_exp_sum)(Sr, bk, s->m[r] == -(real)INFINITY ? 0 : s->m[r]);
+        for (int64_t x = vis0 + c; x < bk; x++) Sr[x] = -(real)INFINITY;
+        PA_FN(sb_softmax_row)(s, ra + c, Sr, vis0 + c, bk, Dv);
     }
     if (p->v_finite[u]) {
         PA_FN(gemm_packed_b)(mj, Dv, bk, 1, s->S, bk, 1, p->vr + p->off_vr[u], bkfull * NR, 1,
@@ -589,12 +608,7 @@ static void PA_FN(sb_forward_item)(const pa_moba_desc *d, const PA_FN(sb_packs) 
             memcpy(s->Q + c * Dk, q + ((row0 + s->order[a + c]) * H + h) * Dk, sizeof(real) * Dk);
         PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, s->Q, Dk, 1, p->kt + p->off_kt[u], Dk * NR,
                              0, s->S, bk, s->work);
-        for (int64_t c = 0; c < mj; c++) {
-            const int64_t r = s->order[a + c];
-            real *Sr = s->S + c * bk;
-            PA_FN(sm_raise_max)(s->m + r, s->l + r, s->O + r * Dv, Dv, PA_FN(row_max)(Sr, bk));
-            s->l[r] += PA_FN(row_exp_sum)(Sr, bk, s->m[r] == -(real)INFINITY ? 0 : s->m[r]);
-        }
+        for (int64_t c = 0; c < mj; c++) PA_FN(sb_softmax_row)(s, s->order[a + c], s->S + c * bk, bk, bk, Dv);
         PA_FN(gemm_packed_b)(mj, Dv, bk, 1, s->S, bk, 1, p->vr + p->off_vr[u], bk * NR, 0, s->T,
                              Dv, s->work);
         for (int64_t c = 0; c < mj; c++)
@@ -602,7 +616,7 @@ static void PA_FN(sb_forward_item)(const pa_moba_desc *d, const PA_FN(sb_packs) 
     }
     if (d->causal) {
         const int64_t bs = d->block_size;
-        const int64_t base = row0 - d->cu_q[n] + (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
+        const int64_t base = row0 - d->cu_q[n] + PA_FN(sb_lag)(d, n);
         for (int64_t j = base / bs; j <= (base + nr - 1) / bs; j++) {
             int64_t ra, rb;
             const int64_t vis0 = PA_FN(sb_own_rows)(base, nr, j, bs, &ra, &rb);
@@ -670,8 +684,7 @@ static int PA_FN(moba_select)(const pa_moba_desc *d, const void *qv, const void 
             if (!ok) continue;
             while (row >= d->cu_q[n + 1]) n++; /* rows ascend within a thread's share */
             const int64_t fb = d->first_block[n], nbs = d->first_block[n + 1] - fb;
-            const int64_t lag = (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
-            const int64_t limit = d->causal ? (row - d->cu_q[n] + lag) / bs : nbs;
+            const int64_t limit = d->causal ? (row - d->cu_q[n] + PA_FN(sb_lag)(d, n)) / bs : nbs;
             for (int64_t h = 0; h < H; h++) {
                 const real *qh = q + (row * H + h) * Dk;
                 int32_t *out = choice + (row * H + h) * width;
@@ -854,7 +867,7 @@ static void PA_FN(sb_backward_unit)(const pa_moba_desc *d, const PA_FN(sb_packs)
     if (d->causal) {
         const int64_t n = d->block_seq[gb], bs = d->block_size, G = d->H / Hk;
         const int64_t j0 = (gb - d->first_block[n]) * bs;
-        const int64_t lag = (d->cu_k[n + 1] - d->cu_k[n]) - (d->cu_q[n + 1] - d->cu_q[n]);
+        const int64_t lag = PA_FN(sb_lag)(d, n);
         /* the block's query rows: local rows i0 .. i1-1, at positions i + lag */
         const int64_t i0 = j0 - lag > 0 ? j0 - lag : 0, i1 = j0 + bk - lag;
         for (int64_t g = 0; g < G; g++)
@@ -876,7 +889,7 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
 {
     const real *q = qv, *o = ov, *lse = lsev, *dout = doutv, *dlse = dlsev;
     real *dq = dqv, *dk = dkv, *dv = dvv;
-    const int64_t H = d->H, Hk = d->Hk, G = H / Hk, S = d->slots, rows = d->cu_q[d->nseq];
+    const int64_t H = d->H, Hk = d->Hk, S = d->slots, rows = d->cu_q[d->nseq];
     const int64_t nb = d->first_block[d->nseq], units = Hk * nb;
     /* every unit runs, and writes its block's dK and dV rows (zeros where no query chose it) */
     real *Dr = pa_alloc(sizeof(real) * (size_t)(rows * H + 1));
@@ -901,7 +914,7 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
         for (int64_t h = 0; h < H; h++)
             for (int64_t t = 0; t < S; t++) {
                 const int32_t j = choice[(row * H + h) * S + t];
-                if (j >= 0) ucnt[(h / G) * nb + d->first_block[n] + j + 1]++;
+                if (j >= 0) ucnt[PA_FN(sb_unit)(d, n, h, j) + 1]++;
             }
     }
     for (int64_t u = 0; u < units; u++) ucnt[u + 1] += ucnt[u];
@@ -911,7 +924,7 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
         for (int64_t h = 0; h < H; h++)
             for (int64_t t = 0; t < S; t++) {
                 const int32_t j = choice[(row * H + h) * S + t];
-                if (j >= 0) pairs[fill[(h / G) * nb + d->first_block[n] + j]++] = row * H + h;
+                if (j >= 0) pairs[fill[PA_FN(sb_unit)(d, n, h, j)]++] = row * H + h;
             }
     }
     const int64_t maxnb = PA_FN(sb_max_blocks)(d), nq = rows * H * d->Dk;
@@ -935,17 +948,12 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows * H; r++)
             Dr[r] = PA_FN(dot)(dout + r * d->Dv, o + r * d->Dv, d->Dv) - (dlse ? dlse[r] : 0);
-        /* by KV head, blocks in order: the same bits for any thread count; else units dealt
-         * round robin: the same bits on every run with this many threads */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t kh = 0; kh < (by_head ? Hk : 0); kh++)
-            for (int64_t u = kh * nb; u < (kh + 1) * nb; u++)
-                if (ok)
-                    PA_FN(sb_backward_unit)(d, &p, q, kv, vv, dout, lse, Dr, pairs + ucnt[u],
-                                            ucnt[u + 1] - ucnt[u], u, dq, dk, dv, &s);
+        /* work w: by KV head (its blocks in order: the same bits for any thread count), or one
+         * unit; dealt round robin, so a thread's dQ buffer gets the same units on every run */
+        const int64_t per = by_head ? nb : 1;
 #pragma omp for schedule(static, 1)
-        for (int64_t u = 0; u < (by_head ? 0 : units); u++)
-            if (ok)
+        for (int64_t w = 0; w < units / per; w++)
+            for (int64_t u = w * per; ok && u < (w + 1) * per; u++)
                 PA_FN(sb_backward_unit)(d, &p, q, kv, vv, dout, lse, Dr, pairs + ucnt[u],
                                         ucnt[u + 1] - ucnt[u], u, mine, dk, dv, &s);
         if (ok) free(s.block);
