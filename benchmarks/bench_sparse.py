@@ -27,10 +27,11 @@ B, H, D = 1, 8, 64
 
 def moba_touched(q, k, v, block_size, top_k):
     c = sparse._MobaCall(q, k, v, block_size, top_k, True, None, None)
-    past = np.sum((c.bend - c.bstart)[c.choice[c.choice >= 0]])  # B = 1: one sequence
-    rows = np.arange(c.q.shape[0])
-    block_of_row = np.searchsorted(c.bstart, rows, side="right") - 1
-    own = np.sum(rows - c.bstart[block_of_row] + 1) * c.H
+    T = c.q.shape[0]  # B = 1: one sequence, block j its keys j bs .. min((j + 1) bs, T) - 1
+    chosen = c.choice[c.choice >= 0].astype(np.int64)
+    past = np.sum(np.minimum((chosen + 1) * block_size, T) - chosen * block_size)
+    rows = np.arange(T)
+    own = np.sum(rows % block_size + 1) * c.H
     return past + own
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _core
 from . import _validate as V
-from .autodiff import register_vjp, vjp
+from .autodiff import register_vjp
 from .softmax import _backward, _forward
 
 
@@ -59,7 +59,7 @@ def _positions(cu_q, cu_k):
 
 
 class _MobaCall:
-    """A moba_attention call checked, its blocks and the kernel's choice array."""
+    """A moba_attention call checked, and the kernel's choice array."""
 
     def __init__(self, q, k, v, block_size, top_k, causal, scale, cu_seqlens):
         fn = "moba_attention"
@@ -73,11 +73,6 @@ class _MobaCall:
         cu_q, cu = _offsets(fn, B, Tq, Tk, cu_seqlens)
         self.shape, self.H, self.Hk, self.D, self.Dv = q.shape, H, Hk, D, Dv
         self.q, self.k, self.v = (x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]) for x in (q, k, v))
-        # blocks: consecutive rows of one sequence, block_size each but the last
-        starts = [np.arange(cu[n], cu[n + 1], self.bs) for n in range(len(cu) - 1)]
-        self.bstart = np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, np.int64)
-        self.bend = np.minimum(self.bstart + self.bs, np.repeat(cu[1:], [len(s) for s in starts]))
-        self.first_block = np.concatenate(([0], np.cumsum([len(s) for s in starts])))
         self.cu, self.cu_q = cu, cu_q
         self._choose()
 

@@ -103,11 +103,15 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (x.reshape(-1, x.shape[-1]) @ w.T).reshape(x.shape[:-1] + (w.shape[0],))
 
 
+def linear_weight_grad(dy: np.ndarray, x: np.ndarray, dw: np.ndarray) -> None:
+    """Adds ``dy^T x`` (over every leading axis) into dw, the gradient of ``linear``'s w."""
+    dw += dy.reshape(-1, dw.shape[0]).T @ x.reshape(-1, x.shape[-1])
+
+
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, dw: np.ndarray) -> np.ndarray:
     """Adds ``dy^T x`` into dw and returns ``dy @ w`` (the gradient reaching x)."""
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    dw += dy2.T @ x.reshape(-1, x.shape[-1])
-    return (dy2 @ w).reshape(x.shape)
+    linear_weight_grad(dy, x, dw)
+    return (dy.reshape(-1, dy.shape[-1]) @ w).reshape(x.shape)
 
 
 def rowdot_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:

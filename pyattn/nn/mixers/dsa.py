@@ -6,7 +6,7 @@ import numpy as np
 
 from ...autodiff import vjp
 from ...sparse import dsa_attention, dsa_index_scores, dsa_index_target, dsa_select
-from ..layers import linear, normal
+from ..layers import linear, linear_weight_grad, normal
 from .softmax import SoftmaxAttention
 
 
@@ -87,9 +87,8 @@ class DeepSeekSparseAttention(SoftmaxAttention):
         dx = super().backward(dy)
         self.index_loss, dscores, pullback = self.index_distillation(self.index, *self.qk)
         grads = pullback(dscores.astype(self.dtype))
-        x = self.x.reshape(-1, self.x.shape[-1])
         # the indexer's input is detached: its weights' gradients only, no dx
         for name, g in (("w_iq", grads["index_q"]), ("w_ik", grads["index_k"]),
                         ("w_iw", grads["index_w"] * self.Hi ** -0.5)):
-            self.g[name] += g.reshape(x.shape[0], -1).T @ x
+            linear_weight_grad(g, self.x, self.g[name])
         return dx

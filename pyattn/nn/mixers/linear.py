@@ -17,9 +17,10 @@ class LinearAttention(Mixer):
     Options: ``feature_map`` (one of ``FEATURE_MAPS``), ``normalize`` (False, as fla's
     ``do_feature_map_norm``: divide by ``phi(q).sum phi(k)``), ``head_dim`` (default d_model
     / n_heads), ``norm_eps`` (1e-5), ``chunk_size`` (64), ``short_conv`` (False; True puts
-    a short causal convolution, kernel 4 with SiLU, after each of the q, k, v projections). Differs from fla: its default
-    feature map is a learned elementwise product (Hedgehog-style); here the maps are
-    pyattn's fixed ones, and there are no KV-group or q/k sum-norm options.
+    a short causal convolution, kernel 4 with SiLU, after each of the q, k, v projections).
+    Differs from fla: its default feature map is a learned elementwise product
+    (Hedgehog-style); here the maps are pyattn's fixed ones, and there are no KV-group or
+    q/k sum-norm options.
     """
 
     def __init__(self, d_model, n_heads, *, dtype, rng, out_std, feature_map="elu1", normalize=False,
