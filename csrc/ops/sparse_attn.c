@@ -382,7 +382,8 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
 typedef struct {
     real *kt, *vt, *kr, *vr;
     int64_t *off_kt, *off_vt, *off_kr, *off_vr; /* [Hk * nblocks + 1] */
-    unsigned char *k_finite, *v_finite;         /* [Hk * nblocks]: 1 when every row is finite */
+    unsigned char *k_finite, *v_finite;         /* [Hk * nblocks]: 1 when every row is finite
+                                                   (causal; else 1) */
     void *block;
 } PA_FN(sb_packs);
 
@@ -455,8 +456,8 @@ static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real
         const int64_t kh = u / nb, gb = u % nb, bk = PA_FN(sb_block_len)(d, gb);
         const real *K = k + PA_FN(sb_block_row)(d, gb) * ldk + kh * Dk;
         const real *V = v + PA_FN(sb_block_row)(d, gb) * ldv + kh * Dv;
-        int kf = 1, vf = 1;
-        for (int64_t x = 0; x < bk; x++) {
+        int kf = 1, vf = 1; /* read by the causal own block only */
+        for (int64_t x = 0; d->causal && x < bk; x++) {
             kf &= PA_FN(sm_all_finite)(K + x * ldk, Dk);
             vf &= PA_FN(sm_all_finite)(V + x * ldv, Dv);
         }
