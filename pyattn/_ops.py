@@ -231,7 +231,7 @@ def build_ops() -> Dict[str, OpInfo]:
         "moba_attention": _attention_op(
             moba_attention, _moba_example,
             "MoBA: each query's own key block and its top_k - 1 best past blocks "
-            "(by q . mean(k_block)), over MoBA's block kernel and flash",
+            "(by q . mean(k_block)), over MoBA's block kernel",
             arrays=("q", "k", "v")),
         "nsa_attention": _attention_op(
             nsa_attention, _nsa_example,
