@@ -363,10 +363,13 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
  * bucketed by chosen block, and per block the bucket's rows are gathered into one GEMM
  * against the block's keys; the own block takes the item's rows that lie in it (consecutive
  * rows of q, no gather) against the keys up to the last of them, the keys after a row's
- * position masked by selection; one online softmax per query across all its blocks.
+ * position masked by selection; one online softmax per query across all its blocks. The
+ * scores are formed transposed (keys by queries, K the packed A operand), as the flash
+ * kernel does, so that P is read in place as the A operand of P V.
  * Backward: items (KV head, block), each over the (query, head) pairs that chose the block
  * (a list built at the start) and the query rows whose own block it is: the item owns the
- * block's dK and dV rows, and adds dS K into the pairs' dQ rows: with a KV head per thread or
+ * block's dK and dV rows (P and dS, queries by keys, read in place as the A operands of
+ * P^T dO and dS^T Q), and adds dS K into the pairs' dQ rows: with a KV head per thread or
  * more, a thread takes whole KV heads and writes dq itself; otherwise into a buffer of its
  * thread's (the first thread's is dq), the buffers summed in thread order at the end. A masked pair
  * is an exact 0 in the GEMMs of the own block, and 0 * NaN would carry a non-finite value to
@@ -374,14 +377,15 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
  * and an own block whose operands are not all finite goes pair by pair over its visible
  * keys (sb_own_pairs_slow). */
 
-#define SB_ROWS 512       /* rows of a GEMM: S [SB_ROWS x block] stays in L2 */
+#define SB_ROWS 128       /* query rows of a GEMM: S [SB_ROWS x block] stays in L2 */
 #define SB_ITEM_ROWS 2048 /* query rows of a forward item: a block meets a few hundred of them */
 
-/* The packed operands of every (KV head, block): K^T and V^T as B operands [D x bk] (scores,
- * dP), K and V as B operands [bk x D] (dQ, P V). */
+/* The packed operands of every (KV head, block): the forward's K as an A operand [bk x D]
+ * (transposed scores K Q^T) and V as a B operand [bk x D] (P V); the backward's K^T and V^T
+ * as B operands [D x bk] (scores, dP) and K as a B operand [bk x D] (dQ). */
 typedef struct {
-    real *kt, *vt, *kr, *vr;
-    int64_t *off_kt, *off_vt, *off_kr, *off_vr; /* [Hk * nblocks + 1] */
+    real *ka, *kt, *vt, *kr, *vr;
+    int64_t *off_ka, *off_kt, *off_vt, *off_kr, *off_vr; /* [Hk * nblocks + 1] */
     unsigned char *k_finite, *v_finite;         /* [Hk * nblocks]: 1 when every row is finite
                                                    (causal; else 1) */
     void *block;
@@ -412,41 +416,33 @@ static inline int64_t PA_FN(sb_unit)(const pa_moba_desc *d, int64_t n, int64_t h
     return h / (d->H / d->Hk) * d->first_block[d->nseq] + d->first_block[n] + j;
 }
 
-/* Lays out and fills the packings a pass needs: the forward kt and vr, the backward kt, vt
+/* Lays out and fills the packings a pass needs: the forward ka and vr, the backward kt, vt
  * and kr; 0 when out of memory. */
 static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real *k,
                           const real *v, int backward)
 {
     const int64_t nb = d->first_block[d->nseq], units = d->Hk * nb, Dk = d->Dk, Dv = d->Dv;
     memset(p, 0, sizeof *p);
-    int64_t *offs = malloc(sizeof(int64_t) * 4 * (units + 1) + 2 * (size_t)units + 1);
+    int64_t *offs = malloc(sizeof(int64_t) * 5 * (units + 1) + 2 * (size_t)units + 1);
     if (!offs) return 0;
-    p->k_finite = (unsigned char *)(offs + 4 * (units + 1));
+    p->k_finite = (unsigned char *)(offs + 5 * (units + 1));
     p->v_finite = p->k_finite + units;
-    p->off_kt = offs;
-    p->off_vt = offs + (units + 1);
-    p->off_kr = offs + 2 * (units + 1);
-    p->off_vr = offs + 3 * (units + 1);
-    int64_t tot[4] = {0, 0, 0, 0};
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t bk = PA_FN(sb_block_len)(d, u % nb);
-        p->off_kt[u] = tot[0];
-        p->off_vt[u] = tot[1];
-        p->off_kr[u] = tot[2];
-        p->off_vr[u] = tot[3];
-        tot[0] += PA_FN(packed_b_elems)(Dk, bk);
-        tot[1] += backward ? PA_FN(packed_b_elems)(Dv, bk) : 0;
-        tot[2] += backward ? PA_FN(packed_b_elems)(bk, Dk) : 0;
-        tot[3] += backward ? 0 : PA_FN(packed_b_elems)(bk, Dv);
+    int64_t **off[] = {&p->off_ka, &p->off_kt, &p->off_vt, &p->off_kr, &p->off_vr};
+    for (int x = 0; x < 5; x++) *off[x] = offs + x * (units + 1);
+    int64_t tot[5] = {0, 0, 0, 0, 0};
+    for (int64_t u = 0; u <= units; u++) {
+        for (int x = 0; x < 5; x++) (*off[x])[u] = tot[x];
+        const int64_t bk = u < units ? PA_FN(sb_block_len)(d, u % nb) : 0;
+        tot[0] += backward ? 0 : PA_FN(packed_a_elems)(bk, Dk);
+        tot[1] += backward ? PA_FN(packed_b_elems)(Dk, bk) : 0;
+        tot[2] += backward ? PA_FN(packed_b_elems)(Dv, bk) : 0;
+        tot[3] += backward ? PA_FN(packed_b_elems)(bk, Dk) : 0;
+        tot[4] += backward ? 0 : PA_FN(packed_b_elems)(bk, Dv);
     }
-    p->off_kt[units] = tot[0];
-    p->off_vt[units] = tot[1];
-    p->off_kr[units] = tot[2];
-    p->off_vr[units] = tot[3];
-    void **parts[] = {(void **)&p->kt, (void **)&p->vt, (void **)&p->kr, (void **)&p->vr};
-    const size_t bytes[] = {sizeof(real) * (size_t)(tot[0] + 1), sizeof(real) * (size_t)(tot[1] + 1),
-                            sizeof(real) * (size_t)(tot[2] + 1), sizeof(real) * (size_t)(tot[3] + 1)};
-    if (!(p->block = pa_alloc_parts(parts, bytes, 4))) {
+    void **parts[] = {(void **)&p->ka, (void **)&p->kt, (void **)&p->vt, (void **)&p->kr, (void **)&p->vr};
+    size_t bytes[5];
+    for (int x = 0; x < 5; x++) bytes[x] = sizeof(real) * (size_t)(tot[x] + 1);
+    if (!(p->block = pa_alloc_parts(parts, bytes, 5))) {
         free(offs);
         return 0;
     }
@@ -463,11 +459,12 @@ static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real
         }
         p->k_finite[u] = (unsigned char)kf;
         p->v_finite[u] = (unsigned char)vf;
-        PA_FN(pack_b)(Dk, bk, K, 1, ldk, p->kt + p->off_kt[u]);
         if (backward) {
+            PA_FN(pack_b)(Dk, bk, K, 1, ldk, p->kt + p->off_kt[u]);
             PA_FN(pack_b)(Dv, bk, V, 1, ldv, p->vt + p->off_vt[u]);
             PA_FN(pack_b)(bk, Dk, K, ldk, 1, p->kr + p->off_kr[u]);
         } else {
+            PA_FN(pack_a)(bk, Dk, K, ldk, 1, p->ka + p->off_ka[u]);
             PA_FN(pack_b)(bk, Dv, V, ldv, 1, p->vr + p->off_vr[u]);
         }
     }
@@ -477,14 +474,22 @@ static int PA_FN(sb_pack)(PA_FN(sb_packs) * p, const pa_moba_desc *d, const real
 static void PA_FN(sb_packs_free)(PA_FN(sb_packs) * p)
 {
     free(p->block);
-    free(p->off_kt);
+    free(p->off_ka);
 }
 
-/* Per-thread scratch: gathered rows Q [SB_ROWS x Dk], dO [SB_ROWS x Dv], scores S and dP
- * [SB_ROWS x bs], an output T [SB_ROWS x max(Dk, Dv)], a forward item's accumulators O, m,
- * l [SB_ITEM_ROWS], the bucketing (count per block, order), and the GEMMs' workspace. */
+/* Leading dimensions of the score tiles, each rounded up to MR: the GEMM that takes a tile
+ * as its A operand in place reads whole panels. Forward: S^T [block x SB_LDS] (keys by
+ * queries); backward: S and dP [SB_ROWS x sb_ldb] (queries by keys). */
+#define SB_LDS ((SB_ROWS + MR - 1) / MR * MR)
+static inline int64_t PA_FN(sb_ldb)(const pa_moba_desc *d) { return (d->block_size + MR - 1) / MR * MR; }
+
+/* Per-thread scratch: gathered rows Q [SB_ROWS x Dk], dO [SB_ROWS x Dv] and their packings
+ * as B operands (Q^T or Q, dO), the score tiles S and dP, an output T [SB_ROWS x
+ * max(Dk, Dv)], a forward item's accumulators O, m, l [SB_ITEM_ROWS] and a GEMM's share of
+ * them (cm: m, l, new max, finite max [SB_ROWS each]), the bucketing (count per block,
+ * order), and the GEMMs' workspace. */
 typedef struct {
-    real *Q, *dO, *S, *dP, *T, *O, *m, *l, *dKb, *dVb, *work;
+    real *Q, *dO, *Qb, *dOb, *S, *dP, *T, *O, *m, *l, *cm, *dKb, *dVb, *work;
     int64_t *cnt, *order, *pos;
     void *block;
 } PA_FN(sb_scratch);
@@ -492,24 +497,32 @@ typedef struct {
 static int PA_FN(sb_scratch_alloc)(PA_FN(sb_scratch) * s, const pa_moba_desc *d, int64_t maxnb)
 {
     const int64_t R = SB_ROWS, RI = SB_ITEM_ROWS, bs = d->block_size, D = d->Dk > d->Dv ? d->Dk : d->Dv;
-    const int64_t slots = d->slots > 0 ? d->slots : 1;
+    const int64_t slots = d->slots > 0 ? d->slots : 1, ldb = PA_FN(sb_ldb)(d);
+    const int64_t tile = R * ldb > bs * SB_LDS ? R * ldb : bs * SB_LDS;
     int64_t w = PA_FN(gemm_work_elems)(R, bs, D), w2 = PA_FN(gemm_work_elems)(R, D, bs);
-    int64_t w3 = PA_FN(gemm_work_elems)(bs, D, R);
     w = w > w2 ? w : w2;
-    w = w > w3 ? w : w3;
-    void **parts[] = {(void **)&s->Q,   (void **)&s->dO,  (void **)&s->S,     (void **)&s->dP,
-                      (void **)&s->T,   (void **)&s->O,   (void **)&s->m,     (void **)&s->l,
-                      (void **)&s->dKb, (void **)&s->dVb, (void **)&s->work,  (void **)&s->cnt,
-                      (void **)&s->order, (void **)&s->pos};
+    const int64_t qb = PA_FN(packed_b_elems)(R, D) > PA_FN(packed_b_elems)(D, R)
+                           ? PA_FN(packed_b_elems)(R, D) : PA_FN(packed_b_elems)(D, R);
+    void **parts[] = {(void **)&s->Q,   (void **)&s->dO,  (void **)&s->Qb,   (void **)&s->dOb,
+                      (void **)&s->S,   (void **)&s->dP,  (void **)&s->T,    (void **)&s->O,
+                      (void **)&s->m,   (void **)&s->l,   (void **)&s->cm,   (void **)&s->dKb,
+                      (void **)&s->dVb, (void **)&s->work, (void **)&s->cnt, (void **)&s->order,
+                      (void **)&s->pos};
     const size_t bytes[] = {sizeof(real) * R * d->Dk,  sizeof(real) * R * d->Dv,
-                            sizeof(real) * R * bs,     sizeof(real) * R * bs,
+                            sizeof(real) * qb,         sizeof(real) * qb,
+                            sizeof(real) * tile,       sizeof(real) * tile,
                             sizeof(real) * R * D,      sizeof(real) * RI * D,
                             sizeof(real) * RI,         sizeof(real) * RI,
-                            sizeof(real) * bs * d->Dk, sizeof(real) * bs * d->Dv,
-                            sizeof(real) * w,          sizeof(int64_t) * (maxnb + 1),
-                            sizeof(int64_t) * RI * slots, sizeof(int64_t) * RI * slots};
-    s->block = pa_alloc_parts(parts, bytes, 14);
-    return s->block != NULL;
+                            sizeof(real) * 4 * R,      sizeof(real) * bs * d->Dk,
+                            sizeof(real) * bs * d->Dv, sizeof(real) * w,
+                            sizeof(int64_t) * (maxnb + 1), sizeof(int64_t) * RI * slots,
+                            sizeof(int64_t) * RI * slots};
+    s->block = pa_alloc_parts(parts, bytes, 17);
+    if (!s->block) return 0;
+    /* the panels' columns past a GEMM's rows are read (never stored): keep them defined */
+    memset(s->S, 0, sizeof(real) * tile);
+    memset(s->dP, 0, sizeof(real) * tile);
+    return 1;
 }
 
 /* The item's (row, slot) pairs bucketed by chosen block: s->cnt[j] .. s->cnt[j+1] of
@@ -541,13 +554,29 @@ static inline int PA_FN(sb_chose)(const pa_moba_desc *d, const int32_t *choice, 
     return 0;
 }
 
-/* The online softmax of item row r over one block's scores Sr (its first n visible, bk in
- * all): m and l updated, O's row rescaled where the max grew, Sr replaced by exp(Sr - m). */
-static inline void PA_FN(sb_softmax_row)(PA_FN(sb_scratch) * s, int64_t r, real *Sr, int64_t n,
-                                         int64_t bk, int64_t Dv)
+/* The online softmax of mj item rows (rows[c], or r0 + c without rows) over one block's
+ * transposed scores ST [bk x SB_LDS] (hidden keys -inf): their m and l updated, their rows
+ * of O rescaled where the max grew, ST replaced by exp(ST - m). Vectorised across queries. */
+static void PA_FN(sb_softmax_cols)(PA_FN(sb_scratch) * s, real *ST, int64_t bk, int64_t mj,
+                                   const int64_t *rows, int64_t r0, int64_t Dv)
 {
-    PA_FN(sm_raise_max)(s->m + r, s->l + r, s->O + r * Dv, Dv, PA_FN(row_max)(Sr, n));
-    s->l[r] += PA_FN(row_exp_sum)(Sr, bk, s->m[r] == -(real)INFINITY ? 0 : s->m[r]);
+    real *m = s->cm, *l = m + SB_ROWS, *mnew = l + SB_ROWS, *msafe = mnew + SB_ROWS;
+    for (int64_t c = 0; c < mj; c++) {
+        const int64_t r = rows ? rows[c] : r0 + c;
+        mnew[c] = m[c] = s->m[r];
+        l[c] = s->l[r];
+    }
+    for (int64_t x = 0; x < bk; x++) PA_FN(vec_max_into)(mnew, ST + x * SB_LDS, mj);
+    for (int64_t c = 0; c < mj; c++) {
+        PA_FN(sm_raise_max)(m + c, l + c, s->O + (rows ? rows[c] : r0 + c) * Dv, Dv, mnew[c]);
+        msafe[c] = m[c] == -(real)INFINITY ? 0 : m[c];
+    }
+    for (int64_t x = 0; x < bk; x++) PA_FN(vec_exp_sub_acc)(ST + x * SB_LDS, msafe, l, mj);
+    for (int64_t c = 0; c < mj; c++) {
+        const int64_t r = rows ? rows[c] : r0 + c;
+        s->m[r] = m[c];
+        s->l[r] = l[c];
+    }
 }
 
 /* The query rows [ra, rb) of item rows 0 .. nr-1 (position base + r in the sequence's keys)
@@ -560,7 +589,16 @@ static inline int64_t PA_FN(sb_own_rows)(int64_t base, int64_t nr, int64_t j, in
     return *rb > *ra ? base + *ra - j * bs + 1 : 0;
 }
 
-/* The own block j (unit u) of the item's rows [ra, rb): S = scale Q K^T over the keys the
+/* S^T = scale K Q^T [bk x mj] of unit u's first bk keys and the mj queries packed in s->Qb,
+ * into s->S. */
+static inline void PA_FN(sb_scores_t)(const pa_moba_desc *d, const PA_FN(sb_packs) * p, int64_t u,
+                                      int64_t bk, int64_t mj, PA_FN(sb_scratch) * s)
+{
+    PA_FN(gemm_packed_ab)(bk, mj, d->Dk, (real)d->scale, p->ka + p->off_ka[u], MR * d->Dk, MR,
+                          s->Qb, d->Dk * NR, 0, s->S, SB_LDS);
+}
+
+/* The own block j (unit u) of the item's rows [ra, rb): S^T = scale K Q^T over the keys the
  * last of them sees, the later keys of each row masked, the online softmax, O += P V. */
 static void PA_FN(sb_forward_own)(const pa_moba_desc *d, const PA_FN(sb_packs) * p,
                                   const real *q, const real *v, int64_t h, int64_t row0,
@@ -569,22 +607,20 @@ static void PA_FN(sb_forward_own)(const pa_moba_desc *d, const PA_FN(sb_packs) *
 {
     const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, kh = h / (H / Hk);
     const int64_t mj = rb - ra, bk = vis0 + mj - 1, bkfull = PA_FN(sb_block_len)(d, gb);
-    PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, q + ((row0 + ra) * H + h) * Dk, H * Dk, 1,
-                         p->kt + p->off_kt[u], Dk * NR, 0, s->S, bk, s->work);
-    for (int64_t c = 0; c < mj; c++) {
-        real *Sr = s->S + c * bk;
-        for (int64_t x = vis0 + c; x < bk; x++) Sr[x] = -(real)INFINITY;
-        PA_FN(sb_softmax_row)(s, ra + c, Sr, vis0 + c, bk, Dv);
-    }
+    PA_FN(pack_b)(Dk, mj, q + ((row0 + ra) * H + h) * Dk, 1, H * Dk, s->Qb);
+    PA_FN(sb_scores_t)(d, p, u, bk, mj, s);
+    for (int64_t x = vis0; x < bk; x++) /* key x is hidden from rows c <= x - vis0 */
+        for (int64_t c = 0; c <= x - vis0 && c < mj; c++) s->S[x * SB_LDS + c] = -(real)INFINITY;
+    PA_FN(sb_softmax_cols)(s, s->S, bk, mj, NULL, ra, Dv);
     if (p->v_finite[u]) {
-        PA_FN(gemm_packed_b)(mj, Dv, bk, 1, s->S, bk, 1, p->vr + p->off_vr[u], bkfull * NR, 1,
-                             s->O + ra * Dv, Dv, s->work);
+        PA_FN(gemm_packed_ab)(mj, Dv, bk, 1, s->S, MR, SB_LDS, p->vr + p->off_vr[u], bkfull * NR,
+                              1, s->O + ra * Dv, Dv);
         return;
     }
     const real *V = v + PA_FN(sb_block_row)(d, gb) * Hk * Dv + kh * Dv;
     for (int64_t c = 0; c < mj; c++) /* visible keys only: no 0 * NaN from the masked ones */
         for (int64_t x = 0; x < vis0 + c; x++)
-            PA_FN(axpy)(s->O + (ra + c) * Dv, V + x * Hk * Dv, Dv, s->S[c * bk + x]);
+            PA_FN(axpy)(s->O + (ra + c) * Dv, V + x * Hk * Dv, Dv, s->S[x * SB_LDS + c]);
 }
 
 /* Forward of one item: sequence n, head h, query rows row0 .. row0+nr-1. */
@@ -607,11 +643,11 @@ static void PA_FN(sb_forward_item)(const pa_moba_desc *d, const PA_FN(sb_packs) 
         const int64_t u = kh * nb + fb + j, bk = PA_FN(sb_block_len)(d, fb + j);
         for (int64_t c = 0; c < mj; c++)
             memcpy(s->Q + c * Dk, q + ((row0 + s->order[a + c]) * H + h) * Dk, sizeof(real) * Dk);
-        PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, s->Q, Dk, 1, p->kt + p->off_kt[u], Dk * NR,
-                             0, s->S, bk, s->work);
-        for (int64_t c = 0; c < mj; c++) PA_FN(sb_softmax_row)(s, s->order[a + c], s->S + c * bk, bk, bk, Dv);
-        PA_FN(gemm_packed_b)(mj, Dv, bk, 1, s->S, bk, 1, p->vr + p->off_vr[u], bk * NR, 0, s->T,
-                             Dv, s->work);
+        PA_FN(pack_b)(Dk, mj, s->Q, 1, Dk, s->Qb);
+        PA_FN(sb_scores_t)(d, p, u, bk, mj, s);
+        PA_FN(sb_softmax_cols)(s, s->S, bk, mj, s->order + a, 0, Dv);
+        PA_FN(gemm_packed_ab)(mj, Dv, bk, 1, s->S, MR, SB_LDS, p->vr + p->off_vr[u], bk * NR, 0,
+                              s->T, Dv);
         for (int64_t c = 0; c < mj; c++)
             PA_FN(axpy)(s->O + s->order[a + c] * Dv, s->T + c * Dv, Dv, 1);
     }
@@ -748,14 +784,14 @@ static int PA_FN(moba_forward)(const pa_moba_desc *d, const void *qv, const void
 }
 
 /* P = exp(S - lse) and dS = scale P (dP - D) for the mj rows (their lse and D at lse_of[c],
- * D_of[c]), S and dP [mj x bk]; S becomes P, dP becomes dS. Row c sees the first vis0 + c
- * keys (all with vis0 >= bk); the others get an exact 0 in both. */
-static void PA_FN(sb_grad_scores)(real *S, real *dP, int64_t mj, int64_t bk, const real *lse_of,
-                                  const real *D_of, real scale, int64_t vis0)
+ * D_of[c]), S and dP [mj x bk], ldb apart; S becomes P, dP becomes dS. Row c sees the first
+ * vis0 + c keys (all with vis0 >= bk); the others get an exact 0 in both. */
+static void PA_FN(sb_grad_scores)(real *S, real *dP, int64_t mj, int64_t bk, int64_t ldb,
+                                  const real *lse_of, const real *D_of, real scale, int64_t vis0)
 {
     const vreal vs = PA_FN(vset)(scale);
     for (int64_t c = 0; c < mj; c++) {
-        real *p = S + c * bk, *dp = dP + c * bk;
+        real *p = S + c * ldb, *dp = dP + c * ldb;
         const int64_t vis = vis0 + c < bk ? vis0 + c : bk;
         const vreal vl = PA_FN(vset)(lse_of[c]), vd = PA_FN(vset)(D_of[c]);
         int64_t x = 0;
@@ -772,6 +808,29 @@ static void PA_FN(sb_grad_scores)(real *S, real *dP, int64_t mj, int64_t bk, con
         }
         for (x = vis; x < bk; x++) p[x] = dp[x] = 0;
     }
+}
+
+/* mj queries' share of unit u's backward against its first bk keys (bkfull in all): Q and
+ * dO rows lq and ldo apart, their lse and D in s->m and s->l, row c seeing the first vis0 + c
+ * keys. P and dS recomputed, dV += P^T dO and dK += dS^T Q into s->dVb and s->dKb (P and dS
+ * read in place as the A operand), dS K into dq (rows lq apart; added when beta is 1). */
+static void PA_FN(sb_backward_tile)(const pa_moba_desc *d, const PA_FN(sb_packs) * p, int64_t u,
+                                    const real *Q, int64_t lq, const real *dO, int64_t ldo,
+                                    int64_t mj, int64_t bk, int64_t bkfull, int64_t vis0,
+                                    real *dq, real beta, PA_FN(sb_scratch) * s)
+{
+    const int64_t Dk = d->Dk, Dv = d->Dv, ldb = PA_FN(sb_ldb)(d);
+    PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, Q, lq, 1, p->kt + p->off_kt[u], Dk * NR, 0,
+                         s->S, ldb, s->work);
+    PA_FN(gemm_packed_b)(mj, bk, Dv, 1, dO, ldo, 1, p->vt + p->off_vt[u], Dv * NR, 0, s->dP, ldb,
+                         s->work);
+    PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, ldb, s->m, s->l, (real)d->scale, vis0);
+    PA_FN(pack_b)(mj, Dv, dO, ldo, 1, s->dOb);
+    PA_FN(gemm_packed_ab)(bk, Dv, mj, 1, s->S, MR, ldb, s->dOb, mj * NR, 1, s->dVb, Dv);
+    PA_FN(pack_b)(mj, Dk, Q, lq, 1, s->Qb);
+    PA_FN(gemm_packed_ab)(bk, Dk, mj, 1, s->dP, MR, ldb, s->Qb, mj * NR, 1, s->dKb, Dk);
+    PA_FN(gemm_packed_b)(mj, Dk, bk, 1, s->dP, ldb, 1, p->kr + p->off_kr[u], bkfull * NR, beta, dq,
+                         lq, s->work);
 }
 
 /* The own block's part of unit u's backward, pair by pair over the visible keys: for an own
@@ -820,15 +879,7 @@ static void PA_FN(sb_own_backward)(const pa_moba_desc *d, const PA_FN(sb_packs) 
                                  vis0, dqr, s);
         return;
     }
-    PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, Q, H * Dk, 1, p->kt + p->off_kt[u], Dk * NR,
-                         0, s->S, bk, s->work);
-    PA_FN(gemm_packed_b)(mj, bk, Dv, 1, dO, H * Dv, 1, p->vt + p->off_vt[u], Dv * NR, 0, s->dP,
-                         bk, s->work);
-    PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale, vis0);
-    PA_FN(gemm)(bk, Dv, mj, 1, s->S, 1, bk, dO, H * Dv, 1, 1, s->dVb, Dv, s->work);
-    PA_FN(gemm)(bk, Dk, mj, 1, s->dP, 1, bk, Q, H * Dk, 1, 1, s->dKb, Dk, s->work);
-    PA_FN(gemm_packed_b)(mj, Dk, bk, 1, s->dP, bk, 1, p->kr + p->off_kr[u], bkfull * NR, 1, dqr,
-                         H * Dk, s->work);
+    PA_FN(sb_backward_tile)(d, p, u, Q, H * Dk, dO, H * Dv, mj, bk, bkfull, vis0, dqr, 1, s);
 }
 
 /* The backward of block unit u (KV head, block) over the (query, head) pairs that chose it,
@@ -854,15 +905,7 @@ static void PA_FN(sb_backward_unit)(const pa_moba_desc *d, const PA_FN(sb_packs)
             s->m[c] = lse[row];
             s->l[c] = Dr[row];
         }
-        PA_FN(gemm_packed_b)(mj, bk, Dk, (real)d->scale, s->Q, Dk, 1, p->kt + p->off_kt[u], Dk * NR,
-                             0, s->S, bk, s->work);
-        PA_FN(gemm_packed_b)(mj, bk, Dv, 1, s->dO, Dv, 1, p->vt + p->off_vt[u], Dv * NR, 0, s->dP,
-                             bk, s->work);
-        PA_FN(sb_grad_scores)(s->S, s->dP, mj, bk, s->m, s->l, (real)d->scale, bk);
-        PA_FN(gemm)(bk, Dv, mj, 1, s->S, 1, bk, s->dO, Dv, 1, 1, s->dVb, Dv, s->work);
-        PA_FN(gemm)(bk, Dk, mj, 1, s->dP, 1, bk, s->Q, Dk, 1, 1, s->dKb, Dk, s->work);
-        PA_FN(gemm_packed_b)(mj, Dk, bk, 1, s->dP, bk, 1, p->kr + p->off_kr[u], bk * NR, 0, s->T,
-                             Dk, s->work);
+        PA_FN(sb_backward_tile)(d, p, u, s->Q, Dk, s->dO, Dv, mj, bk, bk, bk, s->T, 0, s);
         for (int64_t c = 0; c < mj; c++) PA_FN(axpy)(dq + pairs[c0 + c] * Dk, s->T + c * Dk, Dk, 1);
     }
     if (d->causal) {
