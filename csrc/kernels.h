@@ -88,15 +88,17 @@ typedef struct {
 } pa_feature_map_desc;
 
 /* The gated linear engine (ops/linear_attn.c). Sequence n owns rows cu[n] .. cu[n+1]-1 of
- * q, k [rows, H, K], v, o [rows, H, V]; gk is NULL (PA_GATE_NONE), [rows, H] (SCALAR) or
- * [rows, H, K] (VECTOR); gv is NULL or [rows, H, V] (VECTOR); states are [nseq, H, K, V]. */
+ * q, k [rows, Hqk, K], v, o [rows, H, V]; head h reads q and k head h / (H / Hqk) (Mamba-2's
+ * groups of B and C), and the backward sums the heads of a group into dq and dk; gk is NULL
+ * (PA_GATE_NONE), [rows, H] (SCALAR) or [rows, H, K] (VECTOR); gv is NULL or [rows, H, V]
+ * (VECTOR); states are [nseq, H, K, V]. The delta-rule engine takes Hqk = H. */
 enum { PA_GATE_NONE = 0, PA_GATE_SCALAR = 1, PA_GATE_VECTOR = 2 };
 
 typedef struct {
     int64_t nseq;
     const int64_t *cu;
-    int64_t H, K, V;
-    int gk, gv;    /* PA_GATE_* */
+    int64_t H, Hqk, K, V; /* H a multiple of Hqk */
+    int gk, gv;           /* PA_GATE_* */
     double scale;
     int form;      /* PA_FORM_PARALLEL, _RECURRENT or _CHUNK */
     int64_t chunk; /* rows per block of the chunk form */

@@ -875,20 +875,27 @@ static int linear_desc(const char *fn, PyObject *const *a, PyObject *const *opt,
     if (float_type(fn, "q", a[0], typenum)) return -1;
     npy_intp four[4] = {-1, -1, -1, -1};
     if (!(arr[0] = get_array(fn, "q", a[0], *typenum, 4, four, 0))) return -1;
-    npy_intp B = PyArray_DIM(arr[0], 0), T = PyArray_DIM(arr[0], 1), H = PyArray_DIM(arr[0], 2),
+    npy_intp B = PyArray_DIM(arr[0], 0), T = PyArray_DIM(arr[0], 1), Hqk = PyArray_DIM(arr[0], 2),
              K = PyArray_DIM(arr[0], 3);
-    npy_intp vshape[4] = {B, T, H, -1};
+    npy_intp vshape[4] = {B, T, -1, -1};
     if (!(arr[1] = get_array(fn, "k", a[1], *typenum, 4, PyArray_DIMS(arr[0]), 0)) ||
         !(arr[2] = get_array(fn, "v", a[2], *typenum, 4, vshape, 0)))
         return -1;
-    npy_intp V = PyArray_DIM(arr[2], 3);
+    npy_intp H = PyArray_DIM(arr[2], 2), V = PyArray_DIM(arr[2], 3);
     if (K < 1 || V < 1) {
         PyErr_Format(PyExc_ValueError, "%s(): head dims must be >= 1, got K=%lld V=%lld", fn,
                      (long long)K, (long long)V);
         return -1;
     }
+    if (Hqk < 1 || H % Hqk) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): q and k have %lld heads; v's H=%lld must be a multiple of it", fn,
+                     (long long)Hqk, (long long)H);
+        return -1;
+    }
     memset(d, 0, sizeof *d);
     d->H = H;
+    d->Hqk = Hqk;
     d->K = K;
     d->V = V;
     arr[3] = arr[4] = arr[5] = NULL;
@@ -1086,6 +1093,11 @@ static int delta_desc(const char *fn, PyObject *const *a, PyObject *const *opt, 
         return -1;
     }
     if (linear_desc(fn, lin, opt, typenum, arr, d)) return -1;
+    if (d->Hqk != d->H) {
+        PyErr_Format(PyExc_ValueError, "%s(): v must have q's %lld heads, got %lld", fn,
+                     (long long)d->Hqk, (long long)d->H);
+        return -1;
+    }
     npy_intp bshape[3] = {PyArray_DIM(arr[0], 0), PyArray_DIM(arr[0], 1), d->H};
     return (*beta = get_array(fn, "beta", a[4], *typenum, 3, bshape, 0)) ? 0 : -1;
 }

@@ -34,8 +34,8 @@ class _Engine:
     def __init__(self, fn, q, k, v, gk, gv, h0, want_state, cu, N, form, chunk_size, scale):
         V.form(fn, form, FORMS)
         V.chunk_size(fn, chunk_size)
-        B, T, H, K = q.shape
-        Vd = v.shape[3]
+        K = q.shape[3]
+        H, Vd = v.shape[2:]  # q and k may have fewer heads (groups), v has every head's
         V.shape(fn, "initial_state", h0, (N, H, K, Vd), "[N, H, K, V]")
         self.fn, self.q, self.k, self.v, self.gk, self.gv, self.h0 = fn, q, k, v, gk, gv, h0
         self.want_state, self.N = want_state, N
@@ -46,9 +46,8 @@ class _Engine:
         """(o, final state or None). keep: a pullback follows, so the chunk form keeps the
         state entering each chunk for the backward (about T / chunk_size states per head)."""
         q, v = self.q, self.v
-        B, T, H, K = q.shape
-        self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
-        self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
+        self.o = np.empty(v.shape, dtype=q.dtype)
+        self.ht = np.empty((self.N, v.shape[2], q.shape[3], v.shape[3]), dtype=q.dtype) if self.want_state else None
         self.states = _core.linear_forward(q, self.k, v, self.gk, self.gv, self.h0, self.o, self.ht,
                                            keep, *self.opts)
         return self.o, self.ht
@@ -446,11 +445,9 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     if P < 1:
         raise ValueError(f"{fn}(): 'x' needs a head dim P >= 1, got {x.shape}")
     cu, N = _sequences(fn, nb, T, cu_seqlens)
-    rep = H // G
     pre = dt + dt_bias if dt_bias is not None else dt
     dts = _softplus(pre) if dt_softplus else pre
-    q = np.ascontiguousarray(np.repeat(Cm, rep, axis=2))
-    k = np.ascontiguousarray(np.repeat(Bm, rep, axis=2))
+    q, k = np.ascontiguousarray(Cm), np.ascontiguousarray(Bm)  # the engine reads groups natively
     v = x * dts[..., None]
     g = np.ascontiguousarray(dts * A)
     eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"],
@@ -479,8 +476,7 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
         dpre = ddts * _sigmoid(pre.astype(f64)) if dt_softplus else ddts
         res["dt"] = dpre.astype(dtype)
         res["A"] = V.reduce_to(np.einsum("bth,bth->h", dg, dts, dtype=f64).astype(dtype), arrs["A"])
-        res["B"] = ge["k"].reshape(nb, T, G, rep, Ns).sum(axis=3)
-        res["C"] = ge["q"].reshape(nb, T, G, rep, Ns).sum(axis=3)
+        res["B"], res["C"] = ge["k"], ge["q"]  # summed over each group's heads in C
         if dt_bias is not None:
             res["dt_bias"] = V.reduce_to(dpre.sum(axis=(0, 1)).astype(dtype), arrs["dt_bias"])
         if ge["h0"] is not None:

@@ -1512,3 +1512,57 @@ def test_kept_states(gates, units, threads):
     raises(ValueError, pyattn._core.linear_backward, q, k, v, g, gv, h0, do, dht, kept,
            *_engine_backward(args, None, 1), opts[0], pyattn._core.FORM_PARALLEL, *opts[2:],
            must=("chunk form",))
+
+
+# ------------------------------------------------------------------------------- 13. groups of q and k
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
+@pytest.mark.parametrize("gates", ["scalar", "vector+gv"])
+def test_engine_reads_grouped_q_and_k(gates, form, threads):
+    """q and k with Hqk heads and v with H = 3 Hqk (Mamba-2's groups of B and C): head h reads
+    q and k head h // 3. The engine on them equals the engine on q and k repeated to H heads,
+    forward, and backward with dq and dk summed over each group's heads; with cu_seqlens, a
+    ragged last chunk, one unit per thread or fewer units than threads."""
+    r = np.random.default_rng(11)
+    cu = np.array([0, 70, 70, 171], np.int64)
+    N, Hqk, G, K, Vd, T = 3, 2, 3, 8, 6, 171
+    H = Hqk * G
+    q, k = (r.standard_normal((1, T, Hqk, K)) for _ in range(2))
+    v = r.standard_normal((1, T, H, Vd))
+    g = -r.uniform(0, 0.5, (1, T, H) if gates == "scalar" else (1, T, H, K))
+    gv = -r.uniform(0, 0.5, (1, T, H, Vd)) if gates != "scalar" else None
+    h0 = r.standard_normal((N, H, K, Vd))
+    opts = (cu, getattr(pyattn._core, f"FORM_{form.upper()}"), 32, 0.5)
+    qr, kr = (np.ascontiguousarray(np.repeat(x, G, axis=2)) for x in (q, k))
+    outs = []
+    for qq, kk in ((q, k), (qr, kr)):
+        o, ht = np.empty_like(v), np.empty_like(h0)
+        with pyattn.num_threads(threads):
+            pyattn._core.linear_forward(qq, kk, v, g, gv, h0, o, ht, False, *opts)
+        outs.append((o, ht))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    do, dht = r.standard_normal(v.shape), r.standard_normal(h0.shape)
+    grouped = _engine_backward((q, k, v, g, gv, h0, do, dht, opts), None, threads)
+    repeated = _engine_backward((qr, kr, v, g, gv, h0, do, dht, opts), None, threads)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dgv", "dh0"), grouped, repeated):
+        if name in ("dq", "dk"):
+            b = b.reshape(1, T, Hqk, G, K).sum(axis=3)
+        if a is not None:
+            assert_close(a, b, 1e-13, name=name)
+
+
+def test_engine_groups_must_divide_heads():
+    """v's heads must be a multiple of q's; the delta-rule engine takes no groups."""
+    r = np.random.default_rng(3)
+    q = r.standard_normal((1, 5, 2, 4))
+    v = r.standard_normal((1, 5, 3, 4))
+    opts = (np.array([0, 5], np.int64), pyattn._core.FORM_CHUNK, 64, 0.5)
+    raises(ValueError, pyattn._core.linear_forward, q, q, v, None, None, None, np.empty_like(v),
+           None, False, *opts, must=("q and k have 2 heads", "H=3"))
+    v4 = r.standard_normal((1, 5, 4, 4))
+    beta = r.uniform(size=(1, 5, 4))
+    raises(ValueError, pyattn._core.delta_forward, q, q, v4, None, beta, None, np.empty_like(v4),
+           None, False, *opts, must=("q's 2 heads", "4"))

@@ -460,7 +460,7 @@ static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, cons
 typedef struct {
     const pa_linear_desc *d;
     int64_t T;                  /* rows of the sequence */
-    int64_t sk, sv, sg;         /* row strides: q/k/gk-vector, v/o/gv, scalar gk */
+    int64_t sq, sk, sv, sg;     /* row strides: q/k, dq/dk, v/o/gv, gk */
     const real *q, *k, *v, *gk, *gv, *dout; /* at the unit's first row and head */
     real *o, *dq, *dk, *dv, *dgk, *dgv;
 } PA_FN(la_unit);
@@ -473,13 +473,15 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
     const int64_t H = d->H, n = unit / H, h = unit % H, r0 = d->cu[n];
     u->d = d;
     u->T = d->cu[n + 1] - r0;
+    u->sq = d->Hqk * d->K;
     u->sk = H * d->K;
     u->sv = H * d->V;
     u->sg = d->gk == PA_GATE_VECTOR ? H * d->K : H;
+    const int64_t oq = r0 * u->sq + h / (H / d->Hqk) * d->K;
     const int64_t ok = r0 * u->sk + h * d->K, ov = r0 * u->sv + h * d->V;
     const int64_t og = d->gk == PA_GATE_VECTOR ? ok : r0 * H + h;
-    u->q = q + ok;
-    u->k = k + ok;
+    u->q = q + oq;
+    u->k = k + oq;
     u->v = v + ov;
     u->gk = gk ? gk + og : NULL;
     u->gv = gv ? gv + ov : NULL;
@@ -611,12 +613,12 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
                                    const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                    const real *S, PA_FN(la_scratch) *sc)
 {
-    const int64_t V = u->d->V, sk = u->sk, sv = u->sv;
+    const int64_t V = u->d->V, sq = u->sq, sv = u->sv;
     const real scale = (real)u->d->scale;
-    const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
+    const real *q = u->q + c0 * sq, *k = u->k + c0 * sq, *v = u->v + c0 * sv;
     real *o = u->o + c0 * sv;
-    PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, o, sv, sc);
-    PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 0, sc->A, sc);
+    PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, o, sv, sc);
+    PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 0, sc->A, sc);
     PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, sv, o, sv, sc);
 }
 
@@ -643,7 +645,7 @@ static void PA_FN(la_block_state)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *S,
                                   PA_FN(la_scratch) *sc)
 {
-    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sk, u->sk, u->v + c0 * u->sv, u->sv,
+    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sq, u->sq, u->v + c0 * u->sv, u->sv,
                             S, sc);
 }
 
@@ -652,7 +654,7 @@ static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
                                    const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *dS,
                                    PA_FN(la_scratch) *sc)
 {
-    PA_FN(la_state_product)(ks, vs, L, 0, (real)u->d->scale, u->q + c0 * u->sk, u->sk,
+    PA_FN(la_state_product)(ks, vs, L, 0, (real)u->d->scale, u->q + c0 * u->sq, u->sq,
                             u->dout + c0 * u->sv, u->sv, dS, sc);
 }
 
@@ -663,25 +665,25 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                   const real *S, const real *dS, PA_FN(la_scratch) *sc)
 {
-    const int64_t V = u->d->V, sk = u->sk, sv = u->sv;
+    const int64_t V = u->d->V, sq = u->sq, sk = u->sk, sv = u->sv;
     const real scale = (real)u->d->scale;
-    const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
+    const real *q = u->q + c0 * sq, *k = u->k + c0 * sq, *v = u->v + c0 * sv;
     const real *dout = u->dout + c0 * sv;
     real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
     PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, 1, sc->B, sc);
     PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
-    PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sk, dq, sk, sc);
+    PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sq, dq, sk, sc);
     const PA_FN(la_side) *ke = sc->ends ? &sc->ke : ks, *ve = sc->ends ? &sc->ve : vs;
     if (sc->ends) PA_FN(la_gram)(ve, L, 1, dout, sv, v, sv, 1, sc->B, sc);
-    PA_FN(la_gram)(ke, L, scale, q, sk, k, sk, 1, sc->A, sc);
+    PA_FN(la_gram)(ke, L, scale, q, sq, k, sq, 1, sc->A, sc);
     PA_FN(la_rows_times)(ve, ke, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
-    PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, sk, dk, sk, sc);
-    PA_FN(la_rows_times)(ke, ve, L, 1, 1, k, sk, dS, V, 1, dv, sv, sc);
+    PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, sq, dk, sk, sc);
+    PA_FN(la_rows_times)(ke, ve, L, 1, 1, k, sq, dS, V, 1, dv, sv, sc);
     PA_FN(la_apply)(ve, L, 1, sc->A, 1, dout, sv, dv, sv, sc);
     if (u->dgv) {
         real *oo = u->dgv + c0 * sv;
-        if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, sk, k, sk, 1, sc->A, sc);
-        PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sk, S, V, 1, oo, sv, sc);
+        if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 1, sc->A, sc);
+        PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, oo, sv, sc);
         PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, sv, oo, sv, sc);
     }
 }
@@ -689,10 +691,10 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
 /* The diagonal parts (header) added to rows r0 .. r0+n-1 of dq, dk, dv */
 static void PA_FN(la_add_diagonal)(const PA_FN(la_unit) *u, int64_t r0, int64_t n)
 {
-    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const int64_t K = u->d->K, V = u->d->V, sq = u->sq, sk = u->sk, sv = u->sv;
     const real scale = (real)u->d->scale;
     for (int64_t t = r0; t < r0 + n; t++) {
-        const real *q = u->q + t * sk, *k = u->k + t * sk, *v = u->v + t * sv;
+        const real *q = u->q + t * sq, *k = u->k + t * sq, *v = u->v + t * sv;
         const real *dout = u->dout + t * sv;
         const real b = scale * PA_FN(dot)(dout, v, V), a = scale * PA_FN(dot)(q, k, K);
         PA_FN(axpy)(u->dq + t * sk, k, K, b);
@@ -730,7 +732,7 @@ static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64
     const int64_t K = u->d->K, V = u->d->V;
     const real scale = (real)u->d->scale;
     for (int64_t t = t0; t < t0 + n; t++) {
-        const real *q = u->q + t * u->sk, *k = u->k + t * u->sk, *v = u->v + t * u->sv;
+        const real *q = u->q + t * u->sq, *k = u->k + t * u->sq, *v = u->v + t * u->sv;
         const real *prev = t == t0 ? src : S;
         PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
         real *acc = sc->Tm;
@@ -765,7 +767,7 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int
     const int64_t K = u->d->K, V = u->d->V;
     const real scale = (real)u->d->scale;
     for (int64_t t = t0 + n - 1; t >= t0; t--) {
-        const real *q = u->q + t * u->sk, *k = u->k + t * u->sk, *v = u->v + t * u->sv;
+        const real *q = u->q + t * u->sq, *k = u->k + t * u->sq, *v = u->v + t * u->sv;
         const real *dout = u->dout + t * u->sv;
         real *dk = u->dk + t * u->sk, *dv = u->dv + t * u->sv;
         PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
@@ -783,15 +785,15 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int
 /* ---- gate gradients, for every form (the identity in the header) ---- */
 
 /* dg_t = acc - sum_{0<=s<t} (x_s dx_s - y_s dy_s), per column (vec) or summed over the row;
- * rows of D at stride ld, dg at stride ldg (dg may be x: x's row is read before dg's is
+ * rows of D, x and y at stride ld, dx and dy at stride ldd, dg at stride ldg (dg may be x: x's row is read before dg's is
  * written); acc, end: the D boundary terms at the piece's start and at its end.
  * A start term that is not finite while the end's is means a NaN or inf of q, do (or a row's
  * own k, v) inside the piece reached dS_a; the rows after it cannot see it, so that channel
  * is summed back from the end instead, dg_t = end + sum_{t<=s<n} (x_s dx_s - y_s dy_s) (the
  * same values where both are finite). */
 static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, const real *dx,
-                                  const real *y, const real *dy, int64_t ld, real *dg,
-                                  int64_t ldg, double *acc, double *end)
+                                  const real *y, const real *dy, int64_t ld, int64_t ldd,
+                                  real *dg, int64_t ldg, double *acc, double *end)
 {
     if (!vec)
         for (int64_t i = 1; i < D; i++) {
@@ -806,9 +808,9 @@ static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, 
         }
         double run = end[c];
         for (int64_t t = n - 1; t >= 0; t--) {
-            const int64_t r = t * ld;
+            const int64_t r = t * ld, rd = t * ldd;
             for (int64_t i = vec ? c : 0; i < (vec ? c + 1 : D); i++)
-                run += (double)x[r + i] * dx[r + i] - (double)y[r + i] * dy[r + i];
+                run += (double)x[r + i] * dx[rd + i] - (double)y[r + i] * dy[rd + i];
             dg[t * ldg + c] = (real)run;
         }
         end[c] = NAN; /* marks the channel done for the pass below */
@@ -816,10 +818,10 @@ static void PA_FN(la_gate_cumsum)(int64_t n, int64_t D, int vec, const real *x, 
     }
     if (from_end && !vec) return;
     for (int64_t t = 0; t < n; t++) {
-        const int64_t r = t * ld;
+        const int64_t r = t * ld, rd = t * ldd;
         double sum = 0;
         for (int64_t i = 0; i < D; i++) {
-            double term = (double)x[r + i] * dx[r + i] - (double)y[r + i] * dy[r + i];
+            double term = (double)x[r + i] * dx[rd + i] - (double)y[r + i] * dy[rd + i];
             if (!vec) {
                 sum += term;
                 continue;
@@ -863,17 +865,17 @@ static void PA_FN(la_clamped_grads)(const real *g, real *dg, int64_t n, int64_t 
 static void PA_FN(la_gate_piece)(const PA_FN(la_unit) *u, int64_t r0, int64_t n, double *acc)
 {
     const pa_linear_desc *d = u->d;
-    const int64_t sk = u->sk, sv = u->sv;
+    const int64_t sq = u->sq, sk = u->sk, sv = u->sv;
     if (d->gk != PA_GATE_NONE) {
         const int vec = d->gk == PA_GATE_VECTOR;
-        PA_FN(la_gate_cumsum)(n, d->K, vec, u->q + r0 * sk, u->dq + r0 * sk, u->k + r0 * sk,
-                              u->dk + r0 * sk, sk, u->dgk + r0 * u->sg, u->sg, acc,
+        PA_FN(la_gate_cumsum)(n, d->K, vec, u->q + r0 * sq, u->dq + r0 * sk, u->k + r0 * sq,
+                              u->dk + r0 * sk, sq, sk, u->dgk + r0 * u->sg, u->sg, acc,
                               acc + d->K + d->V);
         PA_FN(la_clamped_grads)(u->gk + r0 * u->sg, u->dgk + r0 * u->sg, n, vec ? d->K : 1, u->sg);
     }
     if (d->gv != PA_GATE_NONE) {
         PA_FN(la_gate_cumsum)(n, d->V, 1, u->dgv + r0 * sv, u->dout + r0 * sv, u->v + r0 * sv,
-                              u->dv + r0 * sv, sv, u->dgv + r0 * sv, sv, acc + d->K,
+                              u->dv + r0 * sv, sv, sv, u->dgv + r0 * sv, sv, acc + d->K,
                               acc + 2 * d->K + d->V);
         PA_FN(la_clamped_grads)(u->gv + r0 * sv, u->dgv + r0 * sv, n, d->V, sv);
     }
@@ -1211,11 +1213,28 @@ static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const 
                                   const void *states, void *dq, void *dk, void *dv, void *dgk,
                                   void *dgv, void *dh0)
 {
+    /* with groups, each head's dq and dk go to a buffer of H heads, then summed per group */
+    const int64_t rows = d->cu[d->nseq], G = d->H / d->Hqk, K = d->K, nq = rows * d->Hqk * K;
+    real *heads = G > 1 ? pa_alloc(sizeof(real) * (size_t)(2 * rows * d->H * K + 1)) : NULL;
+    if (G > 1 && !heads) return PA_ENOMEM;
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
-                        .dout = dout, .dht = dht, .dq = dq, .dk = dk, .dv = dv,
+                        .dout = dout, .dht = dht, .dq = heads ? heads : dq,
+                        .dk = heads ? heads + rows * d->H * K : dk, .dv = dv,
                         .dgk = dgk, .dgv = dgv, .dh0 = dh0,
                         .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
-    return PA_FN(la_run)(&c, 1);
+    int rc = PA_FN(la_run)(&c, 1);
+    if (heads && rc == PA_OK) {
+        real *dst[2] = {dq, dk};
+#pragma omp parallel for num_threads(pa_threads_for((double)rows * d->H * K, rows)) schedule(static)
+        for (int64_t x = 0; x < nq; x += K) /* x: (row, group) at x / K; its G heads in order */
+            for (int w = 0; w < 2; w++) {
+                const real *src = (w ? c.dk : c.dq) + x * G;
+                memcpy(dst[w] + x, src, sizeof(real) * K);
+                for (int64_t j = 1; j < G; j++) PA_FN(axpy)(dst[w] + x, src + j * K, K, 1);
+            }
+    }
+    free(heads);
+    return rc;
 }
 
 /* ---- efficient attention (Shen et al.): non-causal, so one context matrix per unit ----
