@@ -191,36 +191,44 @@ static int PA_FN(softmax_decode_backward)(const pa_softmax_desc *d, const pa_key
 #define SD_SELECT_ROWS 64
 #define SD_SELECT_KEYS 512
 
-/* The k-th largest of x[0, n) (1 <= k <= n, no NaN), x reordered (Hoare's quickselect,
- * median-of-three pivots, larger values to the left). */
-static real PA_FN(sd_kth_largest)(real *x, int64_t n, int64_t k)
+/* The k-th largest of x[0, n) (1 <= k <= n, no NaN); x and tmp (n reals) are overwritten.
+ * Quickselect with median-of-three pivots, each pass a branch-free three-way partition into
+ * the other buffer (scores are random to the branch predictor): the values above the pivot
+ * from its front, those below from its back. */
+static real PA_FN(sd_kth_largest)(real *x, int64_t n, int64_t k, real *tmp)
 {
-    int64_t lo = 0, hi = n - 1, want = k - 1;
-    while (lo < hi) {
-        real a = x[lo], b = x[lo + (hi - lo) / 2], c = x[hi];
-        real pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (x[i] > pivot) i++;
-            while (x[j] < pivot) j--;
-            if (i <= j) {
-                real t = x[i];
-                x[i++] = x[j];
-                x[j--] = t;
-            }
+    while (n > 1) {
+        const real a = x[0], b = x[n / 2], c = x[n - 1];
+        const real pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+        int64_t above = 0, below = 0;
+        for (int64_t i = 0; i < n; i++) { /* the two slots written never hold a kept value */
+            const real v = x[i];
+            tmp[above] = v;
+            tmp[n - 1 - below] = v;
+            above += v > pivot;
+            below += v < pivot;
         }
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else return pivot;
+        real *const other = x;
+        if (k <= above) {
+            x = tmp;
+            n = above;
+        } else if (k <= n - below) {
+            return pivot;
+        } else {
+            k -= n - below;
+            x = tmp + n - below;
+            n = below;
+        }
+        tmp = other;
     }
-    return x[want];
+    return x[0];
 }
 
 /* Per-thread scratch of the selection: the GEMM's output C [rows * Hi, keys], the tile's
- * scores S [rows, maxk], a query's candidates (values, a copy the quickselect reorders, key
- * indices; maxk each), a sample, and the GEMM's workspace. */
+ * scores S [rows, maxk], a query's candidates (values, a copy and a buffer the quickselect
+ * overwrites, key indices; maxk each), a sample, and the GEMM's workspace. */
 typedef struct {
-    real *C, *S, *val, *work_val, *sample, *work;
+    real *C, *S, *val, *work_val, *tmp, *sample, *work;
     int64_t *idx;
     void *block;
 } PA_FN(sd_select_scratch);
@@ -249,7 +257,7 @@ static int64_t PA_FN(sd_top_keys)(const real *S, int64_t vis, int64_t top_k, int
                 const real x = S[j * vis / ns];
                 s->sample[j] = x != x ? -(real)INFINITY : x;
             }
-            t = PA_FN(sd_kth_largest)(s->sample, ns, rank + 1);
+            t = PA_FN(sd_kth_largest)(s->sample, ns, rank + 1, s->tmp);
         }
     }
     for (int64_t c = 0; c < vis; c++) {
@@ -271,7 +279,7 @@ static int64_t PA_FN(sd_top_keys)(const real *S, int64_t vis, int64_t top_k, int
             m = vis;
         }
         for (int64_t j = 0; j < m; j++) s->work_val[j] = s->val[j] != s->val[j] ? -(real)INFINITY : s->val[j];
-        const real kth = PA_FN(sd_kth_largest)(s->work_val, m, top_k);
+        const real kth = PA_FN(sd_kth_largest)(s->work_val, m, top_k, s->tmp);
         int64_t above = 0;
         for (int64_t j = 0; j < m; j++) above += s->val[j] > kth;
         int64_t ties = top_k - above;
@@ -310,14 +318,15 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
     {
         PA_FN(sd_select_scratch) s;
         const int64_t kb = SD_SELECT_KEYS < maxk ? SD_SELECT_KEYS : (maxk > 0 ? maxk : 1);
-        void **parts[] = {(void **)&s.C,      (void **)&s.S,    (void **)&s.val, (void **)&s.work_val,
-                          (void **)&s.sample, (void **)&s.work, (void **)&s.idx};
+        void **parts[] = {(void **)&s.C,      (void **)&s.S,    (void **)&s.val,  (void **)&s.work_val,
+                          (void **)&s.tmp,    (void **)&s.sample, (void **)&s.work, (void **)&s.idx};
         const size_t row = sizeof(real) * (size_t)(maxk + 1);
         const size_t bytes[] = {sizeof(real) * (size_t)(R * Hi * kb), row * R, row, row,
+                                row > sizeof(real) * SD_SAMPLE ? row : sizeof(real) * SD_SAMPLE,
                                 sizeof(real) * SD_SAMPLE,
                                 sizeof(real) * (size_t)PA_FN(gemm_work_elems)(R * Hi, kb, Di),
                                 sizeof(int64_t) * (size_t)(maxk + 1)};
-        s.block = pa_alloc_parts(parts, bytes, 7);
+        s.block = pa_alloc_parts(parts, bytes, 8);
         const int ok = pa_scratch_ok(s.block != NULL, &failed);
         int64_t n = 0;
 #pragma omp for schedule(dynamic, 1)
