@@ -1,5 +1,6 @@
-"""Sparse attention against full causal flash attention on the same q, k, v: moba_attention,
-nsa_attention and dsa_attention against softmax_attention(causal=True), float32, forward and
+"""Sparse attention against full flash attention on the same q, k, v: moba_attention,
+nsa_attention and dsa_attention against softmax_attention(causal=True), linformer_attention
+(not causal) against softmax_attention(causal=False), float32, forward and
 forward+backward, same thread count, one run.
 
     python benchmarks/bench_sparse.py [--threads N] [--T 4096 16384] [--markdown]
@@ -8,9 +9,12 @@ Shapes: B=1, D=64, H=8 query heads. MoBA: 8 KV heads, --blocks 32 blocks of T/32
 top_k 4 (one eighth of the blocks). NSA and DSA: one KV head (NSA's GQA groups, DeepSeek's
 MQA), NSA's published sizes (blocks of 64, 16 selected, window 512, gates 1/3 each), DSA with
 top_k 2048 and an indexer of 4 heads of 32 dims (its scoring and selection are part of the
-op's time). "keys touched" is the measured number of (query head, key) pairs the op computes
-(for NSA the three branches together, a compressed block counting as one key) over the
-H T (T + 1) / 2 of causal attention. fwd+bwd times one pyattn.vjp call and its pullback.
+op's time). Linformer: 8 KV heads, S = 256 projected rows (the paper's k), the projections
+E k and F v part of the op's time. "keys touched" is the measured number of (query head,
+key) pairs the op computes (for NSA the three branches together, a compressed block counting
+as one key; for Linformer the S projected rows) over the H T (T + 1) / 2 of causal attention
+(Linformer: the H T^2 of attention that is not causal). fwd+bwd times one pyattn.vjp call and
+its pullback.
 """
 from __future__ import annotations
 
@@ -47,28 +51,34 @@ def dsa_touched(q, index, top_k):
 
 
 def ops_for(rng, T, args):
-    """(name, config, pairs touched, q, k, v, op(q, k, v), its vjp's pullback) of each op."""
+    """(name, config, causal, pairs touched, q, k, v, op(q, k, v), its vjp's pullback) of each
+    op; causal: whether the op (and so the flash attention it is timed against) is causal."""
     def arrays(Hk):
         return [rng.standard_normal((B, T, h, D)).astype(np.float32) for h in (H, Hk, Hk)]
 
     bs = -(-T // args.blocks)
     moba = dict(block_size=bs, top_k=args.top_k)
     q, k, v = arrays(H)
-    out = [("moba", f"{args.blocks} blocks of {bs}, top_k {args.top_k}", moba_touched(q, k, v, bs, args.top_k),
+    out = [("moba", f"{args.blocks} blocks of {bs}, top_k {args.top_k}", True, moba_touched(q, k, v, bs, args.top_k),
             q, k, v, lambda: pyattn.moba_attention(q, k, v, **moba),
             lambda: pyattn.vjp(pyattn.moba_attention, q, k, v, **moba)[1])]
     q1, k1, v1 = arrays(1)
     gates = [np.full((B, T, H), 1 / 3, np.float32) for _ in range(3)]
     nsa = dict(block_size=64, block_count=16, window=512)
-    out.append(("nsa", "blocks of 64, 16 chosen, window 512", nsa_touched(q1, k1, v1, gates, nsa), q1, k1, v1,
+    out.append(("nsa", "blocks of 64, 16 chosen, window 512", True, nsa_touched(q1, k1, v1, gates, nsa), q1, k1, v1,
                 lambda: pyattn.nsa_attention(q1, k1, v1, *gates, **nsa),
                 lambda: pyattn.vjp(pyattn.nsa_attention, q1, k1, v1, *gates, **nsa)[1]))
     index = (rng.standard_normal((B, T, 4, 32)).astype(np.float32), rng.standard_normal((B, T, 32)).astype(np.float32),
              rng.standard_normal((B, T, 4)).astype(np.float32))
     top_k = 2048
-    out.append(("dsa", f"top_k {top_k}, indexer 4 x 32", dsa_touched(q1, index, top_k), q1, k1, v1,
+    out.append(("dsa", f"top_k {top_k}, indexer 4 x 32", True, dsa_touched(q1, index, top_k), q1, k1, v1,
                 lambda: pyattn.dsa_attention(q1, k1, v1, *index, top_k=top_k),
                 lambda: pyattn.vjp(pyattn.dsa_attention, q1, k1, v1, *index, top_k=top_k)[1]))
+    S = 256
+    E, F = (rng.standard_normal((S, T)).astype(np.float32) / T ** 0.5 for _ in range(2))
+    out.append(("linformer", f"S = {S}, not causal", False, H * T * S, q, k, v,
+                lambda: pyattn.linformer_attention(q, k, v, E, F),
+                lambda: pyattn.vjp(pyattn.linformer_attention, q, k, v, E, F)[1]))
     return out
 
 
@@ -87,22 +97,22 @@ def main(argv=None):
     rows, others = [], []
     for T in args.T:
         do = rng.standard_normal((B, T, H, D)).astype(np.float32)
-        for name, config, touched, q, k, v, fwd, pullback in ops_for(rng, T, args):
-            frac = touched / (H * T * (T + 1) / 2)
+        for name, config, causal, touched, q, k, v, fwd, pullback in ops_for(rng, T, args):
+            frac = touched / (H * T * (T + 1) / 2 if causal else H * T * T)
             passes = {
-                "fwd": (lambda _: pyattn.softmax_attention(q, k, v, causal=True), lambda _: fwd()),
-                "fwd+bwd": (lambda _: pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=True)[1](do),
+                "fwd": (lambda _: pyattn.softmax_attention(q, k, v, causal=causal), lambda _: fwd()),
+                "fwd+bwd": (lambda _: pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=causal)[1](do),
                             lambda _: pullback()(do)),
             }
             for pname, (full, sparse_call) in passes.items():
-                cases = [Case("flash causal", full), Case(name, sparse_call)]
+                cases = [Case("flash causal" if causal else "flash", full), Case(name, sparse_call)]
                 others.append(common.measure(cases, timing))
                 tf, ts = cases[0].median, cases[1].median
                 rows.append([name, T, config, f"{k.shape[2]}", fmt(100 * frac, ".1f") + "%", pname,
                              fmt(tf * 1e3, ".1f"), fmt(ts * 1e3, ".1f"), fmt(tf / ts, ".2f") + "x",
                              " ".join(c.samples_cell for c in cases), common.load_cell(others[-1])])
     print()
-    common.print_table(["op", "T", "configuration", "KV heads", "keys touched", "pass", "flash causal ms",
+    common.print_table(["op", "T", "configuration", "KV heads", "keys touched", "pass", "flash ms",
                         "op ms", "speed-up", "samples", "other %"], rows, markdown=args.markdown)
     print(common.load_footer(others))
 
