@@ -126,8 +126,9 @@ def linear_forward(
     cu: _Int64, form: int, chunk: int, scale: float, /,
 ) -> Optional[_Float]:
     """The gated linear engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in
-    place. q, k [B, T, H, K]; v [B, T, H, V]; gk None (no key gate), [B, T, H] (scalar) or
-    [B, T, H, K] (vector); gv None or [B, T, H, V]; h0 None or [N, H, K, V]; cu the int64
+    place. q, k [B, T, Hqk, K] with H a multiple of Hqk (head h reads q and k head
+    h // (H // Hqk), Mamba-2's groups); v [B, T, H, V]; gk None (no key gate), [B, T, H]
+    (scalar) or [B, T, H, K] (vector); gv None or [B, T, H, V]; h0 None or [N, H, K, V]; cu the int64
     sequence offsets [N + 1] over the B*T rows; form FORM_PARALLEL, FORM_RECURRENT or
     FORM_CHUNK. With keep true and FORM_CHUNK returns the states the backward can reuse (a
     new [count, K, V] array: per (sequence, head) the state entering each chunk, then the
@@ -142,7 +143,8 @@ def linear_backward(
 ) -> None:
     """Writes dq, dk, dv (and dgk, dgv, dh0 when given; dgk / dgv must be None exactly when
     their gate is) in place. dht None means a zero cotangent; states what linear_forward kept
-    (FORM_CHUNK), or None to recompute them. Other arguments as linear_forward."""
+    (FORM_CHUNK), or None to recompute them. dq and dk have q's and k's shapes: with groups,
+    the sums over each group's heads. Other arguments as linear_forward."""
 
 def delta_forward(
     q: _Float, k: _Float, v: _Float, g: Optional[_Float], beta: _Float, h0: Optional[_Float],
