@@ -128,8 +128,8 @@ def linear_forward(
     """The gated linear engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in
     place. q, k [B, T, Hqk, K] with H a multiple of Hqk (head h reads q and k head
     h // (H // Hqk), Mamba-2's groups); v [B, T, H, V]; gk None (no key gate), [B, T, H]
-    (scalar) or [B, T, H, K] (vector); gv None or [B, T, H, V]; h0 None or [N, H, K, V]; cu the int64
-    sequence offsets [N + 1] over the B*T rows; form FORM_PARALLEL, FORM_RECURRENT or
+    (scalar) or [B, T, H, K] (vector); gv None or [B, T, H, V]; h0 None or [N, H, K, V];
+    cu the int64 sequence offsets [N + 1] over the B*T rows; form FORM_PARALLEL, FORM_RECURRENT or
     FORM_CHUNK. With keep true and FORM_CHUNK returns the states the backward can reuse (a
     new [count, K, V] array: per (sequence, head) the state entering each chunk, then the
     final one); else None."""
