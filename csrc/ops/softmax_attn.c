@@ -356,17 +356,19 @@ static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
 }
 
 /* Per-thread buffers for tiles of bq queries x bk keys: forward S^T [bk x lds] (lds = bq
- * rounded up to MR, zeroed: the GEMM reads whole panels), O, m, l; backward S [bq x bk], dP,
- * dK, dV (and dcap with softcap); both a B operand of the tile's keys or queries. Returns 0
+ * rounded up to MR), O, m, l; backward S and dP [bq x lds] (lds = bk rounded up to MR), dK,
+ * dV (and dcap with softcap); both a B operand of the tile's keys or queries. S (and the
+ * backward's dP) are zeroed: the GEMMs that read them in place read whole panels. Returns 0
  * when an allocation failed (all freed then). */
 static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc *d, int64_t bq,
                                    int64_t bk, int backward)
 {
     memset(s, 0, sizeof *s);
-    s->lds = backward ? bk : (bq + MR - 1) / MR * MR;
-    s->S = pa_alloc(sizeof(real) * (backward ? bq : bk) * s->lds);
+    s->lds = ((backward ? bk : bq) + MR - 1) / MR * MR;
+    const size_t tile = sizeof(real) * (size_t)((backward ? bq : bk) * s->lds);
+    s->S = pa_alloc(tile);
     int ok = s->S != NULL;
-    if (s->S && !backward) memset(s->S, 0, sizeof(real) * bk * s->lds);
+    if (s->S) memset(s->S, 0, tile);
     if (!backward) {
         s->O = pa_alloc(sizeof(real) * bq * d->Dv);
         s->m = pa_alloc(sizeof(real) * bq);
@@ -379,14 +381,15 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
         int64_t D = d->Dk > d->Dv ? d->Dk : d->Dv;
         int64_t w1 = PA_FN(gemm_work_elems)(bk, D, bq), w2 = PA_FN(gemm_work_elems)(bq, D, bk);
         s->work = pa_alloc(sizeof(real) * (w1 > w2 ? w1 : w2));
-        s->dP = pa_alloc(sizeof(real) * bq * bk);
+        s->dP = pa_alloc(tile);
+        if (s->dP) memset(s->dP, 0, tile);
         s->dK = pa_alloc(sizeof(real) * bk * d->Dk);
         s->dV = pa_alloc(sizeof(real) * bk * d->Dv);
         int64_t b1 = PA_FN(packed_b_elems)(bk, d->Dk), b2 = PA_FN(packed_b_elems)(bq, D);
         s->finite_b = pa_alloc(sizeof(real) * (b1 > b2 ? b1 : b2));
         ok = ok && s->work && s->dP && s->dK && s->dV && s->finite_b;
         if (d->softcap > 0) {
-            s->dcap = pa_alloc(sizeof(real) * bq * bk);
+            s->dcap = pa_alloc(tile);
             ok = ok && s->dcap;
         }
     }
@@ -1084,9 +1087,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
 }
 
 /* The operands of the backward tiles packed once: Q and K^T (scores), dO and V^T (dP),
- * K (dQ). */
+ * K (dQ), dO and Q as B operands (dV = P^T dO, dK = dS^T Q, with P and dS read in place). */
 typedef struct {
-    PA_FN(sm_packed) Q, KT, dO, VT, K;
+    PA_FN(sm_packed) Q, KT, dO, VT, K, dOr, Qr;
 } PA_FN(sm_bwd_packs);
 
 static void PA_FN(sm_bwd_packs_free)(PA_FN(sm_bwd_packs) * pk)
@@ -1096,6 +1099,8 @@ static void PA_FN(sm_bwd_packs_free)(PA_FN(sm_bwd_packs) * pk)
     PA_FN(sm_packed_free)(&pk->dO);
     PA_FN(sm_packed_free)(&pk->VT);
     PA_FN(sm_packed_free)(&pk->K);
+    PA_FN(sm_packed_free)(&pk->dOr);
+    PA_FN(sm_packed_free)(&pk->Qr);
 }
 
 /* One backward tile: queries i0..i0+bq-1 of head h against the key block [j0, j0+bk) of
@@ -1143,7 +1148,9 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
         PA_FN(sm_add_nonfinite_rows)(d, ip0, bq, ja, w, tk, S, lds, 1, dO, H * Dv, Dv, lo, hi, 1,
                                      1, dV + (ja - j0) * Dv, Dv);
     } else if (dV) {
-        PA_FN(gemm)(w, Dv, bq, 1, S, 1, lds, dO, H * Dv, 1, 1, dV + (ja - j0) * Dv, Dv, s->work);
+        int64_t bps;
+        const real *dOr = PA_FN(sm_packed_at)(&pk->dOr, d, n, h, i0, &bps);
+        PA_FN(gemm_packed_ab)(w, Dv, bq, 1, S, MR, lds, dOr, bps, 1, dV + (ja - j0) * Dv, Dv);
     }
     PA_FN(gemm_packed_ab)(bq, w, Dv, 1, dOp, do_ars, MR, VT, vt_bps, 0, dP, lds);
     for (int64_t r = 0; r < bq; r++) {
@@ -1182,8 +1189,9 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
         PA_FN(sm_add_nonfinite_rows)(d, ip0, bq, ja, w, tk, dP, lds, 1, Q, H * Dk, Dk, lo, hi, 1,
                                      scale, dK + (ja - j0) * Dk, Dk);
     } else if (dK) {
-        PA_FN(gemm)(w, Dk, bq, scale, dP, 1, lds, Q, H * Dk, 1, 1, dK + (ja - j0) * Dk, Dk,
-                    s->work);
+        int64_t bps;
+        const real *Qr = PA_FN(sm_packed_at)(&pk->Qr, d, n, h, i0, &bps);
+        PA_FN(gemm_packed_ab)(w, Dk, bq, scale, dP, MR, lds, Qr, bps, 1, dK + (ja - j0) * Dk, Dk);
     }
 }
 
@@ -1258,9 +1266,9 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     const int form = d->form, tiled = form != PA_FORM_RECURRENT && maxq > 0 && maxk > 0;
     const int64_t bqmax = form == PA_FORM_PARALLEL ? maxq : SM_BWD_BQ < maxq ? SM_BWD_BQ : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL ? maxk : SM_BK < maxk ? SM_BK : maxk;
-    PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}, {0}, {0}};
-    PA_FN(sm_packed) *const packs[] = {&pk.Q, &pk.KT, &pk.dO, &pk.VT, &pk.K};
-    const int npacks = tiled ? 5 : 0;
+    PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    PA_FN(sm_packed) *const packs[] = {&pk.Q, &pk.KT, &pk.dO, &pk.VT, &pk.K, &pk.dOr, &pk.Qr};
+    const int npacks = tiled ? 7 : 0;
     /* Work: one unit per (sequence, KV head) owns its dK, dV and its heads' dQ rows and does
      * 5 GEMMs a tile. With fewer units than threads can use, split instead: items (sequence,
      * KV head, key block) make dK and dV (4 GEMMs a tile), items (sequence, head, query block)
@@ -1273,7 +1281,9 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
                     PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS, 0) &&
                     PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS, 1) &&
                     PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS, 0) &&
-                    PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS, 1)))) {
+                    PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS, 1) &&
+                    PA_FN(sm_pack_alloc)(&pk.dOr, d, dout, Dv, 1, SM_B_ROWS, 0) &&
+                    PA_FN(sm_pack_alloc)(&pk.Qr, d, q, Dk, 1, SM_B_ROWS, 0)))) {
         free(Drow);
         free(first_k);
         free(first_q);
