@@ -626,6 +626,15 @@ static int moba_desc(const char *fn, PyObject *const *a, PyObject *const *c, int
                 free(mem);
                 return -1;
             }
+            /* a block listed twice by one (query, head) would count twice */
+            for (int64_t y = x - x % d->slots; y < x; y++)
+                if (ch[x] >= 0 && ch[y] == ch[x]) {
+                    PyErr_Format(PyExc_ValueError,
+                                 "%s(): 'choice' lists block %d twice for one (query, head)", fn,
+                                 (int)ch[x]);
+                    free(mem);
+                    return -1;
+                }
         }
     }
     *blocks = mem;
@@ -887,7 +896,7 @@ static int linear_desc(const char *fn, PyObject *const *a, PyObject *const *opt,
                      (long long)K, (long long)V);
         return -1;
     }
-    if (Hqk < 1 || H % Hqk) {
+    if (Hqk < 1 ? H != 0 : H % Hqk != 0) { /* no q heads only with no v heads */
         PyErr_Format(PyExc_ValueError,
                      "%s(): q and k have %lld heads; v's H=%lld must be a multiple of it", fn,
                      (long long)Hqk, (long long)H);

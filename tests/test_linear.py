@@ -1566,3 +1566,16 @@ def test_engine_groups_must_divide_heads():
     beta = r.uniform(size=(1, 5, 4))
     raises(ValueError, pyattn._core.delta_forward, q, q, v4, None, beta, None, np.empty_like(v4),
            None, False, *opts, must=("q's 2 heads", "4"))
+
+
+def test_mamba2_without_heads_has_zero_group_gradients():
+    """H = 0 heads over G = 1 group (H % G == 0): an empty output, and B and C, which no head
+    reads, get zero gradients."""
+    r = np.random.default_rng(5)
+    x, dt = np.zeros((1, 6, 0, 2)), np.zeros((1, 6, 0))
+    B, C = r.standard_normal((1, 6, 1, 3)), r.standard_normal((1, 6, 1, 3))
+    (y, ht), pb = pyattn.vjp(pyattn.mamba2, x, dt, np.zeros(0), B, C)
+    assert y.shape == (1, 6, 0, 2) and ht is None
+    g = pb(np.zeros_like(y))
+    np.testing.assert_array_equal(g["B"], np.zeros_like(B))
+    np.testing.assert_array_equal(g["C"], np.zeros_like(C))

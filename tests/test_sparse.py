@@ -1081,6 +1081,12 @@ def test_moba_block_kernel_checks_choice(rng):
     with pytest.raises(ValueError, match="'choice' holds block 1 for a query of sequence 0, which may "
                                          "choose blocks below 1"):
         _core.moba_forward(q, k, v, choice, cu, cu, 4, True, 0.5, o, lse)
+    two = np.full((8, 2, 2), -1, np.int32)
+    two[6, 1] = [1, 1]  # not causal: a block listed twice for one (query, head) would count twice
+    with pytest.raises(ValueError, match="'choice' lists block 1 twice for one \\(query, head\\)"):
+        _core.moba_forward(q, k, v, two, cu, cu, 4, False, 0.5, o, lse)
+    two[6, 1] = [1, 0]
+    _core.moba_forward(q, k, v, two, cu, cu, 4, False, 0.5, o, lse)
 
 
 @pytest.mark.parametrize("H, Hk, D, nk", [(8, 1, 32, 37), (8, 2, 16, 64), (4, 1, 64, 9)])

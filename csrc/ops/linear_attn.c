@@ -1214,7 +1214,8 @@ static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const 
                                   void *dgv, void *dh0)
 {
     /* with groups, each head's dq and dk go to a buffer of H heads, then summed per group */
-    const int64_t rows = d->cu[d->nseq], G = d->H / d->Hqk, K = d->K, nq = rows * d->Hqk * K;
+    const int64_t rows = d->cu[d->nseq], G = d->Hqk ? d->H / d->Hqk : 0, K = d->K;
+    const int64_t nq = rows * d->Hqk * K;
     real *heads = G > 1 ? pa_alloc(sizeof(real) * (size_t)(2 * rows * d->H * K + 1)) : NULL;
     if (G > 1 && !heads) return PA_ENOMEM;
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
@@ -1223,6 +1224,10 @@ static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const 
                         .dgk = dgk, .dgv = dgv, .dh0 = dh0,
                         .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
     int rc = PA_FN(la_run)(&c, 1);
+    if (G == 0) { /* no value heads: no head reads q or k */
+        memset(dq, 0, sizeof(real) * (size_t)nq);
+        memset(dk, 0, sizeof(real) * (size_t)nq);
+    }
     if (heads && rc == PA_OK) {
         real *dst[2] = {dq, dk};
 #pragma omp parallel for num_threads(pa_threads_for((double)rows * d->H * K, rows)) schedule(static)
