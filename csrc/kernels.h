@@ -180,10 +180,10 @@ typedef struct {
      * the last; count [rows_q] how many; nan [rows_q] 1 where a visible score is NaN */
     int (*dsa_select)(const pa_dsa_select_desc *d, const void *index_q, const void *index_k,
                       const void *index_w, int32_t *rows, int64_t *count, uint8_t *nan);
-    /* o [rows_q, H, Dv], lse [rows_q, H] (0 and -inf where nothing is chosen) */
     /* choice [rows_q, H, slots] (d->slots picks each) from the block means kmean [nblocks, Hk,
      * Dk] */
     int (*moba_select)(const pa_moba_desc *d, const void *q, const void *kmean, int32_t *choice);
+    /* o [rows_q, H, Dv], lse [rows_q, H] (0 and -inf where nothing is chosen) */
     int (*moba_forward)(const pa_moba_desc *d, const void *q, const void *k, const void *v,
                         const int32_t *choice, void *o, void *lse);
     /* dq, dk, dv (overwritten) from the forward's o, lse and dout, dlse (NULL: zero) */

@@ -1213,29 +1213,27 @@ static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const 
                                   const void *states, void *dq, void *dk, void *dv, void *dgk,
                                   void *dgv, void *dh0)
 {
-    /* with groups, each head's dq and dk go to a buffer of H heads, then summed per group */
-    const int64_t rows = d->cu[d->nseq], G = d->Hqk ? d->H / d->Hqk : 0, K = d->K;
+    /* with groups, each head's dq and dk go to a buffer of H heads, then summed per group (a
+     * sum of none, zeros, when there are no value heads) */
+    const int grouped = d->H != d->Hqk;
+    const int64_t rows = d->cu[d->nseq], G = grouped ? d->H / d->Hqk : 1, K = d->K;
     const int64_t nq = rows * d->Hqk * K;
-    real *heads = G > 1 ? pa_alloc(sizeof(real) * (size_t)(2 * rows * d->H * K + 1)) : NULL;
-    if (G > 1 && !heads) return PA_ENOMEM;
+    real *heads = grouped ? pa_alloc(sizeof(real) * (size_t)(2 * rows * d->H * K + 1)) : NULL;
+    if (grouped && !heads) return PA_ENOMEM;
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
                         .dout = dout, .dht = dht, .dq = heads ? heads : dq,
                         .dk = heads ? heads + rows * d->H * K : dk, .dv = dv,
                         .dgk = dgk, .dgv = dgv, .dh0 = dh0,
                         .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
     int rc = PA_FN(la_run)(&c, 1);
-    if (G == 0) { /* no value heads: no head reads q or k */
-        memset(dq, 0, sizeof(real) * (size_t)nq);
-        memset(dk, 0, sizeof(real) * (size_t)nq);
-    }
     if (heads && rc == PA_OK) {
         real *dst[2] = {dq, dk};
 #pragma omp parallel for num_threads(pa_threads_for((double)rows * d->H * K, rows)) schedule(static)
         for (int64_t x = 0; x < nq; x += K) /* x: (row, group) at x / K; its G heads in order */
             for (int w = 0; w < 2; w++) {
                 const real *src = (w ? c.dk : c.dq) + x * G;
-                memcpy(dst[w] + x, src, sizeof(real) * K);
-                for (int64_t j = 1; j < G; j++) PA_FN(axpy)(dst[w] + x, src + j * K, K, 1);
+                memset(dst[w] + x, 0, sizeof(real) * K);
+                for (int64_t j = 0; j < G; j++) PA_FN(axpy)(dst[w] + x, src + j * K, K, 1);
             }
     }
     free(heads);

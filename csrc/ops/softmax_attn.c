@@ -409,6 +409,24 @@ static inline void PA_FN(sm_raise_max)(real *m, real *l, real *acc, int64_t Dv, 
     }
 }
 
+/* One step of the online softmax for n queries over a transposed score tile ST [bk x lds]
+ * (key x, query c at ST[x * lds + c]), vectorised across the queries: their maxima m and sums
+ * l (n each) updated, query c's accumulator row (O + orow[c] * Dv, or O + c * Dv without
+ * orow) rescaled where its max grew, ST replaced by exp(ST - m). mnew, msafe: n reals of
+ * scratch. */
+static void PA_FN(sm_softmax_columns)(real *ST, int64_t lds, int64_t bk, int64_t n, real *m,
+                                      real *l, real *O, const int64_t *orow, int64_t Dv,
+                                      real *mnew, real *msafe)
+{
+    memcpy(mnew, m, sizeof(real) * n);
+    for (int64_t x = 0; x < bk; x++) PA_FN(vec_max_into)(mnew, ST + x * lds, n);
+    for (int64_t c = 0; c < n; c++) { /* msafe: m with -inf as 0 */
+        PA_FN(sm_raise_max)(m + c, l + c, O + (orow ? orow[c] : c) * Dv, Dv, mnew[c]);
+        msafe[c] = m[c] == -(real)INFINITY ? 0 : m[c];
+    }
+    for (int64_t x = 0; x < bk; x++) PA_FN(vec_exp_sub_acc)(ST + x * lds, msafe, l, n);
+}
+
 /* 1 when the query at ip sees some key of its sequence of tk keys. */
 static inline int PA_FN(sm_sees_keys)(const pa_softmax_desc *d, int64_t ip, int64_t tk)
 {
@@ -508,15 +526,7 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_pac
         if (vis == SM_HIDDEN) continue;
         const int64_t bk = j1 - j0;
         PA_FN(sm_scores)(d, n, h, Qp, Kp, 1, ST, lds, i0, bq, j0, bk, off, tk, vis, NULL);
-        /* m <- max(m, column max); where it grew, rescale l and O; msafe: m with -inf as 0 */
-        real *mnew = s->dP, *msafe = s->dP + lds;
-        memcpy(mnew, m, sizeof(real) * bq);
-        for (int64_t c = 0; c < bk; c++) PA_FN(vec_max_into)(mnew, ST + c * lds, bq);
-        for (int64_t r = 0; r < bq; r++) {
-            PA_FN(sm_raise_max)(m + r, l + r, O + r * Dv, Dv, mnew[r]);
-            msafe[r] = m[r] == -(real)INFINITY ? 0 : m[r];
-        }
-        for (int64_t c = 0; c < bk; c++) PA_FN(vec_exp_sub_acc)(ST + c * lds, msafe, l, bq);
+        PA_FN(sm_softmax_columns)(ST, lds, bk, bq, m, l, O, NULL, Dv, s->dP, s->dP + lds);
         int64_t bps, lo, hi;
         const real *Vb = PA_FN(sm_packed_at)(Vp, d, n, kh, j0, &bps);
         if (vis == SM_PARTIAL && PA_FN(sm_bad_rows)(Vp, d, n, kh, j0, j1, &lo, &hi)) {

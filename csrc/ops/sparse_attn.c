@@ -563,28 +563,22 @@ static inline int PA_FN(sb_chose)(const pa_moba_desc *d, const int32_t *choice, 
     return 0;
 }
 
-/* The online softmax of mj item rows (rows[c], or r0 + c without rows) over one block's
- * transposed scores ST [bk x SB_LDS] (hidden keys -inf): their m and l updated, their rows
- * of O rescaled where the max grew, ST replaced by exp(ST - m). Vectorised across queries. */
-static void PA_FN(sb_softmax_cols)(PA_FN(sb_scratch) * s, real *ST, int64_t bk, int64_t mj,
-                                   const int64_t *rows, int64_t r0, int64_t Dv)
+/* The flash kernel's online softmax (sm_softmax_columns) for the mj gathered item rows
+ * rows[c] over one block's transposed scores s->S: their m and l gathered, updated and put
+ * back. */
+static void PA_FN(sb_softmax_gathered)(PA_FN(sb_scratch) * s, int64_t bk, int64_t mj,
+                                       const int64_t *rows, int64_t Dv)
 {
-    real *m = s->cm, *l = m + SB_ROWS, *mnew = l + SB_ROWS, *msafe = mnew + SB_ROWS;
+    real *m = s->cm, *l = m + SB_ROWS;
     for (int64_t c = 0; c < mj; c++) {
-        const int64_t r = rows ? rows[c] : r0 + c;
-        mnew[c] = m[c] = s->m[r];
-        l[c] = s->l[r];
+        m[c] = s->m[rows[c]];
+        l[c] = s->l[rows[c]];
     }
-    for (int64_t x = 0; x < bk; x++) PA_FN(vec_max_into)(mnew, ST + x * SB_LDS, mj);
+    PA_FN(sm_softmax_columns)(s->S, SB_LDS, bk, mj, m, l, s->O, rows, Dv, l + SB_ROWS,
+                              l + 2 * SB_ROWS);
     for (int64_t c = 0; c < mj; c++) {
-        PA_FN(sm_raise_max)(m + c, l + c, s->O + (rows ? rows[c] : r0 + c) * Dv, Dv, mnew[c]);
-        msafe[c] = m[c] == -(real)INFINITY ? 0 : m[c];
-    }
-    for (int64_t x = 0; x < bk; x++) PA_FN(vec_exp_sub_acc)(ST + x * SB_LDS, msafe, l, mj);
-    for (int64_t c = 0; c < mj; c++) {
-        const int64_t r = rows ? rows[c] : r0 + c;
-        s->m[r] = m[c];
-        s->l[r] = l[c];
+        s->m[rows[c]] = m[c];
+        s->l[rows[c]] = l[c];
     }
 }
 
@@ -620,7 +614,8 @@ static void PA_FN(sb_forward_own)(const pa_moba_desc *d, const PA_FN(sb_packs) *
     PA_FN(sb_scores_t)(d, p, u, bk, mj, s);
     for (int64_t x = vis0; x < bk; x++) /* key x is hidden from rows c <= x - vis0 */
         for (int64_t c = 0; c <= x - vis0 && c < mj; c++) s->S[x * SB_LDS + c] = -(real)INFINITY;
-    PA_FN(sb_softmax_cols)(s, s->S, bk, mj, NULL, ra, Dv);
+    PA_FN(sm_softmax_columns)(s->S, SB_LDS, bk, mj, s->m + ra, s->l + ra, s->O + ra * Dv, NULL, Dv,
+                              s->cm, s->cm + SB_ROWS);
     if (p->v_finite[u]) {
         PA_FN(gemm_packed_ab)(mj, Dv, bk, 1, s->S, MR, SB_LDS, p->vr + p->off_vr[u], bkfull * NR,
                               1, s->O + ra * Dv, Dv);
@@ -654,7 +649,7 @@ static void PA_FN(sb_forward_item)(const pa_moba_desc *d, const PA_FN(sb_packs) 
             memcpy(s->Q + c * Dk, q + ((row0 + s->order[a + c]) * H + h) * Dk, sizeof(real) * Dk);
         PA_FN(pack_b)(Dk, mj, s->Q, 1, Dk, s->Qb);
         PA_FN(sb_scores_t)(d, p, u, bk, mj, s);
-        PA_FN(sb_softmax_cols)(s, s->S, bk, mj, s->order + a, 0, Dv);
+        PA_FN(sb_softmax_gathered)(s, bk, mj, s->order + a, Dv);
         PA_FN(gemm_packed_ab)(mj, Dv, bk, 1, s->S, MR, SB_LDS, p->vr + p->off_vr[u], bk * NR, 0,
                               s->T, Dv);
         for (int64_t c = 0; c < mj; c++)
