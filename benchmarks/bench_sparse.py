@@ -14,12 +14,14 @@ E k and F v part of the op's time. "keys touched" is the measured number of (que
 key) pairs the op computes (for NSA the three branches together, a compressed block counting
 as one key; for Linformer the S projected rows) over the H T (T + 1) / 2 of causal attention
 (Linformer: the H T^2 of attention that is not causal). fwd+bwd times one pyattn.vjp call and
-its pullback.
+its pullback. With torch installed, each row also times torch's dense attention on the same
+q, k, v (``F.scaled_dot_product_attention``, causal as the op, on [B, H, T, D] copies;
+fwd+bwd: ``.backward(do)``), the library a user would otherwise call.
 """
 from __future__ import annotations
 
 import common  # noqa: F401  (sets OPENBLAS_NUM_THREADS before numpy is imported)
-from common import Case, fmt  # noqa: E402
+from common import Case, fmt, torch  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -48,6 +50,15 @@ def nsa_touched(q, k, v, gates, opts):
 
 def dsa_touched(q, index, top_k):
     return q.shape[2] * np.sum(sparse.dsa_select(*index, top_k=top_k) >= 0)
+
+
+def torch_dense(q, k, v, do, causal):
+    """{pass: the Case of torch's SDPA over the same q, k, v}, dense and causal as the op."""
+    tq, tk, tv, tdo = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v, do))
+    ins = {"query": tq, "key": tk, "value": tv}
+    return {p: common.torch_case("torch sdpa", torch.nn.functional.scaled_dot_product_attention, p, ins, tdo,
+                                 is_causal=causal, enable_gqa=k.shape[2] != q.shape[2])
+            for p in ("fwd", "fwd+bwd")}
 
 
 def ops_for(rng, T, args):
@@ -104,16 +115,21 @@ def main(argv=None):
                 "fwd+bwd": (lambda _: pyattn.vjp(pyattn.softmax_attention, q, k, v, causal=causal)[1](do),
                             lambda _: pullback()(do)),
             }
+            dense = torch_dense(q, k, v, do, causal) if torch is not None else {}
             for pname, (full, sparse_call) in passes.items():
                 cases = [Case("flash causal" if causal else "flash", full), Case(name, sparse_call)]
+                cases += [dense[pname]] if dense else []
                 others.append(common.measure(cases, timing))
                 tf, ts = cases[0].median, cases[1].median
+                tt = cases[2].median if dense else None
                 rows.append([name, T, config, f"{k.shape[2]}", fmt(100 * frac, ".1f") + "%", pname,
                              fmt(tf * 1e3, ".1f"), fmt(ts * 1e3, ".1f"), fmt(tf / ts, ".2f") + "x",
+                             fmt(tt and tt * 1e3, ".1f"), fmt(tt and tt / ts, ".2f") + ("x" if tt else ""),
                              " ".join(c.samples_cell for c in cases), common.load_cell(others[-1])])
     print()
     common.print_table(["op", "T", "configuration", "KV heads", "keys touched", "pass", "flash ms",
-                        "op ms", "speed-up", "samples", "other %"], rows, markdown=args.markdown)
+                        "op ms", "speed-up", "torch sdpa ms", "vs torch", "samples", "other %"], rows,
+                       markdown=args.markdown)
     print(common.load_footer(others))
 
 
