@@ -26,18 +26,28 @@ _K = _rng.standard_normal((2, 256, 4, 32))
 _V = _rng.standard_normal((2, 256, 4, 32))
 _G = -_rng.uniform(0, 1, (2, 256, 4))
 _X = _rng.standard_normal((2, 256, 4, 32))
+_IQ, _IK, _IW = (_rng.standard_normal(s) for s in ((2, 256, 2, 8), (2, 256, 8), (2, 256, 2)))
+_BC = _rng.standard_normal((2, 256, 1, 32))  # mamba2's B and C: one group of the 4 heads
 
 
 def _every_family():
     """One call of each op family, and a pullback, as {name: output}."""
     o_sm, pull_sm = pyattn.vjp(pyattn.softmax_attention, _Q, _K, _V, causal=True)
     o_gla, pull_gla = pyattn.vjp(pyattn.simple_gla, _Q, _K, _V, _G)
+    o_moba, pull_moba = pyattn.vjp(pyattn.moba_attention, _Q, _K, _V, block_size=32, top_k=3)
+    o_m2, pull_m2 = pyattn.vjp(pyattn.mamba2, _X, _G, -np.ones(4), _BC, _BC)
     return {
         "softmax_attention": o_sm,
         "softmax_attention dq": pull_sm(np.ones_like(o_sm))["q"],
         "simple_gla": o_gla[0],
         "simple_gla dg": pull_gla((np.ones_like(o_gla[0]), None))["g"],
         "linear_attention": pyattn.linear_attention(_Q, _K, _V, feature_map="elu1")[0],
+        # the sparse kernels: MoBA's choice, forward and backward; DSA's selection
+        "moba_attention": o_moba,
+        "moba_attention dq": pull_moba(np.ones_like(o_moba))["q"],
+        "dsa_attention": pyattn.dsa_attention(_Q, _K, _V, _IQ, _IK, _IW, top_k=64),
+        # the linear engine reading B and C per group, and summing their gradients
+        "mamba2 dB": pull_m2((np.ones_like(o_m2[0]), None))["B"],
         "feature_map": pyattn.feature_map(_X, "taylor"),
         "efficient_attention": pyattn.efficient_attention(_Q, _K, _V),
         "gated_delta_rule": pyattn.gated_delta_rule(_Q, _K, _V, _G, np.full(_G.shape, 0.5),
