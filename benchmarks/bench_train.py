@@ -15,8 +15,8 @@ betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on the parameters of 2 or more dim
 The same batch of random tokens every step; the models train on it while being timed.
 
 pyattn: ``HybridLM(...)``, ``cross_entropy``, ``zero_grad``, ``backward``, ``AdamW.step``.
-Its matmuls (every projection, the MLPs, the LM head) are numpy's BLAS, whose thread count
-is set to --threads at run time (benchmarks/common.py holds it at 1 for the other scripts).
+Its matmuls (every projection, the MLPs, the LM head) are pyattn's own threaded GEMM
+(``pyattn._core.gemm``), on the same OpenMP threads as the attention kernels.
 torch: the same architecture written here with torch.nn.functional, parameter for parameter
 the same names and shapes as HybridLM's (checked): RMSNorm (eps 1e-5), SwiGLU, RoPE
 (half-split pairs, theta 10000), softmax attention by
@@ -39,16 +39,16 @@ steps per case), disturbed samples replaced. tokens/s = batch * T / median step 
 "vs torch" = pyattn tokens/s / torch tokens/s.
 
 Profile (pyattn only, a separate run of --profile-steps steps after the timed ones): every
-function of ``pyattn._core`` and the two functions through which pyattn.nn does all its
-matmuls (``layers.linear`` and ``layers.linear_backward``: x @ w.T; dw += dy^T x and dy @ w,
-reshapes of contiguous arrays being views) are wrapped with timers. "C ops" = time inside
-``_core.*`` calls (the attention kernels; the NumPy around them in the op wrappers, such as
-the delta rule's L2 normalisation, is not counted there); "BLAS" = time inside those
-matmul functions (the GEMMs, plus the small ``dw +=`` adds into gradients); "other" = step
-time less both: NumPy elementwise work (norms, activations, convolutions, RoPE, gates, the
-loss, the optimiser), copies, allocation and Python. The bar (the issue): pyattn's tokens/s
->= 1.5x torch's for the hybrid and >= 1.2x for the all-softmax model, and "other" <= 30% of
-a step, at 2 threads.
+function of ``pyattn._core`` but ``gemm``, and the two functions through which pyattn.nn does
+all its matmuls (``layers.linear`` and ``layers.linear_backward``: x @ w.T; dw += dy^T x and
+dy @ w, the GEMM accumulating into dw; reshapes of contiguous arrays being views), are wrapped
+with timers. "C ops" = time inside those ``_core.*`` calls (the attention kernels and the
+layers' pointwise kernels: SiLU, RMSNorm, rotary; the NumPy around them in the op wrappers,
+such as the delta rule's L2 normalisation, is not counted there); "matmuls" = time inside the
+two matmul functions; "other" = step time less both: NumPy elementwise work (products, short
+convolutions, gates, the loss, the optimiser), copies, allocation and Python. The bar (the
+issue): pyattn's tokens/s >= 1.5x torch's for the hybrid and >= 1.2x for the all-softmax
+model, and "other" <= 30% of a step, at 2 threads.
 """
 from __future__ import annotations
 
@@ -281,11 +281,11 @@ def check(pmodel, tm, x, y):
 
 
 class Profile:
-    """Timers around every ``pyattn._core`` function and pyattn.nn's matmul functions."""
+    """Timers around the ``pyattn._core`` functions but gemm, and pyattn.nn's matmul functions."""
 
     def __init__(self):
         self.core = {}     # name -> seconds
-        self.blas = 0.0
+        self.matmul = 0.0
         self._saved = []
 
     def _wrap_core(self, name, f):
@@ -299,7 +299,7 @@ class Profile:
                 acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
         return timed
 
-    def _wrap_blas(self, f):
+    def _wrap_matmul(self, f):
         prof = self
 
         def timed(*a, **k):
@@ -307,17 +307,17 @@ class Profile:
             try:
                 return f(*a, **k)
             finally:
-                prof.blas += time.perf_counter() - t0
+                prof.matmul += time.perf_counter() - t0
         return timed
 
     def __enter__(self):
         for name in dir(_core):
             f = getattr(_core, name)
-            if not name.startswith("_") and callable(f) and type(f).__name__ == "builtin_function_or_method":
+            if name != "gemm" and not name.startswith("_") and callable(f) and type(f).__name__ == "builtin_function_or_method":
                 self._saved.append((_core, name, f))
                 setattr(_core, name, self._wrap_core(name, f))
-        originals = {nn_layers.linear: self._wrap_blas(nn_layers.linear),
-                     nn_layers.linear_backward: self._wrap_blas(nn_layers.linear_backward)}
+        originals = {nn_layers.linear: self._wrap_matmul(nn_layers.linear),
+                     nn_layers.linear_backward: self._wrap_matmul(nn_layers.linear_backward)}
         for mod in list(sys.modules.values()):  # every module that imported them by name
             if mod is None or not getattr(mod, "__name__", "").startswith("pyattn"):
                 continue
@@ -335,21 +335,21 @@ class Profile:
 
 
 def profile(step, steps):
-    """(seconds per step, C-op seconds by function, BLAS seconds) over ``steps`` steps."""
+    """(seconds per step, C-op seconds by function, matmul seconds) over ``steps`` steps."""
     with Profile() as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
         total = time.perf_counter() - t0
-    return total / steps, {k: v / steps for k, v in prof.core.items()}, prof.blas / steps
+    return total / steps, {k: v / steps for k, v in prof.core.items()}, prof.matmul / steps
 
 
-def profile_line(name, threads, total, core, blas, steps):
+def profile_line(name, threads, total, core, matmul, steps):
     c = sum(core.values())
-    other = total - c - blas
+    other = total - c - matmul
     parts = ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(core.items(), key=lambda kv: -kv[1]))
     return (f"profile {name}, {threads} thread(s), {steps} steps of {1e3 * total:.0f} ms: "
-            f"C ops {100 * c / total:.1f}% ({parts}); BLAS matmuls {100 * blas / total:.1f}%; "
+            f"C ops {100 * c / total:.1f}% ({parts}); matmuls {100 * matmul / total:.1f}%; "
             f"other (NumPy glue, copies, Python) {100 * other / total:.1f}%"), other / total
 
 
@@ -376,7 +376,6 @@ def main(argv=None):
         args.target = 1.5 if args.quick else 3.0
     timing = common.timing_from_args(args)
     common.set_threads(args.threads)
-    blas_ok = common.set_numpy_blas_threads(args.threads)
     wall0 = time.perf_counter()
     tokens = args.batch * args.T
     common.print_header(
@@ -384,9 +383,7 @@ def main(argv=None):
         f"models: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
         f"tied embeddings, float32; batch {args.batch} x T {args.T} = {tokens} tokens a step; "
         "step = forward + cross-entropy + backward + AdamW",
-        f"numpy BLAS threads set to {args.threads}: "
-        f"{'yes' if blas_ok else 'NO (could not set; pyattn.nn matmuls run on what the library has)'}",
-        threads_extra=f"numpy BLAS={common.numpy_blas_threads()}")
+        "pyattn.nn's matmuls: pyattn's threaded GEMM on pyattn's threads")
     if torch is None:
         print("torch is not installed: pyattn only")
     else:
@@ -436,8 +433,8 @@ def main(argv=None):
             rows.append([name, c.name, fmt(t * 1e3, ".0f"), fmt(c.min * 1e3, ".0f"), fmt(tokens / t, ".0f"),
                          ratio, c.samples_cell, common.load_cell(other)])
         if args.profile_steps > 0:
-            total, core, blas = profile(pstep, args.profile_steps)
-            line, frac = profile_line(name, args.threads, total, core, blas, args.profile_steps)
+            total, core, matmul = profile(pstep, args.profile_steps)
+            line, frac = profile_line(name, args.threads, total, core, matmul, args.profile_steps)
             profiles.append((name, line, frac))
         if len(cases) > 1:
             bars.append((name, cases[1].median / tp, other))
@@ -451,11 +448,11 @@ def main(argv=None):
     for name, r, other in bars:
         need = BARS[name]
         verdict = "PASS" if r >= need else "FAIL"
-        if other is not None and other > common.QUIET["max_other"]:  # numpy's BLAS threads suffer most
+        if other is not None and other > common.QUIET["max_other"]:
             verdict = f"not judged: row disturbed ({100 * other:.0f}% other load)"
         print(f"  {name}: pyattn tokens/s = {r:.2f}x torch's, need >= {need}x: {verdict}")
     for name, _, frac in profiles:
-        print(f"  {name}: other (outside C ops and BLAS) {100 * frac:.1f}% of a step, need <= "
+        print(f"  {name}: other (outside C ops and matmuls) {100 * frac:.1f}% of a step, need <= "
               f"{100 * BAR_OTHER:.0f}%: {'PASS' if frac <= BAR_OTHER else 'FAIL'}")
     print(f"wall time {time.perf_counter() - wall0:.0f} s")
     return 0

@@ -106,20 +106,6 @@ def _openblas_fn(names: Sequence[str]):
     return None
 
 
-def set_numpy_blas_threads(n: int) -> bool:
-    """Sets the thread count of the OpenBLAS that numpy loaded (overriding the
-    ``OPENBLAS_NUM_THREADS=1`` this module puts in the environment), for benchmarks whose
-    pyattn side runs numpy matmuls (pyattn.nn's layers). Returns whether it could;
-    ``numpy_blas_threads()`` reads the count back."""
-    fn = _openblas_fn(("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                       "openblas_set_num_threads64_", "openblas_set_num_threads"))
-    if fn is None:
-        return False
-    fn.argtypes, fn.restype = [ctypes.c_int], None
-    fn(int(n))
-    return numpy_blas_threads() == n
-
-
 # ---- machine peak -------------------------------------------------------------------------
 
 

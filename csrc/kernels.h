@@ -223,6 +223,19 @@ typedef struct {
                              const void *v, void *o);
     int (*efficient_backward)(const pa_efficient_desc *d, const void *q, const void *k,
                               const void *v, const void *dout, void *dq, void *dk, void *dv);
+    /* pyattn.nn's pointwise steps (ops/pointwise.c), over n elements or rows of d. silu: s =
+     * sigmoid(x) and y = x s (y may be NULL); its backward dx = dy (s + y (1 - s)). RMSNorm:
+     * xhat = x rstd, rstd = 1 / sqrt(mean(x^2) + eps); its backward dx from dxhat. rotary: x
+     * [rows, H, D] by the tables cos, sin [table_rows, D] (row r uses r % table_rows), sign -1
+     * the opposite angles */
+    void (*silu_forward)(int64_t n, const void *x, void *y, void *s);
+    void (*silu_backward)(int64_t n, const void *dy, const void *y, const void *s, void *dx);
+    void (*rms_norm_forward)(int64_t rows, int64_t d, double eps, const void *x, void *xhat,
+                             void *rstd);
+    void (*rms_norm_backward)(int64_t rows, int64_t d, const void *dxhat, const void *xhat,
+                              const void *rstd, void *dx);
+    void (*rotary)(int64_t rows, int64_t H, int64_t D, int64_t table_rows, const void *cos,
+                   const void *sin, int sign, const void *x, void *y);
 } pa_kernels;
 
 /* Chooses the tables once (at import): the widest ISA this CPU runs, or PYATTN_ISA's. */

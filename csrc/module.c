@@ -1303,6 +1303,125 @@ static PyObject *py_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* The pointwise steps of pyattn.nn (ops/pointwise.c). Each array after the first must have
+ * the first's dtype and the shape given; outputs are written in place. */
+
+/* silu(x, y, s): s = sigmoid(x), y = x s (y None: the sigmoid only); any shape */
+static PyObject *py_silu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "silu";
+    int t;
+    if (expect_nargs(fn, nargs, 3) || float_type(fn, "x", args[0], &t)) return NULL;
+    PyArrayObject *x = (PyArrayObject *)args[0];
+    int nd = PyArray_NDIM(x);
+    npy_intp *shape = PyArray_DIMS(x);
+    PyArrayObject *y = NULL, *s;
+    if (!get_array(fn, "x", args[0], t, nd, shape, 0) ||
+        (args[1] != Py_None && !(y = get_array(fn, "y", args[1], t, nd, shape, 1))) ||
+        !(s = get_array(fn, "s", args[2], t, nd, shape, 1)))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    Py_BEGIN_ALLOW_THREADS
+    K->silu_forward(PyArray_SIZE(x), PyArray_DATA(x), y ? PyArray_DATA(y) : NULL, PyArray_DATA(s));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* silu_backward(dy, y, s, dx): dx = dy (s + y (1 - s)); any shape */
+static PyObject *py_silu_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "silu_backward";
+    int t;
+    if (expect_nargs(fn, nargs, 4) || float_type(fn, "dy", args[0], &t)) return NULL;
+    PyArrayObject *a[4];
+    static const char *const names[4] = {"dy", "y", "s", "dx"};
+    int nd = PyArray_NDIM((PyArrayObject *)args[0]);
+    npy_intp *shape = PyArray_DIMS((PyArrayObject *)args[0]);
+    for (int i = 0; i < 4; i++)
+        if (!(a[i] = get_array(fn, names[i], args[i], t, nd, shape, i == 3))) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    Py_BEGIN_ALLOW_THREADS
+    K->silu_backward(PyArray_SIZE(a[0]), PyArray_DATA(a[0]), PyArray_DATA(a[1]),
+                     PyArray_DATA(a[2]), PyArray_DATA(a[3]));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* rms_norm(x [rows, d], eps, xhat [rows, d], rstd [rows]) */
+static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "rms_norm";
+    int t;
+    double eps;
+    if (expect_nargs(fn, nargs, 4) || float_type(fn, "x", args[0], &t)) return NULL;
+    npy_intp any2[2] = {-1, -1};
+    PyArrayObject *x = get_array(fn, "x", args[0], t, 2, any2, 0);
+    if (!x || get_double(fn, "eps", args[1], 0.0, &eps)) return NULL;
+    PyArrayObject *xhat = get_array(fn, "xhat", args[2], t, 2, PyArray_DIMS(x), 1);
+    PyArrayObject *rstd = xhat ? get_array(fn, "rstd", args[3], t, 1, PyArray_DIMS(x), 1) : NULL;
+    if (!rstd) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    Py_BEGIN_ALLOW_THREADS
+    K->rms_norm_forward(PyArray_DIM(x, 0), PyArray_DIM(x, 1), eps, PyArray_DATA(x),
+                        PyArray_DATA(xhat), PyArray_DATA(rstd));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* rms_norm_backward(dxhat [rows, d], xhat [rows, d], rstd [rows], dx [rows, d]) */
+static PyObject *py_rms_norm_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "rms_norm_backward";
+    int t;
+    if (expect_nargs(fn, nargs, 4) || float_type(fn, "dxhat", args[0], &t)) return NULL;
+    npy_intp any2[2] = {-1, -1};
+    PyArrayObject *g = get_array(fn, "dxhat", args[0], t, 2, any2, 0);
+    PyArrayObject *h = g ? get_array(fn, "xhat", args[1], t, 2, PyArray_DIMS(g), 0) : NULL;
+    PyArrayObject *r = h ? get_array(fn, "rstd", args[2], t, 1, PyArray_DIMS(g), 0) : NULL;
+    PyArrayObject *dx = r ? get_array(fn, "dx", args[3], t, 2, PyArray_DIMS(g), 1) : NULL;
+    if (!dx) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    Py_BEGIN_ALLOW_THREADS
+    K->rms_norm_backward(PyArray_DIM(g, 0), PyArray_DIM(g, 1), PyArray_DATA(g), PyArray_DATA(h),
+                         PyArray_DATA(r), PyArray_DATA(dx));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* rotary(x [rows, H, D], cos [n, D], sin [n, D], sign, y [rows, H, D]): rows a multiple of
+ * n, row r rotated by the tables' row r % n; D even; sign +1 or -1 */
+static PyObject *py_rotary(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "rotary";
+    int t;
+    long long sign;
+    if (expect_nargs(fn, nargs, 5) || float_type(fn, "x", args[0], &t)) return NULL;
+    npy_intp any3[3] = {-1, -1, -1};
+    PyArrayObject *x = get_array(fn, "x", args[0], t, 3, any3, 0);
+    if (!x) return NULL;
+    npy_intp tshape[2] = {-1, PyArray_DIM(x, 2)};
+    PyArrayObject *c = get_array(fn, "cos", args[1], t, 2, tshape, 0);
+    if (c) tshape[0] = PyArray_DIM(c, 0);
+    PyArrayObject *sn = c ? get_array(fn, "sin", args[2], t, 2, tshape, 0) : NULL;
+    if (!sn || get_int(fn, "sign", args[3], -1, 1, &sign)) return NULL;
+    PyArrayObject *y = get_array(fn, "y", args[4], t, 3, PyArray_DIMS(x), 1);
+    if (!y) return NULL;
+    npy_intp rows = PyArray_DIM(x, 0), n = tshape[0], D = PyArray_DIM(x, 2);
+    if (sign == 0 || D % 2 || (rows > 0 && (n == 0 || rows % n))) {
+        PyErr_Format(PyExc_ValueError,
+                     "rotary(): needs sign +-1, an even D and rows a multiple of the tables' "
+                     "rows; got sign %lld, D %lld, %lld rows and %lld table rows",
+                     sign, (long long)D, (long long)rows, (long long)n);
+        return NULL;
+    }
+    const pa_kernels *K = kernels_for(t);
+    Py_BEGIN_ALLOW_THREADS
+    K->rotary(rows, PyArray_DIM(x, 1), D, n, PyArray_DATA(c), PyArray_DATA(sn), (int)sign,
+              PyArray_DATA(x), PyArray_DATA(y));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* fma_peak(double, seconds, threads) -> GFLOP/s of independent FMA chains */
 static PyObject *py_fma_peak(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1439,6 +1558,16 @@ static PyMethodDef core_methods[] = {
      "gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c"},
     {"exp", (PyCFunction)(void (*)(void))py_exp, METH_FASTCALL,
      "exp(x, out): the vectorised exp of the kernels"},
+    {"silu", (PyCFunction)(void (*)(void))py_silu, METH_FASTCALL,
+     "silu(x, y, s): s = sigmoid(x), y = x s (y None: the sigmoid only)"},
+    {"silu_backward", (PyCFunction)(void (*)(void))py_silu_backward, METH_FASTCALL,
+     "silu_backward(dy, y, s, dx): dx = dy (s + y (1 - s))"},
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
+     "rms_norm(x, eps, xhat, rstd): rstd = 1 / sqrt(mean(x^2) + eps) per row, xhat = x rstd"},
+    {"rms_norm_backward", (PyCFunction)(void (*)(void))py_rms_norm_backward, METH_FASTCALL,
+     "rms_norm_backward(dxhat, xhat, rstd, dx): dx = (dxhat - xhat mean(dxhat xhat)) rstd"},
+    {"rotary", (PyCFunction)(void (*)(void))py_rotary, METH_FASTCALL,
+     "rotary(x, cos, sin, sign, y): rotary embedding of x [rows, H, D] by tables [n, D]"},
     {"fma_peak", (PyCFunction)(void (*)(void))py_fma_peak, METH_FASTCALL,
      "fma_peak(double, seconds, threads) -> GFLOP/s of independent FMA chains"},
     {"read_bandwidth", (PyCFunction)(void (*)(void))py_read_bandwidth, METH_FASTCALL,

@@ -246,7 +246,7 @@ def test_build_info():
 
 
 def isa_selfcheck(expected):
-    """Run in a subprocess with PYATTN_ISA=expected: gemm, exp and softmax attention (every
+    """Run in a subprocess with PYATTN_ISA=expected: gemm, exp, the pointwise kernels and softmax attention (every
     form, forward and vjp, both dtypes) against NumPy and the oracles."""
     import conftest
 
@@ -264,6 +264,7 @@ def isa_selfcheck(expected):
                     _check_gemm(a, b, np.full_like(c, np.nan), ta, tb, 1.0, 0.0, dtype)
         check_exp_accuracy(dtype, 100_000)
         check_exp_special(dtype)
+        check_pointwise(dtype, rng)
     cases = [
         ((1, 70, 300, 2, 1, 13, 7),
          dict(causal=True, window=(150, 0), sinks=3, alibi_slopes=[0.05, 0.01], softcap=4.0)),
@@ -294,6 +295,136 @@ def isa_selfcheck(expected):
                 for name in "qkv":
                     assert_close(g[name], g_ref[name], gtol, name=f"{expected} {form} d{name}")
     print("ISA-OK", expected)
+
+
+# ---- the threaded GEMM and the pointwise kernels of pyattn.nn ------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_gemm_same_bits_at_any_thread_count(dtype, rng):
+    """The binding's GEMM splits rows of C over the threads and packs B once for the team;
+    every entry sees the same FMAs in the same order, so the bits do not depend on the
+    count. Sizes: one block, several uneven row blocks, several KC panels."""
+    saved = pyattn.get_num_threads()
+    try:
+        for M, N, K in [(5, 7, 3), (700, 300, 900), (4096, 64, 256), (256, 96, 4096)]:
+            for ta, tb in [(False, True), (True, False)]:
+                a, b, c0 = _operands(rng, M, N, K, ta, tb, dtype)
+                outs = []
+                for t in (1, 2, 3):
+                    pyattn.set_num_threads(t)
+                    outs.append(_check_gemm(a, b, c0, ta, tb, 1.5, 0.5, dtype))
+                for o in outs[1:]:
+                    np.testing.assert_array_equal(o, outs[0])
+    finally:
+        pyattn.set_num_threads(saved)
+
+
+POINTWISE_SIZES = [0, 1, 15, 17, 3 * 8192 + 5]
+
+
+def check_pointwise(dtype, rng):
+    """silu, its backward, RMSNorm and rotary against float64 NumPy formulas, on sizes that
+    leave vector tails and split over several blocks (also run per ISA path)."""
+    eps = np.finfo(dtype).eps
+    for n in POINTWISE_SIZES:
+        x = (4 * rng.standard_normal(n)).astype(dtype)
+        x[:min(n, 4)] = np.array([-200.0, 200.0, -0.0, 30.0])[:min(n, 4)]
+        y, s = np.empty_like(x), np.empty_like(x)
+        _core.silu(x, y, s)
+        x64 = x.astype(np.float64)
+        with np.errstate(over="ignore"):
+            s_ref = 1 / (1 + np.exp(-x64))
+        assert np.all(np.abs(s - s_ref) <= 4 * eps * s_ref + np.finfo(dtype).tiny)
+        assert np.all(np.abs(y - x64 * s_ref) <= 4 * eps * np.abs(x64 * s_ref) + np.finfo(dtype).tiny)
+        s_only = np.empty_like(x)
+        _core.silu(x, None, s_only)
+        np.testing.assert_array_equal(s_only, s)
+        dy = rng.standard_normal(n).astype(dtype)
+        dx = np.empty_like(x)
+        _core.silu_backward(dy, y, s, dx)
+        s64, y64 = s.astype(np.float64), y.astype(np.float64)
+        dx_ref = dy * (s64 + y64 * (1 - s64))
+        mag = np.abs(dy) * (s64 + np.abs(y64) * (1 + s64))
+        assert np.all(np.abs(dx - dx_ref) <= 4 * eps * mag)
+    for rows, d in [(0, 8), (1, 1), (3, 17), (700, 64), (5, 9000)]:
+        x = rng.standard_normal((rows, d)).astype(dtype)
+        xhat, rstd = np.empty_like(x), np.empty(rows, dtype)
+        _core.rms_norm(x, 1e-5, xhat, rstd)
+        x64 = x.astype(np.float64)
+        r_ref = 1 / np.sqrt((x64 * x64).mean(axis=1) + 1e-5)
+        np.testing.assert_allclose(rstd, r_ref, rtol=8 * eps * np.sqrt(d) + 4 * eps, atol=0)
+        np.testing.assert_allclose(xhat, x64 * r_ref[:, None], rtol=8 * eps * np.sqrt(d) + 4 * eps,
+                                   atol=np.finfo(dtype).tiny)
+        g = rng.standard_normal((rows, d)).astype(dtype)
+        dx = np.empty_like(x)
+        _core.rms_norm_backward(g, xhat, rstd, dx)
+        h64, g64 = xhat.astype(np.float64), g.astype(np.float64)
+        mean = (g64 * h64).mean(axis=1, keepdims=True)
+        dx_ref = (g64 - h64 * mean) * rstd[:, None].astype(np.float64)
+        mag = (np.abs(g64) + np.abs(h64) * (np.abs(g64) * np.abs(h64)).mean(axis=1, keepdims=True)) \
+            * rstd[:, None].astype(np.float64)
+        assert np.all(np.abs(dx - dx_ref) <= 4 * (d + 2) * eps * mag + np.finfo(dtype).tiny)
+    for rows, H, D, n in [(6, 3, 8, 3), (40, 2, 2, 40), (1000, 4, 64, 250), (2, 1, 18, 1)]:
+        x = rng.standard_normal((rows, H, D)).astype(dtype)
+        ang = rng.uniform(-10, 10, (n, D // 2))
+        cos = np.concatenate([np.cos(ang), np.cos(ang)], axis=1).astype(dtype)
+        sin = np.concatenate([-np.sin(ang), np.sin(ang)], axis=1).astype(dtype)
+        for sign in (1, -1):
+            out = np.empty_like(x)
+            _core.rotary(x, cos, sin, sign, out)
+            a = np.tile(ang, (rows // n, 1))[:, None, :] * sign
+            x1, x2 = x[..., :D // 2].astype(np.float64), x[..., D // 2:].astype(np.float64)
+            ref = np.concatenate([x1 * np.cos(a) - x2 * np.sin(a), x2 * np.cos(a) + x1 * np.sin(a)], axis=-1)
+            assert np.all(np.abs(out - ref) <= 4 * eps * (np.abs(x1) + np.abs(x2)).max() + 4 * eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_pointwise_kernels_match_numpy(dtype, rng):
+    check_pointwise(dtype, rng)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_pointwise_kernels_propagate_nan_and_keep_bits_across_threads(dtype, rng):
+    n = 5 * 8192 + 3
+    x = rng.standard_normal(n).astype(dtype)
+    x[[0, 9000, n - 1]] = [np.nan, np.inf, -np.inf]
+    saved = pyattn.get_num_threads()
+    try:
+        results = []
+        for t in (1, 2, 3):
+            pyattn.set_num_threads(t)
+            y, s = np.empty_like(x), np.empty_like(x)
+            _core.silu(x, y, s)
+            dx = np.empty_like(x)
+            _core.silu_backward(x, y, s, dx)
+            xr = x.reshape(-1, 1)
+            xhat, rstd = np.empty_like(xr), np.empty(xr.shape[0], dtype)
+            _core.rms_norm(xr, 1e-6, xhat, rstd)
+            results.append((y, s, dx, xhat, rstd))
+        for r in results[1:]:
+            for a, b in zip(r, results[0]):
+                np.testing.assert_array_equal(a, b)
+        y, s, dx, _, _ = results[0]
+        assert np.isnan(y[0]) and np.isnan(s[0]) and np.isnan(dx[0])
+        assert s[9000] == 1 and y[9000] == np.inf and s[n - 1] == 0
+    finally:
+        pyattn.set_num_threads(saved)
+
+
+def test_pointwise_kernels_reject_bad_shapes():
+    x = np.zeros((4, 6), np.float32)
+    with pytest.raises(ValueError, match="'s'"):
+        _core.silu(x, np.zeros_like(x), np.zeros((4, 5), np.float32))
+    with pytest.raises(TypeError, match="dtype"):
+        _core.silu_backward(x, x, x, np.zeros((4, 6)))
+    with pytest.raises(ValueError, match="'rstd'"):
+        _core.rms_norm(x, 1e-5, np.zeros_like(x), np.zeros(3, np.float32))
+    x3 = np.zeros((4, 2, 6), np.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        _core.rotary(x3, np.zeros((3, 6), np.float32), np.zeros((3, 6), np.float32), 1, np.zeros_like(x3))
+    with pytest.raises(ValueError, match="sign"):
+        _core.rotary(x3, np.zeros((2, 6), np.float32), np.zeros((2, 6), np.float32), 0, np.zeros_like(x3))
 
 
 def _run_isa(isa):

@@ -262,6 +262,52 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
     }
 }
 
+/* gemm on the threads pa_threads_for grants (the binding's entry; the attention kernels call
+ * gemm inside their own parallel regions). Per (jc, pc) block the team packs B's panels into
+ * one shared buffer, then each thread packs and multiplies row blocks of A, sized so that the
+ * blocks split evenly over the team. Every C entry sees the same FMAs in the same order at
+ * any thread count. */
+static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
+                                int64_t rsa, int64_t csa, const real *B, int64_t rsb,
+                                int64_t csb, real beta, real *C, int64_t ldc)
+{
+    if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return PA_OK;
+    int threads = pa_threads_for((double)M * N * K, (M + MR - 1) / MR);
+    int64_t blocks = (M + MC - 1) / MC;
+    blocks = (blocks + threads - 1) / threads * threads;
+    int64_t mc = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
+    int64_t kcmax = K < KC ? K : KC;
+    int64_t ncmax = N < NC ? (N + NR - 1) / NR * NR : NC;
+    real *Ap, *Bp;
+    void **parts[2] = {(void **)&Ap, (void **)&Bp};
+    size_t bytes[2] = {sizeof(real) * threads * mc * kcmax, sizeof(real) * kcmax * ncmax};
+    void *block = pa_alloc_parts(parts, bytes, 2);
+    if (!block) return PA_ENOMEM;
+#pragma omp parallel num_threads(threads)
+    {
+        real *myAp = Ap + pa_thread_id() * mc * kcmax;
+        for (int64_t jc = 0; jc < N; jc += NC) {
+            int64_t nc = N - jc < NC ? N - jc : NC;
+            for (int64_t pc = 0; pc < K; pc += KC) {
+                int64_t kc = K - pc < KC ? K - pc : KC;
+#pragma omp for schedule(static)
+                for (int64_t jr = 0; jr < nc; jr += NR)
+                    PA_FN(pack_b)(kc, nc - jr < NR ? nc - jr : NR, B + pc * rsb + (jc + jr) * csb,
+                                  rsb, csb, Bp + jr * kc);
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t ic = 0; ic < M; ic += mc) {
+                    int64_t m = M - ic < mc ? M - ic : mc;
+                    PA_FN(pack_a)(m, kc, A + ic * rsa + pc * csa, rsa, csa, myAp);
+                    PA_FN(gemm_packed_ab)(m, nc, kc, alpha, myAp, MR * kc, MR, Bp, kc * NR,
+                                          pc == 0 ? beta : 1, C + ic * ldc + jc, ldc);
+                }
+            }
+        }
+    }
+    free(block);
+    return PA_OK;
+}
+
 /* GFLOP/s of independent FMA chains on each of `threads` threads for about `seconds`: the
  * machine's FMA peak for this dtype and ISA, the yardstick of the benchmarks. */
 static double PA_FN(fma_peak)(double seconds, int threads)

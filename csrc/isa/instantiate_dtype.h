@@ -8,16 +8,14 @@
 #include "../ops/decay.h"
 #include "../ops/linear_attn.c"
 #include "../ops/delta_rule.c"
+#include "../ops/pointwise.c"
 
 static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, const void *A,
                              int64_t rsa, int64_t csa, const void *B, int64_t rsb, int64_t csb,
                              double beta, void *C, int64_t ldc)
 {
-    real *work = pa_alloc(sizeof(real) * PA_FN(gemm_work_elems)(M, N, K));
-    if (!work) return PA_ENOMEM;
-    PA_FN(gemm)(M, N, K, (real)alpha, A, rsa, csa, B, rsb, csb, (real)beta, C, ldc, work);
-    free(work);
-    return PA_OK;
+    return PA_FN(gemm_threaded)(M, N, K, (real)alpha, A, rsa, csa, B, rsb, csb, (real)beta, C,
+                                ldc);
 }
 
 static void PA_FN(exp_entry)(const void *x, void *y, int64_t n) { PA_FN(exp_array)(x, y, n); }
@@ -44,4 +42,9 @@ const pa_kernels PA_FN(pa_kernels) = {
     .delta_backward = PA_FN(delta_backward),
     .efficient_forward = PA_FN(efficient_forward),
     .efficient_backward = PA_FN(efficient_backward),
+    .silu_forward = PA_FN(silu_forward),
+    .silu_backward = PA_FN(silu_backward),
+    .rms_norm_forward = PA_FN(rms_norm_forward),
+    .rms_norm_backward = PA_FN(rms_norm_backward),
+    .rotary = PA_FN(rotary),
 };

@@ -3,7 +3,9 @@
 gradients into ``grads``. No autograd tape.
 
 Weights follow torch and llm.c: a projection's ``w`` is ``[out, in]`` and ``y = x @ w.T``,
-computed as one 2-D BLAS GEMM over all (batch, time) rows.
+computed as one 2-D GEMM over all (batch, time) rows by pyattn's own threaded GEMM, so that a
+training step runs on one pool of threads (the attention kernels' OpenMP team) rather than
+on that and numpy's BLAS threads, which would spin while the other works.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
+from .. import _core
 from ..rope import rotate, tables
 from ..autodiff import vjp
 
@@ -98,20 +101,32 @@ def normal(rng: np.random.Generator, shape, std: float = INIT_STD) -> np.ndarray
 # functional pairs shared by the layers and mixers
 
 
+def _rows(a: np.ndarray, width: Optional[int] = None) -> np.ndarray:
+    """a as a C-contiguous 2-D array of rows of ``width`` (its last axis' by default), a view
+    when a is contiguous."""
+    return np.ascontiguousarray(a).reshape(-1, a.shape[-1] if width is None else width)
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``x @ w.T`` for x ``[..., in]``, w ``[out, in]``, as one 2-D GEMM."""
-    return (x.reshape(-1, x.shape[-1]) @ w.T).reshape(x.shape[:-1] + (w.shape[0],))
+    x2 = _rows(x)
+    y = np.empty((x2.shape[0], w.shape[0]), x.dtype)
+    _core.gemm(x2, w, y, False, True, 1.0, 0.0)
+    return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
 def linear_weight_grad(dy: np.ndarray, x: np.ndarray, dw: np.ndarray) -> None:
     """Adds ``dy^T x`` (over every leading axis) into dw, the gradient of ``linear``'s w."""
-    dw += dy.reshape(-1, dw.shape[0]).T @ x.reshape(-1, x.shape[-1])
+    _core.gemm(_rows(dy, dw.shape[0]), _rows(x, dw.shape[1]), dw, True, False, 1.0, 1.0)
 
 
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, dw: np.ndarray) -> np.ndarray:
     """Adds ``dy^T x`` into dw and returns ``dy @ w`` (the gradient reaching x)."""
     linear_weight_grad(dy, x, dw)
-    return (dy.reshape(-1, dy.shape[-1]) @ w).reshape(x.shape)
+    dy2 = _rows(dy)
+    dx = np.empty((dy2.shape[0], w.shape[1]), dy.dtype)
+    _core.gemm(dy2, w, dx, False, False, 1.0, 0.0)
+    return dx.reshape(x.shape)
 
 
 def rowdot_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -121,27 +136,23 @@ def rowdot_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    s = np.negative(x)
-    with np.errstate(over="ignore"):  # exp(-x) = inf for very negative x gives 0, as it should
-        np.exp(s, out=s)
-    s += 1
-    return np.reciprocal(s, out=s)
+    s = np.empty(x.shape, x.dtype)
+    _core.silu(np.ascontiguousarray(x), None, s)
+    return s
 
 
 def silu(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(silu(x), sigmoid(x)); the sigmoid serves the backward."""
-    s = sigmoid(x)
-    return x * s, s
+    y, s = np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype)
+    _core.silu(np.ascontiguousarray(x), y, s)
+    return y, s
 
 
 def silu_backward(dy: np.ndarray, y: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """dy * silu'(x) = dy (s + y (1 - s)) from y = silu(x) and s = sigmoid(x), in place on
-    one buffer."""
-    out = np.subtract(1, s)
-    out *= y
-    out += s
-    out *= dy
-    return out
+    """dy * silu'(x) = dy (s + y (1 - s)) from y = silu(x) and s = sigmoid(x)."""
+    dx = np.empty(y.shape, y.dtype)
+    _core.silu_backward(np.ascontiguousarray(dy), y, s, dx)
+    return dx
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -153,17 +164,20 @@ def logsigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def rms_normalize(x: np.ndarray, eps: float) -> Tuple[np.ndarray, np.ndarray]:
-    """(x / rms(x), 1 / rms(x)) over the last axis, rms(x) = sqrt(mean(x^2) + eps)."""
-    rstd = 1.0 / np.sqrt(np.einsum("...i,...i->...", x, x)[..., None] / x.shape[-1] + x.dtype.type(eps))
-    return x * rstd, rstd
+    """(x / rms(x), 1 / rms(x)) over the last axis, rms(x) = sqrt(mean(x^2) + eps); the second
+    of shape ``x.shape[:-1] + (1,)``."""
+    xhat, rstd = np.empty(x.shape, x.dtype), np.empty(x.shape[:-1] + (1,), x.dtype)
+    d = x.shape[-1]
+    _core.rms_norm(np.ascontiguousarray(x).reshape(-1, d), eps, xhat.reshape(-1, d), rstd.reshape(-1))
+    return xhat, rstd
 
 
 def rms_normalize_backward(dxhat: np.ndarray, xhat: np.ndarray, rstd: np.ndarray) -> np.ndarray:
-    mean = np.einsum("...i,...i->...", dxhat, xhat)[..., None] / xhat.shape[-1]
-    out = xhat * mean
-    np.subtract(dxhat, out, out=out)
-    out *= rstd
-    return out
+    dx = np.empty(xhat.shape, xhat.dtype)
+    d = xhat.shape[-1]
+    _core.rms_norm_backward(np.ascontiguousarray(dxhat).reshape(-1, d), xhat.reshape(-1, d),
+                            rstd.reshape(-1), dx.reshape(-1, d))
+    return dx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +196,15 @@ class Embedding(Module):
         return self.w[tokens]
 
     def backward(self, dy: np.ndarray) -> None:
-        np.add.at(self.g["w"], self.tokens.ravel(), dy.reshape(-1, dy.shape[-1]))
+        # rows grouped by token (a stable sort keeps each token's rows in order), each group
+        # summed once: np.add.at's row-by-row scatter is several times slower
+        ids = self.tokens.ravel()
+        order = np.argsort(ids, kind="stable")
+        ids = ids[order]
+        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+        if starts.size:
+            rows = dy.reshape(-1, dy.shape[-1])[order]
+            self.g["w"][ids[starts]] += np.add.reduceat(rows, starts, axis=0)
 
 
 class Linear(Module):

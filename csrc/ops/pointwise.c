@@ -1,0 +1,118 @@
+/* The pointwise and row-wise steps of pyattn.nn's layers: SiLU (and the sigmoid), RMSNorm's
+ * normalisation and rotary embedding, forward and backward. Template body (see dtype.h).
+ *
+ * In NumPy each of these is several passes over memory with a temporary per operation, on one
+ * core, while the GEMMs and attention kernels around them run on every thread; here each is
+ * one pass, vectorised, over blocks of elements or rows shared by the threads. Every element
+ * is computed the same way at any thread count.
+ */
+
+/* Elements (or row elements) a task: large enough to amortise scheduling, small enough that
+ * a 2-thread team splits a [4096, 256] activation evenly. */
+#define PW_BLOCK 8192
+
+static int PA_FN(pw_threads)(int64_t n, int64_t per_element)
+{
+    return pa_threads_for((double)n * per_element, (n + PW_BLOCK - 1) / PW_BLOCK);
+}
+
+/* s = sigmoid(x) = 1 / (1 + exp(-x)) and, when y is not NULL, y = silu(x) = x s. */
+static void PA_FN(silu_forward)(int64_t n, const void *xv, void *yv, void *sv_)
+{
+    const real *x = xv;
+    real *y = yv, *s = sv_;
+    int threads = PA_FN(pw_threads)(n, 16);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < n; b += PW_BLOCK) {
+        int64_t e = n - b < PW_BLOCK ? n : b + PW_BLOCK;
+        const vreal one = PA_FN(vset)(1);
+        for (int64_t i = b; i < e; i += VL) {
+            int r = e - i < VL ? (int)(e - i) : VL;
+            vreal xv = r == VL ? PA_FN(vload)(x + i) : PA_FN(vload_part)(x + i, r, 0);
+            vreal sv = one / (one + PA_FN(vexp)(-xv));
+            if (r == VL) {
+                PA_FN(vstore)(s + i, sv);
+                if (y) PA_FN(vstore)(y + i, xv * sv);
+            } else {
+                PA_FN(vstore_part)(s + i, sv, r);
+                if (y) PA_FN(vstore_part)(y + i, xv * sv, r);
+            }
+        }
+    }
+}
+
+/* dx = dy silu'(x) = dy (s + y (1 - s)), from y = silu(x) and s = sigmoid(x). */
+static void PA_FN(silu_backward)(int64_t n, const void *dyv, const void *yv, const void *sv,
+                                 void *dxv)
+{
+    const real *dy = dyv, *y = yv, *s = sv;
+    real *dx = dxv;
+    int threads = PA_FN(pw_threads)(n, 4);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < n; b += PW_BLOCK) {
+        int64_t e = n - b < PW_BLOCK ? n : b + PW_BLOCK;
+        for (int64_t i = b; i < e; i++) dx[i] = dy[i] * (s[i] + y[i] * (1 - s[i]));
+    }
+}
+
+/* Rows of d: rstd = 1 / sqrt(mean(x^2) + eps), xhat = x rstd. */
+static void PA_FN(rms_norm_forward)(int64_t rows, int64_t d, double eps, const void *xv,
+                                    void *xhatv, void *rstdv)
+{
+    const real *x = xv;
+    real *xhat = xhatv, *rstd = rstdv;
+    int64_t per = d < PW_BLOCK ? PW_BLOCK / d : 1;
+    int threads = pa_threads_for((double)rows * d * 4, (rows + per - 1) / per);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < rows; b += per)
+        for (int64_t r = b; r < rows && r < b + per; r++) {
+            const real *xr = x + r * d;
+            real inv = (real)(1 / sqrt(PA_FN(dot)(xr, xr, d) / (real)d + (real)eps));
+            rstd[r] = inv;
+            for (int64_t i = 0; i < d; i++) xhat[r * d + i] = xr[i] * inv;
+        }
+}
+
+/* dx = (dxhat - xhat mean(dxhat xhat)) rstd, row by row. */
+static void PA_FN(rms_norm_backward)(int64_t rows, int64_t d, const void *dxhatv,
+                                     const void *xhatv, const void *rstdv, void *dxv)
+{
+    const real *dxhat = dxhatv, *xhat = xhatv, *rstd = rstdv;
+    real *dx = dxv;
+    int64_t per = d < PW_BLOCK ? PW_BLOCK / d : 1;
+    int threads = pa_threads_for((double)rows * d * 4, (rows + per - 1) / per);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < rows; b += per)
+        for (int64_t r = b; r < rows && r < b + per; r++) {
+            const real *g = dxhat + r * d, *h = xhat + r * d;
+            real mean = PA_FN(dot)(g, h, d) / (real)d, inv = rstd[r];
+            for (int64_t i = 0; i < d; i++) dx[r * d + i] = (g[i] - h[i] * mean) * inv;
+        }
+}
+
+/* Rotary embedding of x [rows, H, D] (half-split pairs): row r uses the tables' row
+ * r % table_rows, cos [table_rows, D] (cos(a) on both halves) and sin [table_rows, D]
+ * (-sin(a) on the first half, sin(a) on the second), so y_i = x_i cos_i + x_{i+-D/2} sin_i.
+ * sign -1 rotates by the opposite angles (the transpose: the backward). */
+static void PA_FN(rotary)(int64_t rows, int64_t H, int64_t D, int64_t table_rows,
+                          const void *cosv, const void *sinv, int sign, const void *xv, void *yv)
+{
+    const real *cos = cosv, *sin = sinv, *x = xv;
+    real *y = yv;
+    int64_t half = D / 2, row = H * D;
+    int64_t per = row < PW_BLOCK ? PW_BLOCK / row : 1;
+    int threads = pa_threads_for((double)rows * row * 2, (rows + per - 1) / per);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < rows; b += per)
+        for (int64_t r = b; r < rows && r < b + per; r++) {
+            const real *c = cos + r % table_rows * D, *s = sin + r % table_rows * D;
+            for (int64_t h = 0; h < H; h++) {
+                const real *xr = x + (r * H + h) * D;
+                real *yr = y + (r * H + h) * D;
+                for (int64_t i = 0; i < half; i++) {
+                    yr[i] = xr[i] * c[i] + sign * xr[i + half] * s[i];
+                    yr[i + half] = xr[i + half] * c[i + half] + sign * xr[i] * s[i + half];
+                }
+            }
+        }
+}
