@@ -138,7 +138,10 @@ static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a, int64
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) acc[i][v] = PA_FN(vset)(0);
+        for (int v = 0; v < NV; v++) {
+            acc[i][v] = PA_FN(vset)(0);
+            __builtin_prefetch(C + i * ldc + v * VL, 1, 3);
+        }
     for (int64_t p = 0; p < kc; p++) {
         vreal bv[NV];
 #pragma GCC unroll 4
