@@ -236,6 +236,15 @@ typedef struct {
                               const void *rstd, void *dx);
     void (*rotary)(int64_t rows, int64_t H, int64_t D, int64_t table_rows, const void *cos,
                    const void *sin, int sign, const void *x, void *y);
+    /* ShortConv: x [B, T, C] through a causal depthwise convolution, w [K, C], state NULL or
+     * [B, K-1, C] (the inputs before x), bias NULL or [C], then SiLU: y and s = sigmoid(u);
+     * the backward overwrites dx, dw and dbias (NULL: not wanted) */
+    void (*short_conv_forward)(int64_t B, int64_t T, int64_t C, int64_t K, const void *x,
+                               const void *state, const void *w, const void *bias, void *y,
+                               void *s);
+    int (*short_conv_backward)(int64_t B, int64_t T, int64_t C, int64_t K, const void *x,
+                               const void *state, const void *w, const void *dy, const void *y,
+                               const void *s, void *dx, void *dw, void *dbias);
 } pa_kernels;
 
 /* Chooses the tables once (at import): the widest ISA this CPU runs, or PYATTN_ISA's. */

@@ -1422,6 +1422,80 @@ static PyObject *py_rotary(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* The arrays of a ShortConv call: x [B, T, C], state None or [B, K-1, C], w [K, C], bias None
+ * or [C]; NULL with the error set when one is wrong. */
+static int conv_inputs(const char *fn, PyObject *const *args, int t, PyArrayObject **x,
+                       PyArrayObject **state, PyArrayObject **w, PyArrayObject **bias)
+{
+    npy_intp any3[3] = {-1, -1, -1}, wshape[2] = {-1, -1};
+    if (!(*x = get_array(fn, "x", args[0], t, 3, any3, 0))) return -1;
+    wshape[1] = PyArray_DIM(*x, 2);
+    if (!(*w = get_array(fn, "w", args[2], t, 2, wshape, 0))) return -1;
+    npy_intp K = PyArray_DIM(*w, 0);
+    if (K < 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): the kernel needs at least one tap, got w of %lld",
+                     fn, (long long)K);
+        return -1;
+    }
+    npy_intp sshape[3] = {PyArray_DIM(*x, 0), K - 1, PyArray_DIM(*x, 2)};
+    *state = *bias = NULL;
+    if (args[1] != Py_None && !(*state = get_array(fn, "state", args[1], t, 3, sshape, 0)))
+        return -1;
+    if (args[3] != Py_None && !(*bias = get_array(fn, "bias", args[3], t, 1, sshape + 2, 0)))
+        return -1;
+    return 0;
+}
+
+/* short_conv(x, state, w, bias, y, s): y = silu(u), s = sigmoid(u) of the causal depthwise
+ * convolution u (see kernels.h) */
+static PyObject *py_short_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "short_conv";
+    int t;
+    PyArrayObject *x, *state, *w, *bias, *y, *s;
+    if (expect_nargs(fn, nargs, 6) || float_type(fn, "x", args[0], &t) ||
+        conv_inputs(fn, args, t, &x, &state, &w, &bias) ||
+        !(y = get_array(fn, "y", args[4], t, 3, PyArray_DIMS(x), 1)) ||
+        !(s = get_array(fn, "s", args[5], t, 3, PyArray_DIMS(x), 1)))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    Py_BEGIN_ALLOW_THREADS
+    K->short_conv_forward(PyArray_DIM(x, 0), PyArray_DIM(x, 1), PyArray_DIM(x, 2),
+                          PyArray_DIM(w, 0), PyArray_DATA(x), data_or_null(state),
+                          PyArray_DATA(w), data_or_null(bias), PyArray_DATA(y), PyArray_DATA(s));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* short_conv_backward(x, state, w, bias, dy, y, s, dx, dw, dbias): dx, dw [K, C] and dbias
+ * (None: not wanted) overwritten */
+static PyObject *py_short_conv_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "short_conv_backward";
+    int t;
+    PyArrayObject *x, *state, *w, *bias, *a[4], *dw, *db = NULL;
+    static const char *const names[4] = {"dy", "y", "s", "dx"};
+    if (expect_nargs(fn, nargs, 10) || float_type(fn, "x", args[0], &t) ||
+        conv_inputs(fn, args, t, &x, &state, &w, &bias))
+        return NULL;
+    for (int i = 0; i < 4; i++)
+        if (!(a[i] = get_array(fn, names[i], args[4 + i], t, 3, PyArray_DIMS(x), i == 3)))
+            return NULL;
+    if (!(dw = get_array(fn, "dw", args[8], t, 2, PyArray_DIMS(w), 1)) ||
+        (args[9] != Py_None && !(db = get_array(fn, "dbias", args[9], t, 1, PyArray_DIMS(x) + 2, 1))))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->short_conv_backward(PyArray_DIM(x, 0), PyArray_DIM(x, 1), PyArray_DIM(x, 2),
+                                PyArray_DIM(w, 0), PyArray_DATA(x), data_or_null(state),
+                                PyArray_DATA(w), PyArray_DATA(a[0]), PyArray_DATA(a[1]),
+                                PyArray_DATA(a[2]), PyArray_DATA(a[3]), PyArray_DATA(dw),
+                                db ? PyArray_DATA(db) : NULL);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
 /* fma_peak(double, seconds, threads) -> GFLOP/s of independent FMA chains */
 static PyObject *py_fma_peak(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1568,6 +1642,10 @@ static PyMethodDef core_methods[] = {
      "rms_norm_backward(dxhat, xhat, rstd, dx): dx = (dxhat - xhat mean(dxhat xhat)) rstd"},
     {"rotary", (PyCFunction)(void (*)(void))py_rotary, METH_FASTCALL,
      "rotary(x, cos, sin, sign, y): rotary embedding of x [rows, H, D] by tables [n, D]"},
+    {"short_conv", (PyCFunction)(void (*)(void))py_short_conv, METH_FASTCALL,
+     "short_conv(x, state, w, bias, y, s): causal depthwise convolution [K, C] and SiLU"},
+    {"short_conv_backward", (PyCFunction)(void (*)(void))py_short_conv_backward, METH_FASTCALL,
+     "short_conv_backward(x, state, w, bias, dy, y, s, dx, dw, dbias)"},
     {"fma_peak", (PyCFunction)(void (*)(void))py_fma_peak, METH_FASTCALL,
      "fma_peak(double, seconds, threads) -> GFLOP/s of independent FMA chains"},
     {"read_bandwidth", (PyCFunction)(void (*)(void))py_read_bandwidth, METH_FASTCALL,

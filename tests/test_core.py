@@ -265,6 +265,7 @@ def isa_selfcheck(expected):
         check_exp_accuracy(dtype, 100_000)
         check_exp_special(dtype)
         check_pointwise(dtype, rng)
+        check_short_conv(dtype, rng)
     cases = [
         ((1, 70, 300, 2, 1, 13, 7),
          dict(causal=True, window=(150, 0), sinks=3, alibi_slopes=[0.05, 0.01], softcap=4.0)),
@@ -379,9 +380,55 @@ def check_pointwise(dtype, rng):
             assert np.all(np.abs(out - ref) <= 4 * eps * (np.abs(x1) + np.abs(x2)).max() + 4 * eps)
 
 
+def _conv_reference(x, state, w, bias, dy):
+    """float64 ShortConv: u, y = silu(u), and dx, dw [K, C], dbias of the loss sum(dy y)."""
+    B, T, C = x.shape
+    K = w.shape[0]
+    before = np.zeros((B, K - 1, C)) if state is None else state.astype(np.float64)
+    xp = np.concatenate([before, x.astype(np.float64)], axis=1)
+    w64 = w.astype(np.float64)
+    u = sum(w64[i] * xp[:, i:i + T] for i in range(K)) + (0 if bias is None else bias.astype(np.float64))
+    sg = 1 / (1 + np.exp(-u))
+    du = dy.astype(np.float64) * (sg + u * sg * (1 - sg))
+    dxp = np.zeros_like(xp)
+    for i in range(K):
+        dxp[:, i:i + T] += du * w64[i]
+    dw = np.stack([(du * xp[:, i:i + T]).sum(axis=(0, 1)) for i in range(K)])
+    return u * sg, sg, dxp[:, K - 1:], dw, du.sum(axis=(0, 1))
+
+
+def check_short_conv(dtype, rng):
+    """The ShortConv kernels against float64 NumPy, with and without state and bias, T below
+    and above K - 1, one tap."""
+    eps = np.finfo(dtype).eps
+    for B, T, C, K, with_state, with_bias in [(2, 9, 5, 4, False, True), (3, 2, 17, 4, True, False),
+                                              (1, 300, 40, 4, True, True), (2, 5, 3, 1, False, False),
+                                              (4, 70, 256, 3, False, True)]:
+        x = rng.standard_normal((B, T, C)).astype(dtype)
+        state = rng.standard_normal((B, K - 1, C)).astype(dtype) if with_state else None
+        w = rng.standard_normal((K, C)).astype(dtype)
+        bias = rng.standard_normal(C).astype(dtype) if with_bias else None
+        dy = rng.standard_normal((B, T, C)).astype(dtype)
+        y, s = np.empty_like(x), np.empty_like(x)
+        _core.short_conv(x, state, w, bias, y, s)
+        ry, rs, rdx, rdw, rdb = _conv_reference(x, state, w, bias, dy)
+        tol = 16 * K * eps
+        np.testing.assert_allclose(y, ry, rtol=tol, atol=tol)
+        np.testing.assert_allclose(s, rs, rtol=tol, atol=tol)
+        dx, dw = np.empty_like(x), np.empty_like(w)
+        db = None if bias is None else np.empty_like(bias)
+        _core.short_conv_backward(x, state, w, bias, dy, y, s, dx, dw, db)
+        np.testing.assert_allclose(dx, rdx, rtol=tol, atol=tol)
+        scale = np.sqrt(B * T)
+        np.testing.assert_allclose(dw, rdw, rtol=tol * scale, atol=tol * scale)
+        if bias is not None:
+            np.testing.assert_allclose(db, rdb, rtol=tol * scale, atol=tol * scale)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 def test_pointwise_kernels_match_numpy(dtype, rng):
     check_pointwise(dtype, rng)
+    check_short_conv(dtype, rng)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
@@ -401,11 +448,17 @@ def test_pointwise_kernels_propagate_nan_and_keep_bits_across_threads(dtype, rng
             xr = x.reshape(-1, 1)
             xhat, rstd = np.empty_like(xr), np.empty(xr.shape[0], dtype)
             _core.rms_norm(xr, 1e-6, xhat, rstd)
-            results.append((y, s, dx, xhat, rstd))
+            xc = x[:5 * 8192].reshape(4, 1024, 10)
+            yc, sc = np.empty_like(xc), np.empty_like(xc)
+            wc = np.linspace(-1, 1, 40).astype(dtype).reshape(4, 10)
+            _core.short_conv(xc, None, wc, None, yc, sc)
+            dxc, dwc = np.empty_like(xc), np.empty_like(wc)
+            _core.short_conv_backward(xc, None, wc, None, xc, yc, sc, dxc, dwc, None)
+            results.append((y, s, dx, xhat, rstd, yc, dxc, dwc))
         for r in results[1:]:
             for a, b in zip(r, results[0]):
                 np.testing.assert_array_equal(a, b)
-        y, s, dx, _, _ = results[0]
+        y, s, dx = results[0][:3]
         assert np.isnan(y[0]) and np.isnan(s[0]) and np.isnan(dx[0])
         assert s[9000] == 1 and y[9000] == np.inf and s[n - 1] == 0
     finally:
@@ -425,6 +478,16 @@ def test_pointwise_kernels_reject_bad_shapes():
         _core.rotary(x3, np.zeros((3, 6), np.float32), np.zeros((3, 6), np.float32), 1, np.zeros_like(x3))
     with pytest.raises(ValueError, match="sign"):
         _core.rotary(x3, np.zeros((2, 6), np.float32), np.zeros((2, 6), np.float32), 0, np.zeros_like(x3))
+    w = np.zeros((4, 6), np.float32)
+    with pytest.raises(ValueError, match="'state'"):
+        _core.short_conv(x3, np.zeros((4, 2, 6), np.float32), w, None, np.zeros_like(x3), np.zeros_like(x3))
+    with pytest.raises(ValueError, match="'w'"):
+        _core.short_conv(x3, None, np.zeros((4, 5), np.float32), None, np.zeros_like(x3), np.zeros_like(x3))
+    with pytest.raises(ValueError, match="one tap"):
+        _core.short_conv(x3, None, np.zeros((0, 6), np.float32), None, np.zeros_like(x3), np.zeros_like(x3))
+    with pytest.raises(ValueError, match="'dbias'"):
+        _core.short_conv_backward(x3, None, w, None, x3, x3, x3, np.zeros_like(x3), np.zeros_like(w),
+                                  np.zeros(5, np.float32))
 
 
 def _run_isa(isa):

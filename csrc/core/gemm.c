@@ -268,8 +268,9 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
 /* gemm on the threads pa_threads_for grants (the binding's entry; the attention kernels call
  * gemm inside their own parallel regions). Per (jc, pc) block the team packs B's panels into
  * one shared buffer, then each thread packs and multiplies row blocks of A, sized so that the
- * blocks split evenly over the team. Every C entry sees the same FMAs in the same order at
- * any thread count. */
+ * blocks split evenly over the team and statically assigned, so a thread keeps the same rows
+ * of C (in its own cache) through every pc block. Every C entry sees the same FMAs in the
+ * same order at any thread count. */
 static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                                 int64_t rsa, int64_t csa, const real *B, int64_t rsb,
                                 int64_t csb, real beta, real *C, int64_t ldc)
@@ -297,7 +298,7 @@ static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, con
                 for (int64_t jr = 0; jr < nc; jr += NR)
                     PA_FN(pack_b)(kc, nc - jr < NR ? nc - jr : NR, B + pc * rsb + (jc + jr) * csb,
                                   rsb, csb, Bp + jr * kc);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
                 for (int64_t ic = 0; ic < M; ic += mc) {
                     int64_t m = M - ic < mc ? M - ic : mc;
                     PA_FN(pack_a)(m, kc, A + ic * rsa + pc * csa, rsa, csa, myAp);

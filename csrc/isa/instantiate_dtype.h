@@ -47,4 +47,6 @@ const pa_kernels PA_FN(pa_kernels) = {
     .rms_norm_forward = PA_FN(rms_norm_forward),
     .rms_norm_backward = PA_FN(rms_norm_backward),
     .rotary = PA_FN(rotary),
+    .short_conv_forward = PA_FN(short_conv_forward),
+    .short_conv_backward = PA_FN(short_conv_backward),
 };

@@ -116,3 +116,101 @@ static void PA_FN(rotary)(int64_t rows, int64_t H, int64_t D, int64_t table_rows
             }
         }
 }
+
+/* Causal depthwise convolution over time with a SiLU (pyattn.nn's ShortConv), x [B, T, C]:
+ * u[b, t, c] = bias[c] + sum_i w[i, c] in(b, t - K + 1 + i, c), y = silu(u), s = sigmoid(u),
+ * where in(b, t') is x's row (b, t') for t' >= 0 and state's row (b, K - 1 + t') before
+ * (zeros when state is NULL). w is [K, C] (the layer's [C, K] transposed), bias may be NULL.
+ * Rows (b, t) are split in blocks over the threads, each row vectorised over channels. */
+static inline const real *PA_FN(conv_row)(const real *x, const real *state, int64_t T,
+                                          int64_t C, int64_t K, int64_t b, int64_t t)
+{
+    if (t >= 0) return x + (b * T + t) * C;
+    return state ? state + (b * (K - 1) + K - 1 + t) * C : NULL;
+}
+
+static void PA_FN(short_conv_forward)(int64_t B, int64_t T, int64_t C, int64_t K,
+                                      const void *xv, const void *statev, const void *wv,
+                                      const void *biasv, void *yv, void *sv_)
+{
+    const real *x = xv, *state = statev, *w = wv, *bias = biasv;
+    real *y = yv, *s = sv_;
+    int64_t rows = B * T, per = C < PW_BLOCK ? PW_BLOCK / C : 1;
+    int threads = pa_threads_for((double)rows * C * K, (rows + per - 1) / per);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r0 = 0; r0 < rows; r0 += per)
+        for (int64_t r = r0; r < rows && r < r0 + per; r++) {
+            real *restrict u = y + r * C;
+            for (int64_t c = 0; c < C; c++) u[c] = bias ? bias[c] : 0;
+            for (int64_t i = 0; i < K; i++) {
+                const real *restrict in = PA_FN(conv_row)(x, state, T, C, K, r / T, r % T - K + 1 + i);
+                const real *restrict wi = w + i * C;
+                if (in)
+                    for (int64_t c = 0; c < C; c++) u[c] += wi[c] * in[c];
+            }
+        }
+    PA_FN(silu_forward)(rows * C, y, y, s);
+}
+
+/* The backward of short_conv_forward from dy and the forward's y, s: du = dy silu'(u);
+ * dx[b, t] = sum_j du[b, t + j] w[K - 1 - j] (t + j < T); dw [K, C] and dbias [C] (NULL: not
+ * wanted) overwritten with the sums over (b, t). A block of rows forms du for its rows and
+ * the K - 1 after them in a buffer of its own, and its partial sums of dw and dbias, which
+ * are added in block order: the bits do not depend on the thread count. The state's gradient
+ * is not formed. Returns PA_ENOMEM when the buffers cannot be allocated. */
+static int PA_FN(short_conv_backward)(int64_t B, int64_t T, int64_t C, int64_t K,
+                                      const void *xv, const void *statev, const void *wv,
+                                      const void *dyv, const void *yv, const void *sv,
+                                      void *dxv, void *dwv, void *dbiasv)
+{
+    const real *x = xv, *state = statev, *w = wv, *dy = dyv, *y = yv, *s = sv;
+    real *dx = dxv, *dw = dwv, *dbias = dbiasv;
+    int64_t rows = B * T, per = C < PW_BLOCK ? PW_BLOCK / C : 1;
+    int64_t blocks = (rows + per - 1) / per;
+    int threads = pa_threads_for((double)rows * C * 2 * K, blocks);
+    real *part, *dus;
+    void **parts[2] = {(void **)&part, (void **)&dus};
+    size_t bytes[2] = {sizeof(real) * (size_t)blocks * (K + 1) * C,
+                       sizeof(real) * (size_t)threads * (per + K - 1) * C};
+    void *block = pa_alloc_parts(parts, bytes, 2);
+    if (!block) return PA_ENOMEM;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        real *restrict pw = part + blk * (K + 1) * C, *restrict pb = pw + K * C;
+        real *restrict du = dus + pa_thread_id() * (per + K - 1) * C;
+        int64_t r0 = blk * per, r1 = r0 + per < rows ? r0 + per : rows;
+        /* du of rows r0 .. r1 + K - 2 of the same sequences (the rows dx of r0 .. r1 reads) */
+        int64_t r2 = r1 + K - 1 < rows ? r1 + K - 1 : rows;
+        for (int64_t e = r0 * C; e < r2 * C; e++)
+            du[e - r0 * C] = dy[e] * (s[e] + y[e] * (1 - s[e]));
+        for (int64_t i = 0; i < (K + 1) * C; i++) pw[i] = 0;
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t b = r / T, t = r % T;
+            const real *restrict g = du + (r - r0) * C;
+            for (int64_t c = 0; c < C; c++) pb[c] += g[c];
+            for (int64_t i = 0; i < K; i++) {
+                const real *restrict in = PA_FN(conv_row)(x, state, T, C, K, b, t - K + 1 + i);
+                real *restrict pwi = pw + i * C;
+                if (in)
+                    for (int64_t c = 0; c < C; c++) pwi[c] += g[c] * in[c];
+            }
+            real *restrict d = dx + r * C;
+            for (int64_t c = 0; c < C; c++) d[c] = 0;
+            for (int64_t j = 0; j < K && t + j < T; j++) {
+                const real *restrict gj = du + (r - r0 + j) * C, *restrict wj = w + (K - 1 - j) * C;
+                for (int64_t c = 0; c < C; c++) d[c] += gj[c] * wj[c];
+            }
+        }
+    }
+    for (int64_t i = 0; i < K * C; i++) dw[i] = 0;
+    if (dbias)
+        for (int64_t c = 0; c < C; c++) dbias[c] = 0;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const real *pw = part + blk * (K + 1) * C;
+        for (int64_t i = 0; i < K * C; i++) dw[i] += pw[i];
+        if (dbias)
+            for (int64_t c = 0; c < C; c++) dbias[c] += pw[K * C + c];
+    }
+    free(block);
+    return PA_OK;
+}

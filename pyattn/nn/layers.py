@@ -313,32 +313,28 @@ class ShortConv(Module):
         return np.zeros((batch, self.K - 1, self.w.shape[0]), self.dtype)
 
     def forward(self, x: np.ndarray, state: Optional[np.ndarray] = None):
-        B, T, _ = x.shape
-        xp = np.concatenate([self.empty_state(B) if state is None else state, x], axis=1)
-        u = xp[:, :T] * self.w[:, 0]
-        tap = np.empty_like(u)
-        for i in range(1, self.K):  # K taps, each over the whole sequence
-            u += np.multiply(xp[:, i:i + T], self.w[:, i], out=tap)
-        if self.b is not None:
-            u += self.b
-        y, s = silu(u)
-        self.xp, self.y, self.s = xp, y, s
-        return y, xp[:, T:].copy()
+        B, T, C = x.shape
+        x = np.ascontiguousarray(x)
+        state = None if state is None else np.ascontiguousarray(state)
+        self.wt = np.ascontiguousarray(self.w.T)  # [K, C]: taps as rows, vectorised over channels
+        y, s = np.empty_like(x), np.empty_like(x)
+        _core.short_conv(x, state, self.wt, self.b, y, s)
+        self.x, self.state, self.y, self.s = x, state, y, s
+        if T >= self.K - 1:
+            return y, x[:, T - self.K + 1:].copy()
+        before = self.empty_state(B) if state is None else state
+        return y, np.concatenate([before, x], axis=1)[:, T:].copy()
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         """dx (the gradient of the state given to forward is not formed: training starts
         from zeros)."""
-        T, K = dy.shape[1], self.K
-        du = silu_backward(dy, self.y, self.s)
-        if self.b is not None:
-            self.g["b"] += du.sum(axis=(0, 1))
-        for i in range(K):
-            self.g["w"][:, i] += np.einsum("btc,btc->c", du, self.xp[:, i:i + T])
-        # x_s feeds u_{s+j} through tap K-1-j
-        dx = du * self.w[:, K - 1]
-        tap = np.empty_like(dx)
-        for j in range(1, min(K, T + 1)):
-            dx[:, :T - j] += np.multiply(du[:, j:], self.w[:, K - 1 - j], out=tap[:, :T - j])
+        dx, dwt = np.empty_like(self.x), np.empty_like(self.wt)
+        db = None if self.b is None else np.empty_like(self.b)
+        _core.short_conv_backward(self.x, self.state, self.wt, self.b, np.ascontiguousarray(dy), self.y,
+                                  self.s, dx, dwt, db)
+        self.g["w"] += dwt.T
+        if db is not None:
+            self.g["b"] += db
         return dx
 
 
