@@ -267,29 +267,31 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
 
 /* gemm on the threads pa_threads_for grants (the binding's entry; the attention kernels call
  * gemm inside their own parallel regions). Per (jc, pc) block the team packs B's panels into
- * one shared buffer, then each thread packs and multiplies row blocks of A, sized so that the
- * blocks split evenly over the team and statically assigned, so a thread keeps the same rows
- * of C (in its own cache) through every pc block. Every C entry sees the same FMAs in the
- * same order at any thread count. */
+ * one shared buffer; each thread owns a contiguous share of A's MR-row panels (the shares
+ * differ by one panel at most) and packs and multiplies them MC rows at a time, so it keeps
+ * the same rows of C, in its own cache, through every pc block. Panels start at multiples of
+ * MR whatever the thread count, so every C entry sees the same FMAs in the same order. */
 static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                                 int64_t rsa, int64_t csa, const real *B, int64_t rsb,
                                 int64_t csb, real beta, real *C, int64_t ldc)
 {
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return PA_OK;
-    int threads = pa_threads_for((double)M * N * K, (M + MR - 1) / MR);
-    int64_t blocks = (M + MC - 1) / MC;
-    blocks = (blocks + threads - 1) / threads * threads;
-    int64_t mc = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
+    int64_t panels = (M + MR - 1) / MR;
+    int threads = pa_threads_for((double)M * N * K, panels);
+    int64_t mcmax = M < MC ? panels * MR : MC;
     int64_t kcmax = K < KC ? K : KC;
     int64_t ncmax = N < NC ? (N + NR - 1) / NR * NR : NC;
     real *Ap, *Bp;
     void **parts[2] = {(void **)&Ap, (void **)&Bp};
-    size_t bytes[2] = {sizeof(real) * threads * mc * kcmax, sizeof(real) * kcmax * ncmax};
+    size_t bytes[2] = {sizeof(real) * threads * mcmax * kcmax, sizeof(real) * kcmax * ncmax};
     void *block = pa_alloc_parts(parts, bytes, 2);
     if (!block) return PA_ENOMEM;
 #pragma omp parallel num_threads(threads)
     {
-        real *myAp = Ap + pa_thread_id() * mc * kcmax;
+        int tid = pa_thread_id(), team = pa_team_size();
+        real *myAp = Ap + tid * mcmax * kcmax;
+        int64_t r0 = panels * tid / team * MR, r1 = panels * (tid + 1) / team * MR;
+        if (r1 > M) r1 = M;
         for (int64_t jc = 0; jc < N; jc += NC) {
             int64_t nc = N - jc < NC ? N - jc : NC;
             for (int64_t pc = 0; pc < K; pc += KC) {
@@ -298,13 +300,13 @@ static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, con
                 for (int64_t jr = 0; jr < nc; jr += NR)
                     PA_FN(pack_b)(kc, nc - jr < NR ? nc - jr : NR, B + pc * rsb + (jc + jr) * csb,
                                   rsb, csb, Bp + jr * kc);
-#pragma omp for schedule(static)
-                for (int64_t ic = 0; ic < M; ic += mc) {
-                    int64_t m = M - ic < mc ? M - ic : mc;
+                for (int64_t ic = r0; ic < r1; ic += MC) {
+                    int64_t m = r1 - ic < MC ? r1 - ic : MC;
                     PA_FN(pack_a)(m, kc, A + ic * rsa + pc * csa, rsa, csa, myAp);
                     PA_FN(gemm_packed_ab)(m, nc, kc, alpha, myAp, MR * kc, MR, Bp, kc * NR,
                                           pc == 0 ? beta : 1, C + ic * ldc + jc, ldc);
                 }
+#pragma omp barrier /* Bp is packed again next */
             }
         }
     }

@@ -33,6 +33,16 @@ static inline int pa_thread_id(void)
 #endif
 }
 
+/* Threads in the current team (1 outside a parallel region). */
+static inline int pa_team_size(void)
+{
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 /* Inside a parallel region, after a thread's scratch allocation: ok as given, and *failed
  * set (atomically, shared by the team) when it is 0, so the kernel reports PA_ENOMEM. */
 static inline int pa_scratch_ok(int ok, int *failed)
