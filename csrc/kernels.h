@@ -230,6 +230,10 @@ typedef struct {
      * the opposite angles */
     void (*silu_forward)(int64_t n, const void *x, void *y, void *s);
     void (*silu_backward)(int64_t n, const void *dy, const void *y, const void *s, void *dx);
+    /* SwiGLU's product h = silu(a) b, s = sigmoid(a); its backward da, db from dh */
+    void (*swiglu_forward)(int64_t n, const void *a, const void *b, void *h, void *s);
+    void (*swiglu_backward)(int64_t n, const void *dh, const void *a, const void *b,
+                            const void *s, void *da, void *db);
     void (*rms_norm_forward)(int64_t rows, int64_t d, double eps, const void *x, void *xhat,
                              void *rstd);
     void (*rms_norm_backward)(int64_t rows, int64_t d, const void *dxhat, const void *xhat,

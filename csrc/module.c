@@ -1327,22 +1327,66 @@ static PyObject *py_silu(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* args[0..n) as arrays of args[0]'s float dtype and shape, the last `outputs` writeable;
+ * the element count, or -1 with the error set. */
+static npy_intp same_shape_arrays(const char *fn, PyObject *const *args, const char *const *names,
+                                  int n, int outputs, PyArrayObject **a)
+{
+    int t;
+    if (float_type(fn, names[0], args[0], &t)) return -1;
+    int nd = PyArray_NDIM((PyArrayObject *)args[0]);
+    npy_intp *shape = PyArray_DIMS((PyArrayObject *)args[0]);
+    for (int i = 0; i < n; i++)
+        if (!(a[i] = get_array(fn, names[i], args[i], t, nd, shape, i >= n - outputs))) return -1;
+    return PyArray_SIZE(a[0]);
+}
+
 /* silu_backward(dy, y, s, dx): dx = dy (s + y (1 - s)); any shape */
 static PyObject *py_silu_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *fn = "silu_backward";
-    int t;
-    if (expect_nargs(fn, nargs, 4) || float_type(fn, "dy", args[0], &t)) return NULL;
-    PyArrayObject *a[4];
     static const char *const names[4] = {"dy", "y", "s", "dx"};
-    int nd = PyArray_NDIM((PyArrayObject *)args[0]);
-    npy_intp *shape = PyArray_DIMS((PyArrayObject *)args[0]);
-    for (int i = 0; i < 4; i++)
-        if (!(a[i] = get_array(fn, names[i], args[i], t, nd, shape, i == 3))) return NULL;
-    const pa_kernels *K = kernels_for(t);
+    PyArrayObject *a[4];
+    npy_intp n;
+    if (expect_nargs("silu_backward", nargs, 4) ||
+        (n = same_shape_arrays("silu_backward", args, names, 4, 1, a)) < 0)
+        return NULL;
+    const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
     Py_BEGIN_ALLOW_THREADS
-    K->silu_backward(PyArray_SIZE(a[0]), PyArray_DATA(a[0]), PyArray_DATA(a[1]),
-                     PyArray_DATA(a[2]), PyArray_DATA(a[3]));
+    K->silu_backward(n, PyArray_DATA(a[0]), PyArray_DATA(a[1]), PyArray_DATA(a[2]),
+                     PyArray_DATA(a[3]));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* swiglu(a, b, h, s): s = sigmoid(a), h = silu(a) b; any shape */
+static PyObject *py_swiglu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[4] = {"a", "b", "h", "s"};
+    PyArrayObject *a[4];
+    npy_intp n;
+    if (expect_nargs("swiglu", nargs, 4) || (n = same_shape_arrays("swiglu", args, names, 4, 2, a)) < 0)
+        return NULL;
+    const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
+    Py_BEGIN_ALLOW_THREADS
+    K->swiglu_forward(n, PyArray_DATA(a[0]), PyArray_DATA(a[1]), PyArray_DATA(a[2]),
+                      PyArray_DATA(a[3]));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* swiglu_backward(dh, a, b, s, da, db); any shape */
+static PyObject *py_swiglu_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[6] = {"dh", "a", "b", "s", "da", "db"};
+    PyArrayObject *a[6];
+    npy_intp n;
+    if (expect_nargs("swiglu_backward", nargs, 6) ||
+        (n = same_shape_arrays("swiglu_backward", args, names, 6, 2, a)) < 0)
+        return NULL;
+    const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
+    Py_BEGIN_ALLOW_THREADS
+    K->swiglu_backward(n, PyArray_DATA(a[0]), PyArray_DATA(a[1]), PyArray_DATA(a[2]),
+                       PyArray_DATA(a[3]), PyArray_DATA(a[4]), PyArray_DATA(a[5]));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1636,6 +1680,10 @@ static PyMethodDef core_methods[] = {
      "silu(x, y, s): s = sigmoid(x), y = x s (y None: the sigmoid only)"},
     {"silu_backward", (PyCFunction)(void (*)(void))py_silu_backward, METH_FASTCALL,
      "silu_backward(dy, y, s, dx): dx = dy (s + y (1 - s))"},
+    {"swiglu", (PyCFunction)(void (*)(void))py_swiglu, METH_FASTCALL,
+     "swiglu(a, b, h, s): s = sigmoid(a), h = silu(a) b"},
+    {"swiglu_backward", (PyCFunction)(void (*)(void))py_swiglu_backward, METH_FASTCALL,
+     "swiglu_backward(dh, a, b, s, da, db): da = dh b silu'(a), db = dh silu(a)"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, eps, xhat, rstd): rstd = 1 / sqrt(mean(x^2) + eps) per row, xhat = x rstd"},
     {"rms_norm_backward", (PyCFunction)(void (*)(void))py_rms_norm_backward, METH_FASTCALL,

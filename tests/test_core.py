@@ -325,7 +325,7 @@ POINTWISE_SIZES = [0, 1, 15, 17, 3 * 8192 + 5]
 
 
 def check_pointwise(dtype, rng):
-    """silu, its backward, RMSNorm and rotary against float64 NumPy formulas, on sizes that
+    """silu, its backward, SwiGLU's product and its backward, RMSNorm and rotary against float64 NumPy formulas, on sizes that
     leave vector tails and split over several blocks (also run per ISA path)."""
     eps = np.finfo(dtype).eps
     for n in POINTWISE_SIZES:
@@ -348,6 +348,19 @@ def check_pointwise(dtype, rng):
         dx_ref = dy * (s64 + y64 * (1 - s64))
         mag = np.abs(dy) * (s64 + np.abs(y64) * (1 + s64))
         assert np.all(np.abs(dx - dx_ref) <= 4 * eps * mag)
+        b = rng.standard_normal(n).astype(dtype)
+        h, s2 = np.empty_like(x), np.empty_like(x)
+        _core.swiglu(x, b, h, s2)
+        np.testing.assert_array_equal(s2, s)
+        h_ref = x64 * s_ref * b
+        assert np.all(np.abs(h - h_ref) <= 6 * eps * np.abs(h_ref) + np.finfo(dtype).tiny)
+        da, db = np.empty_like(x), np.empty_like(x)
+        _core.swiglu_backward(dy, x, b, s, da, db)
+        db_ref = dy * x64 * s64
+        da_ref = dy * b * s64 * (1 + x64 * (1 - s64))
+        assert np.all(np.abs(db - db_ref) <= 4 * eps * np.abs(db_ref) + np.finfo(dtype).tiny)
+        assert np.all(np.abs(da - da_ref) <= 8 * eps * np.abs(dy * b) * s64 * (1 + np.abs(x64) * (1 + s64))
+                      + np.finfo(dtype).tiny)
     for rows, d in [(0, 8), (1, 1), (3, 17), (700, 64), (5, 9000)]:
         x = rng.standard_normal((rows, d)).astype(dtype)
         xhat, rstd = np.empty_like(x), np.empty(rows, dtype)
@@ -471,6 +484,8 @@ def test_pointwise_kernels_reject_bad_shapes():
         _core.silu(x, np.zeros_like(x), np.zeros((4, 5), np.float32))
     with pytest.raises(TypeError, match="dtype"):
         _core.silu_backward(x, x, x, np.zeros((4, 6)))
+    with pytest.raises(ValueError, match="'db'"):
+        _core.swiglu_backward(x, x, x, x, np.zeros_like(x), np.zeros((6, 4), np.float32))
     with pytest.raises(ValueError, match="'rstd'"):
         _core.rms_norm(x, 1e-5, np.zeros_like(x), np.zeros(3, np.float32))
     x3 = np.zeros((4, 2, 6), np.float32)

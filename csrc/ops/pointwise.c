@@ -41,6 +41,38 @@ static void PA_FN(silu_forward)(int64_t n, const void *xv, void *yv, void *sv_)
     }
 }
 
+/* SwiGLU's product: s = sigmoid(a), h = silu(a) b = a s b. */
+static void PA_FN(swiglu_forward)(int64_t n, const void *av, const void *bv, void *hv, void *sv_)
+{
+    const real *a = av, *b = bv;
+    real *h = hv, *s = sv_;
+    PA_FN(silu_forward)(n, a, NULL, s);
+    int threads = PA_FN(pw_threads)(n, 2);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < n; k += PW_BLOCK) {
+        int64_t e = n - k < PW_BLOCK ? n : k + PW_BLOCK;
+        for (int64_t i = k; i < e; i++) h[i] = a[i] * s[i] * b[i];
+    }
+}
+
+/* Its backward: da = dh b silu'(a) = dh b s (1 + a (1 - s)), db = dh silu(a) = dh a s. */
+static void PA_FN(swiglu_backward)(int64_t n, const void *dhv, const void *av, const void *bv,
+                                   const void *sv, void *dav, void *dbv)
+{
+    const real *dh = dhv, *a = av, *b = bv, *s = sv;
+    real *da = dav, *db = dbv;
+    int threads = PA_FN(pw_threads)(n, 6);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < n; k += PW_BLOCK) {
+        int64_t e = n - k < PW_BLOCK ? n : k + PW_BLOCK;
+        for (int64_t i = k; i < e; i++) {
+            real as = a[i] * s[i];
+            da[i] = dh[i] * b[i] * (s[i] + as * (1 - s[i]));
+            db[i] = dh[i] * as;
+        }
+    }
+}
+
 /* dx = dy silu'(x) = dy (s + y (1 - s)), from y = silu(x) and s = sigmoid(x). */
 static void PA_FN(silu_backward)(int64_t n, const void *dyv, const void *yv, const void *sv,
                                  void *dxv)

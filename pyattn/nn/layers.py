@@ -278,17 +278,17 @@ class SwiGLU(Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         a, b = linear(x, self.w_gate), linear(x, self.w_up)
-        s = sigmoid(a)
-        sa = np.multiply(a, s, out=a)  # silu(a), in a's own (fresh) buffer
-        h = sa * b
-        self.x, self.b, self.s, self.sa, self.h = x, b, s, sa, h
+        h, s = np.empty_like(a), np.empty_like(a)
+        _core.swiglu(a, b, h, s)
+        self.x, self.a, self.b, self.s, self.h = x, a, b, s, h
         return linear(h, self.w_down)
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         dh = linear_backward(dy, self.h, self.w_down, self.g["w_down"])
-        da = silu_backward(dh * self.b, self.sa, self.s)
+        da, db = np.empty_like(dh), np.empty_like(dh)
+        _core.swiglu_backward(dh, self.a, self.b, self.s, da, db)
         dx = linear_backward(da, self.x, self.w_gate, self.g["w_gate"])
-        dx += linear_backward(dh * self.sa, self.x, self.w_up, self.g["w_up"])
+        dx += linear_backward(db, self.x, self.w_up, self.g["w_up"])
         return dx
 
 
