@@ -180,7 +180,42 @@ def efficient_backward(q: _Float, k: _Float, v: _Float, do: _Float, dq: _Float, 
 def gemm(a: _Float, b: _Float, c: _Float, trans_a: bool, trans_b: bool,
          alpha: float, beta: float, /) -> None:
     """c = alpha op(a) op(b) + beta c with the packed GEMM of the kernels (beta == 0: c is
-    not read)."""
+    not read), on pyattn's threads (the same bits at any thread count)."""
+
+def silu(x: _Float, y: Optional[_Float], s: _Float, /) -> None:
+    """s = sigmoid(x) and, unless y is None, y = x s (pyattn.nn's SiLU); any shape."""
+
+def silu_backward(dy: _Float, y: _Float, s: _Float, dx: _Float, /) -> None:
+    """dx = dy (s + y (1 - s)) from y = silu(x), s = sigmoid(x); any shape."""
+
+def swiglu(a: _Float, b: _Float, h: _Float, s: _Float, /) -> None:
+    """s = sigmoid(a), h = silu(a) b (SwiGLU's product); any shape."""
+
+def swiglu_backward(dh: _Float, a: _Float, b: _Float, s: _Float, da: _Float, db: _Float, /) -> None:
+    """da = dh b silu'(a), db = dh silu(a); any shape."""
+
+def rms_norm(x: _Float, eps: float, xhat: _Float, rstd: _Float, /) -> None:
+    """Rows of x [rows, d]: rstd [rows] = 1 / sqrt(mean(x^2) + eps), xhat = x rstd."""
+
+def rms_norm_backward(dxhat: _Float, xhat: _Float, rstd: _Float, dx: _Float, /) -> None:
+    """dx = (dxhat - xhat mean(dxhat xhat)) rstd, row by row ([rows, d])."""
+
+def rotary(x: _Float, cos: _Float, sin: _Float, sign: int, y: _Float, /) -> None:
+    """Rotary embedding (half-split pairs) of x [rows, H, D] into y by the tables cos, sin
+    [n, D] of pyattn.rope (row r uses table row r % n; rows a multiple of n); sign -1 rotates
+    by the opposite angles (the backward)."""
+
+def short_conv(x: _Float, state: Optional[_Float], w: _Float, bias: Optional[_Float],
+               y: _Float, s: _Float, /) -> None:
+    """Causal depthwise convolution of x [B, T, C] with w [K, C] (taps as rows), after state
+    [B, K-1, C] (None: zeros), plus bias [C] (None: none), then SiLU: y = silu(u), s =
+    sigmoid(u)."""
+
+def short_conv_backward(x: _Float, state: Optional[_Float], w: _Float, bias: Optional[_Float],
+                        dy: _Float, y: _Float, s: _Float, dx: _Float, dw: _Float,
+                        dbias: Optional[_Float], /) -> None:
+    """The backward of short_conv: dx, dw [K, C] and dbias [C] (None: not wanted) overwritten;
+    the state's gradient is not formed."""
 
 def exp(x: _Float, out: _Float, /) -> None:
     """out = exp(x) with the kernels' vectorised exp (1-D arrays)."""
