@@ -55,7 +55,21 @@ def _every_family():
         # the decode kernel: one query per sequence over its keys, split across threads
         "attention_with_kvcache": pyattn.attention_with_kvcache(_Q[:, :1], _K.copy(), _V.copy(),
                                                                 np.array([255, 200]), num_splits=4),
+        # pyattn.nn's threaded GEMM and pointwise kernels: a model's forward and backward
+        "HybridLM dembedding": _model_step(),
     }
+
+
+def _model_step():
+    """The embedding's gradient after one forward and backward of a small hybrid (its GEMMs,
+    SiLU, SwiGLU, RMSNorm, rotary and short-convolution kernels all threaded)."""
+    from pyattn.nn import HybridLM, cross_entropy
+    model = HybridLM(64, 64, 2, ["gated_deltanet", "softmax"], n_heads=2, dtype="float64", seed=0)
+    tokens = np.arange(2 * 256).reshape(2, 256) % 64
+    _, dlogits = cross_entropy(model.forward(tokens), np.roll(tokens, -1, axis=1))
+    model.zero_grad()
+    model.backward(dlogits)
+    return model.grads["embed.w"].copy()
 
 
 def _parent_results():
