@@ -321,6 +321,23 @@ def test_gemm_same_bits_at_any_thread_count(dtype, rng):
         pyattn.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_gemm_row_bits_do_not_depend_on_the_row_count(dtype, rng):
+    """Fewer rows than a micro-panel (decoding) take their own path; a row of C must still
+    get the bits it gets among many rows (one decoded token equals the forward's row), for
+    B stored either way, alpha and beta, one and several KC blocks."""
+    for K, N in [(5, 3), (16, 23), (300, 40), (700, 70)]:
+        x = rng.standard_normal((40, K)).astype(dtype)
+        w = rng.standard_normal((N, K)).astype(dtype)
+        c0 = rng.standard_normal((40, N)).astype(dtype)
+        for b, tb in ((w, True), (np.ascontiguousarray(w.T), False)):
+            for alpha, beta in ((1.0, 0.0), (-0.5, 2.0)):
+                full = _check_gemm(x, b, c0, False, tb, alpha, beta, dtype)
+                for m in (1, 2, 5):
+                    few = _check_gemm(x[:m].copy(), b, c0[:m].copy(), False, tb, alpha, beta, dtype)
+                    np.testing.assert_array_equal(few, full[:m])
+
+
 POINTWISE_SIZES = [0, 1, 15, 17, 3 * 8192 + 5]
 
 

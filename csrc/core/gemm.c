@@ -265,6 +265,48 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
     }
 }
 
+/* gemm for fewer rows of C than a micro-panel (decoding's matrix-vector products): the
+ * micro-kernel's arithmetic for one row at a time, over one packed panel of B on the stack
+ * and A read in place. Packing all of B to multiply it by M < MR rows in the micro-kernel
+ * would waste MR / M of its FMAs and need a buffer the size of B. Each C entry is computed
+ * as the micro-kernel computes it (per KC block a running vector FMA sum over p from zero,
+ * then alpha times it plus beta C, or plus C after the first block), so a row of C has the
+ * same bits as when the packed path computes it among many rows: one decoded token gets the
+ * bits of the whole sequence's forward. Threads split the NR-column panels. */
+static void PA_FN(gemm_few_rows)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
+                                 int64_t rsa, int64_t csa, const real *B, int64_t rsb,
+                                 int64_t csb, real beta, real *C, int64_t ldc)
+{
+    int64_t panels = (N + NR - 1) / NR;
+    int threads = pa_threads_for((double)M * N * K, panels);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t jp = 0; jp < panels; jp++) {
+        int64_t j0 = jp * NR, nr = N - j0 < NR ? N - j0 : NR;
+        real bp[KC * NR], row[NR];
+        for (int64_t pc = 0; pc < K; pc += KC) {
+            int64_t kc = K - pc < KC ? K - pc : KC;
+            real bb = pc == 0 ? beta : 1;
+            PA_FN(pack_b)(kc, nr, B + pc * rsb + j0 * csb, rsb, csb, bp);
+            for (int64_t i = 0; i < M; i++) {
+                const real *a = A + i * rsa + pc * csa;
+                vreal acc[NV];
+                for (int v = 0; v < NV; v++) acc[v] = PA_FN(vset)(0);
+                for (int64_t p = 0; p < kc; p++) {
+                    vreal ai = PA_FN(vset)(a[p * csa]);
+#pragma GCC unroll 4
+                    for (int v = 0; v < NV; v++) acc[v] += ai * PA_FN(vload)(bp + p * NR + v * VL);
+                }
+                for (int v = 0; v < NV; v++) PA_FN(vstore)(row + v * VL, acc[v]);
+                real *c = C + i * ldc + j0;
+                for (int64_t j = 0; j < nr; j++) {
+                    real r = alpha * row[j];
+                    c[j] = bb != 0 ? r + bb * c[j] : r;
+                }
+            }
+        }
+    }
+}
+
 /* gemm on the threads pa_threads_for grants (the binding's entry; the attention kernels call
  * gemm inside their own parallel regions). Per (jc, pc) block the team packs B's panels into
  * one shared buffer; each thread owns a contiguous share of A's MR-row panels (the shares
@@ -276,6 +318,10 @@ static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, con
                                 int64_t csb, real beta, real *C, int64_t ldc)
 {
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return PA_OK;
+    if (M < MR) {
+        PA_FN(gemm_few_rows)(M, N, K, alpha, A, rsa, csa, B, rsb, csb, beta, C, ldc);
+        return PA_OK;
+    }
     int64_t panels = (M + MR - 1) / MR;
     int threads = pa_threads_for((double)M * N * K, panels);
     int64_t mcmax = M < MC ? panels * MR : MC;
