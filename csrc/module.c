@@ -1467,7 +1467,7 @@ static PyObject *py_rotary(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 /* The arrays of a ShortConv call: x [B, T, C], state None or [B, K-1, C], w [K, C], bias None
- * or [C]; NULL with the error set when one is wrong. */
+ * or [C] (None: NULL); -1 with the error set when one is wrong. */
 static int conv_inputs(const char *fn, PyObject *const *args, int t, PyArrayObject **x,
                        PyArrayObject **state, PyArrayObject **w, PyArrayObject **bias)
 {

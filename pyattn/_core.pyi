@@ -182,6 +182,9 @@ def gemm(a: _Float, b: _Float, c: _Float, trans_a: bool, trans_b: bool,
     """c = alpha op(a) op(b) + beta c with the packed GEMM of the kernels (beta == 0: c is
     not read), on pyattn's threads (the same bits at any thread count)."""
 
+# pyattn.nn's pointwise kernels: one float dtype per call, C-contiguous arrays, outputs
+# written in place and not overlapping the inputs.
+
 def silu(x: _Float, y: Optional[_Float], s: _Float, /) -> None:
     """s = sigmoid(x) and, unless y is None, y = x s (pyattn.nn's SiLU); any shape."""
 

@@ -49,6 +49,8 @@ def rotate(x, cos, sin, sign):
     their opposites (sign -1: the transpose, which is the backward), in one threaded C pass."""
     B, T, H, D = x.shape
     y = np.empty(x.shape, x.dtype)
+    if y.size == 0:
+        return y
     _core.rotary(np.ascontiguousarray(x).reshape(B * T, H, D), cos.reshape(-1, D), sin.reshape(-1, D),
                  sign, y.reshape(B * T, H, D))
     return y

@@ -325,13 +325,15 @@ def test_gemm_same_bits_at_any_thread_count(dtype, rng):
 def test_gemm_row_bits_do_not_depend_on_the_row_count(dtype, rng):
     """Fewer rows than a micro-panel (decoding) take their own path; a row of C must still
     get the bits it gets among many rows (one decoded token equals the forward's row), for
-    B stored either way, alpha and beta, one and several KC blocks."""
+    B stored either way, one and several KC blocks, ragged and whole tiles, and alpha, beta
+    that scale exactly (pyattn.nn's matmuls: alpha 1, beta 0 or 1). Other scalings may round
+    by an ulp differently in the micro-kernel's vector and scalar epilogues."""
     for K, N in [(5, 3), (16, 23), (300, 40), (700, 70)]:
         x = rng.standard_normal((40, K)).astype(dtype)
         w = rng.standard_normal((N, K)).astype(dtype)
         c0 = rng.standard_normal((40, N)).astype(dtype)
         for b, tb in ((w, True), (np.ascontiguousarray(w.T), False)):
-            for alpha, beta in ((1.0, 0.0), (-0.5, 2.0)):
+            for alpha, beta in ((1.0, 0.0), (1.0, 1.0), (-0.5, 2.0)):
                 full = _check_gemm(x, b, c0, False, tb, alpha, beta, dtype)
                 for m in (1, 2, 5):
                     few = _check_gemm(x[:m].copy(), b, c0[:m].copy(), False, tb, alpha, beta, dtype)
@@ -463,7 +465,7 @@ def test_pointwise_kernels_match_numpy(dtype, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 def test_pointwise_kernels_propagate_nan_and_keep_bits_across_threads(dtype, rng):
-    n = 5 * 8192 + 3
+    n = 2_000_003  # large enough that every kernel below gets more than one thread
     x = rng.standard_normal(n).astype(dtype)
     x[[0, 9000, n - 1]] = [np.nan, np.inf, -np.inf]
     saved = pyattn.get_num_threads()
@@ -475,16 +477,24 @@ def test_pointwise_kernels_propagate_nan_and_keep_bits_across_threads(dtype, rng
             _core.silu(x, y, s)
             dx = np.empty_like(x)
             _core.silu_backward(x, y, s, dx)
-            xr = x.reshape(-1, 1)
+            xr = x[:300_003 * 3].reshape(-1, 3)
             xhat, rstd = np.empty_like(xr), np.empty(xr.shape[0], dtype)
             _core.rms_norm(xr, 1e-6, xhat, rstd)
-            xc = x[:5 * 8192].reshape(4, 1024, 10)
+            xc = x[:2 * 3900 * 256].reshape(2, 3900, 256)
             yc, sc = np.empty_like(xc), np.empty_like(xc)
-            wc = np.linspace(-1, 1, 40).astype(dtype).reshape(4, 10)
+            wc = np.linspace(-1, 1, 4 * 256).astype(dtype).reshape(4, 256)
             _core.short_conv(xc, None, wc, None, yc, sc)
             dxc, dwc = np.empty_like(xc), np.empty_like(wc)
             _core.short_conv_backward(xc, None, wc, None, xc, yc, sc, dxc, dwc, None)
-            results.append((y, s, dx, xhat, rstd, yc, dxc, dwc))
+            h, s2 = np.empty_like(x), np.empty_like(x)
+            _core.swiglu(x, x[::-1].copy(), h, s2)
+            da, db = np.empty_like(x), np.empty_like(x)
+            _core.swiglu_backward(x, x, x[::-1].copy(), s2, da, db)
+            xr3 = x[:300_000 * 4].reshape(300_000, 1, 4)
+            tab = np.linspace(-1, 1, 8).astype(dtype).reshape(2, 4)
+            rot = np.empty_like(xr3)
+            _core.rotary(xr3, tab, tab[::-1].copy(), 1, rot)
+            results.append((y, s, dx, xhat, rstd, yc, dxc, dwc, h, da, db, rot))
         for r in results[1:]:
             for a, b in zip(r, results[0]):
                 np.testing.assert_array_equal(a, b)
@@ -493,6 +503,22 @@ def test_pointwise_kernels_propagate_nan_and_keep_bits_across_threads(dtype, rng
         assert s[9000] == 1 and y[9000] == np.inf and s[n - 1] == 0
     finally:
         pyattn.set_num_threads(saved)
+
+
+def test_pointwise_kernels_take_zero_widths():
+    """Rows of no elements (and no rows) are no work, not a division by zero."""
+    f = np.float32
+    x = np.zeros((3, 0), f)
+    _core.rms_norm(x, 1e-5, np.zeros_like(x), np.zeros(3, f))
+    _core.rms_norm_backward(x, x, np.ones(3, f), np.zeros_like(x))
+    x3 = np.zeros((4, 0, 6), f)
+    _core.rotary(x3, np.zeros((2, 6), f), np.zeros((2, 6), f), 1, np.zeros_like(x3))
+    xc = np.zeros((2, 3, 0), f)
+    w = np.zeros((4, 0), f)
+    _core.short_conv(xc, None, w, None, np.zeros_like(xc), np.zeros_like(xc))
+    _core.short_conv_backward(xc, None, w, None, xc, xc, xc, np.zeros_like(xc), np.zeros_like(w), None)
+    for shape in [(1, 2, 0, 4), (1, 2, 3, 0), (0, 2, 3, 4)]:
+        assert pyattn.rope(np.zeros(shape, f), np.arange(shape[1])).shape == shape
 
 
 def test_pointwise_kernels_reject_bad_shapes():

@@ -90,6 +90,17 @@ def test_embedding_gradient(rng):
     assert unused.any() and np.all(emb.grads["w"][unused] == 0)
 
 
+def test_embedding_gradient_sums_repeats_negative_ids_and_takes_no_tokens(rng):
+    emb = Embedding(10, 4, dtype=F64, rng=rng)
+    emb.forward(np.array([[-1, 9, 3], [3, 3, 0]]))
+    emb.zero_grad()
+    emb.backward(np.ones((2, 3, 4)))
+    np.testing.assert_array_equal(emb.g["w"][:, 0], [1, 0, 0, 3, 0, 0, 0, 0, 0, 2])
+    emb.forward(np.zeros((0, 3), int))
+    emb.backward(np.zeros((0, 3, 4)))
+    np.testing.assert_array_equal(emb.g["w"][:, 0], [1, 0, 0, 3, 0, 0, 0, 0, 0, 2])
+
+
 def test_linear_gradient(rng):
     lin = Linear(6, 9, dtype=F64, rng=rng)
     x = rng.standard_normal((2, 5, 6))

@@ -270,9 +270,11 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
  * and A read in place. Packing all of B to multiply it by M < MR rows in the micro-kernel
  * would waste MR / M of its FMAs and need a buffer the size of B. Each C entry is computed
  * as the micro-kernel computes it (per KC block a running vector FMA sum over p from zero,
- * then alpha times it plus beta C, or plus C after the first block), so a row of C has the
- * same bits as when the packed path computes it among many rows: one decoded token gets the
- * bits of the whole sequence's forward. Threads split the NR-column panels. */
+ * then alpha times it plus beta C, or plus C after the first block). Where alpha and beta
+ * scale exactly (alpha = 1 and beta 0 or 1, as in every matmul of pyattn.nn), a row of C then
+ * has the same bits as when the packed path computes it among many rows, whichever of the
+ * micro-kernel's epilogues (vector, or scalar for ragged tiles) it goes through: one decoded
+ * token gets the bits of the whole sequence's forward. Threads split the NR-column panels. */
 static void PA_FN(gemm_few_rows)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                                  int64_t rsa, int64_t csa, const real *B, int64_t rsb,
                                  int64_t csb, real beta, real *C, int64_t ldc)

@@ -1,10 +1,11 @@
-/* The pointwise and row-wise steps of pyattn.nn's layers: SiLU (and the sigmoid), RMSNorm's
- * normalisation and rotary embedding, forward and backward. Template body (see dtype.h).
+/* The pointwise and row-wise steps of pyattn.nn's layers: SiLU (and the sigmoid), SwiGLU's
+ * product, RMSNorm's normalisation, rotary embedding and the short causal convolution,
+ * forward and backward. Template body (see dtype.h).
  *
  * In NumPy each of these is several passes over memory with a temporary per operation, on one
  * core, while the GEMMs and attention kernels around them run on every thread; here each is
- * one pass, vectorised, over blocks of elements or rows shared by the threads. Every element
- * is computed the same way at any thread count.
+ * one or two vectorised passes over blocks of elements or rows shared by the threads. Every
+ * element is computed the same way at any thread count. Outputs must not overlap inputs.
  */
 
 /* Elements (or row elements) a task: large enough to amortise scheduling, small enough that
@@ -14,6 +15,12 @@
 static int PA_FN(pw_threads)(int64_t n, int64_t per_element)
 {
     return pa_threads_for((double)n * per_element, (n + PW_BLOCK - 1) / PW_BLOCK);
+}
+
+/* Rows of `width` elements a task (at least one; a zero width counts as one element). */
+static int64_t PA_FN(pw_rows_per_task)(int64_t width)
+{
+    return width > 0 && width < PW_BLOCK ? PW_BLOCK / width : 1;
 }
 
 /* s = sigmoid(x) = 1 / (1 + exp(-x)) and, when y is not NULL, y = silu(x) = x s. */
@@ -93,7 +100,7 @@ static void PA_FN(rms_norm_forward)(int64_t rows, int64_t d, double eps, const v
 {
     const real *x = xv;
     real *xhat = xhatv, *rstd = rstdv;
-    int64_t per = d < PW_BLOCK ? PW_BLOCK / d : 1;
+    int64_t per = PA_FN(pw_rows_per_task)(d);
     int threads = pa_threads_for((double)rows * d * 4, (rows + per - 1) / per);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < rows; b += per)
@@ -111,7 +118,7 @@ static void PA_FN(rms_norm_backward)(int64_t rows, int64_t d, const void *dxhatv
 {
     const real *dxhat = dxhatv, *xhat = xhatv, *rstd = rstdv;
     real *dx = dxv;
-    int64_t per = d < PW_BLOCK ? PW_BLOCK / d : 1;
+    int64_t per = PA_FN(pw_rows_per_task)(d);
     int threads = pa_threads_for((double)rows * d * 4, (rows + per - 1) / per);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < rows; b += per)
@@ -132,7 +139,7 @@ static void PA_FN(rotary)(int64_t rows, int64_t H, int64_t D, int64_t table_rows
     const real *cos = cosv, *sin = sinv, *x = xv;
     real *y = yv;
     int64_t half = D / 2, row = H * D;
-    int64_t per = row < PW_BLOCK ? PW_BLOCK / row : 1;
+    int64_t per = PA_FN(pw_rows_per_task)(row);
     int threads = pa_threads_for((double)rows * row * 2, (rows + per - 1) / per);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < rows; b += per)
@@ -167,7 +174,7 @@ static void PA_FN(short_conv_forward)(int64_t B, int64_t T, int64_t C, int64_t K
 {
     const real *x = xv, *state = statev, *w = wv, *bias = biasv;
     real *y = yv, *s = sv_;
-    int64_t rows = B * T, per = C < PW_BLOCK ? PW_BLOCK / C : 1;
+    int64_t rows = B * T, per = PA_FN(pw_rows_per_task)(C);
     int threads = pa_threads_for((double)rows * C * K, (rows + per - 1) / per);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += per)
@@ -197,7 +204,9 @@ static int PA_FN(short_conv_backward)(int64_t B, int64_t T, int64_t C, int64_t K
 {
     const real *x = xv, *state = statev, *w = wv, *dy = dyv, *y = yv, *s = sv;
     real *dx = dxv, *dw = dwv, *dbias = dbiasv;
-    int64_t rows = B * T, per = C < PW_BLOCK ? PW_BLOCK / C : 1;
+    /* at most 256 blocks, so the partial sums stay a small multiple of dw's size */
+    int64_t rows = B * T, per = PA_FN(pw_rows_per_task)(C);
+    if ((rows + per - 1) / per > 256) per = (rows + 255) / 256;
     int64_t blocks = (rows + per - 1) / per;
     int threads = pa_threads_for((double)rows * C * 2 * K, blocks);
     real *part, *dus;

@@ -108,7 +108,8 @@ def _rows(a: np.ndarray, width: Optional[int] = None) -> np.ndarray:
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T`` for x ``[..., in]``, w ``[out, in]``, as one 2-D GEMM."""
+    """``x @ w.T`` for x ``[..., in]``, w ``[out, in]`` (C-contiguous, x's float dtype), as one
+    2-D GEMM."""
     x2 = _rows(x)
     y = np.empty((x2.shape[0], w.shape[0]), x.dtype)
     _core.gemm(x2, w, y, False, True, 1.0, 0.0)
@@ -199,12 +200,14 @@ class Embedding(Module):
         # rows grouped by token (a stable sort keeps each token's rows in order), each group
         # summed once: np.add.at's row-by-row scatter is several times slower
         ids = self.tokens.ravel()
+        if ids.size == 0:
+            return
+        ids = np.where(ids < 0, ids + self.w.shape[0], ids)  # -1 is the last row, as in forward
         order = np.argsort(ids, kind="stable")
         ids = ids[order]
         starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
-        if starts.size:
-            rows = dy.reshape(-1, dy.shape[-1])[order]
-            self.g["w"][ids[starts]] += np.add.reduceat(rows, starts, axis=0)
+        rows = dy.reshape(-1, dy.shape[-1])[order]
+        self.g["w"][ids[starts]] += np.add.reduceat(rows, starts, axis=0)
 
 
 class Linear(Module):
