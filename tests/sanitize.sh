@@ -45,7 +45,10 @@ if [[ -z "$compiles" ]] || grep -v -q -- '-fno-wrapv' <<<"$compiles"; then
     echo "sanitize: the sanitized build does not compile with -fno-wrapv" >&2
     exit 2
 fi
-if ! (nm -D "$so" | grep -q __asan_report) || ! (nm -D "$so" | grep -q __ubsan_handle); then
+# nm's whole output first: under pipefail, `nm | grep -q` fails whenever grep stops reading at
+# its first match before nm has written everything (nm then dies of SIGPIPE)
+syms="$(nm -D "$so")"
+if ! grep -q __asan_report <<<"$syms" || ! grep -q __ubsan_handle <<<"$syms"; then
     echo "sanitize: $so is not instrumented with ASan and UBSan" >&2
     exit 2
 fi
