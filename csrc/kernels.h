@@ -224,14 +224,13 @@ typedef struct {
     int (*efficient_backward)(const pa_efficient_desc *d, const void *q, const void *k,
                               const void *v, const void *dout, void *dq, void *dk, void *dv);
     /* pyattn.nn's pointwise steps (ops/pointwise.c), over n elements or rows of d. silu: s =
-     * sigmoid(x) and y = x s (y may be NULL); its backward dx = dy (s + y (1 - s)). RMSNorm:
-     * xhat = x rstd, rstd = 1 / sqrt(mean(x^2) + eps); its backward dx from dxhat. rotary: x
-     * [rows, H, D] by the tables cos, sin [table_rows, D] (row r uses r % table_rows), sign -1
-     * the opposite angles */
-    void (*silu_forward)(int64_t n, const void *x, void *y, void *s);
+     * sigmoid(x) and y = x s, times mul (SwiGLU's product; y, mul may be NULL); its backward
+     * dx = dy (s + y (1 - s)); SwiGLU's backward da, db from dh. RMSNorm: xhat = x rstd,
+     * rstd = 1 / sqrt(mean(x^2) + eps); its backward dx from dxhat. rotary: x [rows, H, D] by
+     * the tables cos, sin [table_rows, D] (row r uses r % table_rows), sign -1 the opposite
+     * angles */
+    void (*silu_forward)(int64_t n, const void *x, const void *mul, void *y, void *s);
     void (*silu_backward)(int64_t n, const void *dy, const void *y, const void *s, void *dx);
-    /* SwiGLU's product h = silu(a) b, s = sigmoid(a); its backward da, db from dh */
-    void (*swiglu_forward)(int64_t n, const void *a, const void *b, void *h, void *s);
     void (*swiglu_backward)(int64_t n, const void *dh, const void *a, const void *b,
                             const void *s, void *da, void *db);
     void (*rms_norm_forward)(int64_t rows, int64_t d, double eps, const void *x, void *xhat,

@@ -1306,23 +1306,26 @@ static PyObject *py_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* The pointwise steps of pyattn.nn (ops/pointwise.c). Each array after the first must have
  * the first's dtype and the shape given; outputs are written in place. */
 
-/* silu(x, y, s): s = sigmoid(x), y = x s (y None: the sigmoid only); any shape */
+/* silu(x, mul, y, s): s = sigmoid(x), y = x s, times mul (SwiGLU's product); mul None: no
+ * factor; y None: the sigmoid only; any shape */
 static PyObject *py_silu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "silu";
     int t;
-    if (expect_nargs(fn, nargs, 3) || float_type(fn, "x", args[0], &t)) return NULL;
+    if (expect_nargs(fn, nargs, 4) || float_type(fn, "x", args[0], &t)) return NULL;
     PyArrayObject *x = (PyArrayObject *)args[0];
     int nd = PyArray_NDIM(x);
     npy_intp *shape = PyArray_DIMS(x);
-    PyArrayObject *y = NULL, *s;
+    PyArrayObject *mul = NULL, *y = NULL, *s;
     if (!get_array(fn, "x", args[0], t, nd, shape, 0) ||
-        (args[1] != Py_None && !(y = get_array(fn, "y", args[1], t, nd, shape, 1))) ||
-        !(s = get_array(fn, "s", args[2], t, nd, shape, 1)))
+        (args[1] != Py_None && !(mul = get_array(fn, "mul", args[1], t, nd, shape, 0))) ||
+        (args[2] != Py_None && !(y = get_array(fn, "y", args[2], t, nd, shape, 1))) ||
+        !(s = get_array(fn, "s", args[3], t, nd, shape, 1)))
         return NULL;
     const pa_kernels *K = kernels_for(t);
     Py_BEGIN_ALLOW_THREADS
-    K->silu_forward(PyArray_SIZE(x), PyArray_DATA(x), y ? PyArray_DATA(y) : NULL, PyArray_DATA(s));
+    K->silu_forward(PyArray_SIZE(x), PyArray_DATA(x), data_or_null(mul),
+                    y ? PyArray_DATA(y) : NULL, PyArray_DATA(s));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1354,22 +1357,6 @@ static PyObject *py_silu_backward(PyObject *self, PyObject *const *args, Py_ssiz
     Py_BEGIN_ALLOW_THREADS
     K->silu_backward(n, PyArray_DATA(a[0]), PyArray_DATA(a[1]), PyArray_DATA(a[2]),
                      PyArray_DATA(a[3]));
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-/* swiglu(a, b, h, s): s = sigmoid(a), h = silu(a) b; any shape */
-static PyObject *py_swiglu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    static const char *const names[4] = {"a", "b", "h", "s"};
-    PyArrayObject *a[4];
-    npy_intp n;
-    if (expect_nargs("swiglu", nargs, 4) || (n = same_shape_arrays("swiglu", args, names, 4, 2, a)) < 0)
-        return NULL;
-    const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
-    Py_BEGIN_ALLOW_THREADS
-    K->swiglu_forward(n, PyArray_DATA(a[0]), PyArray_DATA(a[1]), PyArray_DATA(a[2]),
-                      PyArray_DATA(a[3]));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1677,11 +1664,9 @@ static PyMethodDef core_methods[] = {
     {"exp", (PyCFunction)(void (*)(void))py_exp, METH_FASTCALL,
      "exp(x, out): the vectorised exp of the kernels"},
     {"silu", (PyCFunction)(void (*)(void))py_silu, METH_FASTCALL,
-     "silu(x, y, s): s = sigmoid(x), y = x s (y None: the sigmoid only)"},
+     "silu(x, mul, y, s): s = sigmoid(x), y = x s times mul (None: no factor; y None: s only)"},
     {"silu_backward", (PyCFunction)(void (*)(void))py_silu_backward, METH_FASTCALL,
      "silu_backward(dy, y, s, dx): dx = dy (s + y (1 - s))"},
-    {"swiglu", (PyCFunction)(void (*)(void))py_swiglu, METH_FASTCALL,
-     "swiglu(a, b, h, s): s = sigmoid(a), h = silu(a) b"},
     {"swiglu_backward", (PyCFunction)(void (*)(void))py_swiglu_backward, METH_FASTCALL,
      "swiglu_backward(dh, a, b, s, da, db): da = dh b silu'(a), db = dh silu(a)"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,

@@ -185,14 +185,12 @@ def gemm(a: _Float, b: _Float, c: _Float, trans_a: bool, trans_b: bool,
 # pyattn.nn's pointwise kernels: one float dtype per call, C-contiguous arrays, outputs
 # written in place and not overlapping the inputs.
 
-def silu(x: _Float, y: Optional[_Float], s: _Float, /) -> None:
-    """s = sigmoid(x) and, unless y is None, y = x s (pyattn.nn's SiLU); any shape."""
+def silu(x: _Float, mul: Optional[_Float], y: Optional[_Float], s: _Float, /) -> None:
+    """s = sigmoid(x) and, unless y is None, y = x s (pyattn.nn's SiLU), times mul unless mul
+    is None (SwiGLU's product silu(a) b); any shape."""
 
 def silu_backward(dy: _Float, y: _Float, s: _Float, dx: _Float, /) -> None:
     """dx = dy (s + y (1 - s)) from y = silu(x), s = sigmoid(x); any shape."""
-
-def swiglu(a: _Float, b: _Float, h: _Float, s: _Float, /) -> None:
-    """s = sigmoid(a), h = silu(a) b (SwiGLU's product); any shape."""
 
 def swiglu_backward(dh: _Float, a: _Float, b: _Float, s: _Float, da: _Float, db: _Float, /) -> None:
     """da = dh b silu'(a), db = dh silu(a); any shape."""

@@ -351,14 +351,14 @@ def check_pointwise(dtype, rng):
         x = (4 * rng.standard_normal(n)).astype(dtype)
         x[:min(n, 4)] = np.array([-200.0, 200.0, -0.0, 30.0])[:min(n, 4)]
         y, s = np.empty_like(x), np.empty_like(x)
-        _core.silu(x, y, s)
+        _core.silu(x, None, y, s)
         x64 = x.astype(np.float64)
         with np.errstate(over="ignore"):
             s_ref = 1 / (1 + np.exp(-x64))
         assert np.all(np.abs(s - s_ref) <= 4 * eps * s_ref + np.finfo(dtype).tiny)
         assert np.all(np.abs(y - x64 * s_ref) <= 4 * eps * np.abs(x64 * s_ref) + np.finfo(dtype).tiny)
         s_only = np.empty_like(x)
-        _core.silu(x, None, s_only)
+        _core.silu(x, None, None, s_only)
         np.testing.assert_array_equal(s_only, s)
         dy = rng.standard_normal(n).astype(dtype)
         dx = np.empty_like(x)
@@ -369,7 +369,7 @@ def check_pointwise(dtype, rng):
         assert np.all(np.abs(dx - dx_ref) <= 4 * eps * mag)
         b = rng.standard_normal(n).astype(dtype)
         h, s2 = np.empty_like(x), np.empty_like(x)
-        _core.swiglu(x, b, h, s2)
+        _core.silu(x, b, h, s2)
         np.testing.assert_array_equal(s2, s)
         h_ref = x64 * s_ref * b
         assert np.all(np.abs(h - h_ref) <= 6 * eps * np.abs(h_ref) + np.finfo(dtype).tiny)
@@ -474,7 +474,7 @@ def test_pointwise_kernels_propagate_nan_and_keep_bits_across_threads(dtype, rng
         for t in (1, 2, 3):
             pyattn.set_num_threads(t)
             y, s = np.empty_like(x), np.empty_like(x)
-            _core.silu(x, y, s)
+            _core.silu(x, None, y, s)
             dx = np.empty_like(x)
             _core.silu_backward(x, y, s, dx)
             xr = x[:300_003 * 3].reshape(-1, 3)
@@ -487,7 +487,7 @@ def test_pointwise_kernels_propagate_nan_and_keep_bits_across_threads(dtype, rng
             dxc, dwc = np.empty_like(xc), np.empty_like(wc)
             _core.short_conv_backward(xc, None, wc, None, xc, yc, sc, dxc, dwc, None)
             h, s2 = np.empty_like(x), np.empty_like(x)
-            _core.swiglu(x, x[::-1].copy(), h, s2)
+            _core.silu(x, x[::-1].copy(), h, s2)
             da, db = np.empty_like(x), np.empty_like(x)
             _core.swiglu_backward(x, x, x[::-1].copy(), s2, da, db)
             xr3 = x[:300_000 * 4].reshape(300_000, 1, 4)
@@ -524,7 +524,7 @@ def test_pointwise_kernels_take_zero_widths():
 def test_pointwise_kernels_reject_bad_shapes():
     x = np.zeros((4, 6), np.float32)
     with pytest.raises(ValueError, match="'s'"):
-        _core.silu(x, np.zeros_like(x), np.zeros((4, 5), np.float32))
+        _core.silu(x, None, np.zeros_like(x), np.zeros((4, 5), np.float32))
     with pytest.raises(TypeError, match="dtype"):
         _core.silu_backward(x, x, x, np.zeros((4, 6)))
     with pytest.raises(ValueError, match="'db'"):

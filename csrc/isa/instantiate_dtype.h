@@ -44,7 +44,6 @@ const pa_kernels PA_FN(pa_kernels) = {
     .efficient_backward = PA_FN(efficient_backward),
     .silu_forward = PA_FN(silu_forward),
     .silu_backward = PA_FN(silu_backward),
-    .swiglu_forward = PA_FN(swiglu_forward),
     .swiglu_backward = PA_FN(swiglu_backward),
     .rms_norm_forward = PA_FN(rms_norm_forward),
     .rms_norm_backward = PA_FN(rms_norm_backward),

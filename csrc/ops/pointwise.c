@@ -4,7 +4,7 @@
  *
  * In NumPy each of these is several passes over memory with a temporary per operation, on one
  * core, while the GEMMs and attention kernels around them run on every thread; here each is
- * one or two vectorised passes over blocks of elements or rows shared by the threads. Every
+ * one vectorised pass over blocks of elements or rows shared by the threads. Every
  * element is computed the same way at any thread count. Outputs must not overlap inputs.
  */
 
@@ -23,46 +23,42 @@ static int64_t PA_FN(pw_rows_per_task)(int64_t width)
     return width > 0 && width < PW_BLOCK ? PW_BLOCK / width : 1;
 }
 
-/* s = sigmoid(x) = 1 / (1 + exp(-x)) and, when y is not NULL, y = silu(x) = x s. */
-static void PA_FN(silu_forward)(int64_t n, const void *xv, void *yv, void *sv_)
+/* silu'(x) = s + y (1 - s) from s = sigmoid(x) and y = silu(x) = x s */
+static inline real PA_FN(dsilu)(real s, real y) { return s + y * (1 - s); }
+
+/* One span of n elements: s = sigmoid(x) = 1 / (1 + exp(-x)) and, when y is not NULL,
+ * y = silu(x) = x s, times mul when that is not NULL (SwiGLU's product). y may be x. */
+static inline void PA_FN(silu_span)(int64_t n, const real *x, const real *mul, real *y, real *s)
 {
-    const real *x = xv;
-    real *y = yv, *s = sv_;
-    int threads = PA_FN(pw_threads)(n, 16);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < n; b += PW_BLOCK) {
-        int64_t e = n - b < PW_BLOCK ? n : b + PW_BLOCK;
-        const vreal one = PA_FN(vset)(1);
-        for (int64_t i = b; i < e; i += VL) {
-            int r = e - i < VL ? (int)(e - i) : VL;
-            vreal xv = r == VL ? PA_FN(vload)(x + i) : PA_FN(vload_part)(x + i, r, 0);
-            vreal sv = one / (one + PA_FN(vexp)(-xv));
-            if (r == VL) {
-                PA_FN(vstore)(s + i, sv);
-                if (y) PA_FN(vstore)(y + i, xv * sv);
-            } else {
-                PA_FN(vstore_part)(s + i, sv, r);
-                if (y) PA_FN(vstore_part)(y + i, xv * sv, r);
-            }
+    const vreal one = PA_FN(vset)(1);
+    for (int64_t i = 0; i < n; i += VL) {
+        int r = n - i < VL ? (int)(n - i) : VL;
+        vreal xv = r == VL ? PA_FN(vload)(x + i) : PA_FN(vload_part)(x + i, r, 0);
+        vreal sv = one / (one + PA_FN(vexp)(-xv)), yv = xv * sv;
+        if (mul) yv = yv * (r == VL ? PA_FN(vload)(mul + i) : PA_FN(vload_part)(mul + i, r, 0));
+        if (r == VL) {
+            PA_FN(vstore)(s + i, sv);
+            if (y) PA_FN(vstore)(y + i, yv);
+        } else {
+            PA_FN(vstore_part)(s + i, sv, r);
+            if (y) PA_FN(vstore_part)(y + i, yv, r);
         }
     }
 }
 
-/* SwiGLU's product: s = sigmoid(a), h = silu(a) b = a s b. */
-static void PA_FN(swiglu_forward)(int64_t n, const void *av, const void *bv, void *hv, void *sv_)
+/* silu_span over n elements, in blocks over the threads; mul and y may be NULL. */
+static void PA_FN(silu_forward)(int64_t n, const void *xv, const void *mulv, void *yv, void *sv_)
 {
-    const real *a = av, *b = bv;
-    real *h = hv, *s = sv_;
-    PA_FN(silu_forward)(n, a, NULL, s);
-    int threads = PA_FN(pw_threads)(n, 2);
+    const real *x = xv, *mul = mulv;
+    real *y = yv, *s = sv_;
+    int threads = PA_FN(pw_threads)(n, 16);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < n; k += PW_BLOCK) {
-        int64_t e = n - k < PW_BLOCK ? n : k + PW_BLOCK;
-        for (int64_t i = k; i < e; i++) h[i] = a[i] * s[i] * b[i];
-    }
+    for (int64_t b = 0; b < n; b += PW_BLOCK)
+        PA_FN(silu_span)(n - b < PW_BLOCK ? n - b : PW_BLOCK, x + b, mul ? mul + b : NULL,
+                         y ? y + b : NULL, s + b);
 }
 
-/* Its backward: da = dh b silu'(a) = dh b s (1 + a (1 - s)), db = dh silu(a) = dh a s. */
+/* SwiGLU's product h = silu(a) b backward: da = dh b silu'(a), db = dh silu(a) = dh a s. */
 static void PA_FN(swiglu_backward)(int64_t n, const void *dhv, const void *av, const void *bv,
                                    const void *sv, void *dav, void *dbv)
 {
@@ -74,7 +70,7 @@ static void PA_FN(swiglu_backward)(int64_t n, const void *dhv, const void *av, c
         int64_t e = n - k < PW_BLOCK ? n : k + PW_BLOCK;
         for (int64_t i = k; i < e; i++) {
             real as = a[i] * s[i];
-            da[i] = dh[i] * b[i] * (s[i] + as * (1 - s[i]));
+            da[i] = dh[i] * b[i] * PA_FN(dsilu)(s[i], as);
             db[i] = dh[i] * as;
         }
     }
@@ -90,7 +86,7 @@ static void PA_FN(silu_backward)(int64_t n, const void *dyv, const void *yv, con
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < n; b += PW_BLOCK) {
         int64_t e = n - b < PW_BLOCK ? n : b + PW_BLOCK;
-        for (int64_t i = b; i < e; i++) dx[i] = dy[i] * (s[i] + y[i] * (1 - s[i]));
+        for (int64_t i = b; i < e; i++) dx[i] = dy[i] * PA_FN(dsilu)(s[i], y[i]);
     }
 }
 
@@ -160,7 +156,8 @@ static void PA_FN(rotary)(int64_t rows, int64_t H, int64_t D, int64_t table_rows
  * u[b, t, c] = bias[c] + sum_i w[i, c] in(b, t - K + 1 + i, c), y = silu(u), s = sigmoid(u),
  * where in(b, t') is x's row (b, t') for t' >= 0 and state's row (b, K - 1 + t') before
  * (zeros when state is NULL). w is [K, C] (the layer's [C, K] transposed), bias may be NULL.
- * Rows (b, t) are split in blocks over the threads, each row vectorised over channels. */
+ * Rows (b, t) are split in blocks over the threads, each row vectorised over channels and
+ * through its SiLU while it is in cache. */
 static inline const real *PA_FN(conv_row)(const real *x, const real *state, int64_t T,
                                           int64_t C, int64_t K, int64_t b, int64_t t)
 {
@@ -187,8 +184,8 @@ static void PA_FN(short_conv_forward)(int64_t B, int64_t T, int64_t C, int64_t K
                 if (in)
                     for (int64_t c = 0; c < C; c++) u[c] += wi[c] * in[c];
             }
+            PA_FN(silu_span)(C, u, NULL, u, s + r * C);
         }
-    PA_FN(silu_forward)(rows * C, y, y, s);
 }
 
 /* The backward of short_conv_forward from dy and the forward's y, s: du = dy silu'(u);
@@ -223,7 +220,7 @@ static int PA_FN(short_conv_backward)(int64_t B, int64_t T, int64_t C, int64_t K
         /* du of rows r0 .. r1 + K - 2 of the same sequences (the rows dx of r0 .. r1 reads) */
         int64_t r2 = r1 + K - 1 < rows ? r1 + K - 1 : rows;
         for (int64_t e = r0 * C; e < r2 * C; e++)
-            du[e - r0 * C] = dy[e] * (s[e] + y[e] * (1 - s[e]));
+            du[e - r0 * C] = dy[e] * PA_FN(dsilu)(s[e], y[e]);
         for (int64_t i = 0; i < (K + 1) * C; i++) pw[i] = 0;
         for (int64_t r = r0; r < r1; r++) {
             int64_t b = r / T, t = r % T;

@@ -138,14 +138,14 @@ def rowdot_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     s = np.empty(x.shape, x.dtype)
-    _core.silu(np.ascontiguousarray(x), None, s)
+    _core.silu(np.ascontiguousarray(x), None, None, s)
     return s
 
 
 def silu(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(silu(x), sigmoid(x)); the sigmoid serves the backward."""
     y, s = np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype)
-    _core.silu(np.ascontiguousarray(x), y, s)
+    _core.silu(np.ascontiguousarray(x), None, y, s)
     return y, s
 
 
@@ -282,7 +282,7 @@ class SwiGLU(Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         a, b = linear(x, self.w_gate), linear(x, self.w_up)
         h, s = np.empty_like(a), np.empty_like(a)
-        _core.swiglu(a, b, h, s)
+        _core.silu(a, b, h, s)  # h = silu(a) b
         self.x, self.a, self.b, self.s, self.h = x, a, b, s, h
         return linear(h, self.w_down)
 
