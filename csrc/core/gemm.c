@@ -128,6 +128,18 @@ static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, in
     }
 }
 
+/* C (mr x nr of ldc) = alpha t + beta C (beta == 0: C is not read), t a tile of rows of NR:
+ * the micro-kernel's epilogue for ragged tiles, and gemm_few_rows'. */
+static inline void PA_FN(store_tile)(const real *t, int64_t mr, int64_t nr, real alpha,
+                                     real beta, real *C, int64_t ldc)
+{
+    for (int64_t i = 0; i < mr; i++)
+        for (int64_t j = 0; j < nr; j++) {
+            real r = alpha * t[i * NR + j];
+            C[i * ldc + j] = beta != 0 ? r + beta * C[i * ldc + j] : r;
+        }
+}
+
 /* C tile (mr x nr valid) = alpha * A B + beta * C, with A(i, p) = a[p * aps + i] (aps = MR
  * for a packed panel) and B(p, j) = b[p * NR + j]. */
 static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a, int64_t aps,
@@ -168,11 +180,7 @@ static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a, int64
     real tile[MR * NR];
     for (int i = 0; i < MR; i++)
         for (int v = 0; v < NV; v++) PA_FN(vstore)(tile + i * NR + v * VL, acc[i][v]);
-    for (int64_t i = 0; i < mr; i++)
-        for (int64_t j = 0; j < nr; j++) {
-            real r = alpha * tile[i * NR + j];
-            C[i * ldc + j] = beta != 0 ? r + beta * C[i * ldc + j] : r;
-        }
+    PA_FN(store_tile)(tile, mr, nr, alpha, beta, C, ldc);
 }
 
 /* Shapes with nothing to multiply, handled here for every entry: an empty C, or K = 0
@@ -270,11 +278,12 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
  * and A read in place. Packing all of B to multiply it by M < MR rows in the micro-kernel
  * would waste MR / M of its FMAs and need a buffer the size of B. Each C entry is computed
  * as the micro-kernel computes it (per KC block a running vector FMA sum over p from zero,
- * then alpha times it plus beta C, or plus C after the first block). Where alpha and beta
- * scale exactly (alpha = 1 and beta 0 or 1, as in every matmul of pyattn.nn), a row of C then
- * has the same bits as when the packed path computes it among many rows, whichever of the
- * micro-kernel's epilogues (vector, or scalar for ragged tiles) it goes through: one decoded
- * token gets the bits of the whole sequence's forward. Threads split the NR-column panels. */
+ * then store_tile: alpha times it plus beta C, or plus C after the first block). Where alpha
+ * and beta scale exactly (alpha = 1 and beta 0 or 1, as in every matmul of pyattn.nn), a row
+ * of C then has the same bits as when the packed path computes it among many rows, whichever
+ * of the micro-kernel's epilogues (vector, or store_tile for ragged tiles) it goes through:
+ * one decoded token gets the bits of the whole sequence's forward. Threads split the
+ * NR-column panels. */
 static void PA_FN(gemm_few_rows)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                                  int64_t rsa, int64_t csa, const real *B, int64_t rsb,
                                  int64_t csb, real beta, real *C, int64_t ldc)
@@ -299,11 +308,7 @@ static void PA_FN(gemm_few_rows)(int64_t M, int64_t N, int64_t K, real alpha, co
                     for (int v = 0; v < NV; v++) acc[v] += ai * PA_FN(vload)(bp + p * NR + v * VL);
                 }
                 for (int v = 0; v < NV; v++) PA_FN(vstore)(row + v * VL, acc[v]);
-                real *c = C + i * ldc + j0;
-                for (int64_t j = 0; j < nr; j++) {
-                    real r = alpha * row[j];
-                    c[j] = bb != 0 ? r + bb * c[j] : r;
-                }
+                PA_FN(store_tile)(row, 1, nr, alpha, bb, C + i * ldc + j0, ldc);
             }
         }
     }
@@ -312,7 +317,7 @@ static void PA_FN(gemm_few_rows)(int64_t M, int64_t N, int64_t K, real alpha, co
 /* gemm on the threads pa_threads_for grants (the binding's entry; the attention kernels call
  * gemm inside their own parallel regions). Per (jc, pc) block the team packs B's panels into
  * one shared buffer; each thread owns a contiguous share of A's MR-row panels (the shares
- * differ by one panel at most) and packs and multiplies them MC rows at a time, so it keeps
+ * differ by one panel at most) and runs gemm_macro on them (MC rows at a time), so it keeps
  * the same rows of C, in its own cache, through every pc block. Panels start at multiples of
  * MR whatever the thread count, so every C entry sees the same FMAs in the same order. */
 static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
@@ -348,12 +353,10 @@ static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, con
                 for (int64_t jr = 0; jr < nc; jr += NR)
                     PA_FN(pack_b)(kc, nc - jr < NR ? nc - jr : NR, B + pc * rsb + (jc + jr) * csb,
                                   rsb, csb, Bp + jr * kc);
-                for (int64_t ic = r0; ic < r1; ic += MC) {
-                    int64_t m = r1 - ic < MC ? r1 - ic : MC;
-                    PA_FN(pack_a)(m, kc, A + ic * rsa + pc * csa, rsa, csa, myAp);
-                    PA_FN(gemm_packed_ab)(m, nc, kc, alpha, myAp, MR * kc, MR, Bp, kc * NR,
-                                          pc == 0 ? beta : 1, C + ic * ldc + jc, ldc);
-                }
+                if (r1 > r0)
+                    PA_FN(gemm_macro)(r1 - r0, nc, kc, alpha, A + r0 * rsa + pc * csa, rsa, csa,
+                                      Bp, kc * NR, pc == 0 ? beta : 1, C + r0 * ldc + jc, ldc,
+                                      myAp);
 #pragma omp barrier /* Bp is packed again next */
             }
         }
