@@ -1306,42 +1306,50 @@ static PyObject *py_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* The pointwise steps of pyattn.nn (ops/pointwise.c). Each array after the first must have
  * the first's dtype and the shape given; outputs are written in place. */
 
-/* silu(x, mul, y, s): s = sigmoid(x), y = x s, times mul (SwiGLU's product); mul None: no
- * factor; y None: the sigmoid only; any shape */
-static PyObject *py_silu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* args[0..n) as arrays of dtype t and shape (nd, shape), the last `outputs` writeable; a[i]
+ * NULL for a None where bit i of `optional` is set. 0, or -1 with the error set. */
+static int shaped_arrays(const char *fn, PyObject *const *args, const char *const *names, int n,
+                         int outputs, unsigned optional, int t, int nd, const npy_intp *shape,
+                         PyArrayObject **a)
 {
-    const char *fn = "silu";
-    int t;
-    if (expect_nargs(fn, nargs, 4) || float_type(fn, "x", args[0], &t)) return NULL;
-    PyArrayObject *x = (PyArrayObject *)args[0];
-    int nd = PyArray_NDIM(x);
-    npy_intp *shape = PyArray_DIMS(x);
-    PyArrayObject *mul = NULL, *y = NULL, *s;
-    if (!get_array(fn, "x", args[0], t, nd, shape, 0) ||
-        (args[1] != Py_None && !(mul = get_array(fn, "mul", args[1], t, nd, shape, 0))) ||
-        (args[2] != Py_None && !(y = get_array(fn, "y", args[2], t, nd, shape, 1))) ||
-        !(s = get_array(fn, "s", args[3], t, nd, shape, 1)))
-        return NULL;
-    const pa_kernels *K = kernels_for(t);
-    Py_BEGIN_ALLOW_THREADS
-    K->silu_forward(PyArray_SIZE(x), PyArray_DATA(x), data_or_null(mul),
-                    y ? PyArray_DATA(y) : NULL, PyArray_DATA(s));
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    for (int i = 0; i < n; i++) {
+        a[i] = NULL;
+        if ((optional >> i & 1) && args[i] == Py_None) continue;
+        if (!(a[i] = get_array(fn, names[i], args[i], t, nd, shape, i >= n - outputs))) return -1;
+    }
+    return 0;
 }
 
-/* args[0..n) as arrays of args[0]'s float dtype and shape, the last `outputs` writeable;
- * the element count, or -1 with the error set. */
+/* shaped_arrays with args[0]'s float dtype and shape, nothing optional; the element count, or
+ * -1 with the error set. */
 static npy_intp same_shape_arrays(const char *fn, PyObject *const *args, const char *const *names,
                                   int n, int outputs, PyArrayObject **a)
 {
     int t;
     if (float_type(fn, names[0], args[0], &t)) return -1;
-    int nd = PyArray_NDIM((PyArrayObject *)args[0]);
-    npy_intp *shape = PyArray_DIMS((PyArrayObject *)args[0]);
-    for (int i = 0; i < n; i++)
-        if (!(a[i] = get_array(fn, names[i], args[i], t, nd, shape, i >= n - outputs))) return -1;
+    PyArrayObject *first = (PyArrayObject *)args[0];
+    if (shaped_arrays(fn, args, names, n, outputs, 0, t, PyArray_NDIM(first), PyArray_DIMS(first), a))
+        return -1;
     return PyArray_SIZE(a[0]);
+}
+
+/* silu(x, mul, y, s): s = sigmoid(x), y = x s, times mul (SwiGLU's product); mul None: no
+ * factor; y None: the sigmoid only; any shape */
+static PyObject *py_silu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[4] = {"x", "mul", "y", "s"};
+    int t;
+    PyArrayObject *a[4];
+    if (expect_nargs("silu", nargs, 4) || float_type("silu", "x", args[0], &t) ||
+        shaped_arrays("silu", args, names, 4, 2, 1u << 1 | 1u << 2, t,
+                      PyArray_NDIM((PyArrayObject *)args[0]), PyArray_DIMS((PyArrayObject *)args[0]), a))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    Py_BEGIN_ALLOW_THREADS
+    K->silu_forward(PyArray_SIZE(a[0]), PyArray_DATA(a[0]), data_or_null(a[1]),
+                    a[2] ? PyArray_DATA(a[2]) : NULL, PyArray_DATA(a[3]));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 /* silu_backward(dy, y, s, dx): dx = dy (s + y (1 - s)); any shape */
@@ -1483,17 +1491,18 @@ static PyObject *py_short_conv(PyObject *self, PyObject *const *args, Py_ssize_t
 {
     const char *fn = "short_conv";
     int t;
-    PyArrayObject *x, *state, *w, *bias, *y, *s;
+    PyArrayObject *x, *state, *w, *bias, *ys[2];
+    static const char *const names[2] = {"y", "s"};
     if (expect_nargs(fn, nargs, 6) || float_type(fn, "x", args[0], &t) ||
         conv_inputs(fn, args, t, &x, &state, &w, &bias) ||
-        !(y = get_array(fn, "y", args[4], t, 3, PyArray_DIMS(x), 1)) ||
-        !(s = get_array(fn, "s", args[5], t, 3, PyArray_DIMS(x), 1)))
+        shaped_arrays(fn, args + 4, names, 2, 2, 0, t, 3, PyArray_DIMS(x), ys))
         return NULL;
     const pa_kernels *K = kernels_for(t);
     Py_BEGIN_ALLOW_THREADS
     K->short_conv_forward(PyArray_DIM(x, 0), PyArray_DIM(x, 1), PyArray_DIM(x, 2),
                           PyArray_DIM(w, 0), PyArray_DATA(x), data_or_null(state),
-                          PyArray_DATA(w), data_or_null(bias), PyArray_DATA(y), PyArray_DATA(s));
+                          PyArray_DATA(w), data_or_null(bias), PyArray_DATA(ys[0]),
+                          PyArray_DATA(ys[1]));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1507,11 +1516,9 @@ static PyObject *py_short_conv_backward(PyObject *self, PyObject *const *args, P
     PyArrayObject *x, *state, *w, *bias, *a[4], *dw, *db = NULL;
     static const char *const names[4] = {"dy", "y", "s", "dx"};
     if (expect_nargs(fn, nargs, 10) || float_type(fn, "x", args[0], &t) ||
-        conv_inputs(fn, args, t, &x, &state, &w, &bias))
+        conv_inputs(fn, args, t, &x, &state, &w, &bias) ||
+        shaped_arrays(fn, args + 4, names, 4, 1, 0, t, 3, PyArray_DIMS(x), a))
         return NULL;
-    for (int i = 0; i < 4; i++)
-        if (!(a[i] = get_array(fn, names[i], args[4 + i], t, 3, PyArray_DIMS(x), i == 3)))
-            return NULL;
     if (!(dw = get_array(fn, "dw", args[8], t, 2, PyArray_DIMS(w), 1)) ||
         (args[9] != Py_None && !(db = get_array(fn, "dbias", args[9], t, 1, PyArray_DIMS(x) + 2, 1))))
         return NULL;
