@@ -19,56 +19,83 @@ static int64_t PA_FN(gemm_work_elems)(int64_t M, int64_t N, int64_t K)
     return mc * kc + kc * nc;
 }
 
+/* The butterfly's lane indices: at stage k (s = VL/2 >> k), lo[k] takes lane l of the first
+ * operand where bit s of l is clear and the lane s below it of the second where it is set;
+ * hi[k] the mirror. Built once per packing call rather than in every transpose. */
+typedef struct {
+    vint lo[4], hi[4]; /* log2(VL) <= 4 stages */
+} PA_FN(tr_masks);
+
+static inline void PA_FN(tr_masks_init)(PA_FN(tr_masks) *t)
+{
+    for (int s = VL / 2, k = 0; s >= 1; s /= 2, k++)
+        for (int l = 0; l < VL; l++) {
+            t->lo[k][l] = (l & s) ? VL + l - s : l;
+            t->hi[k][l] = (l & s) ? VL + l : l + s;
+        }
+}
+
 /* r[0..VL) the rows of a VL x VL block; on return its columns. log2(VL) butterfly stages,
  * each swapping the off-diagonal s x s sub-blocks of every 2s x 2s block. */
-static inline void PA_FN(vtranspose)(vreal *r)
+static inline void PA_FN(vtranspose)(vreal *r, const PA_FN(tr_masks) *t)
 {
-#pragma GCC unroll 8
-    for (int s = VL / 2; s >= 1; s /= 2) {
-        vint lo, hi;
-        for (int l = 0; l < VL; l++) {
-            lo[l] = (l & s) ? VL + l - s : l;
-            hi[l] = (l & s) ? VL + l : l + s;
-        }
+#pragma GCC unroll 4
+    for (int s = VL / 2, k = 0; s >= 1; s /= 2, k++)
 #pragma GCC unroll 16
         for (int i = 0; i < VL; i++) {
             if (i & s) continue;
             vreal a = r[i], b = r[i + s];
-            r[i] = __builtin_shuffle(a, b, lo);
-            r[i + s] = __builtin_shuffle(a, b, hi);
+            r[i] = __builtin_shuffle(a, b, t->lo[k]);
+            r[i + s] = __builtin_shuffle(a, b, t->hi[k]);
         }
-    }
 }
 
 static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, int64_t csa,
                           real *restrict Ap)
 {
+    PA_FN(tr_masks) tm;
+    PA_FN(tr_masks_init)(&tm);
     for (int64_t ir = 0; ir < mc; ir += MR) {
         int64_t mr = mc - ir < MR ? mc - ir : MR;
         real *dst = Ap + ir * kc;
         if (rsa == 1) { /* A^T stored row-major: MR contiguous reals per p */
             for (int64_t p = 0; p < kc; p++) {
                 const real *src = A + ir + p * csa;
-                int64_t i = 0;
-                for (; i < mr; i++) dst[p * MR + i] = src[i];
-                for (; i < MR; i++) dst[p * MR + i] = 0;
+                for (int i0 = 0; i0 < MR; i0 += VL) {
+                    const int m = MR - i0 < VL ? MR - i0 : VL;
+                    const int64_t have = mr - i0 < 0 ? 0 : mr - i0; /* rows of A, then zeros */
+                    /* a whole vector where the block has its rows (the lanes past m are the
+                     * next panel's), else the rows there are */
+                    vreal x = ir + i0 + VL <= mc ? PA_FN(vload)(src + i0)
+                                                 : PA_FN(vload_part)(src + i0, (int)(have < m ? have : m), 0);
+                    /* lanes past m land on the next p's first rows, written after */
+                    if (m == VL || p + 1 < kc)
+                        PA_FN(vstore)(dst + p * MR + i0, x);
+                    else
+                        PA_FN(vstore_part)(dst + p * MR + i0, x, m);
+                }
             }
             continue;
         }
         if (csa == 1 && mr == MR) { /* row-major A: VL x VL blocks transposed */
             int64_t p0 = 0;
             for (; p0 + VL <= kc; p0 += VL)
-#pragma GCC unroll 2
-                for (int i0 = 0; i0 < MR; i0 += VL) {
+                /* Rows of p are stored whole even where a block has m < VL rows: the lanes past
+                 * m land on the next p's first rows, which the block at i0 = 0 (last) or the
+                 * next p0 writes afterwards; only the panel's last p is stored in part. */
+                for (int i0 = (MR - 1) / VL * VL; i0 >= 0; i0 -= VL) {
                     const int m = MR - i0 < VL ? MR - i0 : VL;
                     vreal r[VL];
-                    real t[VL][VL];
                     for (int i = 0; i < VL; i++)
                         r[i] = i < m ? PA_FN(vload)(A + (ir + i0 + i) * rsa + p0) : PA_FN(vset)(0);
-                    PA_FN(vtranspose)(r);
-                    for (int p = 0; p < VL; p++) PA_FN(vstore)(t[p], r[p]);
-                    for (int p = 0; p < VL; p++)
-                        memcpy(dst + (p0 + p) * MR + i0, t[p], sizeof(real) * m);
+                    PA_FN(vtranspose)(r, &tm);
+                    for (int p = 0; p < VL; p++) {
+                        real *d = dst + (p0 + p) * MR + i0;
+                        if (m == VL || p0 + p + 1 < kc)
+                            PA_FN(vstore)(d, r[p]);
+                        else
+                            PA_FN(vstore_part)(d, r[p], m);
+                    }
                 }
             for (int64_t p = p0; p < kc; p++)
                 for (int64_t i = 0; i < MR; i++) dst[p * MR + i] = A[(ir + i) * rsa + p];
@@ -88,6 +115,8 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
 static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, int64_t csb,
                           real *restrict Bp)
 {
+    PA_FN(tr_masks) tm;
+    PA_FN(tr_masks_init)(&tm);
     for (int64_t jr = 0; jr < nc; jr += NR) {
         int64_t nr = nc - jr < NR ? nc - jr : NR;
         real *dst = Bp + jr * kc;
@@ -110,7 +139,7 @@ static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, in
                     vreal r[VL];
                     for (int j = 0; j < VL; j++)
                         r[j] = PA_FN(vload)(B + (jr + v * VL + j) * csb + p0);
-                    PA_FN(vtranspose)(r);
+                    PA_FN(vtranspose)(r, &tm);
                     for (int p = 0; p < VL; p++) PA_FN(vstore)(dst + (p0 + p) * NR + v * VL, r[p]);
                 }
             for (int64_t p = p0; p < kc; p++)
