@@ -19,6 +19,7 @@ from setuptools.command.build_ext import build_ext
 
 SOURCES = [
     "csrc/module.c",
+    "csrc/array_cache.c",
     "csrc/dispatch.c",
     "csrc/core/parallel.c",
     "csrc/isa/avx512.c",

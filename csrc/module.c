@@ -11,6 +11,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "array_cache.h"
 #include "core/parallel.h"
 #include "kernels.h"
 
@@ -1587,6 +1588,37 @@ static PyObject *py_get_num_threads(PyObject *self, PyObject *const *args, Py_ss
     return PyLong_FromLong(pa_get_num_threads());
 }
 
+/* NumPy's data-memory handler over array_cache.c; ARRAY_CACHE, its capsule, is a module
+ * attribute, which keeps it alive for the arrays that hold it. */
+static PyDataMem_Handler array_cache_handler = {
+    "pyattn_array_cache",
+    1,
+    {NULL, pa_cache_malloc, pa_cache_calloc, pa_cache_realloc, pa_cache_free},
+};
+
+static PyObject *py_set_data_handler(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (expect_nargs("set_data_handler", nargs, 1)) return NULL;
+    if (args[0] != Py_None && !PyCapsule_IsValid(args[0], "mem_handler")) {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_data_handler: handler must be a NumPy 'mem_handler' capsule or None");
+        return NULL;
+    }
+    return PyDataMem_SetHandler(args[0] == Py_None ? NULL : args[0]);
+}
+
+static PyObject *py_array_cache_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (expect_nargs("array_cache_release", nargs, 0)) return NULL;
+    return PyLong_FromSize_t(pa_cache_release());
+}
+
+static PyObject *py_array_cache_kept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (expect_nargs("array_cache_kept", nargs, 0)) return NULL;
+    return PyLong_FromSize_t(pa_cache_kept());
+}
+
 static PyObject *py_build_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (expect_nargs("build_info", nargs, 0)) return NULL;
@@ -1694,6 +1726,13 @@ static PyMethodDef core_methods[] = {
      "set_num_threads(n)"},
     {"get_num_threads", (PyCFunction)(void (*)(void))py_get_num_threads, METH_FASTCALL,
      "get_num_threads() -> int"},
+    {"set_data_handler", (PyCFunction)(void (*)(void))py_set_data_handler, METH_FASTCALL,
+     "set_data_handler(handler) -> previous: NumPy's data-memory handler for the current "
+     "context (a 'mem_handler' capsule such as ARRAY_CACHE, or None for NumPy's default)"},
+    {"array_cache_release", (PyCFunction)(void (*)(void))py_array_cache_release, METH_FASTCALL,
+     "array_cache_release() -> bytes: frees the blocks ARRAY_CACHE keeps"},
+    {"array_cache_kept", (PyCFunction)(void (*)(void))py_array_cache_kept, METH_FASTCALL,
+     "array_cache_kept() -> bytes: what ARRAY_CACHE keeps now"},
     {"build_info", (PyCFunction)(void (*)(void))py_build_info, METH_FASTCALL,
      "build_info() -> dict"},
     {NULL, NULL, 0, NULL},
@@ -1704,6 +1743,12 @@ static int core_exec(PyObject *m)
     if (PyArray_ImportNumPyAPI() < 0) return -1;
     pa_dispatch_init();
     pa_parallel_init();
+    pa_cache_init();
+    PyObject *cache = PyCapsule_New(&array_cache_handler, "mem_handler", NULL);
+    if (!cache || PyModule_AddObject(m, "ARRAY_CACHE", cache)) {
+        Py_XDECREF(cache);
+        return -1;
+    }
     if (PyModule_AddIntConstant(m, "FORM_PARALLEL", PA_FORM_PARALLEL) ||
         PyModule_AddIntConstant(m, "FORM_FLASH", PA_FORM_FLASH) ||
         PyModule_AddIntConstant(m, "FORM_RECURRENT", PA_FORM_RECURRENT) ||

@@ -1,7 +1,7 @@
 """Type stubs of pyattn._core, the C extension. Every entry point takes positional arguments
 only and checks every buffer (dtype, C-contiguity, shape, writeability) before running; use
 the pyattn package, whose wrappers validate, fill defaults and allocate the outputs."""
-from typing import Optional, TypedDict
+from typing import Any, Optional, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -18,6 +18,8 @@ FM_FOCUSED: int
 FM_TAYLOR: int
 FM_PERFORMER: int
 FM_COSFORMER: int
+# NumPy "mem_handler" capsule of the cache of large blocks (pyattn.nn.cached_arrays)
+ARRAY_CACHE: Any
 
 _Float = npt.NDArray[np.floating]
 _Int64 = npt.NDArray[np.int64]
@@ -230,3 +232,8 @@ def read_bandwidth(seconds: float, threads: int, bytes: int, /) -> float:
 def set_num_threads(n: int, /) -> None: ...
 def get_num_threads() -> int: ...
 def build_info() -> _BuildInfo: ...
+def set_data_handler(handler: Any, /) -> Any:
+    """NumPy's data-memory handler for the current context (ARRAY_CACHE, or None for NumPy's
+    default); returns the previous one."""
+def array_cache_release() -> int: ...
+def array_cache_kept() -> int: ...

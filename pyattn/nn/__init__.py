@@ -10,9 +10,10 @@ input's gradient and adds its parameters' gradients into ``grads``. No autograd 
 """
 from .layers import Embedding, Linear, Mixer, Module, Parameters, RMSNorm, Rotary, ShortConv, SwiGLU
 from .mixers import MIXERS
+from .memory import cached_arrays, cached_bytes, empty_cache
 from .model import HybridLM
 from .optim import AdamW, accuracy, clip_grad_norm, cosine_lr, cross_entropy
 
 __all__ = ["AdamW", "Embedding", "HybridLM", "Linear", "MIXERS", "Mixer", "Module", "Parameters",
-           "RMSNorm", "Rotary", "ShortConv", "SwiGLU", "accuracy", "clip_grad_norm", "cosine_lr",
-           "cross_entropy"]
+           "RMSNorm", "Rotary", "ShortConv", "SwiGLU", "accuracy", "cached_arrays", "cached_bytes",
+           "clip_grad_norm", "cosine_lr", "cross_entropy", "empty_cache"]

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .layers import Embedding, Linear, Module, RMSNorm, SwiGLU, linear, linear_backward
+from .memory import with_cached_arrays
 from .mixers import MIXERS
 
 
@@ -127,6 +128,7 @@ class HybridLM(Module):
         self.h = self.norm.forward(x)
         return linear(self.h, self.embed.w) if self.lm_head is None else self.lm_head.forward(self.h)
 
+    @with_cached_arrays
     def forward(self, tokens) -> np.ndarray:
         """logits ``[B, T, vocab_size]`` of the next token at every position."""
         x = self.embed.forward(self._tokens(tokens, 2))
@@ -134,6 +136,7 @@ class HybridLM(Module):
             x = block.forward(x)
         return self._head(x)
 
+    @with_cached_arrays
     def backward(self, dlogits: np.ndarray) -> None:
         """Adds the gradients of the loss whose gradient w.r.t. the last forward's logits
         is ``dlogits`` into ``grads``."""

@@ -7,6 +7,8 @@ from typing import Mapping, Tuple
 
 import numpy as np
 
+from .memory import with_cached_arrays
+
 
 def _targets(fn: str, logits: np.ndarray, targets) -> np.ndarray:
     targets = np.asarray(targets)
@@ -18,6 +20,7 @@ def _targets(fn: str, logits: np.ndarray, targets) -> np.ndarray:
     return targets
 
 
+@with_cached_arrays
 def cross_entropy(logits, targets, *, ignore_index: int = -100) -> Tuple[float, np.ndarray]:
     """``(loss, dlogits)``: the mean over the positions whose target is not ``ignore_index`` of
     ``-log softmax(logits)[target]``, and its gradient with respect to ``logits`` (zero at

@@ -1,0 +1,46 @@
+"""Reuse of large activation buffers across training steps.
+
+A training step allocates and frees the same large arrays every step (activations, their
+gradients, logits). NumPy's default allocator returns them to the system, so each step's
+arrays start as fresh pages that the operating system zeroes on first touch. Inside
+``cached_arrays()`` NumPy allocates through pyattn's cache instead: a freed block of 1 MiB or
+more is kept (2 GiB in all at most, the oldest dropped first) and handed out again for an
+array of exactly its size, from any thread. ``HybridLM.forward``, ``HybridLM.backward`` and
+``cross_entropy`` run inside it; ``empty_cache()`` gives the kept blocks back.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from .. import _core
+
+
+@contextlib.contextmanager
+def cached_arrays():
+    """NumPy arrays allocated in this block (in this thread or context) come from, and when
+    freed go back to, pyattn's cache of large blocks."""
+    previous = _core.set_data_handler(_core.ARRAY_CACHE)
+    try:
+        yield
+    finally:
+        _core.set_data_handler(previous)
+
+
+def with_cached_arrays(fn):
+    """``fn`` run inside ``cached_arrays()``."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with cached_arrays():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def empty_cache() -> int:
+    """Frees the blocks the cache keeps; returns how many bytes that was."""
+    return _core.array_cache_release()
+
+
+def cached_bytes() -> int:
+    """Bytes the cache keeps now."""
+    return _core.array_cache_kept()
