@@ -39,8 +39,8 @@ steps per case), disturbed samples replaced. tokens/s = batch * T / median step 
 "vs torch" = pyattn tokens/s / torch tokens/s.
 
 Profile (pyattn only, a separate run of --profile-steps steps after the timed ones): every
-function of ``pyattn._core`` but ``gemm``, and the two functions through which pyattn.nn does
-all its matmuls (``layers.linear`` and ``layers.linear_backward``: x @ w.T; dw += dy^T x and
+function of ``pyattn._core`` but ``gemm`` (and ``set_data_handler``, no kernel), and the two
+functions through which pyattn.nn does all its matmuls (``layers.linear`` and ``layers.linear_backward``: x @ w.T; dw += dy^T x and
 dy @ w, the GEMM accumulating into dw; reshapes of contiguous arrays being views), are wrapped
 with timers. "C ops" = time inside those ``_core.*`` calls (the attention kernels and the
 layers' C kernels: SiLU, SwiGLU, RMSNorm, rotary, short convolutions; the NumPy around them
@@ -281,7 +281,8 @@ def check(pmodel, tm, x, y):
 
 
 class Profile:
-    """Timers around the ``pyattn._core`` functions but gemm, and pyattn.nn's matmul functions."""
+    """Timers around the ``pyattn._core`` functions but gemm (and set_data_handler, the array
+    cache's switch, which is no kernel), and pyattn.nn's matmul functions."""
 
     def __init__(self):
         self.core = {}     # name -> seconds
@@ -313,7 +314,7 @@ class Profile:
     def __enter__(self):
         for name in dir(_core):
             f = getattr(_core, name)
-            if name != "gemm" and not name.startswith("_") and callable(f) and type(f).__name__ == "builtin_function_or_method":
+            if name not in ("gemm", "set_data_handler") and not name.startswith("_") and callable(f) and type(f).__name__ == "builtin_function_or_method":
                 self._saved.append((_core, name, f))
                 setattr(_core, name, self._wrap_core(name, f))
         originals = {nn_layers.linear: self._wrap_matmul(nn_layers.linear),
