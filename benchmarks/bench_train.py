@@ -49,7 +49,9 @@ delta rule's L2 normalisation, is not counted there); "matmuls" = time inside th
 functions; "other" = step time less both: NumPy elementwise work (residuals, gates, the loss,
 the optimiser), copies, allocation and Python. The bar (the issue): pyattn's tokens/s >= 1.5x
 torch's for the hybrid and >= 1.2x for the all-softmax model, and "other" <= 30% of a step, at
-2 threads. """ from __future__ import annotations
+2 threads.
+"""
+from __future__ import annotations
 
 import os
 import sys
