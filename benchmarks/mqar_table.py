@@ -1,7 +1,7 @@
 """The MQAR table: Zoology's multi-query associative recall, one 2-layer ``HybridLM`` per mixer
 and width, each the best of a small learning-rate sweep, all under one training budget.
 
-    python benchmarks/mqar_table.py [--jobs N] [--steps 900] [--batch-size 32]
+    python benchmarks/mqar_table.py [--jobs N] [--threads N] [--steps 900] [--batch-size 32]
         [--examples 20000] [--lrs 3e-4,1e-3,3e-3] [--widths 64,128]
         [--models softmax,linear,retnet,mamba2,gla,deltanet,gated_deltanet,hybrid]
         [--shard K/N] [--out DIR]
@@ -19,8 +19,8 @@ not -100) of the final model on all held-out rows, and each cell of the table is
 of the learning rates in ``--lrs``.
 
 Each (model, width, lr) runs as its own process (this script with ``--run``), with
-``OMP_NUM_THREADS=1``, ``OPENBLAS_NUM_THREADS=1`` and ``pyattn.set_num_threads(1)``, ``--jobs``
-of them at a time, the longest (by a per-step cost table measured at one thread) first.
+``--threads`` threads (default 1: ``OMP_NUM_THREADS`` and ``pyattn.set_num_threads``;
+``OPENBLAS_NUM_THREADS=1``), ``--jobs`` of them at a time, the longest (by a per-step cost table measured at one thread) first.
 ``--shard K/N`` runs the K-th of N subsets of the sweep, balanced by that cost, so that a
 sweep can be split across machines or calls; ``--out DIR`` appends every run's result as
 one JSON line to ``DIR/results.jsonl`` (and its log to ``DIR/logs``); ``--merge`` prints
@@ -145,8 +145,8 @@ def launch(opts, runs, out_dir: Optional[str]) -> List[Dict]:
     Each process writes its output to a log file (``DIR/logs`` with ``--out``, else a
     temporary folder): its last line is its result as JSON."""
     import tempfile
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads), OPENBLAS_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_dir = os.path.join(out_dir, "logs") if out_dir else tempfile.mkdtemp(prefix="mqar_table_")
     os.makedirs(log_dir, exist_ok=True)
     pending, running, results = list(runs), [], []
@@ -154,7 +154,8 @@ def launch(opts, runs, out_dir: Optional[str]) -> List[Dict]:
     while pending or running:
         while pending and len(running) < opts.jobs:
             m, d, lr = pending.pop(0)
-            cmd = [sys.executable, os.path.abspath(__file__), "--run", m, str(d), repr(lr)] + budget_args(opts)
+            cmd = ([sys.executable, os.path.abspath(__file__), "--run", m, str(d), repr(lr),
+                    "--threads", str(opts.threads)] + budget_args(opts))
             log = os.path.join(log_dir, f"{m}_d{d}_lr{lr:g}.log")
             with open(log, "w") as f:
                 p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--evals", type=int, default=10, help="points of each run's accuracy curve")
     ap.add_argument("--threads", type=int, default=1,
-                    help="with --run: pyattn's threads for that one run (the sweep runs each with 1)")
+                    help="pyattn's threads for each run (a run's results do not depend on it)")
     ap.add_argument("--shard", type=parse_shard, default=None, help="K/N: the K-th of N subsets")
     ap.add_argument("--out", default=None, help="folder for results.jsonl and logs")
     ap.add_argument("--merge", nargs="+", default=None, help="results.jsonl files or folders: print their table")
@@ -276,8 +277,9 @@ def main(argv=None) -> int:
     runs = sweep(opts)
     if opts.list:
         for m, d, lr in runs:
-            print(" ".join(["OMP_NUM_THREADS=1", "OPENBLAS_NUM_THREADS=1", "python", "benchmarks/mqar_table.py",
-                            "--run", m, str(d), repr(lr)] + budget_args(opts)))
+            print(" ".join([f"OMP_NUM_THREADS={opts.threads}", "OPENBLAS_NUM_THREADS=1", "python",
+                            "benchmarks/mqar_table.py", "--run", m, str(d), repr(lr),
+                            "--threads", str(opts.threads)] + budget_args(opts)))
         return 0
     if opts.out:
         os.makedirs(opts.out, exist_ok=True)
