@@ -50,7 +50,9 @@ void *pa_cache_malloc(void *ctx, size_t size)
 {
     (void)ctx;
     void *p = size >= PA_CACHE_MIN ? take(size) : NULL;
-    return p ? p : fresh(size);
+    if (!p) p = fresh(size);
+    if (!p && pa_cache_release()) p = fresh(size); /* the kept blocks make room */
+    return p;
 }
 
 void *pa_cache_calloc(void *ctx, size_t n, size_t size)

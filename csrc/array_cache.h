@@ -7,7 +7,8 @@
  * Here a freed block of PA_CACHE_MIN bytes or more is kept, up to PA_CACHE_CAP bytes in all
  * (the oldest dropped first), and handed out again for a request of exactly its size. Every
  * block starts with a header holding its size, so free and realloc never depend on the size
- * NumPy passes. Blocks are 64-byte aligned. Thread-safe; safe across fork. */
+ * NumPy passes. Blocks are 64-byte aligned. When the system has no memory for a new block,
+ * the kept ones are freed and the request tried again. Thread-safe; safe across fork. */
 #ifndef PA_ARRAY_CACHE_H
 #define PA_ARRAY_CACHE_H
 

@@ -1588,8 +1588,8 @@ static PyObject *py_get_num_threads(PyObject *self, PyObject *const *args, Py_ss
     return PyLong_FromLong(pa_get_num_threads());
 }
 
-/* NumPy's data-memory handler over array_cache.c; ARRAY_CACHE, its capsule, is a module
- * attribute, which keeps it alive for the arrays that hold it. */
+/* NumPy's data-memory handler over array_cache.c; ARRAY_CACHE is its capsule (each array
+ * made through it holds a reference; the handler itself is static). */
 static PyDataMem_Handler array_cache_handler = {
     "pyattn_array_cache",
     1,

@@ -6,7 +6,10 @@ arrays start as fresh pages that the operating system zeroes on first touch. Ins
 ``cached_arrays()`` NumPy allocates through pyattn's cache instead: a freed block of 1 MiB or
 more is kept (2 GiB in all at most, the oldest dropped first) and handed out again for an
 array of exactly its size, from any thread. ``HybridLM.forward``, ``HybridLM.backward`` and
-``cross_entropy`` run inside it; ``empty_cache()`` gives the kept blocks back.
+``cross_entropy`` run inside it; ``empty_cache()`` gives the kept blocks back. An array made
+inside returns its block to the cache whenever it is freed, also after the block or after
+``empty_cache()`` (the logits a caller keeps, for instance); when the system runs out of
+memory for a new block, the kept ones are freed first.
 """
 from __future__ import annotations
 
