@@ -19,42 +19,54 @@ static int64_t PA_FN(gemm_work_elems)(int64_t M, int64_t N, int64_t K)
     return mc * kc + kc * nc;
 }
 
-/* The butterfly's lane indices: at stage k (s = VL/2 >> k), lo[k] takes lane l of the first
- * operand where bit s of l is clear and the lane s below it of the second where it is set;
- * hi[k] the mirror. Built once per packing call rather than in every transpose. */
-typedef struct {
-    vint lo[4], hi[4]; /* log2(VL) <= 4 stages */
-} PA_FN(tr_masks);
-
-static inline void PA_FN(tr_masks_init)(PA_FN(tr_masks) *t)
-{
-    for (int s = VL / 2, k = 0; s >= 1; s /= 2, k++)
-        for (int l = 0; l < VL; l++) {
-            t->lo[k][l] = (l & s) ? VL + l - s : l;
-            t->hi[k][l] = (l & s) ? VL + l : l + s;
-        }
-}
+/* The butterfly's lane indices, constants of each instantiation: at stage k (s = VL/2 >> k),
+ * lo takes lane l of the first operand where bit s of l is clear and lane l - s of the
+ * second where it is set; hi the mirror. Rows hold the widest vector's 16 lanes; a narrower
+ * one reads its first VL, and stages past log2(VL) are never read. */
+#ifndef PA_TR_ROW
+#define PA_TR_LO(s, l) (((l) & (s)) ? VL + (l) - (s) : (l))
+#define PA_TR_HI(s, l) (((l) & (s)) ? VL + (l) : (l) + (s))
+#define PA_TR_ROW(F, s)                                                                         \
+    {F(s, 0), F(s, 1), F(s, 2),  F(s, 3),  F(s, 4),  F(s, 5),  F(s, 6),  F(s, 7),              \
+     F(s, 8), F(s, 9), F(s, 10), F(s, 11), F(s, 12), F(s, 13), F(s, 14), F(s, 15)}
+#define PA_TR_TABLE(F) {PA_TR_ROW(F, VL / 2), PA_TR_ROW(F, VL / 4), PA_TR_ROW(F, VL / 8), PA_TR_ROW(F, VL / 16)}
+#endif
+static const ivec_elem PA_FN(tr_lo)[4][16] = PA_TR_TABLE(PA_TR_LO);
+static const ivec_elem PA_FN(tr_hi)[4][16] = PA_TR_TABLE(PA_TR_HI);
 
 /* r[0..VL) the rows of a VL x VL block; on return its columns. log2(VL) butterfly stages,
  * each swapping the off-diagonal s x s sub-blocks of every 2s x 2s block. */
-static inline void PA_FN(vtranspose)(vreal *r, const PA_FN(tr_masks) *t)
+static inline void PA_FN(vtranspose)(vreal *r)
 {
 #pragma GCC unroll 4
-    for (int s = VL / 2, k = 0; s >= 1; s /= 2, k++)
+    for (int s = VL / 2, k = 0; s >= 1; s /= 2, k++) {
+        vint lo, hi;
+        memcpy(&lo, PA_FN(tr_lo)[k], sizeof lo);
+        memcpy(&hi, PA_FN(tr_hi)[k], sizeof hi);
 #pragma GCC unroll 16
         for (int i = 0; i < VL; i++) {
             if (i & s) continue;
             vreal a = r[i], b = r[i + s];
-            r[i] = __builtin_shuffle(a, b, t->lo[k]);
-            r[i + s] = __builtin_shuffle(a, b, t->hi[k]);
+            r[i] = __builtin_shuffle(a, b, lo);
+            r[i + s] = __builtin_shuffle(a, b, hi);
         }
+    }
+}
+
+/* Row p of a packed panel from the m (<= VL) lanes of x at d: a whole vector unless it is the
+ * panel's last row, since the lanes past m land on the next row's first entries, which the
+ * packing writes afterwards. */
+static inline void PA_FN(pack_row)(real *d, vreal x, int m, int last)
+{
+    if (m == VL || !last)
+        PA_FN(vstore)(d, x);
+    else
+        PA_FN(vstore_part)(d, x, m);
 }
 
 static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, int64_t csa,
                           real *restrict Ap)
 {
-    PA_FN(tr_masks) tm;
-    PA_FN(tr_masks_init)(&tm);
     for (int64_t ir = 0; ir < mc; ir += MR) {
         int64_t mr = mc - ir < MR ? mc - ir : MR;
         real *dst = Ap + ir * kc;
@@ -68,11 +80,7 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
                      * next panel's), else the rows there are */
                     vreal x = ir + i0 + VL <= mc ? PA_FN(vload)(src + i0)
                                                  : PA_FN(vload_part)(src + i0, (int)(have < m ? have : m), 0);
-                    /* lanes past m land on the next p's first rows, written after */
-                    if (m == VL || p + 1 < kc)
-                        PA_FN(vstore)(dst + p * MR + i0, x);
-                    else
-                        PA_FN(vstore_part)(dst + p * MR + i0, x, m);
+                    PA_FN(pack_row)(dst + p * MR + i0, x, m, p + 1 == kc);
                 }
             }
             continue;
@@ -80,22 +88,16 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
         if (csa == 1 && mr == MR) { /* row-major A: VL x VL blocks transposed */
             int64_t p0 = 0;
             for (; p0 + VL <= kc; p0 += VL)
-                /* Rows of p are stored whole even where a block has m < VL rows: the lanes past
-                 * m land on the next p's first rows, which the block at i0 = 0 (last) or the
-                 * next p0 writes afterwards; only the panel's last p is stored in part. */
+                /* blocks of VL rows from the last (maybe shorter) one down, so that row p's
+                 * overflow (pack_row) is overwritten by the block at i0 = 0 or the next p0 */
                 for (int i0 = (MR - 1) / VL * VL; i0 >= 0; i0 -= VL) {
                     const int m = MR - i0 < VL ? MR - i0 : VL;
                     vreal r[VL];
                     for (int i = 0; i < VL; i++)
                         r[i] = i < m ? PA_FN(vload)(A + (ir + i0 + i) * rsa + p0) : PA_FN(vset)(0);
-                    PA_FN(vtranspose)(r, &tm);
-                    for (int p = 0; p < VL; p++) {
-                        real *d = dst + (p0 + p) * MR + i0;
-                        if (m == VL || p0 + p + 1 < kc)
-                            PA_FN(vstore)(d, r[p]);
-                        else
-                            PA_FN(vstore_part)(d, r[p], m);
-                    }
+                    PA_FN(vtranspose)(r);
+                    for (int p = 0; p < VL; p++)
+                        PA_FN(pack_row)(dst + (p0 + p) * MR + i0, r[p], m, p0 + p + 1 == kc);
                 }
             for (int64_t p = p0; p < kc; p++)
                 for (int64_t i = 0; i < MR; i++) dst[p * MR + i] = A[(ir + i) * rsa + p];
@@ -115,8 +117,6 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
 static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, int64_t csb,
                           real *restrict Bp)
 {
-    PA_FN(tr_masks) tm;
-    PA_FN(tr_masks_init)(&tm);
     for (int64_t jr = 0; jr < nc; jr += NR) {
         int64_t nr = nc - jr < NR ? nc - jr : NR;
         real *dst = Bp + jr * kc;
@@ -139,7 +139,7 @@ static void PA_FN(pack_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, in
                     vreal r[VL];
                     for (int j = 0; j < VL; j++)
                         r[j] = PA_FN(vload)(B + (jr + v * VL + j) * csb + p0);
-                    PA_FN(vtranspose)(r, &tm);
+                    PA_FN(vtranspose)(r);
                     for (int p = 0; p < VL; p++) PA_FN(vstore)(dst + (p0 + p) * NR + v * VL, r[p]);
                 }
             for (int64_t p = p0; p < kc; p++)
