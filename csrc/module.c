@@ -1321,15 +1321,16 @@ static int shaped_arrays(const char *fn, PyObject *const *args, const char *cons
     return 0;
 }
 
-/* shaped_arrays with args[0]'s float dtype and shape, nothing optional; the element count, or
- * -1 with the error set. */
+/* shaped_arrays with args[0]'s float dtype and shape (args[0] is never optional); the element
+ * count, or -1 with the error set. */
 static npy_intp same_shape_arrays(const char *fn, PyObject *const *args, const char *const *names,
-                                  int n, int outputs, PyArrayObject **a)
+                                  int n, int outputs, unsigned optional, PyArrayObject **a)
 {
     int t;
     if (float_type(fn, names[0], args[0], &t)) return -1;
     PyArrayObject *first = (PyArrayObject *)args[0];
-    if (shaped_arrays(fn, args, names, n, outputs, 0, t, PyArray_NDIM(first), PyArray_DIMS(first), a))
+    if (shaped_arrays(fn, args, names, n, outputs, optional & ~1u, t, PyArray_NDIM(first),
+                      PyArray_DIMS(first), a))
         return -1;
     return PyArray_SIZE(a[0]);
 }
@@ -1339,16 +1340,15 @@ static npy_intp same_shape_arrays(const char *fn, PyObject *const *args, const c
 static PyObject *py_silu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const names[4] = {"x", "mul", "y", "s"};
-    int t;
     PyArrayObject *a[4];
-    if (expect_nargs("silu", nargs, 4) || float_type("silu", "x", args[0], &t) ||
-        shaped_arrays("silu", args, names, 4, 2, 1u << 1 | 1u << 2, t,
-                      PyArray_NDIM((PyArrayObject *)args[0]), PyArray_DIMS((PyArrayObject *)args[0]), a))
+    npy_intp n;
+    if (expect_nargs("silu", nargs, 4) ||
+        (n = same_shape_arrays("silu", args, names, 4, 2, 1u << 1 | 1u << 2, a)) < 0)
         return NULL;
-    const pa_kernels *K = kernels_for(t);
+    const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
     Py_BEGIN_ALLOW_THREADS
-    K->silu_forward(PyArray_SIZE(a[0]), PyArray_DATA(a[0]), data_or_null(a[1]),
-                    a[2] ? PyArray_DATA(a[2]) : NULL, PyArray_DATA(a[3]));
+    K->silu_forward(n, PyArray_DATA(a[0]), data_or_null(a[1]), a[2] ? PyArray_DATA(a[2]) : NULL,
+                    PyArray_DATA(a[3]));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1360,7 +1360,7 @@ static PyObject *py_silu_backward(PyObject *self, PyObject *const *args, Py_ssiz
     PyArrayObject *a[4];
     npy_intp n;
     if (expect_nargs("silu_backward", nargs, 4) ||
-        (n = same_shape_arrays("silu_backward", args, names, 4, 1, a)) < 0)
+        (n = same_shape_arrays("silu_backward", args, names, 4, 1, 0, a)) < 0)
         return NULL;
     const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
     Py_BEGIN_ALLOW_THREADS
@@ -1377,7 +1377,7 @@ static PyObject *py_swiglu_backward(PyObject *self, PyObject *const *args, Py_ss
     PyArrayObject *a[6];
     npy_intp n;
     if (expect_nargs("swiglu_backward", nargs, 6) ||
-        (n = same_shape_arrays("swiglu_backward", args, names, 6, 2, a)) < 0)
+        (n = same_shape_arrays("swiglu_backward", args, names, 6, 2, 0, a)) < 0)
         return NULL;
     const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
     Py_BEGIN_ALLOW_THREADS
