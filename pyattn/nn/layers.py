@@ -156,6 +156,23 @@ def silu_backward(dy: np.ndarray, y: np.ndarray, s: np.ndarray) -> np.ndarray:
     return dx
 
 
+def gated_product(a: np.ndarray, b: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(silu(a) b, sigmoid(a)) in one pass: SwiGLU's product and the gated norms'; the sigmoid
+    serves the backward."""
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    h, s = np.empty(a.shape, a.dtype), np.empty(a.shape, a.dtype)
+    _core.silu(a, b, h, s)
+    return h, s
+
+
+def gated_product_backward(dh: np.ndarray, a: np.ndarray, b: np.ndarray,
+                           s: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(da, db) of h = silu(a) b from dh, a, b and s = sigmoid(a), in one pass."""
+    da, db = np.empty(a.shape, a.dtype), np.empty(a.shape, a.dtype)
+    _core.swiglu_backward(np.ascontiguousarray(dh), a, b, s, da, db)
+    return da, db
+
+
 def softplus(x: np.ndarray) -> np.ndarray:
     return np.logaddexp(0, x)
 
@@ -245,14 +262,15 @@ class RMSNorm(Module):
             return self.xhat * self.w
         if gate is None:
             raise ValueError("a gated RMSNorm's forward needs its gate")
-        sg, s = silu(gate)
-        self.s, self.sg = s, sg
+        self.gate = np.ascontiguousarray(gate)
         if self.norm_before_gate:
             self.xhat, self.rstd = rms_normalize(x, self.eps)
             self.normed = self.xhat * self.w
-            return self.normed * sg
-        self.x = x
-        self.xhat, self.rstd = rms_normalize(x * sg, self.eps)
+            out, self.s = gated_product(self.gate, self.normed)
+            return out
+        self.x = np.ascontiguousarray(x)
+        xg, self.s = gated_product(self.gate, self.x)
+        self.xhat, self.rstd = rms_normalize(xg, self.eps)
         return self.xhat * self.w
 
     def backward(self, dy: np.ndarray):
@@ -261,13 +279,13 @@ class RMSNorm(Module):
             self.g["w"] += rowdot_sum(dy, self.xhat)
             return rms_normalize_backward(dy * self.w, self.xhat, self.rstd)
         if self.norm_before_gate:
-            dgate = silu_backward(dy * self.normed, self.sg, self.s)
-            dn = dy * self.sg
+            dgate, dn = gated_product_backward(dy, self.gate, self.normed, self.s)
             self.g["w"] += rowdot_sum(dn, self.xhat)
             return rms_normalize_backward(dn * self.w, self.xhat, self.rstd), dgate
         self.g["w"] += rowdot_sum(dy, self.xhat)
         dxg = rms_normalize_backward(dy * self.w, self.xhat, self.rstd)
-        return dxg * self.sg, silu_backward(dxg * self.x, self.sg, self.s)
+        dgate, dx = gated_product_backward(dxg, self.gate, self.x, self.s)
+        return dx, dgate
 
 
 class SwiGLU(Module):
@@ -281,15 +299,13 @@ class SwiGLU(Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         a, b = linear(x, self.w_gate), linear(x, self.w_up)
-        h, s = np.empty_like(a), np.empty_like(a)
-        _core.silu(a, b, h, s)  # h = silu(a) b
+        h, s = gated_product(a, b)
         self.x, self.a, self.b, self.s, self.h = x, a, b, s, h
         return linear(h, self.w_down)
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         dh = linear_backward(dy, self.h, self.w_down, self.g["w_down"])
-        da, db = np.empty_like(dh), np.empty_like(dh)
-        _core.swiglu_backward(dh, self.a, self.b, self.s, da, db)
+        da, db = gated_product_backward(dh, self.a, self.b, self.s)
         dx = linear_backward(da, self.x, self.w_gate, self.g["w_gate"])
         dx += linear_backward(db, self.x, self.w_up, self.g["w_up"])
         return dx
