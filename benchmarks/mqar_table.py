@@ -20,7 +20,8 @@ of the learning rates in ``--lrs``.
 
 Each (model, width, lr) runs as its own process (this script with ``--run``), with
 ``--threads`` threads (default 1: ``OMP_NUM_THREADS`` and ``pyattn.set_num_threads``;
-``OPENBLAS_NUM_THREADS=1``), ``--jobs`` of them at a time, the longest (by a per-step cost table measured at one thread) first.
+``OPENBLAS_NUM_THREADS=1``), ``--jobs`` of them at a time, the longest (by a per-step cost
+table measured at one thread) first.
 ``--shard K/N`` runs the K-th of N subsets of the sweep, balanced by that cost, so that a
 sweep can be split across machines or calls; ``--out DIR`` appends every run's result as
 one JSON line to ``DIR/results.jsonl`` (and its log to ``DIR/logs``); ``--merge`` prints
