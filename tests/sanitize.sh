@@ -76,11 +76,19 @@ if [[ "$where" != "$work/src/pyattn" ]]; then
     echo "sanitize: imported pyattn from $where, not from the sanitized copy" >&2
     exit 2
 fi
-echo "sanitize: running pytest against $so"
+# Under the sanitizers the suite is CPU-bound in one process: with pytest-xdist (the test
+# extra) one worker per CPU runs it. The kernels' OpenMP threads then share the CPUs with the
+# other workers, so they wait passively rather than spin.
+workers=()
+if "$python" -c "import xdist" 2>/dev/null; then
+    workers=(-n "$(nproc)")
+    export OMP_WAIT_POLICY=passive
+fi
+echo "sanitize: running pytest against $so ${workers[*]}"
 set +e
 # --capture=sys: pytest's default fd-level capture would swallow a sanitizer report written to
 # fd 2 when the sanitizer ends the process; sys-level capture lets it reach the log.
-"$python" -m pytest -q -p no:cacheprovider --capture=sys "$work/src/tests" "$@" 2>&1 | tee "$log"
+"$python" -m pytest -q -p no:cacheprovider --capture=sys "${workers[@]}" "$work/src/tests" "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 if grep -E -q "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$log"; then
