@@ -169,11 +169,13 @@ static inline void PA_FN(store_tile)(const real *t, int64_t mr, int64_t nr, real
         }
 }
 
-/* C tile (mr x nr valid) = alpha * A B + beta * C, with A(i, p) = a[p * aps + i] (aps = MR
- * for a packed panel) and B(p, j) = b[p * NR + j]. */
-static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a, int64_t aps,
-                                       const real *restrict b, real *C, int64_t ldc,
-                                       int64_t mr, int64_t nr, real alpha, real beta)
+/* C tile (mr x nr valid) = alpha * A B + beta * C, with A(i, p) = a[i * ras + p * aps]
+ * (ras = 1, aps = MR for a packed panel; ras = lda, aps = 1 for rows of a row-major A read in
+ * place) and B(p, j) = b[p * NR + j]. Always inlined, so that each caller's constant stride
+ * gives its own loop. */
+static inline __attribute__((always_inline)) void PA_FN(micro_kernel)(
+    int64_t kc, const real *restrict a, int64_t ras, int64_t aps, const real *restrict b,
+    real *C, int64_t ldc, int64_t mr, int64_t nr, real alpha, real beta)
 {
     vreal acc[MR][NV];
 #pragma GCC unroll 16
@@ -189,7 +191,7 @@ static inline void PA_FN(micro_kernel)(int64_t kc, const real *restrict a, int64
         for (int v = 0; v < NV; v++) bv[v] = PA_FN(vload)(b + p * NR + v * VL);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; i++) {
-            vreal ai = PA_FN(vset)(a[p * aps + i]);
+            vreal ai = PA_FN(vset)(a[i * ras + p * aps]);
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) acc[i][v] += ai * bv[v];
         }
@@ -225,6 +227,26 @@ static int PA_FN(gemm_trivial)(int64_t M, int64_t N, int64_t K, real beta, real 
 /* Reals needed to pack an M x K matrix whole with pack_a (panels of MR rows, K each). */
 static int64_t PA_FN(packed_a_elems)(int64_t M, int64_t K) { return (M + MR - 1) / MR * MR * K; }
 
+/* The loop over micro-tiles of gemm_packed_ab and gemm_rows_in_place: A(i, p) at
+ * Ap[(i / MR) * ars + (i % MR) * ras + p * aps]. */
+static inline __attribute__((always_inline)) void PA_FN(micro_tiles)(
+    int64_t M, int64_t N, int64_t K, real alpha, const real *Ap, int64_t ars, int64_t ras,
+    int64_t aps, const real *Bp, int64_t bps, real beta, real *C, int64_t ldc)
+{
+    for (int64_t pc = 0; pc < K; pc += KC) {
+        int64_t kc = K - pc < KC ? K - pc : KC;
+        for (int64_t jr = 0; jr < N; jr += NR) {
+            int64_t nr = N - jr < NR ? N - jr : NR;
+            for (int64_t ir = 0; ir < M; ir += MR) {
+                int64_t mr = M - ir < MR ? M - ir : MR;
+                PA_FN(micro_kernel)(kc, Ap + ir / MR * ars + pc * aps, ras, aps,
+                                    Bp + jr / NR * bps + pc * NR, C + ir * ldc + jr, ldc, mr, nr,
+                                    alpha, pc == 0 ? beta : 1);
+            }
+        }
+    }
+}
+
 /* gemm with both operands laid out by the caller, nothing packed here: A(i, p) at
  * Ap[(i / MR) * ars + p * aps + i % MR], i.e. row panels of MR rows ars apart, p-stride aps
  * inside a panel. A pack_a(M, K, ...) packing is ars = MR * K, aps = MR (rows r.. of a larger
@@ -237,31 +259,44 @@ static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, c
                                   real beta, real *C, int64_t ldc)
 {
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
-    for (int64_t pc = 0; pc < K; pc += KC) {
-        int64_t kc = K - pc < KC ? K - pc : KC;
-        for (int64_t jr = 0; jr < N; jr += NR) {
-            int64_t nr = N - jr < NR ? N - jr : NR;
-            for (int64_t ir = 0; ir < M; ir += MR) {
-                int64_t mr = M - ir < MR ? M - ir : MR;
-                PA_FN(micro_kernel)(kc, Ap + ir / MR * ars + pc * aps, aps,
-                                    Bp + jr / NR * bps + pc * NR, C + ir * ldc + jr, ldc, mr, nr,
-                                    alpha, pc == 0 ? beta : 1);
-            }
-        }
-    }
+    PA_FN(micro_tiles)(M, N, K, alpha, Ap, ars, 1, aps, Bp, bps, beta, C, ldc);
 }
 
-/* C[M x nc] (op) with B already packed (panel j at Bp + j * bps, kc rows of NR reals); A is
- * packed here, MC x kc at a time, into Ap. */
+/* gemm_packed_ab for a row-major A (leading dimension lda) read in place, M a multiple of MR:
+ * the micro-kernel broadcasts from MR rows at once instead of a packed panel. */
+static void PA_FN(gemm_rows_in_place)(int64_t M, int64_t N, int64_t K, real alpha,
+                                      const real *A, int64_t lda, const real *Bp, int64_t bps,
+                                      real beta, real *C, int64_t ldc)
+{
+    PA_FN(micro_tiles)(M, N, K, alpha, A, MR * lda, lda, 1, Bp, bps, beta, C, ldc);
+}
+
+/* C[M x nc] (op) with B already packed (panel j at Bp + j * bps, kc rows of NR reals), MC
+ * rows of A at a time. Packing A would copy each of its elements once to save the
+ * micro-kernel nothing where A already has a layout it can read: row-major (csa = 1) or
+ * transposed (rsa = 1) A is read in place, but for a last panel of fewer than MR rows (the
+ * micro-kernel reads MR), which is packed into Ap. Not when a row-major A's rows lie a
+ * multiple of 4 KiB apart: the MR rows the micro-kernel reads at once would then fall in
+ * one set of the L1 cache. Either way each C entry sees the same FMAs in the same order. */
 static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, const real *A,
                               int64_t rsa, int64_t csa, const real *Bp, int64_t bps, real beta,
                               real *C, int64_t ldc, real *Ap)
 {
+    int rows = csa == 1 && (rsa * (int64_t)sizeof(real)) % 4096 != 0, cols = !rows && rsa == 1;
     for (int64_t ic = 0; ic < M; ic += MC) {
         int64_t mc = M - ic < MC ? M - ic : MC;
-        PA_FN(pack_a)(mc, kc, A + ic * rsa, rsa, csa, Ap);
-        PA_FN(gemm_packed_ab)(mc, nc, kc, alpha, Ap, MR * kc, MR, Bp, bps, beta, C + ic * ldc,
-                              ldc);
+        int64_t inplace = rows || cols ? mc / MR * MR : 0;
+        if (rows)
+            PA_FN(gemm_rows_in_place)(inplace, nc, kc, alpha, A + ic * rsa, rsa, Bp, bps, beta,
+                                      C + ic * ldc, ldc);
+        else if (cols)
+            PA_FN(gemm_packed_ab)(inplace, nc, kc, alpha, A + ic, MR, csa, Bp, bps, beta,
+                                  C + ic * ldc, ldc);
+        if (inplace < mc) {
+            PA_FN(pack_a)(mc - inplace, kc, A + (ic + inplace) * rsa, rsa, csa, Ap);
+            PA_FN(gemm_packed_ab)(mc - inplace, nc, kc, alpha, Ap, MR * kc, MR, Bp, bps, beta,
+                                  C + (ic + inplace) * ldc, ldc);
+        }
     }
 }
 
