@@ -171,11 +171,11 @@ static inline void PA_FN(store_tile)(const real *t, int64_t mr, int64_t nr, real
 
 /* C tile (mr x nr valid) = alpha * A B + beta * C, with A(i, p) = a[i * ras + p * aps]
  * (ras = 1, aps = MR for a packed panel; ras = lda, aps = 1 for rows of a row-major A read in
- * place) and B(p, j) = b[p * NR + j]. Always inlined, so that each caller's constant stride
- * gives its own loop. */
+ * place) and B(p, j) = b[p * bs + j] (bs = NR packed, ldb in place). Always inlined, so that
+ * each caller's constant stride gives its own loop. */
 static inline __attribute__((always_inline)) void PA_FN(micro_kernel)(
     int64_t kc, const real *restrict a, int64_t ras, int64_t aps, const real *restrict b,
-    real *C, int64_t ldc, int64_t mr, int64_t nr, real alpha, real beta)
+    int64_t bs, real *C, int64_t ldc, int64_t mr, int64_t nr, real alpha, real beta)
 {
     vreal acc[MR][NV];
 #pragma GCC unroll 16
@@ -188,7 +188,7 @@ static inline __attribute__((always_inline)) void PA_FN(micro_kernel)(
     for (int64_t p = 0; p < kc; p++) {
         vreal bv[NV];
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) bv[v] = PA_FN(vload)(b + p * NR + v * VL);
+        for (int v = 0; v < NV; v++) bv[v] = PA_FN(vload)(b + p * bs + v * VL);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; i++) {
             vreal ai = PA_FN(vset)(a[i * ras + p * aps]);
@@ -227,11 +227,12 @@ static int PA_FN(gemm_trivial)(int64_t M, int64_t N, int64_t K, real beta, real 
 /* Reals needed to pack an M x K matrix whole with pack_a (panels of MR rows, K each). */
 static int64_t PA_FN(packed_a_elems)(int64_t M, int64_t K) { return (M + MR - 1) / MR * MR * K; }
 
-/* The loop over micro-tiles of gemm_packed_ab and gemm_rows_in_place: A(i, p) at
- * Ap[(i / MR) * ars + (i % MR) * ras + p * aps]. */
+/* The loop over micro-tiles of gemm_packed_ab and gemm_macro: A(i, p) at
+ * Ap[(i / MR) * ars + (i % MR) * ras + p * aps], B(p, j) at Bp[(j / NR) * bps + p * bs + j % NR]
+ * (packed: bps = K * NR, bs = NR; row-major, read in place: bps = NR, bs = ldb). */
 static inline __attribute__((always_inline)) void PA_FN(micro_tiles)(
     int64_t M, int64_t N, int64_t K, real alpha, const real *Ap, int64_t ars, int64_t ras,
-    int64_t aps, const real *Bp, int64_t bps, real beta, real *C, int64_t ldc)
+    int64_t aps, const real *Bp, int64_t bps, int64_t bs, real beta, real *C, int64_t ldc)
 {
     for (int64_t pc = 0; pc < K; pc += KC) {
         int64_t kc = K - pc < KC ? K - pc : KC;
@@ -240,8 +241,8 @@ static inline __attribute__((always_inline)) void PA_FN(micro_tiles)(
             for (int64_t ir = 0; ir < M; ir += MR) {
                 int64_t mr = M - ir < MR ? M - ir : MR;
                 PA_FN(micro_kernel)(kc, Ap + ir / MR * ars + pc * aps, ras, aps,
-                                    Bp + jr / NR * bps + pc * NR, C + ir * ldc + jr, ldc, mr, nr,
-                                    alpha, pc == 0 ? beta : 1);
+                                    Bp + jr / NR * bps + pc * bs, bs, C + ir * ldc + jr, ldc, mr,
+                                    nr, alpha, pc == 0 ? beta : 1);
             }
         }
     }
@@ -259,19 +260,10 @@ static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, c
                                   real beta, real *C, int64_t ldc)
 {
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
-    PA_FN(micro_tiles)(M, N, K, alpha, Ap, ars, 1, aps, Bp, bps, beta, C, ldc);
+    PA_FN(micro_tiles)(M, N, K, alpha, Ap, ars, 1, aps, Bp, bps, NR, beta, C, ldc);
 }
 
-/* gemm_packed_ab for a row-major A (leading dimension lda) read in place, M a multiple of MR:
- * the micro-kernel broadcasts from MR rows at once instead of a packed panel. */
-static void PA_FN(gemm_rows_in_place)(int64_t M, int64_t N, int64_t K, real alpha,
-                                      const real *A, int64_t lda, const real *Bp, int64_t bps,
-                                      real beta, real *C, int64_t ldc)
-{
-    PA_FN(micro_tiles)(M, N, K, alpha, A, MR * lda, lda, 1, Bp, bps, beta, C, ldc);
-}
-
-/* C[M x nc] (op) with B already packed (panel j at Bp + j * bps, kc rows of NR reals), MC
+/* C[M x nc] (op), B laid out as micro_tiles reads it (packed, or row-major in place), MC
  * rows of A at a time. Packing A would copy each of its elements once to save the
  * micro-kernel nothing where A already has a layout it can read: row-major (csa = 1) or
  * transposed (rsa = 1) A is read in place, but for a last panel of fewer than MR rows (the
@@ -279,23 +271,23 @@ static void PA_FN(gemm_rows_in_place)(int64_t M, int64_t N, int64_t K, real alph
  * multiple of 4 KiB apart: the MR rows the micro-kernel reads at once would then fall in
  * one set of the L1 cache. Either way each C entry sees the same FMAs in the same order. */
 static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, const real *A,
-                              int64_t rsa, int64_t csa, const real *Bp, int64_t bps, real beta,
-                              real *C, int64_t ldc, real *Ap)
+                              int64_t rsa, int64_t csa, const real *Bp, int64_t bps, int64_t bs,
+                              real beta, real *C, int64_t ldc, real *Ap)
 {
     int rows = csa == 1 && (rsa * (int64_t)sizeof(real)) % 4096 != 0, cols = !rows && rsa == 1;
     for (int64_t ic = 0; ic < M; ic += MC) {
         int64_t mc = M - ic < MC ? M - ic : MC;
         int64_t inplace = rows || cols ? mc / MR * MR : 0;
         if (rows)
-            PA_FN(gemm_rows_in_place)(inplace, nc, kc, alpha, A + ic * rsa, rsa, Bp, bps, beta,
-                                      C + ic * ldc, ldc);
+            PA_FN(micro_tiles)(inplace, nc, kc, alpha, A + ic * rsa, MR * rsa, rsa, 1, Bp, bps,
+                               bs, beta, C + ic * ldc, ldc);
         else if (cols)
-            PA_FN(gemm_packed_ab)(inplace, nc, kc, alpha, A + ic, MR, csa, Bp, bps, beta,
-                                  C + ic * ldc, ldc);
+            PA_FN(micro_tiles)(inplace, nc, kc, alpha, A + ic, MR, 1, csa, Bp, bps, bs, beta,
+                               C + ic * ldc, ldc);
         if (inplace < mc) {
             PA_FN(pack_a)(mc - inplace, kc, A + (ic + inplace) * rsa, rsa, csa, Ap);
-            PA_FN(gemm_packed_ab)(mc - inplace, nc, kc, alpha, Ap, MR * kc, MR, Bp, bps, beta,
-                                  C + (ic + inplace) * ldc, ldc);
+            PA_FN(micro_tiles)(mc - inplace, nc, kc, alpha, Ap, MR * kc, 1, MR, Bp, bps, bs,
+                               beta, C + (ic + inplace) * ldc, ldc);
         }
     }
 }
@@ -313,7 +305,7 @@ static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real 
         for (int64_t pc = 0; pc < K; pc += KC) {
             int64_t kc = K - pc < KC ? K - pc : KC;
             PA_FN(pack_b)(kc, nc, B + pc * rsb + jc * csb, rsb, csb, Bp);
-            PA_FN(gemm_macro)(M, nc, kc, alpha, A + pc * csa, rsa, csa, Bp, kc * NR,
+            PA_FN(gemm_macro)(M, nc, kc, alpha, A + pc * csa, rsa, csa, Bp, kc * NR, NR,
                               pc == 0 ? beta : 1, C + jc, ldc, Ap);
         }
     }
@@ -332,7 +324,7 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
     for (int64_t pc = 0; pc < K; pc += KC) {
         int64_t kc = K - pc < KC ? K - pc : KC;
-        PA_FN(gemm_macro)(M, N, kc, alpha, A + pc * csa, rsa, csa, Bp + pc * NR, bps,
+        PA_FN(gemm_macro)(M, N, kc, alpha, A + pc * csa, rsa, csa, Bp + pc * NR, bps, NR,
                           pc == 0 ? beta : 1, C, ldc, work);
     }
 }
@@ -379,11 +371,14 @@ static void PA_FN(gemm_few_rows)(int64_t M, int64_t N, int64_t K, real alpha, co
 }
 
 /* gemm on the threads pa_threads_for grants (the binding's entry; the attention kernels call
- * gemm inside their own parallel regions). Per (jc, pc) block the team packs B's panels into
- * one shared buffer; each thread owns a contiguous share of A's MR-row panels (the shares
- * differ by one panel at most) and runs gemm_macro on them (MC rows at a time), so it keeps
- * the same rows of C, in its own cache, through every pc block. Panels start at multiples of
- * MR whatever the thread count, so every C entry sees the same FMAs in the same order. */
+ * gemm inside their own parallel regions). Each thread owns a contiguous share of A's MR-row
+ * panels (the shares differ by one panel at most) and runs gemm_macro on them (MC rows at a
+ * time), so it keeps the same rows of C, in its own cache, through every pc block. A
+ * row-major B (csb = 1) is read in place, but for a last panel of fewer than NR columns,
+ * which each thread packs into a buffer of its own: the threads never wait for each other.
+ * Any other B is packed by the team into one shared buffer per (jc, pc) block. Panels start
+ * at multiples of MR whatever the thread count, so every C entry sees the same FMAs in the
+ * same order. */
 static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                                 int64_t rsa, int64_t csa, const real *B, int64_t rsb,
                                 int64_t csb, real beta, real *C, int64_t ldc)
@@ -395,32 +390,48 @@ static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, con
     }
     int64_t panels = (M + MR - 1) / MR;
     int threads = pa_threads_for((double)M * N * K, panels);
+    int b_in_place = csb == 1;
     int64_t mcmax = M < MC ? panels * MR : MC;
     int64_t kcmax = K < KC ? K : KC;
     int64_t ncmax = N < NC ? (N + NR - 1) / NR * NR : NC;
     real *Ap, *Bp;
     void **parts[2] = {(void **)&Ap, (void **)&Bp};
-    size_t bytes[2] = {sizeof(real) * threads * mcmax * kcmax, sizeof(real) * kcmax * ncmax};
+    size_t bytes[2] = {sizeof(real) * threads * mcmax * kcmax,
+                       sizeof(real) * kcmax * (b_in_place ? threads * NR : ncmax)};
     void *block = pa_alloc_parts(parts, bytes, 2);
     if (!block) return PA_ENOMEM;
 #pragma omp parallel num_threads(threads)
     {
         int tid = pa_thread_id(), team = pa_team_size();
-        real *myAp = Ap + tid * mcmax * kcmax;
+        real *myAp = Ap + tid * mcmax * kcmax, *myBp = Bp + tid * kcmax * NR;
         int64_t r0 = panels * tid / team * MR, r1 = panels * (tid + 1) / team * MR;
         if (r1 > M) r1 = M;
+        const real *Ar = A + r0 * rsa;
+        real *Cr = C + r0 * ldc;
         for (int64_t jc = 0; jc < N; jc += NC) {
             int64_t nc = N - jc < NC ? N - jc : NC;
             for (int64_t pc = 0; pc < K; pc += KC) {
                 int64_t kc = K - pc < KC ? K - pc : KC;
+                real bb = pc == 0 ? beta : 1;
+                if (b_in_place) {
+                    int64_t full = nc / NR * NR;
+                    if (r1 > r0 && full > 0)
+                        PA_FN(gemm_macro)(r1 - r0, full, kc, alpha, Ar + pc * csa, rsa, csa,
+                                          B + pc * rsb + jc, NR, rsb, bb, Cr + jc, ldc, myAp);
+                    if (r1 > r0 && full < nc) {
+                        PA_FN(pack_b)(kc, nc - full, B + pc * rsb + jc + full, rsb, 1, myBp);
+                        PA_FN(gemm_macro)(r1 - r0, nc - full, kc, alpha, Ar + pc * csa, rsa, csa,
+                                          myBp, kc * NR, NR, bb, Cr + jc + full, ldc, myAp);
+                    }
+                    continue;
+                }
 #pragma omp for schedule(static)
                 for (int64_t jr = 0; jr < nc; jr += NR)
                     PA_FN(pack_b)(kc, nc - jr < NR ? nc - jr : NR, B + pc * rsb + (jc + jr) * csb,
                                   rsb, csb, Bp + jr * kc);
                 if (r1 > r0)
-                    PA_FN(gemm_macro)(r1 - r0, nc, kc, alpha, A + r0 * rsa + pc * csa, rsa, csa,
-                                      Bp, kc * NR, pc == 0 ? beta : 1, C + r0 * ldc + jc, ldc,
-                                      myAp);
+                    PA_FN(gemm_macro)(r1 - r0, nc, kc, alpha, Ar + pc * csa, rsa, csa, Bp,
+                                      kc * NR, NR, bb, Cr + jc, ldc, myAp);
 #pragma omp barrier /* Bp is packed again next */
             }
         }
