@@ -233,6 +233,9 @@ typedef struct {
     void (*silu_backward)(int64_t n, const void *dy, const void *y, const void *s, void *dx);
     void (*swiglu_backward)(int64_t n, const void *dh, const void *a, const void *b,
                             const void *s, void *da, void *db);
+    /* AdamW: one step of n parameters p and their moments m, v in place from gradients g */
+    void (*adamw_step)(int64_t n, const void *g, void *p, void *m, void *v, double b1, double b2,
+                       double eps, double decay, double lr_c1, double c2);
     void (*rms_norm_forward)(int64_t rows, int64_t d, double eps, const void *x, void *xhat,
                              void *rstd);
     void (*rms_norm_backward)(int64_t rows, int64_t d, const void *dxhat, const void *xhat,

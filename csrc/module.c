@@ -1408,6 +1408,28 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* adamw_step(g, p, m, v, b1, b2, eps, decay, lr_c1, c2): p, m, v updated in place; any shape */
+static PyObject *py_adamw_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[4] = {"g", "p", "m", "v"};
+    static const char *const scalars[6] = {"b1", "b2", "eps", "decay", "lr_c1", "c2"};
+    PyArrayObject *a[4];
+    double s[6];
+    npy_intp n;
+    if (expect_nargs("adamw_step", nargs, 10) ||
+        (n = same_shape_arrays("adamw_step", args, names, 4, 3, 0, a)) < 0)
+        return NULL;
+    for (int i = 0; i < 6; i++) /* decay = 1 - lr wd may be negative, the others not */
+        if (get_double("adamw_step", scalars[i], args[4 + i], i == 3 ? -HUGE_VAL : 0.0, &s[i]))
+            return NULL;
+    const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
+    Py_BEGIN_ALLOW_THREADS
+    K->adamw_step(n, PyArray_DATA(a[0]), PyArray_DATA(a[1]), PyArray_DATA(a[2]),
+                  PyArray_DATA(a[3]), s[0], s[1], s[2], s[3], s[4], s[5]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* rms_norm_backward(dxhat [rows, d], xhat [rows, d], rstd [rows], dx [rows, d]) */
 static PyObject *py_rms_norm_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1708,6 +1730,8 @@ static PyMethodDef core_methods[] = {
      "silu_backward(dy, y, s, dx): dx = dy (s + y (1 - s))"},
     {"swiglu_backward", (PyCFunction)(void (*)(void))py_swiglu_backward, METH_FASTCALL,
      "swiglu_backward(dh, a, b, s, da, db): da = dh b silu'(a), db = dh silu(a)"},
+    {"adamw_step", (PyCFunction)(void (*)(void))py_adamw_step, METH_FASTCALL,
+     "adamw_step(g, p, m, v, b1, b2, eps, decay, lr_c1, c2): one AdamW step of p, m, v in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, eps, xhat, rstd): rstd = 1 / sqrt(mean(x^2) + eps) per row, xhat = x rstd"},
     {"rms_norm_backward", (PyCFunction)(void (*)(void))py_rms_norm_backward, METH_FASTCALL,

@@ -197,6 +197,11 @@ def silu_backward(dy: _Float, y: _Float, s: _Float, dx: _Float, /) -> None:
 def swiglu_backward(dh: _Float, a: _Float, b: _Float, s: _Float, da: _Float, db: _Float, /) -> None:
     """da = dh b silu'(a), db = dh silu(a); any shape."""
 
+def adamw_step(g: _Float, p: _Float, m: _Float, v: _Float, b1: float, b2: float, eps: float,
+               decay: float, lr_c1: float, c2: float, /) -> None:
+    """One AdamW step of p, m, v (any shape, g's) in place: m = b1 m + (1 - b1) g,
+    v = b2 v + (1 - b2) g^2, p = decay p - lr_c1 m / (sqrt(v / c2) + eps)."""
+
 def rms_norm(x: _Float, eps: float, xhat: _Float, rstd: _Float, /) -> None:
     """Rows of x [rows, d]: rstd [rows] = 1 / sqrt(mean(x^2) + eps), xhat = x rstd."""
 

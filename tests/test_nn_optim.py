@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+import pyattn
 from pyattn.nn import AdamW, HybridLM, accuracy, clip_grad_norm, cosine_lr, cross_entropy
 
 from conftest import raises
@@ -64,6 +65,40 @@ def test_adamw_equals_the_formula(rng):
                 ref[n] = ref[n] * (1 - 0.01 * 0.3)
             ref[n] = ref[n] - 0.01 * (m[n] / (1 - 0.8 ** t)) / (np.sqrt(v[n] / (1 - 0.9 ** t)) + 1e-6)
             np.testing.assert_allclose(params[n], ref[n], rtol=1e-13, atol=1e-15)
+
+
+def test_adamw_float32_follows_the_float64_formula_on_every_thread_count(rng):
+    """float32 parameters large enough to be split between threads (the kernel's blocks hold
+    8192 elements): within float32 round-off of the float64 formula, and the same bits at 1
+    and 2 threads."""
+    shape = (300, 70)
+    p0 = rng.standard_normal(shape)
+    grads = [rng.standard_normal(shape) for _ in range(3)]
+    results = []
+    for threads in (1, 2):
+        params = {"w": p0.astype(np.float32)}
+        opt = AdamW(params, lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3)
+        with pyattn.num_threads(threads):
+            for g in grads:
+                opt.step({"w": g.astype(np.float32)})
+        assert params["w"].dtype == np.float32
+        results.append(params["w"].copy())
+    assert np.array_equal(results[0], results[1])
+    ref, m, v = p0.copy(), np.zeros(shape), np.zeros(shape)
+    for t, g in enumerate(grads, 1):
+        g = g.astype(np.float32).astype(np.float64)
+        m = 0.8 * m + 0.2 * g
+        v = 0.9 * v + 0.1 * g ** 2
+        ref = ref * (1 - 0.01 * 0.3) - 0.01 * (m / (1 - 0.8 ** t)) / (np.sqrt(v / (1 - 0.9 ** t)) + 1e-6)
+    np.testing.assert_allclose(results[0], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_nan_gradient_gives_nan_parameters(rng):
+    params = {"w": rng.standard_normal((4, 5))}
+    g = np.zeros((4, 5))
+    g[1, 2] = np.nan
+    AdamW(params, lr=0.01).step({"w": g})
+    assert np.isnan(params["w"][1, 2]) and np.isfinite(np.delete(params["w"].ravel(), 7)).all()
 
 
 def test_clip_grad_norm(rng):

@@ -23,6 +23,7 @@
 #undef PA_DT
 #undef PA_REAL_MAX
 #undef PA_CAT3
+#undef PA_SQRT
 #undef PA_CAT3_
 
 #define PA_CAT3_(a, b, c) a##_##b##_##c
@@ -33,11 +34,13 @@
 #define ivec_elem long long
 #define PA_DT f64
 #define PA_REAL_MAX 1.7976931348623157e308
+#define PA_SQRT sqrt
 #else
 #define real float
 #define ivec_elem int
 #define PA_DT f32
 #define PA_REAL_MAX 3.4028234663852886e38f
+#define PA_SQRT sqrtf
 #endif
 
 #define PA_FN(x) PA_CAT3(x, PA_DT, PA_ISA)

@@ -45,6 +45,7 @@ const pa_kernels PA_FN(pa_kernels) = {
     .silu_forward = PA_FN(silu_forward),
     .silu_backward = PA_FN(silu_backward),
     .swiglu_backward = PA_FN(swiglu_backward),
+    .adamw_step = PA_FN(adamw_step),
     .rms_norm_forward = PA_FN(rms_norm_forward),
     .rms_norm_backward = PA_FN(rms_norm_backward),
     .rotary = PA_FN(rotary),

@@ -90,6 +90,30 @@ static void PA_FN(silu_backward)(int64_t n, const void *dyv, const void *yv, con
     }
 }
 
+/* One AdamW step over n parameters in place, in torch.optim.AdamW's order: m = b1 m +
+ * (1 - b1) g, v = b2 v + (1 - b2) g^2, p = decay p (decay = 1 - lr wd, or 1), then
+ * p -= lr_c1 m / (sqrt(v / c2) + eps) with lr_c1 = lr / (1 - b1^t), c2 = 1 - b2^t. In NumPy
+ * this is a dozen passes over the parameters on one core. */
+static void PA_FN(adamw_step)(int64_t n, const void *gv, void *pv, void *mv, void *vv, double b1,
+                              double b2, double eps, double decay, double lr_c1, double c2)
+{
+    const real *g = gv;
+    real *p = pv, *m = mv, *v = vv;
+    const real rb1 = (real)b1, rb2 = (real)b2, ra = (real)(1 - b1), rb = (real)(1 - b2);
+    const real reps = (real)eps, rdecay = (real)decay, rlr = (real)lr_c1, rc2 = (real)c2;
+    int threads = PA_FN(pw_threads)(n, 12);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < n; k += PW_BLOCK) {
+        int64_t e = n - k < PW_BLOCK ? n : k + PW_BLOCK;
+        for (int64_t i = k; i < e; i++) {
+            real mi = rb1 * m[i] + ra * g[i], vi = rb2 * v[i] + rb * (g[i] * g[i]);
+            m[i] = mi;
+            v[i] = vi;
+            p[i] = rdecay * p[i] - rlr * mi / (PA_SQRT(vi / rc2) + reps);
+        }
+    }
+}
+
 /* Rows of d: rstd = 1 / sqrt(mean(x^2) + eps), xhat = x rstd. */
 static void PA_FN(rms_norm_forward)(int64_t rows, int64_t d, double eps, const void *xv,
                                     void *xhatv, void *rstdv)

@@ -1,5 +1,6 @@
 """Loss, metric and optimiser for training HybridLM: cross_entropy, accuracy, AdamW,
-clip_grad_norm, cosine_lr. NumPy, vectorised, in the parameters' own dtype."""
+clip_grad_norm, cosine_lr. NumPy, vectorised, in the parameters' own dtype; AdamW's update is
+one pass of a threaded C kernel per parameter."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ from typing import Mapping, Tuple
 
 import numpy as np
 
+from .. import _core
 from .memory import with_cached_arrays
 
 
@@ -84,8 +86,9 @@ class AdamW:
     ``p -= lr wd p`` (decoupled, before the update), ``p -= lr m / (1 - b1^t) /
     (sqrt(v / (1 - b2^t)) + eps)``. Parameters with fewer than 2 dimensions (norm weights,
     biases, per-head constants such as A_log, dt_bias and D) are not decayed; matrices,
-    embeddings included, are. ``params`` maps names to the model's own arrays, which
-    ``step`` updates in place; ``lr`` may be changed between steps (a schedule)."""
+    embeddings included, are. ``params`` maps names to the model's own arrays (C-contiguous,
+    float32 or float64), which ``step`` updates in place; ``lr`` may be changed between steps
+    (a schedule)."""
 
     def __init__(self, params: Mapping[str, np.ndarray], *, lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
@@ -95,33 +98,18 @@ class AdamW:
         self.t = 0
         self.m = {n: np.zeros_like(p) for n, p in self.params.items()}
         self.v = {n: np.zeros_like(p) for n, p in self.params.items()}
-        # two scratch buffers per dtype, as large as the largest parameter (no temporaries)
-        self._scratch: dict = {}
-        for p in self.params.values():
-            have = self._scratch.get(p.dtype)
-            if have is None or have[0].size < p.size:
-                self._scratch[p.dtype] = (np.empty(p.size, p.dtype), np.empty(p.size, p.dtype))
 
     def decays(self, name: str) -> bool:
         """Whether parameter ``name`` gets weight decay."""
         return self.params[name].ndim >= 2
 
     def step(self, grads: Mapping[str, np.ndarray]) -> None:
+        """One update of every parameter from ``grads`` (same names and shapes), one pass of a
+        threaded C kernel per parameter."""
         self.t += 1
         b1, b2 = self.betas
-        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        lr_c1, c2 = self.lr / (1 - b1 ** self.t), 1 - b2 ** self.t
         for name, p in self.params.items():
-            g = grads[name]
-            m, v = self.m[name], self.v[name]
-            s1, s2 = (b[:p.size].reshape(p.shape) for b in self._scratch[p.dtype])
-            m *= b1
-            m += np.multiply(1 - b1, g, out=s1)
-            v *= b2
-            s1 = np.square(g, out=s1)
-            v += np.multiply(1 - b2, s1, out=s1)
-            if self.weight_decay and self.decays(name):
-                p *= p.dtype.type(1 - self.lr * self.weight_decay)
-            den = np.sqrt(np.divide(v, c2, out=s1), out=s1)  # the same operations, in scratch
-            den += self.eps
-            num = np.multiply(self.lr / c1, m, out=s2)
-            p -= np.divide(num, den, out=s2)
+            g = np.ascontiguousarray(grads[name], dtype=p.dtype)
+            decay = 1 - self.lr * self.weight_decay if self.decays(name) else 1.0
+            _core.adamw_step(g, p, self.m[name], self.v[name], b1, b2, self.eps, decay, lr_c1, c2)
