@@ -5,9 +5,12 @@
  * A and B are addressed through row and column strides, so transposes (and the strided
  * [T, H, D] rows of attention) cost nothing extra: A(i, p) = A[i*rsa + p*csa],
  * B(p, j) = B[p*rsb + j*csb]. C is row-major with leading dimension ldc.
- * Loop nest as in BLIS/GotoBLAS: B is packed into KC x NR micro-panels, A into MR x KC
- * micro-panels (zero-padded at the ragged edges), and the micro-kernel accumulates an
- * MR x NR tile in registers. The caller passes `work` of gemm_work_elems(M, N, K) reals.
+ * Loop nest as in BLIS/GotoBLAS: the micro-kernel accumulates an MR x NR tile in registers
+ * from MR rows of A and NR columns of B over KC steps. It reads A in place where A is
+ * row-major or transposed, and B in place where the threaded entry has a row-major B; what
+ * it cannot read as it is (other strides, a last panel narrower than MR or NR) is packed
+ * into MR x KC and KC x NR micro-panels, zero-padded at the ragged edges. The caller passes
+ * `work` of gemm_work_elems(M, N, K) reals.
  */
 #include "gemm.h"
 
@@ -170,8 +173,9 @@ static inline void PA_FN(store_tile)(const real *t, int64_t mr, int64_t nr, real
 }
 
 /* C tile (mr x nr valid) = alpha * A B + beta * C, with A(i, p) = a[i * ras + p * aps]
- * (ras = 1, aps = MR for a packed panel; ras = lda, aps = 1 for rows of a row-major A read in
- * place) and B(p, j) = b[p * bs + j] (bs = NR packed, ldb in place). Always inlined, so that
+ * (ras = 1, aps = MR for a packed panel; ras = 1, aps = ld for a transposed A read in place;
+ * ras = lda, aps = 1 for rows of a row-major A read in place) and B(p, j) = b[p * bs + j]
+ * (bs = NR packed, ldb in place). Always inlined, so that
  * each caller's constant stride gives its own loop. */
 static inline __attribute__((always_inline)) void PA_FN(micro_kernel)(
     int64_t kc, const real *restrict a, int64_t ras, int64_t aps, const real *restrict b,
@@ -264,12 +268,11 @@ static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, c
 }
 
 /* C[M x nc] (op), B laid out as micro_tiles reads it (packed, or row-major in place), MC
- * rows of A at a time. Packing A would copy each of its elements once to save the
- * micro-kernel nothing where A already has a layout it can read: row-major (csa = 1) or
- * transposed (rsa = 1) A is read in place, but for a last panel of fewer than MR rows (the
- * micro-kernel reads MR), which is packed into Ap. Not when a row-major A's rows lie a
- * multiple of 4 KiB apart: the MR rows the micro-kernel reads at once would then fall in
- * one set of the L1 cache. Either way each C entry sees the same FMAs in the same order. */
+ * rows of A at a time. Where A already has a layout the micro-kernel can read, packing it
+ * would only copy each element once more: row-major (csa = 1) or transposed (rsa = 1) A is
+ * read in place, but for a last panel of fewer than MR rows (the micro-kernel reads MR),
+ * which is packed into Ap. A row-major A whose rows lie a multiple of 4 KiB apart is packed
+ * too: the MR rows the micro-kernel reads at once would fall in one set of the L1 cache. Either way each C entry sees the same FMAs in the same order. */
 static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, const real *A,
                               int64_t rsa, int64_t csa, const real *Bp, int64_t bps, int64_t bs,
                               real beta, real *C, int64_t ldc, real *Ap)
@@ -375,7 +378,7 @@ static void PA_FN(gemm_few_rows)(int64_t M, int64_t N, int64_t K, real alpha, co
  * panels (the shares differ by one panel at most) and runs gemm_macro on them (MC rows at a
  * time), so it keeps the same rows of C, in its own cache, through every pc block. A
  * row-major B (csb = 1) is read in place, but for a last panel of fewer than NR columns,
- * which each thread packs into a buffer of its own: the threads never wait for each other.
+ * which each thread packs into a buffer of its own: no barrier inside the region.
  * Any other B is packed by the team into one shared buffer per (jc, pc) block. Panels start
  * at multiples of MR whatever the thread count, so every C entry sees the same FMAs in the
  * same order. */
@@ -403,7 +406,7 @@ static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, con
 #pragma omp parallel num_threads(threads)
     {
         int tid = pa_thread_id(), team = pa_team_size();
-        real *myAp = Ap + tid * mcmax * kcmax, *myBp = Bp + tid * kcmax * NR;
+        real *myAp = Ap + tid * mcmax * kcmax;
         int64_t r0 = panels * tid / team * MR, r1 = panels * (tid + 1) / team * MR;
         if (r1 > M) r1 = M;
         const real *Ar = A + r0 * rsa;
@@ -419,6 +422,7 @@ static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, con
                         PA_FN(gemm_macro)(r1 - r0, full, kc, alpha, Ar + pc * csa, rsa, csa,
                                           B + pc * rsb + jc, NR, rsb, bb, Cr + jc, ldc, myAp);
                     if (r1 > r0 && full < nc) {
+                        real *myBp = Bp + tid * kcmax * NR;
                         PA_FN(pack_b)(kc, nc - full, B + pc * rsb + jc + full, rsb, 1, myBp);
                         PA_FN(gemm_macro)(r1 - r0, nc - full, kc, alpha, Ar + pc * csa, rsa, csa,
                                           myBp, kc * NR, NR, bb, Cr + jc + full, ldc, myAp);

@@ -517,7 +517,8 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         sc->P[i * l + i] = 0;
         const real *dx = sc->R + i * W, *dy = dx + K;
         const real xk = PA_FN(dot)(dx, k + i * sk, K);
-        db += (double)sc->gam[i] * xk + PA_FN(dot)(dy, v + i * sv, V);
+        /* fused explicitly: whether the compiler fuses it depends on what it inlines here */
+        db += fma((double)sc->gam[i], xk, PA_FN(dot)(dy, v + i * sv, V));
         u->dbeta[(c0 + i) * u->sg] = (real)db;
         if (gated) dG[i] += (double)sc->bet[i] * sc->gam[i] * xk;
         PA_FN(axpy)(dk + i * sk, dx, K, sc->bet[i] * sc->gam[i]);
