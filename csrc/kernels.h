@@ -226,7 +226,8 @@ typedef struct {
     /* pyattn.nn's pointwise steps (ops/pointwise.c), over n elements or rows of d. silu: s =
      * sigmoid(x) and y = x s, times mul (SwiGLU's product; y, mul may be NULL); its backward
      * dx = dy (s + y (1 - s)); SwiGLU's backward da, db from dh. RMSNorm: xhat = x rstd,
-     * rstd = 1 / sqrt(mean(x^2) + eps); its backward dx from dxhat. rotary: x [rows, H, D] by
+     * rstd = 1 / sqrt(mean(x^2) + eps) (the sum for mean = 0: an L2 norm); its backward dx from
+     * dxhat. rotary: x [rows, H, D] by
      * the tables cos, sin [table_rows, D] (row r uses r % table_rows), sign -1 the opposite
      * angles */
     void (*silu_forward)(int64_t n, const void *x, const void *mul, void *y, void *s);
@@ -236,10 +237,10 @@ typedef struct {
     /* AdamW: one step of n parameters p and their moments m, v in place from gradients g */
     void (*adamw_step)(int64_t n, const void *g, void *p, void *m, void *v, double b1, double b2,
                        double eps, double decay, double lr_c1, double c2);
-    void (*rms_norm_forward)(int64_t rows, int64_t d, double eps, const void *x, void *xhat,
-                             void *rstd);
-    void (*rms_norm_backward)(int64_t rows, int64_t d, const void *dxhat, const void *xhat,
-                              const void *rstd, void *dx);
+    void (*rms_norm_forward)(int64_t rows, int64_t d, double eps, int mean, const void *x,
+                             void *xhat, void *rstd);
+    void (*rms_norm_backward)(int64_t rows, int64_t d, int mean, const void *dxhat,
+                              const void *xhat, const void *rstd, void *dx);
     void (*rotary)(int64_t rows, int64_t H, int64_t D, int64_t table_rows, const void *cos,
                    const void *sin, int sign, const void *x, void *y);
     /* ShortConv: x [B, T, C] through a causal depthwise convolution, w [K, C], state NULL or

@@ -1387,13 +1387,16 @@ static PyObject *py_swiglu_backward(PyObject *self, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
-/* rms_norm(x [rows, d], eps, xhat [rows, d], rstd [rows]) */
+/* rms_norm(x [rows, d], eps, xhat [rows, d], rstd [rows], mean) */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "rms_norm";
     int t;
     double eps;
-    if (expect_nargs(fn, nargs, 4) || float_type(fn, "x", args[0], &t)) return NULL;
+    int mean;
+    if (expect_nargs(fn, nargs, 5) || float_type(fn, "x", args[0], &t) ||
+        (mean = PyObject_IsTrue(args[4])) < 0)
+        return NULL;
     npy_intp any2[2] = {-1, -1};
     PyArrayObject *x = get_array(fn, "x", args[0], t, 2, any2, 0);
     if (!x || get_double(fn, "eps", args[1], 0.0, &eps)) return NULL;
@@ -1402,7 +1405,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (!rstd) return NULL;
     const pa_kernels *K = kernels_for(t);
     Py_BEGIN_ALLOW_THREADS
-    K->rms_norm_forward(PyArray_DIM(x, 0), PyArray_DIM(x, 1), eps, PyArray_DATA(x),
+    K->rms_norm_forward(PyArray_DIM(x, 0), PyArray_DIM(x, 1), eps, mean, PyArray_DATA(x),
                         PyArray_DATA(xhat), PyArray_DATA(rstd));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -1430,12 +1433,15 @@ static PyObject *py_adamw_step(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* rms_norm_backward(dxhat [rows, d], xhat [rows, d], rstd [rows], dx [rows, d]) */
+/* rms_norm_backward(dxhat [rows, d], xhat [rows, d], rstd [rows], dx [rows, d], mean) */
 static PyObject *py_rms_norm_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "rms_norm_backward";
     int t;
-    if (expect_nargs(fn, nargs, 4) || float_type(fn, "dxhat", args[0], &t)) return NULL;
+    int mean;
+    if (expect_nargs(fn, nargs, 5) || float_type(fn, "dxhat", args[0], &t) ||
+        (mean = PyObject_IsTrue(args[4])) < 0)
+        return NULL;
     npy_intp any2[2] = {-1, -1};
     PyArrayObject *g = get_array(fn, "dxhat", args[0], t, 2, any2, 0);
     PyArrayObject *h = g ? get_array(fn, "xhat", args[1], t, 2, PyArray_DIMS(g), 0) : NULL;
@@ -1444,7 +1450,7 @@ static PyObject *py_rms_norm_backward(PyObject *self, PyObject *const *args, Py_
     if (!dx) return NULL;
     const pa_kernels *K = kernels_for(t);
     Py_BEGIN_ALLOW_THREADS
-    K->rms_norm_backward(PyArray_DIM(g, 0), PyArray_DIM(g, 1), PyArray_DATA(g), PyArray_DATA(h),
+    K->rms_norm_backward(PyArray_DIM(g, 0), PyArray_DIM(g, 1), mean, PyArray_DATA(g), PyArray_DATA(h),
                          PyArray_DATA(r), PyArray_DATA(dx));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -1733,9 +1739,11 @@ static PyMethodDef core_methods[] = {
     {"adamw_step", (PyCFunction)(void (*)(void))py_adamw_step, METH_FASTCALL,
      "adamw_step(g, p, m, v, b1, b2, eps, decay, lr_c1, c2): one AdamW step of p, m, v in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
-     "rms_norm(x, eps, xhat, rstd): rstd = 1 / sqrt(mean(x^2) + eps) per row, xhat = x rstd"},
+     "rms_norm(x, eps, xhat, rstd, mean): rstd = 1 / sqrt(mean(x^2) + eps) per row (sum(x^2) "
+     "when not mean), xhat = x rstd"},
     {"rms_norm_backward", (PyCFunction)(void (*)(void))py_rms_norm_backward, METH_FASTCALL,
-     "rms_norm_backward(dxhat, xhat, rstd, dx): dx = (dxhat - xhat mean(dxhat xhat)) rstd"},
+     "rms_norm_backward(dxhat, xhat, rstd, dx, mean): dx = (dxhat - xhat mean(dxhat xhat)) rstd "
+     "(the sum when not mean)"},
     {"rotary", (PyCFunction)(void (*)(void))py_rotary, METH_FASTCALL,
      "rotary(x, cos, sin, sign, y): rotary embedding of x [rows, H, D] by tables [n, D]"},
     {"short_conv", (PyCFunction)(void (*)(void))py_short_conv, METH_FASTCALL,

@@ -202,11 +202,13 @@ def adamw_step(g: _Float, p: _Float, m: _Float, v: _Float, b1: float, b2: float,
     """One AdamW step of p, m, v (any shape, g's) in place: m = b1 m + (1 - b1) g,
     v = b2 v + (1 - b2) g^2, p = decay p - lr_c1 m / (sqrt(v / c2) + eps)."""
 
-def rms_norm(x: _Float, eps: float, xhat: _Float, rstd: _Float, /) -> None:
-    """Rows of x [rows, d]: rstd [rows] = 1 / sqrt(mean(x^2) + eps), xhat = x rstd."""
+def rms_norm(x: _Float, eps: float, xhat: _Float, rstd: _Float, mean: bool, /) -> None:
+    """Rows of x [rows, d]: rstd [rows] = 1 / sqrt(mean(x^2) + eps), xhat = x rstd; with
+    mean False the sum of x^2 instead (an L2 norm)."""
 
-def rms_norm_backward(dxhat: _Float, xhat: _Float, rstd: _Float, dx: _Float, /) -> None:
-    """dx = (dxhat - xhat mean(dxhat xhat)) rstd, row by row ([rows, d])."""
+def rms_norm_backward(dxhat: _Float, xhat: _Float, rstd: _Float, dx: _Float, mean: bool, /) -> None:
+    """dx = (dxhat - xhat mean(dxhat xhat)) rstd, row by row ([rows, d]); the sum for mean
+    False."""
 
 def rotary(x: _Float, cos: _Float, sin: _Float, sign: int, y: _Float, /) -> None:
     """Rotary embedding (half-split pairs) of x [rows, H, D] into y by the tables cos, sin

@@ -3,7 +3,7 @@
 One C engine computes, per (sequence, head), with S_0 = initial_state (zeros if None):
 ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T (scale q_t)``
 (``g = 0`` for ``delta_rule``). The wrappers here check arguments, apply the optional L2
-normalisation of q and k (and its backward) in NumPy, and call the engine's forward and
+normalisation of q and k (and its backward, one threaded C pass each), and call the engine's forward and
 backward; they never loop over time.
 """
 from __future__ import annotations
@@ -19,14 +19,23 @@ L2_EPS = 1e-6  # qk_l2norm: x / sqrt(sum x^2 + L2_EPS) over the head dimension
 
 
 def _l2norm(x):
-    """(x / n, n) with n = sqrt(sum x^2 + L2_EPS) over the last axis."""
-    n = np.sqrt(np.einsum("...k,...k->...", x, x)[..., None] + x.dtype.type(L2_EPS))
-    return x / n, n
+    """(x r, r) with r = 1 / sqrt(sum x^2 + L2_EPS) over the last axis (r of shape
+    x.shape[:-1] + (1,)); one threaded pass of the RMSNorm kernel, summing instead of
+    averaging."""
+    d = x.shape[-1]
+    y, r = np.empty(x.shape, x.dtype), np.empty(x.shape[:-1] + (1,), x.dtype)
+    _core.rms_norm(np.ascontiguousarray(x).reshape(-1, d), L2_EPS, y.reshape(-1, d), r.reshape(-1),
+                   False)
+    return y, r
 
 
-def _l2norm_backward(y, n, dy):
-    """The gradient reaching x = y n from dy: (dy - y (y . dy)) / n."""
-    return (dy - y * np.einsum("...k,...k->...", y, dy)[..., None]) / n
+def _l2norm_backward(y, r, dy):
+    """The gradient reaching x from dy of y = x r: (dy - y (y . dy)) r."""
+    d = y.shape[-1]
+    dx = np.empty(y.shape, y.dtype)
+    _core.rms_norm_backward(np.ascontiguousarray(dy, dtype=y.dtype).reshape(-1, d), y.reshape(-1, d),
+                            r.reshape(-1), dx.reshape(-1, d), False)
+    return dx
 
 
 class _DeltaEngine(_Engine):
@@ -59,8 +68,8 @@ class _DeltaEngine(_Engine):
 
 def _delta(fn, q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_state, cu_seqlens,
            form, chunk_size):
-    """(engine, the normalisation's (q, nq, k, nk) or None), arguments checked under the op's
-    names."""
+    """(engine, the normalisation's (q, rq, k, rk) or None: normalised q and k and their
+    1 / norms), arguments checked under the op's names."""
     optional = () if fn == "gated_delta_rule" else ("g",)
     arrs, _ = _qkv(fn, q, k, v, optional, g=g, beta=beta, initial_state=initial_state)
     q, k, v, g, beta = arrs["q"], arrs["k"], arrs["v"], arrs["g"], arrs["beta"]
@@ -72,8 +81,8 @@ def _delta(fn, q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_s
     scale = V.scale(fn, scale, K ** -0.5, q.dtype)
     norm = None
     if V.boolean(fn, "qk_l2norm", qk_l2norm):
-        (q, nq), (k, nk) = _l2norm(q), _l2norm(k)
-        norm = (q, nq, k, nk)
+        (q, rq), (k, rk) = _l2norm(q), _l2norm(k)
+        norm = (q, rq, k, rk)
     eng = _DeltaEngine(fn, q, k, v, g, beta, arrs["initial_state"],
                        V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size,
                        scale)
@@ -84,8 +93,8 @@ def _delta_vjp(eng, norm):
     def pullback(cot):
         g = eng.backward(*eng.cotangent(cot))
         if norm is not None:
-            q, nq, k, nk = norm
-            g["q"], g["k"] = _l2norm_backward(q, nq, g["q"]), _l2norm_backward(k, nk, g["k"])
+            q, rq, k, rk = norm
+            g["q"], g["k"] = _l2norm_backward(q, rq, g["q"]), _l2norm_backward(k, rk, g["k"])
         names = {"q": "q", "k": "k", "v": "v", "g": "g", "beta": "beta", "initial_state": "h0"}
         return {op: g[e] for op, e in names.items() if g[e] is not None}
 

@@ -8,6 +8,7 @@ GEMM error bound: for C = alpha op(A) op(B) + beta C in any summation order,
 """
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -380,22 +381,25 @@ def check_pointwise(dtype, rng):
         assert np.all(np.abs(db - db_ref) <= 4 * eps * np.abs(db_ref) + np.finfo(dtype).tiny)
         assert np.all(np.abs(da - da_ref) <= 8 * eps * np.abs(dy * b) * s64 * (1 + np.abs(x64) * (1 + s64))
                       + np.finfo(dtype).tiny)
-    for rows, d in [(0, 8), (1, 1), (3, 17), (700, 64), (5, 9000)]:
+    for (rows, d), mean in itertools.product([(0, 8), (1, 1), (3, 17), (700, 64), (5, 9000)],
+                                             (True, False)):
+        # mean False: the sum over the row instead of the mean (the delta rule's L2 norm)
+        reduce = np.mean if mean else np.sum
         x = rng.standard_normal((rows, d)).astype(dtype)
         xhat, rstd = np.empty_like(x), np.empty(rows, dtype)
-        _core.rms_norm(x, 1e-5, xhat, rstd)
+        _core.rms_norm(x, 1e-5, xhat, rstd, mean)
         x64 = x.astype(np.float64)
-        r_ref = 1 / np.sqrt((x64 * x64).mean(axis=1) + 1e-5)
+        r_ref = 1 / np.sqrt(reduce(x64 * x64, axis=1) + 1e-5)
         np.testing.assert_allclose(rstd, r_ref, rtol=8 * eps * np.sqrt(d) + 4 * eps, atol=0)
         np.testing.assert_allclose(xhat, x64 * r_ref[:, None], rtol=8 * eps * np.sqrt(d) + 4 * eps,
                                    atol=np.finfo(dtype).tiny)
         g = rng.standard_normal((rows, d)).astype(dtype)
         dx = np.empty_like(x)
-        _core.rms_norm_backward(g, xhat, rstd, dx)
+        _core.rms_norm_backward(g, xhat, rstd, dx, mean)
         h64, g64 = xhat.astype(np.float64), g.astype(np.float64)
-        mean = (g64 * h64).mean(axis=1, keepdims=True)
-        dx_ref = (g64 - h64 * mean) * rstd[:, None].astype(np.float64)
-        mag = (np.abs(g64) + np.abs(h64) * (np.abs(g64) * np.abs(h64)).mean(axis=1, keepdims=True)) \
+        avg = reduce(g64 * h64, axis=1, keepdims=True)
+        dx_ref = (g64 - h64 * avg) * rstd[:, None].astype(np.float64)
+        mag = (np.abs(g64) + np.abs(h64) * reduce(np.abs(g64) * np.abs(h64), axis=1, keepdims=True)) \
             * rstd[:, None].astype(np.float64)
         assert np.all(np.abs(dx - dx_ref) <= 4 * (d + 2) * eps * mag + np.finfo(dtype).tiny)
     for rows, H, D, n in [(6, 3, 8, 3), (40, 2, 2, 40), (1000, 4, 64, 250), (2, 1, 18, 1)]:
@@ -479,7 +483,7 @@ def test_pointwise_kernels_propagate_nan_and_keep_bits_across_threads(dtype, rng
             _core.silu_backward(x, y, s, dx)
             xr = x[:300_003 * 3].reshape(-1, 3)
             xhat, rstd = np.empty_like(xr), np.empty(xr.shape[0], dtype)
-            _core.rms_norm(xr, 1e-6, xhat, rstd)
+            _core.rms_norm(xr, 1e-6, xhat, rstd, True)
             xc = x[:2 * 3900 * 256].reshape(2, 3900, 256)
             yc, sc = np.empty_like(xc), np.empty_like(xc)
             wc = np.linspace(-1, 1, 4 * 256).astype(dtype).reshape(4, 256)
@@ -509,8 +513,8 @@ def test_pointwise_kernels_take_zero_widths():
     """Rows of no elements (and no rows) are no work, not a division by zero."""
     f = np.float32
     x = np.zeros((3, 0), f)
-    _core.rms_norm(x, 1e-5, np.zeros_like(x), np.zeros(3, f))
-    _core.rms_norm_backward(x, x, np.ones(3, f), np.zeros_like(x))
+    _core.rms_norm(x, 1e-5, np.zeros_like(x), np.zeros(3, f), True)
+    _core.rms_norm_backward(x, x, np.ones(3, f), np.zeros_like(x), False)
     x3 = np.zeros((4, 0, 6), f)
     _core.rotary(x3, np.zeros((2, 6), f), np.zeros((2, 6), f), 1, np.zeros_like(x3))
     xc = np.zeros((2, 3, 0), f)
@@ -530,7 +534,7 @@ def test_pointwise_kernels_reject_bad_shapes():
     with pytest.raises(ValueError, match="'db'"):
         _core.swiglu_backward(x, x, x, x, np.zeros_like(x), np.zeros((6, 4), np.float32))
     with pytest.raises(ValueError, match="'rstd'"):
-        _core.rms_norm(x, 1e-5, np.zeros_like(x), np.zeros(3, np.float32))
+        _core.rms_norm(x, 1e-5, np.zeros_like(x), np.zeros(3, np.float32), True)
     x3 = np.zeros((4, 2, 6), np.float32)
     with pytest.raises(ValueError, match="multiple"):
         _core.rotary(x3, np.zeros((3, 6), np.float32), np.zeros((3, 6), np.float32), 1, np.zeros_like(x3))

@@ -114,38 +114,41 @@ static void PA_FN(adamw_step)(int64_t n, const void *gv, void *pv, void *mv, voi
     }
 }
 
-/* Rows of d: rstd = 1 / sqrt(mean(x^2) + eps), xhat = x rstd. */
-static void PA_FN(rms_norm_forward)(int64_t rows, int64_t d, double eps, const void *xv,
+/* Rows of d: rstd = 1 / sqrt(mean(x^2) + eps), xhat = x rstd (RMSNorm); with mean = 0 the
+ * sum instead of the mean, rstd = 1 / sqrt(sum(x^2) + eps) (the delta rule's L2 norm). */
+static void PA_FN(rms_norm_forward)(int64_t rows, int64_t d, double eps, int mean, const void *xv,
                                     void *xhatv, void *rstdv)
 {
     const real *x = xv;
     real *xhat = xhatv, *rstd = rstdv;
+    const real den = mean ? (real)d : 1;
     int64_t per = PA_FN(pw_rows_per_task)(d);
     int threads = pa_threads_for((double)rows * d * 4, (rows + per - 1) / per);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < rows; b += per)
         for (int64_t r = b; r < rows && r < b + per; r++) {
             const real *xr = x + r * d;
-            real inv = (real)(1 / sqrt(PA_FN(dot)(xr, xr, d) / (real)d + (real)eps));
+            real inv = (real)(1 / sqrt(PA_FN(dot)(xr, xr, d) / den + (real)eps));
             rstd[r] = inv;
             for (int64_t i = 0; i < d; i++) xhat[r * d + i] = xr[i] * inv;
         }
 }
 
-/* dx = (dxhat - xhat mean(dxhat xhat)) rstd, row by row. */
-static void PA_FN(rms_norm_backward)(int64_t rows, int64_t d, const void *dxhatv,
+/* dx = (dxhat - xhat mean(dxhat xhat)) rstd, row by row (the sum for mean = 0). */
+static void PA_FN(rms_norm_backward)(int64_t rows, int64_t d, int mean, const void *dxhatv,
                                      const void *xhatv, const void *rstdv, void *dxv)
 {
     const real *dxhat = dxhatv, *xhat = xhatv, *rstd = rstdv;
     real *dx = dxv;
+    const real den = mean ? (real)d : 1;
     int64_t per = PA_FN(pw_rows_per_task)(d);
     int threads = pa_threads_for((double)rows * d * 4, (rows + per - 1) / per);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < rows; b += per)
         for (int64_t r = b; r < rows && r < b + per; r++) {
             const real *g = dxhat + r * d, *h = xhat + r * d;
-            real mean = PA_FN(dot)(g, h, d) / (real)d, inv = rstd[r];
-            for (int64_t i = 0; i < d; i++) dx[r * d + i] = (g[i] - h[i] * mean) * inv;
+            real avg = PA_FN(dot)(g, h, d) / den, inv = rstd[r];
+            for (int64_t i = 0; i < d; i++) dx[r * d + i] = (g[i] - h[i] * avg) * inv;
         }
 }
 

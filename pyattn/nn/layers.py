@@ -186,7 +186,8 @@ def rms_normalize(x: np.ndarray, eps: float) -> Tuple[np.ndarray, np.ndarray]:
     of shape ``x.shape[:-1] + (1,)``."""
     xhat, rstd = np.empty(x.shape, x.dtype), np.empty(x.shape[:-1] + (1,), x.dtype)
     d = x.shape[-1]
-    _core.rms_norm(np.ascontiguousarray(x).reshape(-1, d), eps, xhat.reshape(-1, d), rstd.reshape(-1))
+    _core.rms_norm(np.ascontiguousarray(x).reshape(-1, d), eps, xhat.reshape(-1, d), rstd.reshape(-1),
+                   True)
     return xhat, rstd
 
 
@@ -194,7 +195,7 @@ def rms_normalize_backward(dxhat: np.ndarray, xhat: np.ndarray, rstd: np.ndarray
     dx = np.empty(xhat.shape, xhat.dtype)
     d = xhat.shape[-1]
     _core.rms_norm_backward(np.ascontiguousarray(dxhat).reshape(-1, d), xhat.reshape(-1, d),
-                            rstd.reshape(-1), dx.reshape(-1, d))
+                            rstd.reshape(-1), dx.reshape(-1, d), True)
     return dx
 
 
