@@ -43,11 +43,11 @@ function of ``pyattn._core`` but ``gemm`` (and ``set_data_handler``, no kernel),
 functions through which pyattn.nn does all its matmuls (``layers.linear`` and
 ``layers.linear_backward``: x @ w.T; dw += dy^T x and dy @ w, the GEMM accumulating into dw;
 reshapes of contiguous arrays being views), are wrapped with timers. "C ops" = time inside
-those ``_core.*`` calls (the attention kernels and the layers' C kernels: SiLU, SwiGLU,
-RMSNorm, rotary, short convolutions; the NumPy around them in the op wrappers, such as the
-delta rule's L2 normalisation, is not counted there); "matmuls" = time inside the two matmul
-functions; "other" = step time less both: NumPy elementwise work (residuals, gates, the loss,
-the optimiser), copies, allocation and Python. The bar (the issue): pyattn's tokens/s >= 1.5x
+those ``_core.*`` calls (the attention kernels and the C kernels of the layers and the
+optimiser: SiLU, SwiGLU, RMSNorm and the delta rule's L2 normalisation, rotary, short
+convolutions, AdamW's update; the NumPy around them in the op wrappers is not counted there);
+"matmuls" = time inside the two matmul functions; "other" = step time less both: NumPy
+elementwise work (residuals, gates, the loss), copies, allocation and Python. The bar (the issue): pyattn's tokens/s >= 1.5x
 torch's for the hybrid and >= 1.2x for the all-softmax model, and "other" <= 30% of a step, at
 2 threads.
 """

@@ -1411,28 +1411,6 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* adamw_step(g, p, m, v, b1, b2, eps, decay, lr_c1, c2): p, m, v updated in place; any shape */
-static PyObject *py_adamw_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    static const char *const names[4] = {"g", "p", "m", "v"};
-    static const char *const scalars[6] = {"b1", "b2", "eps", "decay", "lr_c1", "c2"};
-    PyArrayObject *a[4];
-    double s[6];
-    npy_intp n;
-    if (expect_nargs("adamw_step", nargs, 10) ||
-        (n = same_shape_arrays("adamw_step", args, names, 4, 3, 0, a)) < 0)
-        return NULL;
-    for (int i = 0; i < 6; i++) /* decay = 1 - lr wd may be negative, the others not */
-        if (get_double("adamw_step", scalars[i], args[4 + i], i == 3 ? -HUGE_VAL : 0.0, &s[i]))
-            return NULL;
-    const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
-    Py_BEGIN_ALLOW_THREADS
-    K->adamw_step(n, PyArray_DATA(a[0]), PyArray_DATA(a[1]), PyArray_DATA(a[2]),
-                  PyArray_DATA(a[3]), s[0], s[1], s[2], s[3], s[4], s[5]);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
 /* rms_norm_backward(dxhat [rows, d], xhat [rows, d], rstd [rows], dx [rows, d], mean) */
 static PyObject *py_rms_norm_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1452,6 +1430,28 @@ static PyObject *py_rms_norm_backward(PyObject *self, PyObject *const *args, Py_
     Py_BEGIN_ALLOW_THREADS
     K->rms_norm_backward(PyArray_DIM(g, 0), PyArray_DIM(g, 1), mean, PyArray_DATA(g), PyArray_DATA(h),
                          PyArray_DATA(r), PyArray_DATA(dx));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* adamw_step(g, p, m, v, b1, b2, eps, decay, lr_c1, c2): p, m, v updated in place; any shape */
+static PyObject *py_adamw_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[4] = {"g", "p", "m", "v"};
+    static const char *const scalars[6] = {"b1", "b2", "eps", "decay", "lr_c1", "c2"};
+    PyArrayObject *a[4];
+    double s[6];
+    npy_intp n;
+    if (expect_nargs("adamw_step", nargs, 10) ||
+        (n = same_shape_arrays("adamw_step", args, names, 4, 3, 0, a)) < 0)
+        return NULL;
+    for (int i = 0; i < 6; i++) /* decay = 1 - lr wd may be negative, the others not */
+        if (get_double("adamw_step", scalars[i], args[4 + i], i == 3 ? -HUGE_VAL : 0.0, &s[i]))
+            return NULL;
+    const pa_kernels *K = kernels_for(PyArray_TYPE(a[0]));
+    Py_BEGIN_ALLOW_THREADS
+    K->adamw_step(n, PyArray_DATA(a[0]), PyArray_DATA(a[1]), PyArray_DATA(a[2]),
+                  PyArray_DATA(a[3]), s[0], s[1], s[2], s[3], s[4], s[5]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -12,30 +12,11 @@ import numpy as np
 
 from . import _core
 from . import _validate as V
+from ._rownorm import normalize_rows, normalize_rows_backward
 from .autodiff import register_vjp
 from .linear import FORMS, _Engine, _qkv, _sequences
 
 L2_EPS = 1e-6  # qk_l2norm: x / sqrt(sum x^2 + L2_EPS) over the head dimension
-
-
-def _l2norm(x):
-    """(x r, r) with r = 1 / sqrt(sum x^2 + L2_EPS) over the last axis (r of shape
-    x.shape[:-1] + (1,)); one threaded pass of the RMSNorm kernel, summing instead of
-    averaging."""
-    d = x.shape[-1]
-    y, r = np.empty(x.shape, x.dtype), np.empty(x.shape[:-1] + (1,), x.dtype)
-    _core.rms_norm(np.ascontiguousarray(x).reshape(-1, d), L2_EPS, y.reshape(-1, d), r.reshape(-1),
-                   False)
-    return y, r
-
-
-def _l2norm_backward(y, r, dy):
-    """The gradient reaching x from dy of y = x r: (dy - y (y . dy)) r."""
-    d = y.shape[-1]
-    dx = np.empty(y.shape, y.dtype)
-    _core.rms_norm_backward(np.ascontiguousarray(dy, dtype=y.dtype).reshape(-1, d), y.reshape(-1, d),
-                            r.reshape(-1), dx.reshape(-1, d), False)
-    return dx
 
 
 class _DeltaEngine(_Engine):
@@ -81,7 +62,7 @@ def _delta(fn, q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_s
     scale = V.scale(fn, scale, K ** -0.5, q.dtype)
     norm = None
     if V.boolean(fn, "qk_l2norm", qk_l2norm):
-        (q, rq), (k, rk) = _l2norm(q), _l2norm(k)
+        (q, rq), (k, rk) = normalize_rows(q, L2_EPS, False), normalize_rows(k, L2_EPS, False)
         norm = (q, rq, k, rk)
     eng = _DeltaEngine(fn, q, k, v, g, beta, arrs["initial_state"],
                        V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size,
@@ -94,7 +75,8 @@ def _delta_vjp(eng, norm):
         g = eng.backward(*eng.cotangent(cot))
         if norm is not None:
             q, rq, k, rk = norm
-            g["q"], g["k"] = _l2norm_backward(q, rq, g["q"]), _l2norm_backward(k, rk, g["k"])
+            g["q"] = normalize_rows_backward(g["q"], q, rq, False)
+            g["k"] = normalize_rows_backward(g["k"], k, rk, False)
         names = {"q": "q", "k": "k", "v": "v", "g": "g", "beta": "beta", "initial_state": "h0"}
         return {op: g[e] for op, e in names.items() if g[e] is not None}
 

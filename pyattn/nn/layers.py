@@ -15,6 +15,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 
 from .. import _core
+from .._rownorm import normalize_rows, normalize_rows_backward
 from ..rope import rotate, tables
 from ..autodiff import vjp
 
@@ -181,24 +182,6 @@ def logsigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0, -x)
 
 
-def rms_normalize(x: np.ndarray, eps: float) -> Tuple[np.ndarray, np.ndarray]:
-    """(x / rms(x), 1 / rms(x)) over the last axis, rms(x) = sqrt(mean(x^2) + eps); the second
-    of shape ``x.shape[:-1] + (1,)``."""
-    xhat, rstd = np.empty(x.shape, x.dtype), np.empty(x.shape[:-1] + (1,), x.dtype)
-    d = x.shape[-1]
-    _core.rms_norm(np.ascontiguousarray(x).reshape(-1, d), eps, xhat.reshape(-1, d), rstd.reshape(-1),
-                   True)
-    return xhat, rstd
-
-
-def rms_normalize_backward(dxhat: np.ndarray, xhat: np.ndarray, rstd: np.ndarray) -> np.ndarray:
-    dx = np.empty(xhat.shape, xhat.dtype)
-    d = xhat.shape[-1]
-    _core.rms_norm_backward(np.ascontiguousarray(dxhat).reshape(-1, d), xhat.reshape(-1, d),
-                            rstd.reshape(-1), dx.reshape(-1, d), True)
-    return dx
-
-
 # ---------------------------------------------------------------------------------------------
 # layers
 
@@ -259,32 +242,32 @@ class RMSNorm(Module):
 
     def forward(self, x: np.ndarray, gate: Optional[np.ndarray] = None) -> np.ndarray:
         if not self.gated:
-            self.xhat, self.rstd = rms_normalize(x, self.eps)
+            self.xhat, self.rstd = normalize_rows(x, self.eps, True)
             return self.xhat * self.w
         if gate is None:
             raise ValueError("a gated RMSNorm's forward needs its gate")
         self.gate = np.ascontiguousarray(gate)
         if self.norm_before_gate:
-            self.xhat, self.rstd = rms_normalize(x, self.eps)
+            self.xhat, self.rstd = normalize_rows(x, self.eps, True)
             self.normed = self.xhat * self.w
             out, self.s = gated_product(self.gate, self.normed)
             return out
         self.x = np.ascontiguousarray(x)
         xg, self.s = gated_product(self.gate, self.x)
-        self.xhat, self.rstd = rms_normalize(xg, self.eps)
+        self.xhat, self.rstd = normalize_rows(xg, self.eps, True)
         return self.xhat * self.w
 
     def backward(self, dy: np.ndarray):
         """dx, or (dx, dgate) when gated."""
         if not self.gated:
             self.g["w"] += rowdot_sum(dy, self.xhat)
-            return rms_normalize_backward(dy * self.w, self.xhat, self.rstd)
+            return normalize_rows_backward(dy * self.w, self.xhat, self.rstd, True)
         if self.norm_before_gate:
             dgate, dn = gated_product_backward(dy, self.gate, self.normed, self.s)
             self.g["w"] += rowdot_sum(dn, self.xhat)
-            return rms_normalize_backward(dn * self.w, self.xhat, self.rstd), dgate
+            return normalize_rows_backward(dn * self.w, self.xhat, self.rstd, True), dgate
         self.g["w"] += rowdot_sum(dy, self.xhat)
-        dxg = rms_normalize_backward(dy * self.w, self.xhat, self.rstd)
+        dxg = normalize_rows_backward(dy * self.w, self.xhat, self.rstd, True)
         dgate, dx = gated_product_backward(dxg, self.gate, self.x, self.s)
         return dx, dgate
 
