@@ -277,14 +277,15 @@ static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, con
                               int64_t rsa, int64_t csa, const real *Bp, int64_t bps, int64_t bs,
                               real beta, real *C, int64_t ldc, real *Ap)
 {
-    int rows = csa == 1 && (rsa * (int64_t)sizeof(real)) % 4096 != 0, cols = !rows && rsa == 1;
+    int rowmajor = csa == 1 && (rsa * (int64_t)sizeof(real)) % 4096 != 0;
+    int transposed = !rowmajor && rsa == 1;
     for (int64_t ic = 0; ic < M; ic += MC) {
         int64_t mc = M - ic < MC ? M - ic : MC;
-        int64_t inplace = rows || cols ? mc / MR * MR : 0;
-        if (rows)
+        int64_t inplace = rowmajor || transposed ? mc / MR * MR : 0;
+        if (rowmajor)
             PA_FN(micro_tiles)(inplace, nc, kc, alpha, A + ic * rsa, MR * rsa, rsa, 1, Bp, bps,
                                bs, beta, C + ic * ldc, ldc);
-        else if (cols)
+        else if (transposed)
             PA_FN(micro_tiles)(inplace, nc, kc, alpha, A + ic, MR, 1, csa, Bp, bps, bs, beta,
                                C + ic * ldc, ldc);
         if (inplace < mc) {
