@@ -151,7 +151,7 @@ typedef struct {
     int (*gemm)(int64_t M, int64_t N, int64_t K, double alpha, const void *A, int64_t rsa,
                 int64_t csa, const void *B, int64_t rsb, int64_t csb, double beta, void *C,
                 int64_t ldc);
-    void (*exp)(const void *x, void *y, int64_t n);
+    void (*exp)(const void *x, void *y, int64_t n, int nonpos); /* nonpos: the softmax's exp */
     double (*fma_peak)(double seconds, int threads);
     /* GB/s reading a buffer of `bytes` on `threads` threads; -1: no memory for it */
     double (*read_bandwidth)(double seconds, int threads, int64_t bytes);

@@ -1285,23 +1285,34 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return finish(rc);
 }
 
-/* exp(x, out): the vectorised exp, elementwise over 1-D arrays */
-static PyObject *py_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* fn(x, out): a vectorised exp (the general one, or the softmax's for nonpos), elementwise
+ * over 1-D arrays */
+static PyObject *exp_binding(const char *fn, PyObject *const *args, Py_ssize_t nargs, int nonpos)
 {
-    if (expect_nargs("exp", nargs, 2)) return NULL;
+    if (expect_nargs(fn, nargs, 2)) return NULL;
     int t;
-    if (float_type("exp", "x", args[0], &t)) return NULL;
+    if (float_type(fn, "x", args[0], &t)) return NULL;
     npy_intp any = -1;
-    PyArrayObject *x = get_array("exp", "x", args[0], t, 1, &any, 0);
+    PyArrayObject *x = get_array(fn, "x", args[0], t, 1, &any, 0);
     if (!x) return NULL;
     npy_intp n = PyArray_DIM(x, 0);
-    PyArrayObject *y = get_array("exp", "out", args[1], t, 1, &n, 1);
+    PyArrayObject *y = get_array(fn, "out", args[1], t, 1, &n, 1);
     if (!y) return NULL;
     const pa_kernels *K = kernels_for(t);
     Py_BEGIN_ALLOW_THREADS
-    K->exp(PyArray_DATA(x), PyArray_DATA(y), n);
+    K->exp(PyArray_DATA(x), PyArray_DATA(y), n, nonpos);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+static PyObject *py_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return exp_binding("exp", args, nargs, 0);
+}
+
+static PyObject *py_exp_nonpos(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return exp_binding("exp_nonpos", args, nargs, 1);
 }
 
 /* The pointwise steps of pyattn.nn (ops/pointwise.c). Each array after the first must have
@@ -1730,6 +1741,9 @@ static PyMethodDef core_methods[] = {
      "gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c"},
     {"exp", (PyCFunction)(void (*)(void))py_exp, METH_FASTCALL,
      "exp(x, out): the vectorised exp of the kernels"},
+    {"exp_nonpos", (PyCFunction)(void (*)(void))py_exp_nonpos, METH_FASTCALL,
+     "exp_nonpos(x, out): the softmax kernels' exp, for x <= 0 (results below the least "
+     "normal number are 0)"},
     {"silu", (PyCFunction)(void (*)(void))py_silu, METH_FASTCALL,
      "silu(x, mul, y, s): s = sigmoid(x), y = x s times mul (None: no factor; y None: s only)"},
     {"silu_backward", (PyCFunction)(void (*)(void))py_silu_backward, METH_FASTCALL,

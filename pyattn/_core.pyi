@@ -230,6 +230,10 @@ def short_conv_backward(x: _Float, state: Optional[_Float], w: _Float, bias: Opt
 def exp(x: _Float, out: _Float, /) -> None:
     """out = exp(x) with the kernels' vectorised exp (1-D arrays)."""
 
+def exp_nonpos(x: _Float, out: _Float, /) -> None:
+    """out = exp(x) with the softmax kernels' exp, for x <= 0 (any x up to 88): a result
+    below the least normal number is 0 (1-D arrays)."""
+
 def fma_peak(double: bool, seconds: float, threads: int, /) -> float:
     """GFLOP/s of independent FMA chains on `threads` threads: the machine's FMA peak."""
 

@@ -229,6 +229,65 @@ def test_exp_tails_and_bounds(dtype, rng):
             np.testing.assert_array_equal(o2, full[3:n])
 
 
+# The softmax kernels' exp (vexp_nonpos): arguments x - max <= 0, 2^n as one factor, so
+# results below the least normal number are 0; elsewhere vexp's polynomial and its bits.
+NONPOS_LOW = {np.float32: -87.6, np.float64: -708.7}  # below: exactly 0
+
+
+def _exp_nonpos(x):
+    y = np.empty_like(x)
+    assert _core.exp_nonpos(x, y) is None
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_exp_nonpos_accuracy_and_bits(dtype):
+    lo = NONPOS_LOW[dtype]
+    r = np.random.default_rng(3)
+    x = np.concatenate([np.linspace(lo, 0, 1_000_001), r.uniform(lo, 0, 1_000_000),
+                        r.uniform(-1, 0, 250_000), [0.0, -0.0, lo]]).astype(dtype)
+    x = x[x >= lo]
+    y = _exp_nonpos(x)
+    ref = np.exp(x.astype(np.float64))
+    normal = ref >= np.finfo(dtype).tiny
+    rel = np.abs(y[normal].astype(np.float64) - ref[normal]) / ref[normal]
+    assert rel.max() <= EXP_BOUND[dtype], rel.max()
+    np.testing.assert_array_equal(y[normal], _exp(x[normal]))
+    # between lo and the least normal result: a subnormal, rounded by one multiply
+    ulp = float(np.finfo(dtype).smallest_subnormal)
+    assert np.max(np.abs(y[~normal].astype(np.float64) - ref[~normal])) <= ulp
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_exp_nonpos_special_values_and_flush(dtype):
+    lo = NONPOS_LOW[dtype]
+    x = np.array([-np.inf, np.nan, 0.0, -0.0, np.nextafter(dtype(lo), dtype(-np.inf)), lo - 1,
+                  -1e4, -1e30, -np.finfo(dtype).max], dtype)
+    y = _exp_nonpos(x)
+    assert y[0] == 0 and np.isnan(y[1]) and y[2] == 1 and y[3] == 1
+    assert np.all(y[4:] == 0)
+    # a NaN among other values poisons its own lane only; rounding above 0 (an LSE's last
+    # bit) and the stated range's top still give exp
+    x = np.zeros(37, dtype)
+    x[5] = np.nan
+    x[6] = 1e-6
+    x[7] = 80.0
+    y = _exp_nonpos(x)
+    assert np.isnan(y[5]) and np.all(np.delete(y, [5, 6, 7]) == 1)
+    np.testing.assert_allclose(y[6:8], np.exp(x[6:8].astype(np.float64)), rtol=EXP_BOUND[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_exp_nonpos_tails(dtype, rng):
+    base = rng.uniform(-30, 0, 300).astype(dtype)
+    full = _exp_nonpos(base)
+    for n in list(range(0, 40)) + [127, 129, 299]:
+        buf = np.full(n + 16, -7.0, dtype)
+        _core.exp_nonpos(np.ascontiguousarray(base[:n]), buf[:n])
+        np.testing.assert_array_equal(buf[:n], full[:n])
+        assert np.all(buf[n:] == -7.0), n
+
+
 # ------------------------------------------------------------------------------- ISA paths
 
 

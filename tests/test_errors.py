@@ -359,7 +359,8 @@ def test_core_direct_good_calls_work():
 
 
 @pytest.mark.parametrize("fn,n", [(_core.softmax_forward, 15), (_core.softmax_backward, 20),
-                                  (_core.gemm, 7), (_core.exp, 2), (_core.fma_peak, 3)])
+                                  (_core.gemm, 7), (_core.exp, 2), (_core.exp_nonpos, 2),
+                                  (_core.fma_peak, 3)])
 def test_core_wrong_argument_count(fn, n):
     args = {15: fwd_args, 20: bwd_args}.get(n, lambda: [None] * n)()
     for m in (0, n - 1, n + 1):

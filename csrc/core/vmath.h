@@ -81,57 +81,104 @@ static inline real PA_FN(hmax)(vreal v)
     return m;
 }
 
-static inline vreal PA_FN(vexp)(vreal x)
+/* The shared core of vexp and vexp_nonpos: exp(r) by the Taylor polynomial, where x = n ln2
+ * + r, and t = shifter + n, whose low mantissa bits hold n. x must be finite and within
+ * [-2^22, 2^22] ln2 for n to be right; callers clamp or mask the rest. */
+#if PA_DOUBLE
+#define PA_EXP_SHIFTER 6755399441055744.0 /* 1.5 * 2^52: adding it rounds to an integer */
+#define PA_EXP_MANT 52
+#define PA_EXP_BIAS 1023LL
+#else
+#define PA_EXP_SHIFTER 12582912.0f /* 1.5 * 2^23 */
+#define PA_EXP_MANT 23
+#define PA_EXP_BIAS 127
+#endif
+static inline vreal PA_FN(vexp_reduced)(vreal x, vreal *t)
 {
 #if PA_DOUBLE
-    const real lo = -745.2, hi = 710.0;
-    const real shifter = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
     const real ln2_hi = 0.693147180559890330187, ln2_lo = 5.4979230187083711552e-14;
-    const int mant = 52;
-    const ivec_elem bias = 1023;
     static const real c[] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0,
                              1.0 / 3628800.0,    1.0 / 362880.0,    1.0 / 40320.0,
                              1.0 / 5040.0,       1.0 / 720.0,       1.0 / 120.0,
                              1.0 / 24.0,         1.0 / 6.0,         0.5,
                              1.0,                1.0};
 #else
-    const real lo = -104.0f, hi = 89.0f;
-    const real shifter = 12582912.0f; /* 1.5 * 2^23 */
     const real ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187045e-06f;
-    const int mant = 23;
-    const ivec_elem bias = 127;
     static const real c[] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f,
                              1.0f / 6.0f,    0.5f,          1.0f,          1.0f};
 #endif
     const real log2e = (real)1.44269504088896340736;
-    vint underflow = x < PA_FN(vset)(lo);
-    x = PA_FN(vselect)(underflow, PA_FN(vset)(lo), x);
-    x = PA_FN(vselect)(x > PA_FN(vset)(hi), PA_FN(vset)(hi), x);
-    vreal t = x * log2e + shifter;
-    vreal n = t - shifter;
+    *t = x * log2e + PA_EXP_SHIFTER;
+    vreal n = *t - PA_EXP_SHIFTER;
     vreal r = x - n * ln2_hi;
     r = r - n * ln2_lo;
     vreal p = PA_FN(vset)(c[0]);
     for (size_t i = 1; i < sizeof c / sizeof c[0]; i++) p = p * r + c[i];
-    vint ni = (vint)t - (vint)PA_FN(vset)(shifter);
+    return p;
+}
+
+static inline vreal PA_FN(vexp)(vreal x)
+{
+#if PA_DOUBLE
+    const real lo = -745.2, hi = 710.0;
+#else
+    const real lo = -104.0f, hi = 89.0f;
+#endif
+    vint underflow = x < PA_FN(vset)(lo);
+    x = PA_FN(vselect)(underflow, PA_FN(vset)(lo), x);
+    x = PA_FN(vselect)(x > PA_FN(vset)(hi), PA_FN(vset)(hi), x);
+    vreal t;
+    vreal p = PA_FN(vexp_reduced)(x, &t);
+    vint ni = (vint)t - (vint)PA_FN(vset)(PA_EXP_SHIFTER);
     vint n1 = ni >> 1;
     vint n2 = ni - n1;
-    vreal s1 = (vreal)((n1 + bias) << mant);
-    vreal s2 = (vreal)((n2 + bias) << mant);
+    vreal s1 = (vreal)((n1 + PA_EXP_BIAS) << PA_EXP_MANT);
+    vreal s2 = (vreal)((n2 + PA_EXP_BIAS) << PA_EXP_MANT);
     vreal y = p * s1 * s2;
     return PA_FN(vselect)(underflow, PA_FN(vset)(0), y);
 }
 
-/* y[i] = exp(x[i]) */
-static void PA_FN(exp_array)(const real *x, real *y, int64_t n)
+/* exp(x) for a softmax's x = s - max s <= 0 (any x up to 88 for float, 709 for double): the
+ * same polynomial as vexp, without the overflow clamp and with 2^n as one factor, a third
+ * fewer operations. A result below 2^-126 (2^-1022 for double) is exactly 0, not a rounded
+ * subnormal: beside the row's largest weight, 1, it is below the sum's last bit. NaN ->
+ * NaN, -inf -> 0. tests/test_core.py measures it through _core.exp_nonpos. */
+static inline vreal PA_FN(vexp_nonpos)(vreal x)
+{
+#if PA_DOUBLE
+    const real lo = -708.7; /* n = round(x / ln2) >= -1022 above it: 2^n is normal */
+#else
+    const real lo = -87.6f; /* n >= -126 */
+#endif
+    typedef unsigned ivec_elem vuint __attribute__((vector_size(PA_VBYTES)));
+    vreal t;
+    vreal p = PA_FN(vexp_reduced)(x, &t);
+    /* the shifter's low mantissa bits are 0, so t shifted into the exponent field is n's
+     * (unsigned: the shift drops the shifter's bits off the top) */
+    vreal scale = (vreal)(((vuint)t << PA_EXP_MANT) + ((vuint){0} + (PA_EXP_BIAS << PA_EXP_MANT)));
+    return PA_FN(vselect)(x < PA_FN(vset)(lo), PA_FN(vset)(0), p * scale);
+}
+#undef PA_EXP_SHIFTER
+#undef PA_EXP_MANT
+#undef PA_EXP_BIAS
+
+/* y[i] = exp(x[i]), by vexp_nonpos when nonpos (a constant where inlined) */
+static inline __attribute__((always_inline)) void PA_FN(exp_array_by)(const real *x, real *y,
+                                                                       int64_t n, int nonpos)
 {
     int64_t i = 0;
-    for (; i + VL <= n; i += VL) PA_FN(vstore)(y + i, PA_FN(vexp)(PA_FN(vload)(x + i)));
+    for (; i + VL <= n; i += VL) {
+        vreal v = PA_FN(vload)(x + i);
+        PA_FN(vstore)(y + i, nonpos ? PA_FN(vexp_nonpos)(v) : PA_FN(vexp)(v));
+    }
     if (i < n) {
         int r = (int)(n - i);
-        PA_FN(vstore_part)(y + i, PA_FN(vexp)(PA_FN(vload_part)(x + i, r, 0)), r);
+        vreal v = PA_FN(vload_part)(x + i, r, 0);
+        PA_FN(vstore_part)(y + i, nonpos ? PA_FN(vexp_nonpos)(v) : PA_FN(vexp)(v), r);
     }
 }
+
+static void PA_FN(exp_array)(const real *x, real *y, int64_t n) { PA_FN(exp_array_by)(x, y, n, 0); }
 
 static inline real PA_FN(row_max)(const real *x, int64_t n)
 {
@@ -148,19 +195,20 @@ static inline real PA_FN(row_max)(const real *x, int64_t n)
     return PA_FN(hmax)(m);
 }
 
-/* x[i] = exp(x[i] - m) in place; returns the sum. The fused exp+sum pass of the softmax. */
+/* x[i] = exp(x[i] - m) in place; returns the sum. The fused exp+sum pass of the softmax: m
+ * is at least every x[i] (a maximum, or a log-sum-exp up to rounding). */
 static inline real PA_FN(row_exp_sum)(real *x, int64_t n, real m)
 {
     vreal s = PA_FN(vset)(0), vm = PA_FN(vset)(m);
     int64_t i = 0;
     for (; i + VL <= n; i += VL) {
-        vreal e = PA_FN(vexp)(PA_FN(vload)(x + i) - vm);
+        vreal e = PA_FN(vexp_nonpos)(PA_FN(vload)(x + i) - vm);
         PA_FN(vstore)(x + i, e);
         s += e;
     }
     if (i < n) {
         int r = (int)(n - i);
-        vreal e = PA_FN(vexp)(PA_FN(vload_part)(x + i, r, -(real)INFINITY) - vm);
+        vreal e = PA_FN(vexp_nonpos)(PA_FN(vload_part)(x + i, r, -(real)INFINITY) - vm);
         PA_FN(vstore_part)(x + i, e, r);
         s += e;
     }
@@ -223,18 +271,18 @@ static inline void PA_FN(vec_max_into)(real *m, const real *x, int64_t n)
 }
 
 /* x[i] = exp(x[i] - m[i]) in place and s[i] += x[i]: the exp+sum pass of a softmax taken
- * down columns. */
+ * down columns, m[i] at least x[i]. */
 static inline void PA_FN(vec_exp_sub_acc)(real *x, const real *m, real *s, int64_t n)
 {
     int64_t i = 0;
     for (; i + VL <= n; i += VL) {
-        vreal e = PA_FN(vexp)(PA_FN(vload)(x + i) - PA_FN(vload)(m + i));
+        vreal e = PA_FN(vexp_nonpos)(PA_FN(vload)(x + i) - PA_FN(vload)(m + i));
         PA_FN(vstore)(x + i, e);
         PA_FN(vstore)(s + i, PA_FN(vload)(s + i) + e);
     }
     if (i < n) {
         int r = (int)(n - i);
-        vreal e = PA_FN(vexp)(PA_FN(vload_part)(x + i, r, 0) - PA_FN(vload_part)(m + i, r, 0));
+        vreal e = PA_FN(vexp_nonpos)(PA_FN(vload_part)(x + i, r, 0) - PA_FN(vload_part)(m + i, r, 0));
         PA_FN(vstore_part)(x + i, e, r);
         PA_FN(vstore_part)(s + i, PA_FN(vload_part)(s + i, r, 0) + e, r);
     }

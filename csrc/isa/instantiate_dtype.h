@@ -18,7 +18,13 @@ static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, cons
                                 ldc);
 }
 
-static void PA_FN(exp_entry)(const void *x, void *y, int64_t n) { PA_FN(exp_array)(x, y, n); }
+static void PA_FN(exp_entry)(const void *x, void *y, int64_t n, int nonpos)
+{
+    if (nonpos)
+        PA_FN(exp_array_by)(x, y, n, 1);
+    else
+        PA_FN(exp_array)(x, y, n);
+}
 
 const pa_kernels PA_FN(pa_kernels) = {
     .isa = PA_STR(PA_ISA),

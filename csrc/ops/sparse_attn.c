@@ -800,13 +800,13 @@ static void PA_FN(sb_grad_scores)(real *S, real *dP, int64_t mj, int64_t bk, int
         const vreal vl = PA_FN(vset)(lse_of[c]), vd = PA_FN(vset)(D_of[c]);
         int64_t x = 0;
         for (; x + VL <= vis; x += VL) { /* one pass: P and dS of VL keys */
-            const vreal pv = PA_FN(vexp)(PA_FN(vload)(p + x) - vl);
+            const vreal pv = PA_FN(vexp_nonpos)(PA_FN(vload)(p + x) - vl);
             PA_FN(vstore)(p + x, pv);
             PA_FN(vstore)(dp + x, vs * pv * (PA_FN(vload)(dp + x) - vd));
         }
         if (x < vis) {
             const int r = (int)(vis - x);
-            const vreal pv = PA_FN(vexp)(PA_FN(vload_part)(p + x, r, 0) - vl);
+            const vreal pv = PA_FN(vexp_nonpos)(PA_FN(vload_part)(p + x, r, 0) - vl);
             PA_FN(vstore_part)(p + x, pv, r);
             PA_FN(vstore_part)(dp + x, vs * pv * (PA_FN(vload_part)(dp + x, r, 0) - vd), r);
         }
