@@ -250,6 +250,15 @@ static inline void PA_FN(softmax_vjp)(const real *y, const real *dy, real *dx, i
 }
 
 
+/* Prefetch n reals from p into L2 for reading: rows that lie pages apart (one head's row of
+ * a [T, H, D] array), which hardware prefetchers do not run ahead along. Always inlined, as
+ * must be any function whose only work is to call it: GCC's IPA takes a function that only
+ * prefetches for pure and deletes its calls. */
+static inline __attribute__((always_inline)) void PA_FN(prefetch_span)(const real *p, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(real)) __builtin_prefetch(p + i, 0, 2);
+}
+
 /* y += a x */
 static inline void PA_FN(axpy)(real *y, const real *x, int64_t n, real a)
 {

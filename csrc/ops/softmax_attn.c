@@ -614,11 +614,6 @@ static void PA_FN(sm_forward_row)(const pa_softmax_desc *d, const real *q, const
  * ms with; into L1 the prefetches stall on the few L1 miss buffers). */
 #define SM_DECODE_AHEAD 8
 
-static inline void PA_FN(sm_prefetch)(const real *p, int64_t n)
-{
-    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(real)) __builtin_prefetch(p + i, 0, 2);
-}
-
 /* The row of k and v holding key j of sequence n. */
 static inline int64_t PA_FN(sm_key_row)(const pa_key_rows *r, int64_t n, int64_t j)
 {
@@ -709,8 +704,8 @@ static void PA_FN(sm_row_scores)(const pa_softmax_desc *d, const real *qi, const
     if (G % 4 == 0 && Dk % VL == 0 && Hk * Dk <= 256)
         for (; c + 4 <= nb; c += 4) {
             for (int64_t i = c; i < c + 4; i++) {
-                if (i + SM_DECODE_AHEAD < count) PA_FN(sm_prefetch)(kp[i + SM_DECODE_AHEAD], Hk * Dk);
-                if (vp) PA_FN(sm_prefetch)(vp[i], Hk * d->Dv);
+                if (i + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kp[i + SM_DECODE_AHEAD], Hk * Dk);
+                if (vp) PA_FN(prefetch_span)(vp[i], Hk * d->Dv);
             }
             for (int64_t kh = 0; kh < Hk; kh++) {
                 const real *kr[4] = {kp[c] + kh * Dk, kp[c + 1] + kh * Dk, kp[c + 2] + kh * Dk,
@@ -721,8 +716,8 @@ static void PA_FN(sm_row_scores)(const pa_softmax_desc *d, const real *qi, const
         }
 #endif
     for (; c < nb; c++) {
-        if (c + SM_DECODE_AHEAD < count) PA_FN(sm_prefetch)(kp[c + SM_DECODE_AHEAD], Hk * Dk);
-        if (vp) PA_FN(sm_prefetch)(vp[c], Hk * d->Dv);
+        if (c + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kp[c + SM_DECODE_AHEAD], Hk * Dk);
+        if (vp) PA_FN(prefetch_span)(vp[c], Hk * d->Dv);
         for (int64_t kh = 0; kh < Hk; kh++) {
             const real *kr = kp[c] + kh * Dk;
             int64_t g = 0;
