@@ -1742,8 +1742,8 @@ static PyMethodDef core_methods[] = {
     {"exp", (PyCFunction)(void (*)(void))py_exp, METH_FASTCALL,
      "exp(x, out): the vectorised exp of the kernels"},
     {"exp_nonpos", (PyCFunction)(void (*)(void))py_exp_nonpos, METH_FASTCALL,
-     "exp_nonpos(x, out): the softmax kernels' exp, for x <= 0 (results below the least "
-     "normal number are 0)"},
+     "exp_nonpos(x, out): the softmax kernels' exp, for x <= 0 (correct up to 88.37 in float, "
+     "709.43 in double; 0 below -87.6, -708.7)"},
     {"silu", (PyCFunction)(void (*)(void))py_silu, METH_FASTCALL,
      "silu(x, mul, y, s): s = sigmoid(x), y = x s times mul (None: no factor; y None: s only)"},
     {"silu_backward", (PyCFunction)(void (*)(void))py_silu_backward, METH_FASTCALL,

@@ -230,7 +230,8 @@ def test_exp_tails_and_bounds(dtype, rng):
 
 
 # The softmax kernels' exp (vexp_nonpos): arguments x - max <= 0, 2^n as one factor, so
-# results below the least normal number are 0; elsewhere vexp's polynomial and its bits.
+# exactly 0 below NONPOS_LOW, where 2^n would be subnormal; above it vexp's polynomial, with
+# vexp's bits on normal results.
 NONPOS_LOW = {np.float32: -87.6, np.float64: -708.7}  # below: exactly 0
 
 
@@ -275,6 +276,10 @@ def test_exp_nonpos_special_values_and_flush(dtype):
     y = _exp_nonpos(x)
     assert np.isnan(y[5]) and np.all(np.delete(y, [5, 6, 7]) == 1)
     np.testing.assert_allclose(y[6:8], np.exp(x[6:8].astype(np.float64)), rtol=EXP_BOUND[dtype])
+    # the whole stated range above 0 (where the kernels never go): vexp's bits
+    top = {np.float32: 88.37, np.float64: 709.43}[dtype]
+    x = np.linspace(0, top, 200_001).astype(dtype)
+    np.testing.assert_array_equal(_exp_nonpos(x), _exp(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])

@@ -9,6 +9,7 @@
  * and this header (re)defines:
  *   real        the scalar type;  vreal  a GCC vector of PA_VBYTES bytes of real
  *   vint        the same-sized integer vector (int32 lanes for float, int64 for double)
+ *   vuint       its unsigned twin (shifts that drop bits off the top)
  *   VL          lanes per vreal
  *   PA_FN(x)    x mangled with dtype and ISA, so every instantiation has its own symbols
  * Vector extensions (not intrinsics) let one source compile to zmm, ymm or xmm code under
@@ -17,6 +18,7 @@
 #undef real
 #undef vreal
 #undef vint
+#undef vuint
 #undef ivec_elem
 #undef VL
 #undef PA_FN
@@ -47,6 +49,8 @@
 #define VL ((int)(PA_VBYTES / sizeof(real)))
 #define vreal PA_FN(vreal_t)
 #define vint PA_FN(vint_t)
+#define vuint PA_FN(vuint_t)
 
 typedef real vreal __attribute__((vector_size(PA_VBYTES)));
 typedef ivec_elem vint __attribute__((vector_size(PA_VBYTES)));
+typedef unsigned ivec_elem vuint __attribute__((vector_size(PA_VBYTES)));

@@ -7,7 +7,15 @@
  * subnormal results are rounded, not flushed. exp(-inf) = 0, exp(+inf) = inf, NaN -> NaN.
  * Measured worst-case relative error, normal results only (tests/test_core.py measures it
  * again): float 7.8e-08 (0.93 ulp) over 4e6 points in [-87.3, 88.7] against float64 exp;
- * double 2.2e-16 (1 ulp) over 4e6 points in [-708, 709] against NumPy's exp.
+ * double 2.2e-16 (1 ulp) over 4e6 points in [-708, 709] against NumPy's exp (the generic
+ * build, without FMA, measures 1.0e-07 in float).
+ *
+ * vexp_nonpos(x): the softmax passes' exp (row_exp_sum, vec_exp_sub_acc, the flash forward's
+ * column softmax, the sparse and decode backwards), whose arguments are x - max or s - lse:
+ * vexp's reduction and polynomial, so the same bits on normal results, without the overflow
+ * clamp and with 2^n as one factor. Exactly 0 below -87.6 (-708.7 in double), where 2^n would
+ * be subnormal; a subnormal rounded once between there and the least normal result. Correct
+ * up to x = 88.37 (709.43), undefined above (+inf gives NaN).
  */
 #include "dtype.h"
 
@@ -82,8 +90,9 @@ static inline real PA_FN(hmax)(vreal v)
 }
 
 /* The shared core of vexp and vexp_nonpos: exp(r) by the Taylor polynomial, where x = n ln2
- * + r, and t = shifter + n, whose low mantissa bits hold n. x must be finite and within
- * [-2^22, 2^22] ln2 for n to be right; callers clamp or mask the rest. */
+ * + r, and t = shifter + n, whose low mantissa bits hold n. n is right for finite x within
+ * 2^22 ln2 (2^51 ln2 in double) of 0; vexp clamps both ends, vexp_nonpos masks x < lo and
+ * needs x <= 88.37 (709.43). */
 #if PA_DOUBLE
 #define PA_EXP_SHIFTER 6755399441055744.0 /* 1.5 * 2^52: adding it rounds to an integer */
 #define PA_EXP_MANT 52
@@ -138,11 +147,12 @@ static inline vreal PA_FN(vexp)(vreal x)
     return PA_FN(vselect)(underflow, PA_FN(vset)(0), y);
 }
 
-/* exp(x) for a softmax's x = s - max s <= 0 (any x up to 88 for float, 709 for double): the
- * same polynomial as vexp, without the overflow clamp and with 2^n as one factor, a third
- * fewer operations. A result below 2^-126 (2^-1022 for double) is exactly 0, not a rounded
- * subnormal: beside the row's largest weight, 1, it is below the sum's last bit. NaN ->
- * NaN, -inf -> 0. tests/test_core.py measures it through _core.exp_nonpos. */
+/* exp(x) for a softmax's x = s - max s <= 0 (correct up to 88.37, 709.43 in double; undefined
+ * above): the same polynomial as vexp, without the overflow clamp and with 2^n as one
+ * factor, a third fewer operations. x below lo, where 2^n would be subnormal, gives exactly
+ * 0; results between exp(lo) and the least normal number are subnormals rounded once. Beside
+ * the row's largest weight, 1, such a weight is below the sum's last bit. NaN -> NaN, -inf
+ * -> 0. tests/test_core.py measures it through _core.exp_nonpos. */
 static inline vreal PA_FN(vexp_nonpos)(vreal x)
 {
 #if PA_DOUBLE
@@ -150,7 +160,6 @@ static inline vreal PA_FN(vexp_nonpos)(vreal x)
 #else
     const real lo = -87.6f; /* n >= -126 */
 #endif
-    typedef unsigned ivec_elem vuint __attribute__((vector_size(PA_VBYTES)));
     vreal t;
     vreal p = PA_FN(vexp_reduced)(x, &t);
     /* the shifter's low mantissa bits are 0, so t shifted into the exponent field is n's
@@ -195,8 +204,9 @@ static inline real PA_FN(row_max)(const real *x, int64_t n)
     return PA_FN(hmax)(m);
 }
 
-/* x[i] = exp(x[i] - m) in place; returns the sum. The fused exp+sum pass of the softmax: m
- * is at least every x[i] (a maximum, or a log-sum-exp up to rounding). */
+/* x[i] = exp(x[i] - m) in place; returns the sum. The fused exp+sum pass of the softmax: m is
+ * the row's maximum (0 for a row of -inf), or its log-sum-exp, which a recomputed score may
+ * exceed only by rounding; x[i] - m must stay <= 88.37 (709.43: vexp_nonpos). */
 static inline real PA_FN(row_exp_sum)(real *x, int64_t n, real m)
 {
     vreal s = PA_FN(vset)(0), vm = PA_FN(vset)(m);
@@ -257,6 +267,7 @@ static inline void PA_FN(softmax_vjp)(const real *y, const real *dy, real *dx, i
 static inline __attribute__((always_inline)) void PA_FN(prefetch_span)(const real *p, int64_t n)
 {
     for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(real)) __builtin_prefetch(p + i, 0, 2);
+    if (n > 0) __builtin_prefetch(p + n - 1, 0, 2); /* the last line of a row not 64-byte aligned */
 }
 
 /* y += a x */
@@ -280,7 +291,7 @@ static inline void PA_FN(vec_max_into)(real *m, const real *x, int64_t n)
 }
 
 /* x[i] = exp(x[i] - m[i]) in place and s[i] += x[i]: the exp+sum pass of a softmax taken
- * down columns, m[i] at least x[i]. */
+ * down columns, m[i] a column maximum (x[i] - m[i] <= 88.37, 709.43: vexp_nonpos). */
 static inline void PA_FN(vec_exp_sub_acc)(real *x, const real *m, real *s, int64_t n)
 {
     int64_t i = 0;

@@ -969,7 +969,7 @@ static inline __attribute__((always_inline)) void PA_FN(la_prefetch_rows)(const 
         PA_FN(prefetch_span)(u->k + t * u->sq, d->K);
         PA_FN(prefetch_span)(u->v + t * u->sv, d->V);
         if (d->gk == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gk + t * u->sg, d->K);
-        if (u->gv) PA_FN(prefetch_span)(u->gv + t * u->sv, d->V);
+        if (d->gv == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gv + t * u->sv, d->V);
         if (u->dout) PA_FN(prefetch_span)(u->dout + t * u->sv, d->V);
     }
 }
@@ -1042,7 +1042,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
         if (rec) {
             PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
         } else {
-            PA_FN(la_prefetch_rows)(&u, r0 - P, r0 ? P : 0);
+            if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P);
             PA_FN(la_block)(&u, r0, n, chunk, sc, &ks, &vs);
             if (chunk) PA_FN(la_block_grads)(&u, r0, n, &ks, &vs, states + p * KV, dS, sc);
             PA_FN(la_block_dstate)(&u, r0, n, &ks, &vs, dS, sc);

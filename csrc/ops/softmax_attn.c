@@ -409,15 +409,18 @@ static inline void PA_FN(sm_raise_max)(real *m, real *l, real *acc, int64_t Dv, 
     }
 }
 
-#define SM_COL_VECS 3 /* vectors of columns held in registers; SM_BQ / VL is a multiple of it */
+/* vectors of columns held in registers: SM_BQ / VL is a multiple of it, so a full flash query
+ * block leaves no columns over (MoBA's blocks of SB_ROWS = 128 leave 32 float columns on
+ * AVX-512 to vec_max_into and vec_exp_sub_acc) */
+#define SM_COL_VECS 3
 
 /* One step of the online softmax for n queries over a transposed score tile ST [bk x lds]
  * (key x, query c at ST[x * lds + c]), vectorised across the queries: their maxima m and sums
  * l (n each) updated, query c's accumulator row (O + orow[c] * Dv, or O + c * Dv without
  * orow) rescaled where its max grew, ST replaced by exp(ST - m). mnew, msafe: n reals of
  * scratch. Columns go in blocks of SM_COL_VECS vectors whose maxima and sums stay in
- * registers down all bk rows (the row primitives take the last columns), the same
- * operations in the same order. */
+ * registers down all bk rows (vec_max_into and vec_exp_sub_acc take the last columns), the
+ * same operations in the same order. */
 static void PA_FN(sm_softmax_columns)(real *ST, int64_t lds, int64_t bk, int64_t n, real *m,
                                       real *l, real *O, const int64_t *orow, int64_t Dv,
                                       real *mnew, real *msafe)
@@ -435,7 +438,8 @@ static void PA_FN(sm_softmax_columns)(real *ST, int64_t lds, int64_t bk, int64_t
         for (int j = 0; j < SM_COL_VECS; j++) PA_FN(vstore)(mnew + c0 + j * VL, mx[j]);
     }
     memcpy(mnew + nb, m + nb, sizeof(real) * (n - nb));
-    for (int64_t x = 0; nb < n && x < bk; x++) PA_FN(vec_max_into)(mnew + nb, ST + x * lds + nb, n - nb);
+    if (nb < n)
+        for (int64_t x = 0; x < bk; x++) PA_FN(vec_max_into)(mnew + nb, ST + x * lds + nb, n - nb);
     for (int64_t c = 0; c < n; c++) { /* msafe: m with -inf as 0 */
         PA_FN(sm_raise_max)(m + c, l + c, O + (orow ? orow[c] : c) * Dv, Dv, mnew[c]);
         msafe[c] = m[c] == -(real)INFINITY ? 0 : m[c];
@@ -455,8 +459,9 @@ static void PA_FN(sm_softmax_columns)(real *ST, int64_t lds, int64_t bk, int64_t
             }
         for (int j = 0; j < SM_COL_VECS; j++) PA_FN(vstore)(l + c0 + j * VL, sum[j]);
     }
-    for (int64_t x = 0; nb < n && x < bk; x++)
-        PA_FN(vec_exp_sub_acc)(ST + x * lds + nb, msafe + nb, l + nb, n - nb);
+    if (nb < n)
+        for (int64_t x = 0; x < bk; x++)
+            PA_FN(vec_exp_sub_acc)(ST + x * lds + nb, msafe + nb, l + nb, n - nb);
 }
 
 /* 1 when the query at ip sees some key of its sequence of tk keys. */

@@ -97,8 +97,7 @@ static void PA_FN(sd_backward_row)(const pa_softmax_desc *d, const pa_key_rows *
             PA_FN(sm_row_scores)(&dv_desc, doi, s->w.vp, NULL, nb, ip, jb, nb, dS);
             for (int64_t h = 0; h < H; h++) {
                 real *p = P + h * KB, *ds = dS + h * KB;
-                for (int64_t c = 0; c < nb; c++) p[c] -= li[h];
-                PA_FN(exp_array)(p, p, nb);
+                PA_FN(row_exp_sum)(p, nb, li[h]);
                 for (int64_t c = 0; c < nb; c++) ds[c] = scale * p[c] * (ds[c] - s->Drow[h]);
             }
             for (int64_t kh = 0; kh < Hk; kh++) {
