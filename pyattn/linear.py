@@ -453,8 +453,10 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"],
                   V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, 1.0)
     o, ht = eng.forward(keep)
-    y = o + Dh[:, None] * x if Dh is not None else o
-    out = (y, ht)
+    if Dh is not None:  # y = o + D x in o, this call's own array; without a pullback to
+        # follow, v's buffer is free to hold D x (no new pages for the kernel to clear)
+        o += np.multiply(x, Dh[:, None], out=None if keep else v)
+    out = (o, ht)
 
     def pullback(cot):
         dy, dht = eng.cotangent(cot)
