@@ -47,9 +47,9 @@ those ``_core.*`` calls (the attention kernels and the C kernels of the layers a
 optimiser: SiLU, SwiGLU, RMSNorm and the delta rule's L2 normalisation, rotary, short
 convolutions, AdamW's update; the NumPy around them in the op wrappers is not counted there);
 "matmuls" = time inside the two matmul functions; "other" = step time less both: NumPy
-elementwise work (residuals, gates, the loss), copies, allocation and Python. The bar (the issue): pyattn's tokens/s >= 1.5x
-torch's for the hybrid and >= 1.2x for the all-softmax model, and "other" <= 30% of a step, at
-2 threads.
+elementwise work (residuals, gates, the loss), copies, allocation and Python. The bar (the
+issue): pyattn's tokens/s >= 1.5x torch's for the hybrid and >= 1.2x for the all-softmax
+model, and "other" <= 30% of a step, at 2 threads.
 """
 from __future__ import annotations
 

@@ -1439,8 +1439,8 @@ static PyObject *py_rms_norm_backward(PyObject *self, PyObject *const *args, Py_
     if (!dx) return NULL;
     const pa_kernels *K = kernels_for(t);
     Py_BEGIN_ALLOW_THREADS
-    K->rms_norm_backward(PyArray_DIM(g, 0), PyArray_DIM(g, 1), mean, PyArray_DATA(g), PyArray_DATA(h),
-                         PyArray_DATA(r), PyArray_DATA(dx));
+    K->rms_norm_backward(PyArray_DIM(g, 0), PyArray_DIM(g, 1), mean, PyArray_DATA(g),
+                         PyArray_DATA(h), PyArray_DATA(r), PyArray_DATA(dx));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -3,8 +3,8 @@
 One C engine computes, per (sequence, head), with S_0 = initial_state (zeros if None):
 ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T (scale q_t)``
 (``g = 0`` for ``delta_rule``). The wrappers here check arguments, apply the optional L2
-normalisation of q and k (and its backward, one threaded C pass each), and call the engine's forward and
-backward; they never loop over time.
+normalisation of q and k (and its backward, one threaded C pass each), and call the engine's
+forward and backward; they never loop over time.
 """
 from __future__ import annotations
 

@@ -272,7 +272,8 @@ static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, c
  * would only copy each element once more: row-major (csa = 1) or transposed (rsa = 1) A is
  * read in place, but for a last panel of fewer than MR rows (the micro-kernel reads MR),
  * which is packed into Ap. A row-major A whose rows lie a multiple of 4 KiB apart is packed
- * too: the MR rows the micro-kernel reads at once would fall in one set of the L1 cache. Either way each C entry sees the same FMAs in the same order. */
+ * too: the MR rows the micro-kernel reads at once would fall in one set of the L1 cache.
+ * Either way each C entry sees the same FMAs in the same order. */
 static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, const real *A,
                               int64_t rsa, int64_t csa, const real *Bp, int64_t bps, int64_t bs,
                               real beta, real *C, int64_t ldc, real *Ap)

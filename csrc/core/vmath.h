@@ -10,8 +10,8 @@
  * double 2.2e-16 (1 ulp) over 4e6 points in [-708, 709] against NumPy's exp (the generic
  * build, without FMA, measures 1.0e-07 in float).
  *
- * vexp_nonpos(x): the softmax passes' exp (row_exp_sum, vec_exp_sub_acc, the flash forward's
- * column softmax, the sparse and decode backwards), whose arguments are x - max or s - lse:
+ * vexp_nonpos(x): the softmax passes' exp (row_exp_sum, vec_exp_sub_acc, col_exp_sub_acc,
+ * the sparse and decode backwards), whose arguments are x - max or s - lse:
  * vexp's reduction and polynomial, so the same bits on normal results, without the overflow
  * clamp and with 2^n as one factor. Exactly 0 below -87.6 (-708.7 in double), where 2^n would
  * be subnormal; a subnormal rounded once between there and the least normal result. Correct
@@ -306,4 +306,60 @@ static inline void PA_FN(vec_exp_sub_acc)(real *x, const real *m, real *s, int64
         PA_FN(vstore_part)(x + i, e, r);
         PA_FN(vstore_part)(s + i, PA_FN(vload_part)(s + i, r, 0) + e, r);
     }
+}
+
+/* A softmax taken down the columns of a tile X [rows x n] (row x at X + x * ld), vectorised
+ * across columns: blocks of PA_COL_VECS vectors of columns keep their running maxima (sums)
+ * in registers down all rows, the columns after the last whole block go row by row through
+ * vec_max_into (vec_exp_sub_acc); the same operations in the same order either way. A
+ * multiple of PA_COL_VECS vectors covers the flash forward's query blocks (96 columns). */
+#define PA_COL_VECS 3
+
+/* m[c] = max(m[c], X[x, c]) over the rows x, NaN skipped */
+static inline __attribute__((always_inline)) void PA_FN(col_max_into)(real *m, const real *X,
+                                                                     int64_t ld, int64_t rows,
+                                                                     int64_t n)
+{
+    enum { W = PA_COL_VECS * VL };
+    const int64_t nb = n / W * W;
+    for (int64_t c0 = 0; c0 < nb; c0 += W) {
+        vreal mx[PA_COL_VECS];
+        for (int j = 0; j < PA_COL_VECS; j++) mx[j] = PA_FN(vload)(m + c0 + j * VL);
+        for (int64_t x = 0; x < rows; x++)
+            for (int j = 0; j < PA_COL_VECS; j++) {
+                vreal v = PA_FN(vload)(X + x * ld + c0 + j * VL);
+                mx[j] = PA_FN(vselect)(v > mx[j], v, mx[j]);
+            }
+        for (int j = 0; j < PA_COL_VECS; j++) PA_FN(vstore)(m + c0 + j * VL, mx[j]);
+    }
+    if (nb < n)
+        for (int64_t x = 0; x < rows; x++) PA_FN(vec_max_into)(m + nb, X + x * ld + nb, n - nb);
+}
+
+/* X[x, c] = exp(X[x, c] - m[c]) in place and s[c] += X[x, c] over the rows x, m[c] the
+ * column's maximum (vec_exp_sub_acc's condition) */
+static inline __attribute__((always_inline)) void PA_FN(col_exp_sub_acc)(real *X, int64_t ld,
+                                                                        int64_t rows, const real *m,
+                                                                        real *s, int64_t n)
+{
+    enum { W = PA_COL_VECS * VL };
+    const int64_t nb = n / W * W;
+    for (int64_t c0 = 0; c0 < nb; c0 += W) {
+        vreal ms[PA_COL_VECS], sum[PA_COL_VECS];
+        for (int j = 0; j < PA_COL_VECS; j++) {
+            ms[j] = PA_FN(vload)(m + c0 + j * VL);
+            sum[j] = PA_FN(vload)(s + c0 + j * VL);
+        }
+        for (int64_t x = 0; x < rows; x++)
+            for (int j = 0; j < PA_COL_VECS; j++) {
+                real *p = X + x * ld + c0 + j * VL;
+                vreal e = PA_FN(vexp_nonpos)(PA_FN(vload)(p) - ms[j]);
+                PA_FN(vstore)(p, e);
+                sum[j] += e;
+            }
+        for (int j = 0; j < PA_COL_VECS; j++) PA_FN(vstore)(s + c0 + j * VL, sum[j]);
+    }
+    if (nb < n)
+        for (int64_t x = 0; x < rows; x++)
+            PA_FN(vec_exp_sub_acc)(X + x * ld + nb, m + nb, s + nb, n - nb);
 }

@@ -1299,9 +1299,9 @@ static void PA_FN(ea_prepare)(const pa_efficient_desc *d, const real *q, const r
     for (int64_t t = 0; t < tk; t++) {
         real *row = s->Kc + t * K;
         for (int64_t j = 0; j < K; j++) row[j] = scale * k[t * H * K + j];
-        PA_FN(vec_max_into)(s->m, row, K);
     }
-    for (int64_t t = 0; t < tk; t++) PA_FN(vec_exp_sub_acc)(s->Kc + t * K, s->m, s->s, K);
+    PA_FN(col_max_into)(s->m, s->Kc, K, tk, K);
+    PA_FN(col_exp_sub_acc)(s->Kc, K, tk, s->m, s->s, K);
     for (int64_t j = 0; j < K; j++) s->s[j] = 1 / s->s[j];
     for (int64_t t = 0; t < tk; t++)
         for (int64_t j = 0; j < K; j++) s->Kc[t * K + j] *= s->s[j];

@@ -409,59 +409,22 @@ static inline void PA_FN(sm_raise_max)(real *m, real *l, real *acc, int64_t Dv, 
     }
 }
 
-/* vectors of columns held in registers: SM_BQ / VL is a multiple of it, so a full flash query
- * block leaves no columns over (MoBA's blocks of SB_ROWS = 128 leave 32 float columns on
- * AVX-512 to vec_max_into and vec_exp_sub_acc) */
-#define SM_COL_VECS 3
-
 /* One step of the online softmax for n queries over a transposed score tile ST [bk x lds]
  * (key x, query c at ST[x * lds + c]), vectorised across the queries: their maxima m and sums
  * l (n each) updated, query c's accumulator row (O + orow[c] * Dv, or O + c * Dv without
  * orow) rescaled where its max grew, ST replaced by exp(ST - m). mnew, msafe: n reals of
- * scratch. Columns go in blocks of SM_COL_VECS vectors whose maxima and sums stay in
- * registers down all bk rows (vec_max_into and vec_exp_sub_acc take the last columns), the
- * same operations in the same order. */
+ * scratch. */
 static void PA_FN(sm_softmax_columns)(real *ST, int64_t lds, int64_t bk, int64_t n, real *m,
                                       real *l, real *O, const int64_t *orow, int64_t Dv,
                                       real *mnew, real *msafe)
 {
-    enum { W = SM_COL_VECS * VL };
-    const int64_t nb = n / W * W;
-    for (int64_t c0 = 0; c0 < nb; c0 += W) {
-        vreal mx[SM_COL_VECS];
-        for (int j = 0; j < SM_COL_VECS; j++) mx[j] = PA_FN(vload)(m + c0 + j * VL);
-        for (int64_t x = 0; x < bk; x++)
-            for (int j = 0; j < SM_COL_VECS; j++) {
-                vreal v = PA_FN(vload)(ST + x * lds + c0 + j * VL);
-                mx[j] = PA_FN(vselect)(v > mx[j], v, mx[j]);
-            }
-        for (int j = 0; j < SM_COL_VECS; j++) PA_FN(vstore)(mnew + c0 + j * VL, mx[j]);
-    }
-    memcpy(mnew + nb, m + nb, sizeof(real) * (n - nb));
-    if (nb < n)
-        for (int64_t x = 0; x < bk; x++) PA_FN(vec_max_into)(mnew + nb, ST + x * lds + nb, n - nb);
+    memcpy(mnew, m, sizeof(real) * n);
+    PA_FN(col_max_into)(mnew, ST, lds, bk, n);
     for (int64_t c = 0; c < n; c++) { /* msafe: m with -inf as 0 */
         PA_FN(sm_raise_max)(m + c, l + c, O + (orow ? orow[c] : c) * Dv, Dv, mnew[c]);
         msafe[c] = m[c] == -(real)INFINITY ? 0 : m[c];
     }
-    for (int64_t c0 = 0; c0 < nb; c0 += W) {
-        vreal ms[SM_COL_VECS], sum[SM_COL_VECS];
-        for (int j = 0; j < SM_COL_VECS; j++) {
-            ms[j] = PA_FN(vload)(msafe + c0 + j * VL);
-            sum[j] = PA_FN(vload)(l + c0 + j * VL);
-        }
-        for (int64_t x = 0; x < bk; x++)
-            for (int j = 0; j < SM_COL_VECS; j++) {
-                real *p = ST + x * lds + c0 + j * VL;
-                vreal e = PA_FN(vexp_nonpos)(PA_FN(vload)(p) - ms[j]);
-                PA_FN(vstore)(p, e);
-                sum[j] += e;
-            }
-        for (int j = 0; j < SM_COL_VECS; j++) PA_FN(vstore)(l + c0 + j * VL, sum[j]);
-    }
-    if (nb < n)
-        for (int64_t x = 0; x < bk; x++)
-            PA_FN(vec_exp_sub_acc)(ST + x * lds + nb, msafe + nb, l + nb, n - nb);
+    PA_FN(col_exp_sub_acc)(ST, lds, bk, msafe, l, n);
 }
 
 /* 1 when the query at ip sees some key of its sequence of tk keys. */
