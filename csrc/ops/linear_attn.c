@@ -959,18 +959,20 @@ static int64_t PA_FN(la_piece_rows)(const pa_linear_desc *d, int64_t L)
 
 /* Rows r0 .. r0+n-1 (those before T) of the unit's inputs into L2: the next block's, while
  * this one computes. Each row is one head's, H rows apart, so hardware prefetchers miss
- * them; without this the first pass over a block's gates waited on memory. */
+ * them; without this the first pass over a block's gates waited on memory. state_only: the
+ * rows a block's state reads (k, v, gates), not q and do. */
 static inline __attribute__((always_inline)) void PA_FN(la_prefetch_rows)(const PA_FN(la_unit) *u,
-                                                                         int64_t r0, int64_t n)
+                                                                         int64_t r0, int64_t n,
+                                                                         int state_only)
 {
     const pa_linear_desc *d = u->d;
     for (int64_t t = r0; t < r0 + n && t < u->T; t++) {
-        PA_FN(prefetch_span)(u->q + t * u->sq, d->K);
+        if (!state_only) PA_FN(prefetch_span)(u->q + t * u->sq, d->K);
         PA_FN(prefetch_span)(u->k + t * u->sq, d->K);
         PA_FN(prefetch_span)(u->v + t * u->sv, d->V);
         if (d->gk == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gk + t * u->sg, d->K);
         if (d->gv == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gv + t * u->sv, d->V);
-        if (u->dout) PA_FN(prefetch_span)(u->dout + t * u->sv, d->V);
+        if (u->dout && !state_only) PA_FN(prefetch_span)(u->dout + t * u->sv, d->V);
     }
 }
 
@@ -993,7 +995,7 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
     PA_FN(la_load_rows)(c->h0, unit, c->d->K, c->d->V, 0, c->d->K, S);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         int64_t l = u.T - c0 < L ? u.T - c0 : L;
-        PA_FN(la_prefetch_rows)(&u, c0 + L, L);
+        PA_FN(la_prefetch_rows)(&u, c0 + L, L, 0);
         PA_FN(la_block)(&u, c0, l, 1, sc, &ks, &vs);
         PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
         if (c->states) {
@@ -1026,7 +1028,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
             PA_FN(la_recurrent_sweep)(&u, r0, n, S - KV, S, NULL, u.dq, sc);
         } else {
             memcpy(S, S - KV, sizeof(real) * KV);
-            PA_FN(la_prefetch_rows)(&u, r0 + P, P);
+            PA_FN(la_prefetch_rows)(&u, r0 + P, P, 1);
             PA_FN(la_block)(&u, r0, n, 0, sc, &ks, &vs);
             PA_FN(la_block_state)(&u, r0, n, &ks, &vs, S, sc);
         }
@@ -1042,7 +1044,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
         if (rec) {
             PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
         } else {
-            if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P);
+            if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
             PA_FN(la_block)(&u, r0, n, chunk, sc, &ks, &vs);
             if (chunk) PA_FN(la_block_grads)(&u, r0, n, &ks, &vs, states + p * KV, dS, sc);
             PA_FN(la_block_dstate)(&u, r0, n, &ks, &vs, dS, sc);
