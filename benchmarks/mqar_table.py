@@ -25,7 +25,11 @@ table measured at one thread) first.
 ``--shard K/N`` runs the K-th of N subsets of the sweep, balanced by that cost, so that a
 sweep can be split across machines or calls; ``--out DIR`` appends every run's result as
 one JSON line to ``DIR/results.jsonl`` (and its log to ``DIR/logs``); ``--merge`` prints
-the table of such files together.
+the table of such files together. With ``--out``, each run also saves a training checkpoint
+(``DIR/checkpoints``) every 50 steps, and a command run again skips the runs whose results
+``DIR`` holds and resumes the others from their checkpoints, with the bits of an
+uninterrupted run; ``--time-limit S`` stops every run after S seconds, so that a sweep longer
+than one sitting goes on in the next.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ LABELS = {"softmax": "Softmax attention", "linear": "Linear attention (elu+1)",
           "retnet": "RetNet", "mamba2": "Mamba2", "gla": "GLA", "deltanet": "DeltaNet",
           "gated_deltanet": "Gated DeltaNet", "hybrid": "Hybrid (Gated DeltaNet + softmax)"}
 HYBRID = ["gated_deltanet", "softmax"]
+CHECKPOINT_EVERY = 50  # steps; a killed run redoes at most this many
 # ms per training step (forward + backward, batch 32, T 128, one thread), measured with this
 # script's settings on a 2-core x86-64 machine; only the order and balance of the runs use it.
 COST = {64: {"softmax": 133, "linear": 90, "retnet": 141, "mamba2": 207, "gla": 139,
@@ -79,9 +84,15 @@ def one_run(opts) -> Dict:
                      seed=opts.seed)
     # the curve on the first 256 held-out rows; the final figure on all of them
     probe = (eval_data[0][:256], eval_data[1][:256])
+    ckpt = opts.checkpoint
+    resumed_at = 0
+    if ckpt and os.path.exists(ckpt):
+        with np.load(ckpt, allow_pickle=False) as f:
+            resumed_at = json.loads(str(f["__meta__"]))["step"]
     history = pyattn.train(model, train_data, steps=opts.steps, batch_size=opts.batch_size, lr=lr,
                            eval_data=probe, eval_every=max(1, opts.steps // opts.evals),
-                           progress=True, seed=opts.seed)
+                           progress=True, seed=opts.seed, checkpoint=ckpt,
+                           checkpoint_every=CHECKPOINT_EVERY)
     t_train = time.perf_counter() - t0
     acc = evaluate(model, eval_data)
     loss = history["loss"]
@@ -92,7 +103,8 @@ def one_run(opts) -> Dict:
             "steps": opts.steps, "batch_size": opts.batch_size, "examples": opts.examples,
             "eval_examples": opts.eval_examples, "seq_len": opts.seq_len, "kv_pairs": opts.kv_pairs,
             "vocab": opts.vocab, "layers": opts.layers, "heads": opts.heads, "seed": opts.seed,
-            "train_s": round(t_train, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+            "train_s": round(t_train, 1), "wall_s": round(time.perf_counter() - t0, 1),
+            "resumed_at": resumed_at}
 
 
 def budget_args(opts) -> List[str]:
@@ -150,15 +162,29 @@ def launch(opts, runs, out_dir: Optional[str]) -> List[Dict]:
                MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_dir = os.path.join(out_dir, "logs") if out_dir else tempfile.mkdtemp(prefix="mqar_table_")
     os.makedirs(log_dir, exist_ok=True)
+    ckpt_dir = os.path.join(out_dir, "checkpoints") if out_dir else None
+    if ckpt_dir:
+        os.makedirs(ckpt_dir, exist_ok=True)
     pending, running, results = list(runs), [], []
     t0 = time.perf_counter()
     while pending or running:
+        if opts.time_limit and time.perf_counter() - t0 > opts.time_limit:
+            for (m, d, lr), p, _ in running:
+                p.kill()
+                p.wait()
+                print(f"[{time.perf_counter() - t0:7.1f} s] stopped {m} d={d} lr={lr:g} at the time "
+                      f"limit; it resumes from its last checkpoint when run again", file=sys.stderr, flush=True)
+            print(f"time limit: {len(running)} runs stopped, {len(pending)} not started", file=sys.stderr)
+            break
         while pending and len(running) < opts.jobs:
             m, d, lr = pending.pop(0)
+            name = f"{m}_d{d}_lr{lr:g}"
             cmd = ([sys.executable, os.path.abspath(__file__), "--run", m, str(d), repr(lr),
                     "--threads", str(opts.threads)] + budget_args(opts))
-            log = os.path.join(log_dir, f"{m}_d{d}_lr{lr:g}.log")
-            with open(log, "w") as f:
+            if ckpt_dir:
+                cmd += ["--checkpoint", os.path.join(ckpt_dir, name + ".npz")]
+            log = os.path.join(log_dir, name + ".log")
+            with open(log, "a") as f:
                 p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
             running.append(((m, d, lr), p, log))
         time.sleep(0.2)
@@ -177,6 +203,10 @@ def launch(opts, runs, out_dir: Optional[str]) -> List[Dict]:
                 r = {"model": m, "d_model": d, "lr": lr, "accuracy": None, "error": tail}
             else:
                 r = json.loads(lines[-1])
+                if ckpt_dir:  # the result is kept; the run's checkpoint is no longer needed
+                    ckpt = os.path.join(ckpt_dir, f"{m}_d{d}_lr{lr:g}.npz")
+                    if os.path.exists(ckpt):
+                        os.remove(ckpt)
                 print(f"[{time.perf_counter() - t0:7.1f} s] {m:15s} d={d:<4d} lr={lr:<7g} "
                       f"acc {r['accuracy']:.4f}  loss {r['final_loss']:.4f}  ({r['wall_s']:.0f} s)",
                       file=sys.stderr, flush=True)
@@ -261,7 +291,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for results.jsonl and logs")
     ap.add_argument("--merge", nargs="+", default=None, help="results.jsonl files or folders: print their table")
     ap.add_argument("--list", action="store_true", help="print the runs (and their commands), run nothing")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds: then stop the running runs (they resume from their checkpoints "
+                         "in --out when the same command runs again) and start no more")
     ap.add_argument("--run", nargs=3, metavar=("MODEL", "D_MODEL", "LR"), help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
 
     if opts.run:
@@ -276,6 +310,13 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown models {bad}; choose from {MODELS}")
     runs = sweep(opts)
+    if opts.out and os.path.exists(os.path.join(opts.out, "results.jsonl")):
+        budget = {"steps": opts.steps, "batch_size": opts.batch_size, "examples": opts.examples,
+                  "eval_examples": opts.eval_examples, "seq_len": opts.seq_len, "kv_pairs": opts.kv_pairs,
+                  "vocab": opts.vocab, "layers": opts.layers, "heads": opts.heads, "seed": opts.seed}
+        done = {(r["model"], r["d_model"], r["lr"]) for r in load_results([opts.out])
+                if r.get("accuracy") is not None and all(r.get(k) == v for k, v in budget.items())}
+        runs = [r for r in runs if r not in done]
     if opts.list:
         for m, d, lr in runs:
             print(" ".join([f"OMP_NUM_THREADS={opts.threads}", "OPENBLAS_NUM_THREADS=1", "python",

@@ -1,9 +1,11 @@
 """The training loop: ``pyattn.train(model, data, steps=...)`` and ``pyattn.plot_history``."""
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -56,15 +58,24 @@ def evaluate(model, data: Tuple[np.ndarray, np.ndarray], batch_size: int = 64) -
 def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size: int = 32,
           lr: float = 1e-3, warmup: Optional[int] = None, weight_decay: float = 0.1,
           clip: float = 1.0, eval_data: Optional[Tuple[np.ndarray, np.ndarray]] = None,
-          eval_every: Optional[int] = None, progress: bool = True,
-          seed: int = 0) -> Dict[str, List[float]]:
+          eval_every: Optional[int] = None, progress: bool = True, seed: int = 0,
+          checkpoint: Optional[str] = None,
+          checkpoint_every: Optional[int] = None) -> Dict[str, List[float]]:
     """Trains ``model`` (a ``pyattn.nn.HybridLM``) on ``data = (inputs [N, T], targets [N, T])``
     for ``steps`` steps of ``batch_size`` rows drawn at random: cross-entropy over the targets
     that are not -100, gradients clipped to the global norm ``clip``, AdamW with a cosine
     schedule (linear warm-up over ``warmup`` steps, default a tenth of the run). With
     ``eval_data`` the answer accuracy is measured every ``eval_every`` steps (default a tenth
     of the run) and at the end. Returns the history: lists under "step", "loss", "lr", and
-    "eval_step" / "accuracy" when evaluated."""
+    "eval_step" / "accuracy" when evaluated.
+
+    With ``checkpoint`` (a path ending in .npz), the model, the optimizer's moments, the
+    sampler's state and the history are saved there every ``checkpoint_every`` steps (default
+    ``eval_every``) and at the end, replacing the file atomically; a call that finds the file
+    resumes from it, so a run that was killed continues where its last checkpoint left it and
+    ends with the same bits as a run never interrupted. The file must come from a call with the
+    same settings (steps, batch size, learning rate, schedule, seed, data shape): another is a
+    ``ValueError``."""
     inputs, targets = (np.asarray(a) for a in data)
     if inputs.shape != targets.shape or inputs.ndim != 2:
         raise ValueError(f"train(): data must be (inputs, targets) of one shape [N, T], got "
@@ -76,8 +87,20 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     history: Dict[str, List[float]] = {"step": [], "loss": [], "lr": []}
     if eval_data is not None:
         history["eval_step"], history["accuracy"] = [], []
+    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "warmup": warmup,
+                "weight_decay": weight_decay, "clip": clip, "seed": seed, "eval_every": eval_every,
+                "evaluated": eval_data is not None, "data": list(inputs.shape)}
+    start = 0
+    if checkpoint is not None:
+        checkpoint_every = eval_every if checkpoint_every is None else checkpoint_every
+        if checkpoint_every < 1:
+            raise ValueError(f"train(): checkpoint_every must be at least 1, got {checkpoint_every}")
+        if os.path.exists(checkpoint):
+            start, history = _load_checkpoint(checkpoint, settings, model, opt, rng)
     bar = _progress(steps, progress)
-    for step in range(steps):
+    if bar is not None and start:
+        bar.update(start)
+    for step in range(start, steps):
         rows = rng.integers(0, len(inputs), batch_size)
         loss, dlogits = cross_entropy(model.forward(inputs[rows]), targets[rows])
         model.zero_grad()
@@ -95,9 +118,45 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
             acc = f" acc {history['accuracy'][-1]:.3f}" if history.get("accuracy") else ""
             bar.set_postfix_str(f"loss {loss:.4f}{acc}")
             bar.update(1)
+        if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
+            _save_checkpoint(checkpoint, settings, step + 1, model, opt, rng, history)
     if bar is not None:
         bar.close()
     return history
+
+
+def _save_checkpoint(path: str, settings: Dict[str, Any], step: int, model, opt: AdamW, rng,
+                     history: Dict[str, List[float]]) -> None:
+    """Everything a resumed run needs, in one .npz written beside ``path`` and then moved over
+    it, so that a kill while writing leaves the previous checkpoint whole."""
+    meta = {"settings": settings, "step": step, "adam_t": opt.t, "rng": rng.bit_generator.state,
+            "history": {k: [x if isinstance(x, int) else float(x) for x in v] for k, v in history.items()}}
+    arrays: Dict[str, Any] = {"__meta__": np.array(json.dumps(meta))}
+    for name, p in model.params.items():
+        arrays["param/" + name], arrays["adam_m/" + name], arrays["adam_v/" + name] = p, opt.m[name], opt.v[name]
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: str, settings: Dict[str, Any], model, opt: AdamW, rng):
+    """Restores a checkpoint into model, opt and rng; returns (its step, its history)."""
+    with np.load(path, allow_pickle=False) as f:
+        meta = json.loads(str(f["__meta__"]))
+        if meta["settings"] != settings:
+            diff = {k: (meta["settings"].get(k), v) for k, v in settings.items() if meta["settings"].get(k) != v}
+            raise ValueError(f"train(): checkpoint {path} was made with other settings "
+                             f"(saved, now): {diff}; remove it or pass another path")
+        params = model.params
+        if set(params) != {k[len("param/"):] for k in f.files if k.startswith("param/")}:
+            raise ValueError(f"train(): checkpoint {path} holds another model's parameters")
+        for name in params:
+            params[name] = f["param/" + name]
+            opt.m[name][...] = f["adam_m/" + name]
+            opt.v[name][...] = f["adam_v/" + name]
+    opt.t = meta["adam_t"]
+    rng.bit_generator.state = meta["rng"]
+    return meta["step"], meta["history"]
 
 
 def plot_history(history: Dict[str, List[float]]):

@@ -72,3 +72,37 @@ def test_command_line_train(tmp_path, capsys):
     assert rc == 0 and "held-out accuracy" in capsys.readouterr().out
     model = pyattn.nn.HybridLM.load(str(out))
     assert model.forward(np.zeros((1, 4), np.int64)).shape == (1, 4, 16)
+
+
+def test_train_resumes_from_its_checkpoint_with_the_same_bits(tmp_path):
+    x, y = data.mqar(128, 24, 2, 32, seed=0)
+    make = lambda: pyattn.nn.HybridLM(32, 16, 2, ["gated_deltanet", "softmax"], n_heads=2, seed=1)
+    kw = dict(steps=12, batch_size=8, lr=3e-3, eval_data=(x[:32], y[:32]), eval_every=4, progress=False)
+    whole = make()
+    h_whole = pyattn.train(whole, (x, y), **kw)
+
+    ckpt = str(tmp_path / "run.npz")
+    killed = make()
+    calls = {"n": 0}
+    backward = killed.backward
+
+    def dies_at_step_8(d):
+        calls["n"] += 1
+        if calls["n"] == 8:  # after the checkpoint of step 5, before step 8's update
+            raise KeyboardInterrupt
+        return backward(d)
+
+    killed.backward = dies_at_step_8
+    with pytest.raises(KeyboardInterrupt):
+        pyattn.train(killed, (x, y), checkpoint=ckpt, checkpoint_every=5, **kw)
+    resumed = make()  # a fresh process: new model, state only from the file
+    h_resumed = pyattn.train(resumed, (x, y), checkpoint=ckpt, checkpoint_every=5, **kw)
+    assert h_resumed == h_whole
+    for name, p in whole.params.items():
+        np.testing.assert_array_equal(resumed.params[name], p, err_msg=name)
+
+    with pytest.raises(ValueError, match="other settings"):
+        pyattn.train(make(), (x, y), checkpoint=ckpt, **dict(kw, lr=1e-3))
+    with pytest.raises(ValueError, match="another model"):
+        other = pyattn.nn.HybridLM(32, 16, 1, "softmax", n_heads=2, seed=1)
+        pyattn.train(other, (x, y), checkpoint=ckpt, **kw)
