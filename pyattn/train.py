@@ -201,6 +201,8 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="model.npz", help="where the trained model is saved")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a .npz saved every tenth of the run; a run that finds it resumes from it")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -230,7 +232,8 @@ def run_train(opts) -> int:
                      n_heads=opts.heads, dtype=opts.dtype, seed=opts.seed)
     t0 = time.perf_counter()
     history = train(model, train_data, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr,
-                    eval_data=eval_data, progress=not opts.no_progress, seed=opts.seed)
+                    eval_data=eval_data, progress=not opts.no_progress, seed=opts.seed,
+                    checkpoint=opts.checkpoint)
     print(f"task {opts.task}, mixers {opts.mixers}: loss {history['loss'][-1]:.4f}, held-out "
           f"accuracy {history['accuracy'][-1]:.4f} after {opts.steps} steps "
           f"({time.perf_counter() - t0:.1f} s)")

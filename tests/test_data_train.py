@@ -74,6 +74,25 @@ def test_command_line_train(tmp_path, capsys):
     assert model.forward(np.zeros((1, 4), np.int64)).shape == (1, 4, 16)
 
 
+def test_command_line_train_resumes_from_its_checkpoint(tmp_path, capsys):
+    from pyattn.selfcheck import main
+
+    args = ["train", "--steps", "4", "--examples", "32", "--seq-len", "16", "--kv-pairs", "2",
+            "--vocab", "16", "--d-model", "16", "--heads", "2", "--mixers", "deltanet", "--no-progress"]
+    assert main(args + ["--out", str(tmp_path / "a.npz")]) == 0
+    whole = capsys.readouterr().out.splitlines()[0]
+    ckpt = str(tmp_path / "c.npz")
+    assert main(args + ["--out", str(tmp_path / "b.npz"), "--checkpoint", ckpt]) == 0
+    # a second run finds the finished checkpoint: it trains no step and reports the same model
+    assert main(args + ["--out", str(tmp_path / "b.npz"), "--checkpoint", ckpt]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    strip = lambda line: line.split(" after ")[0]
+    assert strip(lines[0]) == strip(lines[2]) == strip(whole)
+    a, b = pyattn.nn.HybridLM.load(str(tmp_path / "a.npz")), pyattn.nn.HybridLM.load(str(tmp_path / "b.npz"))
+    for name, p in a.params.items():
+        np.testing.assert_array_equal(b.params[name], p, err_msg=name)
+
+
 def test_train_resumes_from_its_checkpoint_with_the_same_bits(tmp_path):
     x, y = data.mqar(128, 24, 2, 32, seed=0)
     make = lambda: pyattn.nn.HybridLM(32, 16, 2, ["gated_deltanet", "softmax"], n_heads=2, seed=1)
