@@ -1,5 +1,8 @@
 """pyattn.data's tasks (MQAR as Zoology builds it, copying, character text) and the training
 loop: pyattn.train, its history, the command line."""
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -125,3 +128,95 @@ def test_train_resumes_from_its_checkpoint_with_the_same_bits(tmp_path):
     with pytest.raises(ValueError, match="another model"):
         other = pyattn.nn.HybridLM(32, 16, 1, "softmax", n_heads=2, seed=1)
         pyattn.train(other, (x, y), checkpoint=ckpt, **kw)
+
+
+def _tiny_run(**kw):
+    x, y = data.mqar(64, 16, 2, 16, seed=0)
+    model = pyattn.nn.HybridLM(16, 8, 1, "softmax", n_heads=2, seed=0)
+    return pyattn.train(model, (x, y), steps=10, batch_size=4, eval_data=(x[:8], y[:8]), eval_every=5, **kw)
+
+
+def test_progress_is_a_plain_line_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm.auto` fail
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    h = _tiny_run()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [l.split(" (")[0] for l in lines] == [f"train {n}/10" for n in range(1, 11)]
+    assert lines[-1].endswith(f"loss {h['loss'][-1]:.4f} acc {h['accuracy'][-1]:.3f}")
+
+
+def test_progress_uses_tqdm_when_installed(monkeypatch, capsys):
+    seen = {"updates": 0, "closed": False, "post": None}
+
+    class FakeTqdm:
+        def __init__(self, total, desc, unit):
+            seen.update(total=total, desc=desc, unit=unit)
+
+        def set_postfix_str(self, text):
+            seen["post"] = text
+
+        def update(self, k):
+            seen["updates"] += k
+
+        def close(self):
+            seen["closed"] = True
+
+    auto = types.ModuleType("tqdm.auto")
+    auto.tqdm = FakeTqdm
+    monkeypatch.setitem(sys.modules, "tqdm", types.ModuleType("tqdm"))
+    monkeypatch.setitem(sys.modules, "tqdm.auto", auto)
+    h = _tiny_run()
+    assert seen["total"] == 10 and seen["updates"] == 10 and seen["closed"] and seen["unit"] == "step"
+    assert seen["post"] == f"loss {h['loss'][-1]:.4f} acc {h['accuracy'][-1]:.3f}"
+    assert capsys.readouterr().err == ""  # no plain line beside the bar
+
+
+def test_plot_history_draws_loss_and_accuracy(monkeypatch):
+    calls = []
+
+    class Axes:
+        def __init__(self, i):
+            self.i = i
+
+        def plot(self, x, y, **kw):
+            calls.append((self.i, list(x), list(y)))
+
+        def __getattr__(self, name):  # set_xlabel, set_ylim, ...
+            return lambda *a, **k: None
+
+    class Figure:
+        def tight_layout(self):
+            pass
+
+    pyplot = types.ModuleType("matplotlib.pyplot")
+    pyplot.subplots = lambda rows, cols, figsize: (Figure(), [Axes(i) for i in range(cols)] if cols > 1 else Axes(0))
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    h = {"step": [0, 1, 2], "loss": [3.0, 2.0, 1.0], "lr": [1, 1, 1], "eval_step": [2], "accuracy": [0.5]}
+    assert isinstance(pyattn.plot_history(h), Figure)
+    assert calls == [(0, [0, 1, 2], [3.0, 2.0, 1.0]), (1, [2], [0.5])]
+    calls.clear()
+    pyattn.plot_history({"step": [0], "loss": [1.0], "lr": [1]})
+    assert calls == [(0, [0], [1.0])]
+
+
+def test_plot_history_without_matplotlib_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        pyattn.plot_history({"step": [0], "loss": [1.0], "lr": [1]})
+
+
+@pytest.mark.parametrize("task", ["copy", "text"])
+def test_command_line_train_other_tasks(tmp_path, capsys, task):
+    from pyattn.selfcheck import main
+
+    extra = ["--vocab", "12"] if task == "copy" else ["--text", str(tmp_path / "t.txt")]
+    (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20, encoding="utf-8")
+    rc = main(["train", "--task", task, "--steps", "3", "--examples", "16", "--seq-len", "12",
+               "--d-model", "16", "--heads", "2", "--mixers", "softmax", "--no-progress",
+               "--out", str(tmp_path / "m.npz")] + extra)
+    assert rc == 0 and f"task {task}" in capsys.readouterr().out
+    vocab = 12 if task == "copy" else len(set("the cat sat on the mat. "))
+    model = pyattn.nn.HybridLM.load(str(tmp_path / "m.npz"))
+    assert model.forward(np.zeros((1, 4), np.int64)).shape == (1, 4, vocab)

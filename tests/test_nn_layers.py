@@ -164,7 +164,8 @@ def test_short_conv_is_causal_depthwise_and_streams(rng):
 
 
 def test_rotary_layer_gradient(rng):
-    rot = Rotary(6, theta=100.0)
+    rot = Rotary(6, theta=100.0, dtype=F64)
+    assert dict(rot.params) == dict(rot.grads) == {}  # a module without parameters
     q, k = rng.standard_normal((2, 5, 3, 6)), rng.standard_normal((2, 5, 1, 6))
     pos = np.arange(3, 8)
     qr, kr = rot.forward(pos, q, k)

@@ -341,12 +341,13 @@ class ShortConv(Module):
         return dx
 
 
-class Rotary:
+class Rotary(Module):
     """Rotary embedding of q and k (``pyattn.rope``'s half-split pairs) at given positions;
-    no parameters. ``forward(positions, q, k)`` returns the rotated pair, ``backward(dq,
-    dk)`` rotates the gradients back."""
+    a module without parameters. ``forward(positions, q, k)`` returns the rotated pair,
+    ``backward(dq, dk)`` rotates the gradients back."""
 
-    def __init__(self, head_dim: int, theta: float = 10000.0):
+    def __init__(self, head_dim: int, theta: float = 10000.0, *, dtype="float32"):
+        super().__init__(dtype)
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head dim, got {head_dim}")
         self.head_dim, self.theta = head_dim, theta

@@ -45,7 +45,7 @@ class MultiHeadLatentAttention(Mixer):
         self.add_param("w_uv", normal(rng, (Dc, H, Dn)))
         self.add_param("w_o", normal(rng, (d_model, H * Dn), out_std))
         self.kv_norm = self.add_module("kv_norm", RMSNorm(Dc, dtype=dtype))
-        self.rotary = Rotary(Dr, rope_theta)
+        self.rotary = Rotary(Dr, rope_theta, dtype=dtype)
 
     def new_cache(self, batch, max_len):
         return {"k": np.zeros((batch, max_len, 1, self.Dc + self.Dr), self.dtype),

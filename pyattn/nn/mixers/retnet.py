@@ -29,7 +29,7 @@ class MultiScaleRetention(Mixer):
         self.add_qkv(rng, d_model, (H * K, H * K, H * Vd), short_conv)
         self.add_param("w_g", normal(rng, (H * Vd, d_model)))
         self.add_param("w_o", normal(rng, (d_model, H * Vd), out_std))
-        self.rotary = Rotary(K, rope_theta)
+        self.rotary = Rotary(K, rope_theta, dtype=dtype)
         self.o_norm = self.add_module("o_norm", RMSNorm(Vd, dtype=dtype, eps=norm_eps, gated=True))
 
     def _mix(self, x, cache, pos):

@@ -38,7 +38,7 @@ class SoftmaxAttention(Mixer):
         self.H, self.Hk, self.D = H, Hk, D
         self.add_qkv(rng, d_model, (H * D, Hk * D, Hk * D), short_conv)
         self.add_param("w_o", normal(rng, (d_model, H * D), out_std))
-        self.rotary = Rotary(D, rope_theta)
+        self.rotary = Rotary(D, rope_theta, dtype=dtype)
         self.mask = dict(causal=True, window=None if window is None else (window - 1, 0), sinks=sinks)
 
     def new_cache(self, batch, max_len):
