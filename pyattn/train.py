@@ -69,7 +69,7 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     of the run) and at the end. Returns the history: lists under "step", "loss", "lr", and
     "eval_step" / "accuracy" when evaluated.
 
-    With ``checkpoint`` (a path ending in .npz), the model, the optimizer's moments, the
+    With ``checkpoint`` (a file path; the file is an .npz), the model, the optimizer's moments, the
     sampler's state and the history are saved there every ``checkpoint_every`` steps (default
     ``eval_every``) and at the end, replacing the file atomically; a call that finds the file
     resumes from it, so a run that was killed continues where its last checkpoint left it and
