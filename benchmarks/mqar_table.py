@@ -1,8 +1,8 @@
 """The MQAR table: Zoology's multi-query associative recall, one 2-layer ``HybridLM`` per mixer
 and width, each the best of a small learning-rate sweep, all under one training budget.
 
-    python benchmarks/mqar_table.py [--jobs N] [--threads N] [--steps 900] [--batch-size 32]
-        [--examples 20000] [--lrs 3e-4,1e-3,3e-3] [--widths 64,128]
+    python benchmarks/mqar_table.py [--jobs N] [--threads N] [--steps 3000] [--batch-size 32]
+        [--examples 20000] [--lrs 3e-4,5e-4,7e-4,1e-3,3e-3] [--widths 64,128]
         [--models softmax,linear,retnet,mamba2,gla,deltanet,gated_deltanet,hybrid]
         [--shard K/N] [--out DIR]
     python benchmarks/mqar_table.py --merge DIR_OR_JSONL [...]      # the table of earlier runs
@@ -271,11 +271,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="runs at a time (one thread each)")
-    ap.add_argument("--steps", type=int, default=900)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--examples", type=int, default=20000, help="training rows")
     ap.add_argument("--eval-examples", type=int, default=1000, help="held-out rows")
-    ap.add_argument("--lrs", type=parse_list(float), default=[3e-4, 1e-3, 3e-3])
+    ap.add_argument("--lrs", type=parse_list(float), default=[3e-4, 5e-4, 7e-4, 1e-3, 3e-3])
     ap.add_argument("--widths", type=parse_list(int), default=[64, 128])
     ap.add_argument("--models", type=parse_list(str), default=list(MODELS))
     ap.add_argument("--seq-len", type=int, default=128)
