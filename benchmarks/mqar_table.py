@@ -153,6 +153,11 @@ def machine_info() -> str:
             f"Python {platform.python_version()}, NumPy {np.__version__}, pyattn {version}")
 
 
+def run_name(model: str, d_model: int, lr: float) -> str:
+    """The stem of a run's log and checkpoint files."""
+    return f"{model}_d{d_model}_lr{lr:g}"
+
+
 def launch(opts, runs, out_dir: Optional[str]) -> List[Dict]:
     """Runs ``runs`` as separate processes, ``opts.jobs`` at a time; returns their results.
     Each process writes its output to a log file (``DIR/logs`` with ``--out``, else a
@@ -178,7 +183,7 @@ def launch(opts, runs, out_dir: Optional[str]) -> List[Dict]:
             break
         while pending and len(running) < opts.jobs:
             m, d, lr = pending.pop(0)
-            name = f"{m}_d{d}_lr{lr:g}"
+            name = run_name(m, d, lr)
             cmd = ([sys.executable, os.path.abspath(__file__), "--run", m, str(d), repr(lr),
                     "--threads", str(opts.threads)] + budget_args(opts))
             if ckpt_dir:
@@ -204,7 +209,7 @@ def launch(opts, runs, out_dir: Optional[str]) -> List[Dict]:
             else:
                 r = json.loads(lines[-1])
                 if ckpt_dir:  # the result is kept; the run's checkpoint is no longer needed
-                    ckpt = os.path.join(ckpt_dir, f"{m}_d{d}_lr{lr:g}.npz")
+                    ckpt = os.path.join(ckpt_dir, run_name(m, d, lr) + ".npz")
                     if os.path.exists(ckpt):
                         os.remove(ckpt)
                 print(f"[{time.perf_counter() - t0:7.1f} s] {m:15s} d={d:<4d} lr={lr:<7g} "
@@ -309,6 +314,8 @@ def main(argv=None) -> int:
     bad = [m for m in opts.models if m not in MODELS]
     if bad:
         ap.error(f"unknown models {bad}; choose from {MODELS}")
+    if opts.time_limit is not None and not opts.out:
+        ap.error("--time-limit needs --out: the stopped runs resume from their checkpoints there")
     runs = sweep(opts)
     if opts.out and os.path.exists(os.path.join(opts.out, "results.jsonl")):
         budget = {"steps": opts.steps, "batch_size": opts.batch_size, "examples": opts.examples,
