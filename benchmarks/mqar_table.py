@@ -85,10 +85,7 @@ def one_run(opts) -> Dict:
     # the curve on the first 256 held-out rows; the final figure on all of them
     probe = (eval_data[0][:256], eval_data[1][:256])
     ckpt = opts.checkpoint
-    resumed_at = 0
-    if ckpt and os.path.exists(ckpt):
-        with np.load(ckpt, allow_pickle=False) as f:
-            resumed_at = json.loads(str(f["__meta__"]))["step"]
+    resumed = bool(ckpt) and os.path.exists(ckpt)  # then train_s and wall_s time the last sitting only
     history = pyattn.train(model, train_data, steps=opts.steps, batch_size=opts.batch_size, lr=lr,
                            eval_data=probe, eval_every=max(1, opts.steps // opts.evals),
                            progress=True, seed=opts.seed, checkpoint=ckpt,
@@ -104,7 +101,7 @@ def one_run(opts) -> Dict:
             "eval_examples": opts.eval_examples, "seq_len": opts.seq_len, "kv_pairs": opts.kv_pairs,
             "vocab": opts.vocab, "layers": opts.layers, "heads": opts.heads, "seed": opts.seed,
             "train_s": round(t_train, 1), "wall_s": round(time.perf_counter() - t0, 1),
-            "resumed_at": resumed_at}
+            "resumed": resumed}
 
 
 def budget_args(opts) -> List[str]:
