@@ -20,10 +20,7 @@ static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, cons
 
 static void PA_FN(exp_entry)(const void *x, void *y, int64_t n, int nonpos)
 {
-    if (nonpos)
-        PA_FN(exp_array_by)(x, y, n, 1);
-    else
-        PA_FN(exp_array)(x, y, n);
+    PA_FN(exp_array_by)(x, y, n, nonpos);
 }
 
 const pa_kernels PA_FN(pa_kernels) = {
