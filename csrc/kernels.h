@@ -196,16 +196,21 @@ typedef struct {
     int (*feature_map_backward)(const pa_feature_map_desc *d, const void *x, const void *dy,
                                 void *dx, void *dprojection);
     /* h0, ht may be NULL (zero initial state; final state not wanted); states: NULL, or (chunk
-     * form) room for the pa_linear_kept_states() states the backward can reuse */
+     * form) room for the pa_linear_kept_states() states the backward can reuse. beta [rows, H]
+     * (NULL: ones) scales the value rows, v'_t = beta_t v_t, and needs gv NULL; skip [H] (NULL:
+     * none) adds skip_h v_t to o_t (Mamba-2's v = x dt and D x). */
     int (*linear_forward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
-                          const void *gk, const void *gv, const void *h0, void *o, void *ht,
-                          void *states);
+                          const void *gk, const void *gv, const void *h0, const void *beta,
+                          const void *skip, void *o, void *ht, void *states);
     /* dht, h0 may be NULL (zero); dgk, dgv are NULL exactly when their gate is; dh0 may be
-     * NULL (not wanted); states: what a chunk forward kept, or NULL (then recomputed) */
+     * NULL (not wanted); states: what a chunk forward kept, or NULL (then recomputed); dbeta
+     * [rows, H] with beta; dskip [rows, H] with skip: the rows' terms do_t . v_t of the skip's
+     * gradient, for the caller to sum */
     int (*linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
                            const void *v, const void *gk, const void *gv, const void *h0,
-                           const void *dout, const void *dht, const void *states,
-                           void *dq, void *dk, void *dv, void *dgk, void *dgv, void *dh0);
+                           const void *beta, const void *skip, const void *dout,
+                           const void *dht, const void *states, void *dq, void *dk, void *dv,
+                           void *dgk, void *dgv, void *dh0, void *dbeta, void *dskip);
     /* The delta-rule engine (ops/delta_rule.c) over the linear engine's description (gk
      * PA_GATE_NONE or PA_GATE_SCALAR, gv PA_GATE_NONE): g NULL or [rows, H], beta [rows, H];
      * h0, ht may be NULL (zero initial state; final state not wanted); states as the linear

@@ -1029,16 +1029,34 @@ static int get_engine_grads(const char *fn, PyObject *const *args, int t, PyArra
     return 0;
 }
 
-/* linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale) -> the states kept
- * for the backward (a new array; keep true and the chunk form), or None */
+/* The engine's value options a = (beta, skip): None, or beta [B, T, H] (not with a value
+ * gate) and skip [H] into arr[0], arr[1] */
+static int linear_value_opts(const char *fn, PyObject *const *a, int t, PyArrayObject *const *in,
+                             const pa_linear_desc *d, PyArrayObject **arr)
+{
+    npy_intp bshape[3] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d->H}, hshape[1] = {d->H};
+    arr[0] = arr[1] = NULL;
+    if (a[0] != Py_None && d->gv != PA_GATE_NONE) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'beta' needs gv None", fn);
+        return -1;
+    }
+    if (a[0] != Py_None && !(arr[0] = get_array(fn, "beta", a[0], t, 3, bshape, 0))) return -1;
+    if (a[1] != Py_None && !(arr[1] = get_array(fn, "skip", a[1], t, 1, hshape, 0))) return -1;
+    return 0;
+}
+
+/* linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale, beta, skip) -> the
+ * states kept for the backward (a new array; keep true and the chunk form), or None */
 static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "linear_forward";
-    if (expect_nargs(fn, nargs, 13)) return NULL;
+    if (expect_nargs(fn, nargs, 15)) return NULL;
     int t;
-    PyArrayObject *in[6], *o, *ht;
+    PyArrayObject *in[6], *o, *ht, *vopt[2];
     pa_linear_desc d;
-    if (linear_desc(fn, args, args + 9, &t, in, &d)) return NULL;
+    if (linear_desc(fn, args, args + 9, &t, in, &d) ||
+        linear_value_opts(fn, args + 13, t, in, &d, vopt))
+        return NULL;
     PyObject *states = engine_outputs(fn, args, t, in[0], &d, &o, &ht);
     if (!states) return NULL;
     const pa_kernels *K = kernels_for(t);
@@ -1047,34 +1065,40 @@ static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     rc = K->linear_forward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
                            data_or_null(in[3]), data_or_null(in[4]), data_or_null(in[5]),
-                           PyArray_DATA(o), ht ? PyArray_DATA(ht) : NULL, kept);
+                           data_or_null(vopt[0]), data_or_null(vopt[1]), PyArray_DATA(o),
+                           ht ? PyArray_DATA(ht) : NULL, kept);
     Py_END_ALLOW_THREADS
     return engine_result(states, rc);
 }
 
 /* linear_backward(q, k, v, gk, gv, h0, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, form, chunk,
- *                 scale); states: what linear_forward kept, or None */
+ *                 scale, beta, skip, dbeta, dskip); states: what linear_forward kept, or None */
 static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *fn = "linear_backward";
-    if (expect_nargs(fn, nargs, 19)) return NULL;
+    if (expect_nargs(fn, nargs, 23)) return NULL;
     int t;
-    PyArrayObject *in[6], *dgk = NULL, *dgv = NULL;
+    PyArrayObject *in[6], *vopt[2], *dgk = NULL, *dgv = NULL, *dbeta = NULL, *dskip = NULL;
     engine_grads gr;
     pa_linear_desc d;
-    if (linear_desc(fn, args, args + 15, &t, in, &d) || get_engine_grads(fn, args, t, in, &d, &gr))
+    if (linear_desc(fn, args, args + 15, &t, in, &d) ||
+        linear_value_opts(fn, args + 19, t, in, &d, vopt) ||
+        get_engine_grads(fn, args, t, in, &d, &gr))
         return NULL;
-    const char *gnames[2] = {"dgk", "dgv"};
-    PyArrayObject **gout[2] = {&dgk, &dgv};
-    for (int g = 0; g < 2; g++) {
-        PyArrayObject *gate = in[3 + g];
-        if (!gate && args[12 + g] != Py_None) {
-            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be None without its gate", fn,
-                         gnames[g]);
+    /* each gradient of these is None exactly when its input is; dskip has beta's shape */
+    const char *gnames[4] = {"dgk", "dgv", "dbeta", "dskip"};
+    PyArrayObject **gout[4] = {&dgk, &dgv, &dbeta, &dskip};
+    PyArrayObject *const gin[4] = {in[3], in[4], vopt[0], vopt[1]};
+    PyObject *const gobj[4] = {args[12], args[13], args[21], args[22]};
+    npy_intp rshape[3] = {PyArray_DIM(in[0], 0), PyArray_DIM(in[0], 1), d.H};
+    for (int g = 0; g < 4; g++) {
+        if (!gin[g] && gobj[g] != Py_None) {
+            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must be None without its input",
+                         fn, gnames[g]);
             return NULL;
         }
-        if (gate && !(*gout[g] = get_array(fn, gnames[g], args[12 + g], t, PyArray_NDIM(gate),
-                                           PyArray_DIMS(gate), 1)))
+        if (gin[g] && !(*gout[g] = get_array(fn, gnames[g], gobj[g], t, g < 2 ? PyArray_NDIM(gin[g]) : 3,
+                                             g < 2 ? PyArray_DIMS(gin[g]) : rshape, 1)))
             return NULL;
     }
     const pa_kernels *K = kernels_for(t);
@@ -1082,10 +1106,12 @@ static PyObject *py_linear_backward(PyObject *self, PyObject *const *args, Py_ss
     Py_BEGIN_ALLOW_THREADS
     rc = K->linear_backward(&d, PyArray_DATA(in[0]), PyArray_DATA(in[1]), PyArray_DATA(in[2]),
                             data_or_null(in[3]), data_or_null(in[4]), data_or_null(in[5]),
+                            data_or_null(vopt[0]), data_or_null(vopt[1]),
                             PyArray_DATA(gr.dout), data_or_null(gr.dht), data_or_null(gr.kept),
                             PyArray_DATA(gr.dq), PyArray_DATA(gr.dk), PyArray_DATA(gr.dv),
                             dgk ? PyArray_DATA(dgk) : NULL, dgv ? PyArray_DATA(dgv) : NULL,
-                            gr.dh0 ? PyArray_DATA(gr.dh0) : NULL);
+                            gr.dh0 ? PyArray_DATA(gr.dh0) : NULL,
+                            dbeta ? PyArray_DATA(dbeta) : NULL, dskip ? PyArray_DATA(dskip) : NULL);
     Py_END_ALLOW_THREADS
     return finish(rc);
 }

@@ -125,7 +125,8 @@ def feature_map_backward(
 def linear_forward(
     q: _Float, k: _Float, v: _Float, gk: Optional[_Float], gv: Optional[_Float],
     h0: Optional[_Float], o: _Float, ht: Optional[_Float], keep: bool,
-    cu: _Int64, form: int, chunk: int, scale: float, /,
+    cu: _Int64, form: int, chunk: int, scale: float, beta: Optional[_Float],
+    skip: Optional[_Float], /,
 ) -> Optional[_Float]:
     """The gated linear engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in
     place. q, k [B, T, Hqk, K] with H a multiple of Hqk (head h reads q and k head
@@ -134,17 +135,21 @@ def linear_forward(
     cu the int64 sequence offsets [N + 1] over the B*T rows; form FORM_PARALLEL, FORM_RECURRENT or
     FORM_CHUNK. With keep true and FORM_CHUNK returns the states the backward can reuse (a
     new [count, K, V] array: per (sequence, head) the state entering each chunk, then the
-    final one); else None."""
+    final one); else None. beta None or [B, T, H] (only with gv None): the engine reads v_t
+    as beta_t v_t; skip None or [H]: o_t gets skip_h v_t added (Mamba-2's x dt and D x)."""
 
 def linear_backward(
     q: _Float, k: _Float, v: _Float, gk: Optional[_Float], gv: Optional[_Float],
     h0: Optional[_Float], do: _Float, dht: Optional[_Float],
     states: Optional[_Float], dq: _Float, dk: _Float, dv: _Float, dgk: Optional[_Float],
     dgv: Optional[_Float], dh0: Optional[_Float], cu: _Int64, form: int, chunk: int,
-    scale: float, /,
+    scale: float, beta: Optional[_Float], skip: Optional[_Float], dbeta: Optional[_Float],
+    dskip: Optional[_Float], /,
 ) -> None:
-    """Writes dq, dk, dv (and dgk, dgv, dh0 when given; dgk / dgv must be None exactly when
-    their gate is) in place. dht None means a zero cotangent; states what linear_forward kept
+    """Writes dq, dk, dv (and dgk, dgv, dh0, dbeta, dskip when given; dgk, dgv, dbeta and
+    dskip must be None exactly when gk, gv, beta and skip are) in place. dv is the gradient
+    of v itself (beta and skip included); dbeta [B, T, H]; dskip [B, T, H] holds each row's
+    do_t . v_t, which summed over rows is skip's gradient. dht None means a zero cotangent; states what linear_forward kept
     (FORM_CHUNK), or None to recompute them. dq and dk have q's and k's shapes: with groups,
     the sums over each group's heads. Other arguments as linear_forward."""
 

@@ -31,7 +31,11 @@ def _sequences(fn, B, T, cu_seqlens):
 class _Engine:
     """One call of the engine: checked inputs, the forward, and the C backward."""
 
-    def __init__(self, fn, q, k, v, gk, gv, h0, want_state, cu, N, form, chunk_size, scale):
+    def __init__(self, fn, q, k, v, gk, gv, h0, want_state, cu, N, form, chunk_size, scale,
+                 beta=None, skip=None):
+        """beta [B, T, H] scales v's rows (v_t becomes beta_t v_t; no value gate with it) and
+        skip [H] adds skip_h v_t to o_t: Mamba-2's x dt and D x, done where the kernel reads
+        the rows rather than in new arrays."""
         V.form(fn, form, FORMS)
         V.chunk_size(fn, chunk_size)
         K = q.shape[3]
@@ -40,6 +44,7 @@ class _Engine:
         self.fn, self.q, self.k, self.v, self.gk, self.gv, self.h0 = fn, q, k, v, gk, gv, h0
         self.want_state, self.N = want_state, N
         self.opts = (cu, _FORM_CODE[form], int(chunk_size), float(scale))
+        self.beta, self.skip = beta, skip
         self.o = self.ht = self.states = None
 
     def forward(self, keep=False):
@@ -49,7 +54,7 @@ class _Engine:
         self.o = np.empty(v.shape, dtype=q.dtype)
         self.ht = np.empty((self.N, v.shape[2], q.shape[3], v.shape[3]), dtype=q.dtype) if self.want_state else None
         self.states = _core.linear_forward(q, self.k, v, self.gk, self.gv, self.h0, self.o, self.ht,
-                                           keep, *self.opts)
+                                           keep, *self.opts, self.beta, self.skip)
         return self.o, self.ht
 
     def cotangent(self, cot):
@@ -69,13 +74,16 @@ class _Engine:
         return do, dht
 
     def backward(self, do, dht):
-        """{q, k, v, gk, gv, h0: gradient} for the engine's own inputs (gk, gv, h0 when given)."""
+        """{q, k, v, gk, gv, h0, beta, skip: gradient} for the engine's own inputs (gk, gv, h0,
+        beta when given; skip: the rows' terms do_t . v_t [B, T, H], for the caller to sum)."""
         g = {"q": np.empty_like(self.q), "k": np.empty_like(self.k), "v": np.empty_like(self.v)}
-        g["gk"] = None if self.gk is None else np.empty_like(self.gk)
-        g["gv"] = None if self.gv is None else np.empty_like(self.gv)
-        g["h0"] = None if self.h0 is None else np.empty_like(self.h0)
+        for name in ("gk", "gv", "h0", "beta"):
+            x = getattr(self, name)
+            g[name] = None if x is None else np.empty_like(x)
+        g["skip"] = None if self.skip is None else np.empty(self.v.shape[:3], dtype=self.v.dtype)
         _core.linear_backward(self.q, self.k, self.v, self.gk, self.gv, self.h0, do, dht, self.states,
-                              g["q"], g["k"], g["v"], g["gk"], g["gv"], g["h0"], *self.opts)
+                              g["q"], g["k"], g["v"], g["gk"], g["gv"], g["h0"], *self.opts,
+                              self.beta, self.skip, g["beta"], g["skip"])
         return g
 
 
@@ -448,20 +456,18 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     pre = dt + dt_bias if dt_bias is not None else dt
     dts = _softplus(pre) if dt_softplus else pre
     q, k = np.ascontiguousarray(Cm), np.ascontiguousarray(Bm)  # the engine reads groups natively
-    v = x * dts[..., None]
+    dts = np.ascontiguousarray(dts)
     g = np.ascontiguousarray(dts * A)
-    eng = _Engine(fn, q, k, v, g, None, arrs["initial_state"],
-                  V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, 1.0)
-    o, ht = eng.forward(keep)
-    if Dh is not None:  # y = o + D x in o, this call's own array; without a pullback to
-        # follow, v's buffer is free to hold D x (no new pages for the kernel to clear)
-        o += np.multiply(x, Dh[:, None], out=None if keep else v)
-    out = (o, ht)
+    # v = x dt and y = o + D x: the engine scales x's rows by dt and adds D x as it reads them
+    eng = _Engine(fn, q, k, x, g, None, arrs["initial_state"],
+                  V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, 1.0,
+                  beta=dts, skip=Dh)
+    out = eng.forward(keep)
 
     def pullback(cot):
         dy, dht = eng.cotangent(cot)
         ge = eng.backward(dy, dht)
-        dv, dg = ge["v"], ge["gk"]
+        dg = ge["gk"]
         # the per-head sums over (batch, time) below cancel heavily: accumulated in double;
         # the sums over one row's P entries stay in the inputs' dtype
         f64 = np.float64
@@ -469,12 +475,10 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
         # limit of A e^(A dt)), not 0 * -inf
         with np.errstate(invalid="ignore"):
             dg_A = np.where(dg == 0, 0.0, dg * A.astype(f64))
-        ddts = np.einsum("bthp,bthp->bth", dv, x).astype(f64) + dg_A
-        res = {"x": dv * dts[..., None]}
+        ddts = ge["beta"].astype(f64) + dg_A
+        res = {"x": ge["v"]}  # dt_t (the gradient reaching x dt) + D dy, from the engine
         if Dh is not None:
-            res["x"] += Dh[:, None] * dy
-            res["D"] = V.reduce_to(np.einsum("bthp,bthp->bth", dy, x).sum(axis=(0, 1), dtype=f64).astype(dtype),
-                                   arrs["D"])
+            res["D"] = V.reduce_to(ge["skip"].sum(axis=(0, 1), dtype=f64).astype(dtype), arrs["D"])
         dpre = ddts * _sigmoid(pre.astype(f64)) if dt_softplus else ddts
         res["dt"] = dpre.astype(dtype)
         res["A"] = V.reduce_to(np.einsum("bth,bth->h", dg, dts, dtype=f64).astype(dtype), arrs["A"])

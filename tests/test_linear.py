@@ -1451,13 +1451,16 @@ def test_threads_few_units_with_cu_seqlens(op):
 # ------------------------------------------------------------------------------- 12. kept states
 
 
+_NO_VALUE_OPTS = (None, None)  # the engine's beta and skip, unused
+
+
 def _engine_backward(args, states, threads):
     """_core.linear_backward on the engine's raw arguments, with the forward's kept states or
     None (recomputed): every gradient."""
     q, k, v, g, gv, h0, do, dht, opts = args
     out = [np.empty_like(x) if x is not None else None for x in (q, k, v, g, gv, h0)]
     with pyattn.num_threads(threads):
-        pyattn._core.linear_backward(q, k, v, g, gv, h0, do, dht, states, *out, *opts)
+        pyattn._core.linear_backward(q, k, v, g, gv, h0, do, dht, states, *out, *opts, *_NO_VALUE_OPTS, None, None)
     return out
 
 
@@ -1484,7 +1487,7 @@ def test_kept_states(gates, units, threads):
     o, ht = np.empty_like(v), np.empty_like(h0)
     opts = (cu.astype(np.int64), pyattn._core.FORM_CHUNK, C, 0.5)
     with pyattn.num_threads(threads):
-        kept = pyattn._core.linear_forward(q, k, v, g, gv, h0, o, ht, True, *opts)
+        kept = pyattn._core.linear_forward(q, k, v, g, gv, h0, o, ht, True, *opts, *_NO_VALUE_OPTS)
     assert kept.shape == (H * sum(-(-(e - s) // C) + 1 for s, e in zip(cu[:-1], cu[1:])), K, Vd)
     slot = 0
     for n in range(N):
@@ -1508,10 +1511,73 @@ def test_kept_states(gates, units, threads):
         if a is not None:
             np.testing.assert_array_equal(a, b)
     raises(ValueError, pyattn._core.linear_backward, q, k, v, g, gv, h0, do, dht, kept[1:],
-           *_engine_backward(args, None, 1), *opts, must=("'states'",))
+           *_engine_backward(args, None, 1), *opts, *_NO_VALUE_OPTS, None, None, must=("'states'",))
     raises(ValueError, pyattn._core.linear_backward, q, k, v, g, gv, h0, do, dht, kept,
            *_engine_backward(args, None, 1), opts[0], pyattn._core.FORM_PARALLEL, *opts[2:],
-           must=("chunk form",))
+           *_NO_VALUE_OPTS, None, None, must=("chunk form",))
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("form", ["chunk", "recurrent", "parallel"])
+@pytest.mark.parametrize("gates", ["none", "scalar", "vector"])
+def test_engine_value_scale_and_skip(gates, form, threads):
+    """The engine's beta (v_t read as beta_t v_t) and skip (o_t += skip_h v_t), Mamba-2's x dt
+    and D x: equal to the engine on beta v with skip v added to its output, and the backward's
+    dv, dbeta and dskip to the chain rule through that engine's dv'; with cu_seqlens (an empty
+    sequence, a ragged last chunk), one unit per thread or fewer units than threads."""
+    r = np.random.default_rng(13)
+    cu = np.array([0, 70, 70, 171], np.int64)
+    N, H, K, Vd, T = 3, 2, 8, 6, 171
+    q, k = (r.standard_normal((1, T, H, K)) for _ in range(2))
+    v = r.standard_normal((1, T, H, Vd))
+    beta, skip = r.uniform(0.1, 2, (1, T, H)), r.standard_normal(H)
+    g = None if gates == "none" else -r.uniform(0, 0.5, (1, T, H) if gates == "scalar" else (1, T, H, K))
+    h0 = r.standard_normal((N, H, K, Vd))
+    opts = (cu, getattr(pyattn._core, f"FORM_{form.upper()}"), 32, 0.5)
+    vb = v * beta[..., None]
+    o, ht, ob, htb = np.empty_like(v), np.empty_like(h0), np.empty_like(v), np.empty_like(h0)
+    with pyattn.num_threads(threads):
+        pyattn._core.linear_forward(q, k, v, g, None, h0, o, ht, False, *opts, beta, skip)
+        pyattn._core.linear_forward(q, k, vb, g, None, h0, ob, htb, False, *opts, *_NO_VALUE_OPTS)
+    assert_close(o, ob + skip[:, None] * v, 1e-14, name="o")
+    assert_close(ht, htb, 1e-14, name="final state")
+    do, dht = r.standard_normal(v.shape), r.standard_normal(h0.shape)
+    out = [np.empty_like(x) if x is not None else None for x in (q, k, v, g, None, h0)]
+    dbeta, dskip = np.empty_like(beta), np.empty_like(beta)
+    with pyattn.num_threads(threads):
+        pyattn._core.linear_backward(q, k, v, g, None, h0, do, dht, None, *out, *opts, beta, skip,
+                                     dbeta, dskip)
+    ref = _engine_backward((q, k, vb, g, None, h0, do, dht, opts), None, threads)
+    for name, a, b in zip(("dq", "dk", "dg", "dh0"), [out[i] for i in (0, 1, 3, 5)],
+                          [ref[i] for i in (0, 1, 3, 5)]):
+        if a is not None:
+            assert_close(a, b, 1e-13, name=name)
+    assert_close(out[2], beta[..., None] * ref[2] + skip[:, None] * do, 1e-13, name="dv")
+    assert_close(dbeta, np.einsum("bthv,bthv->bth", v, ref[2]), 1e-13, name="dbeta")
+    assert_close(dskip, np.einsum("bthv,bthv->bth", v, do), 1e-13, name="dskip")
+
+
+def test_engine_value_options_checked():
+    """beta takes no value gate; dbeta and dskip are given exactly with beta and skip; shapes."""
+    r = np.random.default_rng(3)
+    q = r.standard_normal((1, 5, 2, 4))
+    v = r.standard_normal((1, 5, 2, 3))
+    beta, skip, gv = r.uniform(size=(1, 5, 2)), r.standard_normal(2), -r.uniform(size=v.shape)
+    opts = (np.array([0, 5], np.int64), pyattn._core.FORM_CHUNK, 64, 0.5)
+    o = np.empty_like(v)
+    raises(ValueError, pyattn._core.linear_forward, q, q, v, None, gv, None, o, None, False, *opts,
+           beta, None, must=("'beta' needs gv None",))
+    raises(ValueError, pyattn._core.linear_forward, q, q, v, None, None, None, o, None, False, *opts,
+           beta[:, :4], None, must=("'beta'",))
+    raises(ValueError, pyattn._core.linear_forward, q, q, v, None, None, None, o, None, False, *opts,
+           None, skip[:1], must=("'skip'",))
+    grads = [np.empty_like(x) for x in (q, q, v)]
+    raises(ValueError, pyattn._core.linear_backward, q, q, v, None, None, None, v, None, None,
+           *grads, None, None, None, *opts, None, skip, np.empty_like(beta), np.empty_like(beta),
+           must=("'dbeta' must be None",))
+    raises(TypeError, pyattn._core.linear_backward, q, q, v, None, None, None, v, None, None,
+           *grads, None, None, None, *opts, beta, skip, np.empty_like(beta), None,
+           must=("'dskip'",))
 
 
 # ------------------------------------------------------------------------------- 13. groups of q and k
@@ -1540,7 +1606,7 @@ def test_engine_reads_grouped_q_and_k(gates, form, threads):
     for qq, kk in ((q, k), (qr, kr)):
         o, ht = np.empty_like(v), np.empty_like(h0)
         with pyattn.num_threads(threads):
-            pyattn._core.linear_forward(qq, kk, v, g, gv, h0, o, ht, False, *opts)
+            pyattn._core.linear_forward(qq, kk, v, g, gv, h0, o, ht, False, *opts, *_NO_VALUE_OPTS)
         outs.append((o, ht))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
@@ -1561,7 +1627,7 @@ def test_engine_groups_must_divide_heads():
     v = r.standard_normal((1, 5, 3, 4))
     opts = (np.array([0, 5], np.int64), pyattn._core.FORM_CHUNK, 64, 0.5)
     raises(ValueError, pyattn._core.linear_forward, q, q, v, None, None, None, np.empty_like(v),
-           None, False, *opts, must=("q and k have 2 heads", "H=3"))
+           None, False, *opts, *_NO_VALUE_OPTS, must=("q and k have 2 heads", "H=3"))
     v4 = r.standard_normal((1, 5, 4, 4))
     beta = r.uniform(size=(1, 5, 4))
     raises(ValueError, pyattn._core.delta_forward, q, q, v4, None, beta, None, np.empty_like(v4),

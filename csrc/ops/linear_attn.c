@@ -81,6 +81,9 @@ typedef struct {
     real *S, *dS;         /* K x V each */
     real *deck, *decv;    /* K, V: a block's total decays */
     real *states;         /* backward: the state entering each piece, then the final one */
+    real *Vb;             /* L x V: a block's value rows times their scales (la_block) */
+    const real *vb;       /* the block's value rows as the products read them: v's, or Vb */
+    int64_t ldv;
     real *Bp;             /* one operand packed once for the row-block products */
     real *work;           /* GEMM packing */
     void *block;
@@ -100,7 +103,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
                       2 * L * dbl, 4 * (K + V) * dbl, L * sizeof(int64_t), 2 * L * K * r,
-                      2 * L * V * r, L * L * r, 2 * L * dbl};
+                      2 * L * V * r, L * L * r, 2 * L * dbl, L * V * r};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
@@ -108,7 +111,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                             (void **)&s->deck, (void **)&s->decv,
                             (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
                             (void **)&s->acc, (void **)&s->rows, (void **)&s->Gk2,
-                            (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2};
+                            (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2, (void **)&s->Vb};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     return s->block != NULL;
@@ -459,17 +462,29 @@ static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, cons
 
 typedef struct {
     const pa_linear_desc *d;
+    const real *q, *k, *v, *gk, *gv, *h0, *dout, *dht;
+    const real *beta, *skip; /* the value rows' scales [rows, H] and the skip weights [H], or NULL */
+    real *o, *ht, *dq, *dk, *dv, *dgk, *dgv, *dh0;
+    real *dbeta, *dskip;     /* [rows, H] each, with beta and skip */
+    real *states;        /* kept states (forward: written; backward: read), or NULL */
+    const int64_t *first; /* their layout (la_slots) when given */
+} PA_FN(la_call);
+
+typedef struct {
+    const pa_linear_desc *d;
     int64_t T;                  /* rows of the sequence */
     int64_t sq, sk, sv, sg;     /* row strides: q/k, dq/dk, v/o/gv, gk */
     const real *q, *k, *v, *gk, *gv, *dout; /* at the unit's first row and head */
-    real *o, *dq, *dk, *dv, *dgk, *dgv;
+    const real *beta;           /* the rows' value scales (stride H), or NULL */
+    real skip;                  /* the head's skip weight: o_t += skip v_t */
+    int has_skip;
+    real *o, *dq, *dk, *dv, *dgk, *dgv, *dbeta, *dskip;
 } PA_FN(la_unit);
 
-static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int64_t unit,
-                                const real *q, const real *k, const real *v, const real *gk,
-                                const real *gv, const real *dout, real *o, real *dq,
-                                real *dk, real *dv, real *dgk, real *dgv)
+/* Unit `unit` (sequence unit / H, head unit % H) of a call: its arrays at its first row */
+static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_unit) *u)
 {
+    const pa_linear_desc *d = c->d;
     const int64_t H = d->H, n = unit / H, h = unit % H, r0 = d->cu[n];
     u->d = d;
     u->T = d->cu[n + 1] - r0;
@@ -478,20 +493,25 @@ static void PA_FN(la_unit_init)(PA_FN(la_unit) *u, const pa_linear_desc *d, int6
     u->sv = H * d->V;
     u->sg = d->gk == PA_GATE_VECTOR ? H * d->K : H;
     const int64_t oq = r0 * u->sq + h / (H / d->Hqk) * d->K;
-    const int64_t ok = r0 * u->sk + h * d->K, ov = r0 * u->sv + h * d->V;
-    const int64_t og = d->gk == PA_GATE_VECTOR ? ok : r0 * H + h;
-    u->q = q + oq;
-    u->k = k + oq;
-    u->v = v + ov;
-    u->gk = gk ? gk + og : NULL;
-    u->gv = gv ? gv + ov : NULL;
-    u->dout = dout ? dout + ov : NULL;
-    u->o = o ? o + ov : NULL;
-    u->dq = dq ? dq + ok : NULL;
-    u->dk = dk ? dk + ok : NULL;
-    u->dv = dv ? dv + ov : NULL;
-    u->dgk = dgk ? dgk + og : NULL;
-    u->dgv = dgv ? dgv + ov : NULL;
+    const int64_t ok = r0 * u->sk + h * d->K, ov = r0 * u->sv + h * d->V, orow = r0 * H + h;
+    const int64_t og = d->gk == PA_GATE_VECTOR ? ok : orow;
+    u->q = c->q + oq;
+    u->k = c->k + oq;
+    u->v = c->v + ov;
+    u->gk = c->gk ? c->gk + og : NULL;
+    u->gv = c->gv ? c->gv + ov : NULL;
+    u->dout = c->dout ? c->dout + ov : NULL;
+    u->beta = c->beta ? c->beta + orow : NULL;
+    u->has_skip = c->skip != NULL;
+    u->skip = c->skip ? c->skip[h] : 0;
+    u->o = c->o ? c->o + ov : NULL;
+    u->dq = c->dq ? c->dq + ok : NULL;
+    u->dk = c->dk ? c->dk + ok : NULL;
+    u->dv = c->dv ? c->dv + ov : NULL;
+    u->dgk = c->dgk ? c->dgk + og : NULL;
+    u->dgv = c->dgv ? c->dgv + ov : NULL;
+    u->dbeta = c->dbeta ? c->dbeta + orow : NULL;
+    u->dskip = c->dskip ? c->dskip + orow : NULL;
 }
 
 /* G (L x D) = the inclusive cumulative sum of g's clamped rows (gate_step), summed as
@@ -597,6 +617,15 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
         PA_FN(la_cumsum_hilo)(gv, u->sv, L, V, 0, sc->Gv, vs->lo, acc);
         if (products) PA_FN(la_factor)(vs, L, sc->Ev);
     }
+    sc->vb = u->v + c0 * u->sv;
+    sc->ldv = u->sv;
+    if (u->beta) { /* v'_t = beta_t v_t, the rows every product of the block reads */
+        for (int64_t i = 0; i < L; i++)
+            PA_FN(la_gated)(sc->Vb + i * V, sc->vb + i * u->sv, NULL, NULL, 0, V,
+                            u->beta[(c0 + i) * d->H], 0);
+        sc->vb = sc->Vb;
+        sc->ldv = V;
+    }
     sc->ends = products && (PA_FN(la_has_nan)(ks, L) || PA_FN(la_has_nan)(vs, L));
     if (!sc->ends) return;
     sc->ke = (PA_FN(la_side)){.kind = d->gk, .D = K, .G = sc->Gk2, .lo = sc->L * K};
@@ -615,11 +644,13 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
 {
     const int64_t V = u->d->V, sq = u->sq, sv = u->sv;
     const real scale = (real)u->d->scale;
-    const real *q = u->q + c0 * sq, *k = u->k + c0 * sq, *v = u->v + c0 * sv;
+    const real *q = u->q + c0 * sq, *k = u->k + c0 * sq;
     real *o = u->o + c0 * sv;
     PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, o, sv, sc);
     PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 0, sc->A, sc);
-    PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, sv, o, sv, sc);
+    PA_FN(la_apply)(vs, L, 1, sc->A, 0, sc->vb, sc->ldv, o, sv, sc);
+    if (u->has_skip)
+        for (int64_t i = 0; i < L; i++) PA_FN(axpy)(o + i * sv, u->v + (c0 + i) * sv, V, u->skip);
 }
 
 /* S = (decay of the block) S + alpha (X f)^T (Y f') over the block's rows, f and f' the key and
@@ -645,8 +676,7 @@ static void PA_FN(la_block_state)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *S,
                                   PA_FN(la_scratch) *sc)
 {
-    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sq, u->sq, u->v + c0 * u->sv, u->sv,
-                            S, sc);
+    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sq, u->sq, sc->vb, sc->ldv, S, sc);
 }
 
 /* dS from the block's end to its start: decayed, plus (q~ e^Gk)^T (do e^Gv) */
@@ -667,16 +697,17 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
 {
     const int64_t V = u->d->V, sq = u->sq, sk = u->sk, sv = u->sv;
     const real scale = (real)u->d->scale;
-    const real *q = u->q + c0 * sq, *k = u->k + c0 * sq, *v = u->v + c0 * sv;
+    const real *q = u->q + c0 * sq, *k = u->k + c0 * sq, *v = sc->vb;
+    const int64_t ldv = sc->ldv;
     const real *dout = u->dout + c0 * sv;
     real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
-    PA_FN(la_gram)(vs, L, 1, dout, sv, v, sv, 1, sc->B, sc);
+    PA_FN(la_gram)(vs, L, 1, dout, sv, v, ldv, 1, sc->B, sc);
     PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, sv, S, 1, V, dq, sk, sc);
     PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sq, dq, sk, sc);
     const PA_FN(la_side) *ke = sc->ends ? &sc->ke : ks, *ve = sc->ends ? &sc->ve : vs;
-    if (sc->ends) PA_FN(la_gram)(ve, L, 1, dout, sv, v, sv, 1, sc->B, sc);
+    if (sc->ends) PA_FN(la_gram)(ve, L, 1, dout, sv, v, ldv, 1, sc->B, sc);
     PA_FN(la_gram)(ke, L, scale, q, sq, k, sq, 1, sc->A, sc);
-    PA_FN(la_rows_times)(ve, ke, L, 1, 1, v, sv, dS, 1, V, dk, sk, sc);
+    PA_FN(la_rows_times)(ve, ke, L, 1, 1, v, ldv, dS, 1, V, dk, sk, sc);
     PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, sq, dk, sk, sc);
     PA_FN(la_rows_times)(ke, ve, L, 1, 1, k, sq, dS, V, 1, dv, sv, sc);
     PA_FN(la_apply)(ve, L, 1, sc->A, 1, dout, sv, dv, sv, sc);
@@ -684,11 +715,18 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
         real *oo = u->dgv + c0 * sv;
         if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 1, sc->A, sc);
         PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, oo, sv, sc);
-        PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, sv, oo, sv, sc);
+        PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, ldv, oo, sv, sc);
     }
 }
 
-/* The diagonal parts (header) added to rows r0 .. r0+n-1 of dq, dk, dv */
+/* A row's value scale beta_t (1 without them) */
+static inline real PA_FN(la_vscale)(const PA_FN(la_unit) *u, int64_t t)
+{
+    return u->beta ? u->beta[t * u->d->H] : 1;
+}
+
+/* The diagonal parts (header) added to rows r0 .. r0+n-1 of dq, dk, dv (dv: the gradient
+ * reaching the scaled rows beta_t v_t) */
 static void PA_FN(la_add_diagonal)(const PA_FN(la_unit) *u, int64_t r0, int64_t n)
 {
     const int64_t K = u->d->K, V = u->d->V, sq = u->sq, sk = u->sk, sv = u->sv;
@@ -696,10 +734,31 @@ static void PA_FN(la_add_diagonal)(const PA_FN(la_unit) *u, int64_t r0, int64_t 
     for (int64_t t = r0; t < r0 + n; t++) {
         const real *q = u->q + t * sq, *k = u->k + t * sq, *v = u->v + t * sv;
         const real *dout = u->dout + t * sv;
-        const real b = scale * PA_FN(dot)(dout, v, V), a = scale * PA_FN(dot)(q, k, K);
+        const real b = scale * PA_FN(la_vscale)(u, t) * PA_FN(dot)(dout, v, V);
+        const real a = scale * PA_FN(dot)(q, k, K);
         PA_FN(axpy)(u->dq + t * sk, k, K, b);
         PA_FN(axpy)(u->dk + t * sk, q, K, b);
         PA_FN(axpy)(u->dv + t * sv, dout, V, a);
+    }
+}
+
+/* The last step of rows r0 .. r0+n-1 of a backward, once dv holds the whole gradient reaching
+ * the scaled rows v'_t = beta_t v_t: dbeta_t = v_t . dv_t, then dv_t = beta_t dv_t; and with a
+ * skip, dskip_t = do_t . v_t (the caller sums them) and dv_t += skip do_t. */
+static void PA_FN(la_finish_rows)(const PA_FN(la_unit) *u, int64_t r0, int64_t n)
+{
+    const int64_t V = u->d->V, H = u->d->H, sv = u->sv;
+    for (int64_t t = r0; t < r0 + n && (u->beta || u->has_skip); t++) {
+        const real *v = u->v + t * sv, *dout = u->dout + t * sv;
+        real *dv = u->dv + t * sv;
+        if (u->beta) {
+            u->dbeta[t * H] = PA_FN(dot)(v, dv, V);
+            PA_FN(la_gated)(dv, dv, NULL, NULL, 0, V, u->beta[t * H], 0);
+        }
+        if (u->has_skip) {
+            u->dskip[t * H] = PA_FN(dot)(dout, v, V);
+            PA_FN(axpy)(dv, dout, V, u->skip);
+        }
     }
 }
 
@@ -733,12 +792,12 @@ static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64
     const real scale = (real)u->d->scale;
     for (int64_t t = t0; t < t0 + n; t++) {
         const real *q = u->q + t * u->sq, *k = u->k + t * u->sq, *v = u->v + t * u->sv;
-        const real *prev = t == t0 ? src : S;
+        const real *prev = t == t0 ? src : S, bt = PA_FN(la_vscale)(u, t);
         PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
         real *acc = sc->Tm;
         for (int64_t j = 0; j < V; j++) acc[j] = 0;
         for (int64_t i = 0; i < K; i++) {
-            real *row = S + i * V, a = sc->deck[i], ki = k[i], qi = scale * q[i];
+            real *row = S + i * V, a = sc->deck[i], ki = k[i] * bt, qi = scale * q[i];
             if (dq) { /* S_{t-1} decayed first, then k_t v_t^T */
                 for (int64_t j = 0; j < V; j++) row[j] = prev ? a * prev[i * V + j] * sc->decv[j] : 0;
                 dq[t * u->sk + i] = scale * PA_FN(dot)(row, u->dout + t * u->sv, V);
@@ -753,7 +812,10 @@ static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64
                 for (int64_t j = 0; j < V; j++) row[j] = ki * v[j];
             PA_FN(axpy)(acc, row, V, qi);
         }
-        if (o) memcpy(o + t * u->sv, acc, sizeof(real) * V);
+        if (o) {
+            memcpy(o + t * u->sv, acc, sizeof(real) * V);
+            if (u->has_skip) PA_FN(axpy)(o + t * u->sv, v, V, u->skip);
+        }
         if (dq && u->dgv) memcpy(u->dgv + t * u->sv, acc, sizeof(real) * V);
     }
 }
@@ -770,11 +832,12 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int
         const real *q = u->q + t * u->sq, *k = u->k + t * u->sq, *v = u->v + t * u->sv;
         const real *dout = u->dout + t * u->sv;
         real *dk = u->dk + t * u->sk, *dv = u->dv + t * u->sv;
+        const real bt = PA_FN(la_vscale)(u, t);
         PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
         for (int64_t j = 0; j < V; j++) dv[j] = 0;
         for (int64_t i = 0; i < K; i++) {
             real *row = dS + i * V, a = sc->deck[i];
-            dk[i] = PA_FN(dot)(row, v, V);
+            dk[i] = bt * PA_FN(dot)(row, v, V);
             PA_FN(axpy)(dv, row, V, k[i]);
             PA_FN(axpy)(row, dout, V, scale * q[i]);
             for (int64_t j = 0; j < V; j++) row[j] *= a * sc->decv[j];
@@ -927,20 +990,6 @@ static int64_t PA_FN(la_items)(const pa_linear_desc *d, const int64_t *first, in
     return total;
 }
 
-typedef struct {
-    const pa_linear_desc *d;
-    const real *q, *k, *v, *gk, *gv, *h0, *dout, *dht;
-    real *o, *ht, *dq, *dk, *dv, *dgk, *dgv, *dh0;
-    real *states;        /* kept states (forward: written; backward: read), or NULL */
-    const int64_t *first; /* their layout (la_slots) when given */
-} PA_FN(la_call);
-
-static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_unit) *u)
-{
-    PA_FN(la_unit_init)(u, c->d, unit, c->q, c->k, c->v, c->gk, c->gv, c->dout, c->o, c->dq,
-                        c->dk, c->dv, c->dgk, c->dgv);
-}
-
 /* rows r0 .. r1-1 of unit u's K x V state in src (zeros when NULL) into S */
 static void PA_FN(la_load_rows)(const real *src, int64_t unit, int64_t K, int64_t V, int64_t r0,
                                 int64_t r1, real *S)
@@ -1051,9 +1100,15 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
         }
         PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
         PA_FN(la_gate_piece)(&u, r0, n, sc->acc);
-        if (d->form != PA_FORM_PARALLEL) PA_FN(la_add_diagonal)(&u, r0, n);
+        if (d->form != PA_FORM_PARALLEL) {
+            PA_FN(la_add_diagonal)(&u, r0, n);
+            PA_FN(la_finish_rows)(&u, r0, n);
+        }
     }
-    if (d->form == PA_FORM_PARALLEL) PA_FN(la_add_diagonal)(&u, 0, u.T);
+    if (d->form == PA_FORM_PARALLEL) {
+        PA_FN(la_add_diagonal)(&u, 0, u.T);
+        PA_FN(la_finish_rows)(&u, 0, u.T);
+    }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }
 
@@ -1166,6 +1221,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_gate_bound)(d, S, dS, sc.acc);
                 PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
                 PA_FN(la_add_diagonal)(&u, c0, l);
+                PA_FN(la_finish_rows)(&u, c0, l);
             }
             if (ok) free(sc.block);
         }
@@ -1222,18 +1278,20 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
 
 static int PA_FN(linear_forward)(const pa_linear_desc *d, const void *q, const void *k,
                                  const void *v, const void *gk, const void *gv, const void *h0,
-                                 void *o, void *ht, void *states)
+                                 const void *beta, const void *skip, void *o, void *ht,
+                                 void *states)
 {
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
-                        .o = o, .ht = ht, .states = d->form == PA_FORM_CHUNK ? states : NULL};
+                        .beta = beta, .skip = skip, .o = o, .ht = ht, .states = d->form == PA_FORM_CHUNK ? states : NULL};
     return PA_FN(la_run)(&c, 0);
 }
 
 static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
                                   const void *v, const void *gk, const void *gv, const void *h0,
-                                  const void *dout, const void *dht,
-                                  const void *states, void *dq, void *dk, void *dv, void *dgk,
-                                  void *dgv, void *dh0)
+                                  const void *beta, const void *skip, const void *dout,
+                                  const void *dht, const void *states, void *dq, void *dk,
+                                  void *dv, void *dgk, void *dgv, void *dh0, void *dbeta,
+                                  void *dskip)
 {
     /* with groups, each head's dq and dk go to a buffer of H heads, then summed per group (a
      * sum of none, zeros, when there are no value heads) */
@@ -1245,7 +1303,8 @@ static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const 
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
                         .dout = dout, .dht = dht, .dq = heads ? heads : dq,
                         .dk = heads ? heads + rows * d->H * K : dk, .dv = dv,
-                        .dgk = dgk, .dgv = dgv, .dh0 = dh0,
+                        .dgk = dgk, .dgv = dgv, .dh0 = dh0, .beta = beta, .skip = skip,
+                        .dbeta = dbeta, .dskip = dskip,
                         .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
     int rc = PA_FN(la_run)(&c, 1);
     if (heads && rc == PA_OK) {
