@@ -60,13 +60,14 @@ typedef struct {
                             * keeps its digits */
     const real *Dm;   /* scalar: L x L, e^(G_i - G_j) on and below the diagonal, 0 above */
     const real *Ep, *Em; /* vector, factored: L x D, e^(G_i - G_0) and e^(G_0 - G_i); else NULL */
+    const real *E0;      /* vector, factored: D, e^G_0 */
 } PA_FN(la_side);
 
 /* Per-thread scratch of the chunk form for blocks of up to L rows. */
 typedef struct {
     int64_t L;
     real *Gk, *Gv, *Dm;   /* 2 x L x K, 2 x L x V (hi then lo parts), L x L */
-    real *Ek, *Ev;        /* 2 x L x K, 2 x L x V: a factored vector gate's Ep then Em */
+    real *Ek, *Ev;        /* (2 L + 1) x K, (2 L + 1) x V: a factored vector gate's Ep, Em, E0 */
     double *Gs;           /* 2 x L: a scalar gate's cumulative sums, hi then lo parts */
     double *acc;          /* 4 x (K + V): the gate gradients' boundary terms (start, end), then
                            * the cumulative gates' running hi, lo sums */
@@ -98,7 +99,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
     const size_t r = sizeof(real), dbl = sizeof(double);
     const size_t packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * r : 0;
     const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
-    size_t bytes[] = {2 * L * K * r, 2 * L * V * r, 2 * L * K * r, 2 * L * V * r, L * L * r,
+    size_t bytes[] = {2 * L * K * r, 2 * L * V * r, (2 * L + 1) * K * r, (2 * L + 1) * V * r, L * L * r,
                       L * W * r, L * W * r,
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
@@ -196,15 +197,35 @@ static inline void PA_FN(la_row_exps)(const PA_FN(la_side) *s, int64_t L, int to
     *gb = to_end ? s->G + i * s->D : NULL;
 }
 
+/* y = beta y + alpha x f_i, f_i the factor of row i of a block (a row of the side's width). A
+ * factored vector gate takes it from its factors, without an exp: e^G_i = e^(G_i - G_0) e^G_0
+ * and e^(G_{L-1} - G_i) = e^(G_0 - G_i) e^(G_{L-1} - G_0). */
+static inline void PA_FN(la_side_row)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i,
+                                      real *y, const real *x, real alpha, real beta)
+{
+    const real *ga, *gb;
+    PA_FN(la_row_exps)(s, L, to_end, i, &ga, &gb);
+    alpha *= PA_FN(la_row_scalar)(s, L, to_end, i);
+    if (!ga || !s->Ep) {
+        PA_FN(la_gated)(y, x, ga, gb, s->lo, s->D, alpha, beta);
+        return;
+    }
+    const int64_t D = s->D;
+    const real *f = (to_end ? s->Em : s->Ep) + i * D, *c = to_end ? s->Ep + (L - 1) * D : s->E0;
+    for (int64_t d = 0; d < D; d += VL) {
+        vreal r = alpha * PA_FN(la_ld)(x + d, D - d) * PA_FN(la_ld)(f + d, D - d) *
+                  PA_FN(la_ld)(c + d, D - d);
+        if (beta != 0) r += beta * PA_FN(la_ld)(y + d, D - d);
+        PA_FN(la_st)(y + d, r, D - d);
+    }
+}
+
 /* Y_i = beta Y_i + alpha X_i f_i for the L rows of a block (rows of the side's width). */
 static void PA_FN(la_gate_rows)(const PA_FN(la_side) *s, int64_t L, int to_end, real alpha,
                                 const real *X, int64_t ldx, real beta, real *Y, int64_t ldy)
 {
-    for (int64_t i = 0; i < L; i++) {
-        const real *ga, *gb;
-        PA_FN(la_row_exps)(s, L, to_end, i, &ga, &gb);
-        PA_FN(la_gated)(Y + i * ldy, X + i * ldx, ga, gb, s->lo, s->D, alpha * PA_FN(la_row_scalar)(s, L, to_end, i), beta);
-    }
+    for (int64_t i = 0; i < L; i++)
+        PA_FN(la_side_row)(s, L, to_end, i, Y + i * ldy, X + i * ldx, alpha, beta);
 }
 
 /* The rows X_i f_i as a GEMM operand: X itself without a gate, else a scaled copy in buf. */
@@ -240,12 +261,9 @@ static void PA_FN(la_rows_times)(const PA_FN(la_side) *in, const PA_FN(la_side) 
     const int64_t ldc = staged ? out->D : ldz;
     PA_FN(gemm)(L, out->D, in->D, alpha, A, lda, 1, M, rsm, csm, 0, C, ldc, sc->work);
     if (!staged && in->kind != PA_GATE_SCALAR && out->kind != PA_GATE_SCALAR) return;
-    for (int64_t i = 0; i < L; i++) {
-        const real *ga, *gb;
-        PA_FN(la_row_exps)(out, L, to_end, i, &ga, &gb);
-        real f = PA_FN(la_row_scalar)(in, L, to_end, i) * PA_FN(la_row_scalar)(out, L, to_end, i);
-        PA_FN(la_gated)(Z + i * ldz, C + i * ldc, ga, gb, out->lo, out->D, f, 0);
-    }
+    for (int64_t i = 0; i < L; i++)
+        PA_FN(la_side_row)(out, L, to_end, i, Z + i * ldz, C + i * ldc,
+                           PA_FN(la_row_scalar)(in, L, to_end, i), 0);
 }
 
 /* f[0..D) = e^(G_{L-1}): the block's total decay on this side */
@@ -567,8 +585,9 @@ static int PA_FN(la_has_nan)(const PA_FN(la_side) *s, int64_t L)
     return 0;
 }
 
-/* A vector side's factors e^(G_i - G_0), e^(G_0 - G_i) into E (2 x L x D) when the block's
- * gate spans at most LA_FACTOR in every channel (then s->Ep, s->Em point there). */
+/* A vector side's factors e^(G_i - G_0), e^(G_0 - G_i) and e^G_0 into E ((2 L + 1) x D) when
+ * the block's gate spans at most LA_FACTOR in every channel (then s->Ep, s->Em, s->E0 point
+ * there). */
 static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
 {
     const int64_t D = s->D;
@@ -588,13 +607,17 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
             PA_FN(la_st)(E + (L + i) * D + d, PA_FN(la_decay)(s->G, s->G + i * D, s->lo, d, D - d),
                          D - d);
         }
+    for (int64_t d = 0; d < D; d += VL)
+        PA_FN(la_st)(E + 2 * L * D + d, PA_FN(la_decay)(s->G, NULL, s->lo, d, D - d), D - d);
     s->Ep = E;
     s->Em = E + L * D;
+    s->E0 = E + 2 * L * D;
 }
 
-/* The block of rows c0 .. c0+L-1: cumulative gates into the scratch, and with `products`
- * (the Gram and triangular products follow) the scalar mask and a vector gate's factors; the
- * key and value sides. A NaN gate at row s makes G NaN from s on, so that the pairs after it
+/* The block of rows c0 .. c0+L-1: cumulative gates into the scratch, a vector gate's factors
+ * (every pass takes its row factors from them, so a state has the same bits in each), and
+ * with `products` (the Gram and triangular products follow) the scalar mask; the key and
+ * value sides. A NaN gate at row s makes G NaN from s on, so that the pairs after it
  * (which cannot see it) would meet NaN - NaN: with products, such a block also gets sides
  * summed from its end (sc->ke, sc->ve, la_cumsum_hilo's suffix), whose G is NaN only before
  * s, for the products whose rows look forward (the backward's dk, dv). */
@@ -611,11 +634,11 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
         PA_FN(la_scalar_side)(ks, gk, u->sg, L, 0, sc->Gs, sc->L, products ? sc->Dm : NULL);
     } else if (d->gk == PA_GATE_VECTOR) {
         PA_FN(la_cumsum_hilo)(gk, u->sg, L, K, 0, sc->Gk, ks->lo, acc);
-        if (products) PA_FN(la_factor)(ks, L, sc->Ek);
+        PA_FN(la_factor)(ks, L, sc->Ek);
     }
     if (d->gv == PA_GATE_VECTOR) {
         PA_FN(la_cumsum_hilo)(gv, u->sv, L, V, 0, sc->Gv, vs->lo, acc);
-        if (products) PA_FN(la_factor)(vs, L, sc->Ev);
+        PA_FN(la_factor)(vs, L, sc->Ev);
     }
     sc->vb = u->v + c0 * u->sv;
     sc->ldv = u->sv;
