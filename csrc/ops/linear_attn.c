@@ -1067,9 +1067,10 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
     PA_FN(la_load_rows)(c->h0, unit, c->d->K, c->d->V, 0, c->d->K, S);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         int64_t l = u.T - c0 < L ? u.T - c0 : L;
-        PA_FN(la_prefetch_rows)(&u, c0 + L, L, 0);
+        PA_FN(la_prefetch_rows)(&u, c0 + L, L / 2, 0);
         PA_FN(la_block)(&u, c0, l, 1, sc, &ks, &vs);
         PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
+        PA_FN(la_prefetch_rows)(&u, c0 + L + L / 2, L - L / 2, 0);
         if (c->states) {
             memcpy(S + KV, S, sizeof(real) * KV);
             S += KV;
