@@ -1645,3 +1645,26 @@ def test_mamba2_without_heads_has_zero_group_gradients():
     g = pb(np.zeros_like(y))
     np.testing.assert_array_equal(g["B"], np.zeros_like(B))
     np.testing.assert_array_equal(g["C"], np.zeros_like(C))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_subnormal_flush_ends_with_the_call(threads):
+    """The linear and delta engines flush subnormals to zero while they run (x86 takes a
+    microcode assist for each one, and strong decays make thousands of them); the results
+    under such decays stay within float32's tolerance of the float64 oracle, and the calling
+    thread's floating-point mode is the same afterwards: NumPy still produces subnormals."""
+    r = np.random.default_rng(2)
+    q, v = (r.standard_normal((1, 80, 2, 8)) for _ in range(2))
+    k = r.standard_normal((1, 80, 2, 8))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = -r.uniform(1, 8, (1, 80, 2))
+    beta = r.uniform(0, 1, (1, 80, 2))
+    tiny = np.float32(1e-38)
+    assert tiny * np.float32(1e-3) > 0  # subnormal arithmetic before the calls
+    f32 = [x.astype(np.float32) for x in (q, k, v, g, beta)]
+    with pyattn.num_threads(threads):
+        o = pyattn.simple_gla(*f32[:4], form="chunk", chunk_size=16)[0]
+        od = pyattn.gated_delta_rule(*f32, form="chunk", chunk_size=16)[0]
+    assert tiny * np.float32(1e-3) > 0
+    assert_close(o, reference.simple_gla(q, k, v, g)[0], 1e-5, name="simple_gla")
+    assert_close(od, reference.gated_delta_rule(q, k, v, g, beta)[0], 1e-5, name="gated_delta_rule")

@@ -628,6 +628,7 @@ static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
+        const unsigned csr = pa_subnormals_flush();
         PA_FN(dr_scratch) sc;
         int ok = pa_scratch_ok(PA_FN(dr_scratch_alloc)(&sc, L, d->K, d->V, nstates), &failed);
 #pragma omp for schedule(dynamic, 1)
@@ -639,6 +640,7 @@ static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
                 PA_FN(dr_unit_forward)(c, un, L, &sc);
         }
         if (ok) free(sc.block);
+        pa_subnormals_end(csr);
     }
     free((void *)c->first);
     return failed ? PA_ENOMEM : PA_OK;

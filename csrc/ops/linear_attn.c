@@ -1180,6 +1180,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
     if (!failed) {
 #pragma omp parallel num_threads(nthreads)
         {
+            const unsigned csr = pa_subnormals_flush();
             PA_FN(la_scratch) sc;
             int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, L, K, V, 0), &failed);
             PA_FN(la_unit) u;
@@ -1248,6 +1249,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_finish_rows)(&u, c0, l);
             }
             if (ok) free(sc.block);
+            pa_subnormals_end(csr);
         }
     }
     if (!c->states) free(states);
@@ -1282,6 +1284,7 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
     const int64_t nstates = backward && !c->states ? (pa_linear_max_len(d) + P - 1) / P + 1 : 0;
 #pragma omp parallel num_threads(nthreads)
     {
+        const unsigned csr = pa_subnormals_flush();
         PA_FN(la_scratch) sc;
         int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L,
                                                        d->K, d->V, nstates),
@@ -1295,6 +1298,7 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
                 PA_FN(la_unit_forward)(c, un, L, &sc);
         }
         if (ok) free(sc.block);
+        pa_subnormals_end(csr);
     }
     free(first);
     return failed ? PA_ENOMEM : PA_OK;
