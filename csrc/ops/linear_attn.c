@@ -42,6 +42,11 @@
  * it), takes the gates' gradients, then adds the diagonal:
  *   dq_s += scale (do_s . v_s) k_s,  dk_s += scale (do_s . v_s) q_s,  dv_s += scale (q_s . k_s) do_s.
  *
+ * Two options serve Mamba-2 (v = x dt, y = o + D x) without arrays of their own: beta scales
+ * each value row as every form reads it, v'_t = beta_t v_t (a block's rows are scaled once
+ * into its scratch), and skip adds skip_h v_t to o_t. The backward works with v' throughout,
+ * then per row dbeta_t = v_t . dv'_t, dv_t = beta_t dv'_t + skip_h do_t (la_finish_rows).
+ *
  * Work is split over units when there are enough of them; otherwise over (unit, chunk)
  * items, with the states passed by a scan over chunks (the only sequential part).
  */
@@ -803,6 +808,23 @@ static void PA_FN(la_step_decay)(const PA_FN(la_unit) *u, int64_t t, real *a, re
         for (int64_t j = 0; j < V; j++) b[j] = 1;
 }
 
+/* row = a prev b + c x over V entries: a state row decayed (prev NULL: zeros) plus, with x,
+ * a row of k v^T. prev may be row itself: each vector is read before it is written. */
+static inline __attribute__((always_inline)) void PA_FN(la_decay_row)(
+    real *row, const real *prev, real a, const real *b, const real *x, real c, int64_t V)
+{
+    int64_t j = 0;
+    for (; j + VL <= V; j += VL) { /* whole vectors, then the tail */
+        vreal r = prev ? a * PA_FN(vload)(prev + j) * PA_FN(vload)(b + j) : PA_FN(vset)(0);
+        if (x) r += c * PA_FN(vload)(x + j);
+        PA_FN(vstore)(row + j, r);
+    }
+    for (; j < V; j++) {
+        real r = prev ? a * prev[j] * b[j] : 0;
+        row[j] = x ? r + c * x[j] : r;
+    }
+}
+
 /* Forward over the unit's steps t0 .. t0+n-1 (n >= 1) from the state src (NULL: zeros) into S,
  * which may be src: a single pass over the state, as a decode step wants. With o: writes o_t.
  * With dq (backward): writes the off-diagonal parts (header) of dq_t = scale S_t do_t instead,
@@ -821,18 +843,15 @@ static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64
         for (int64_t j = 0; j < V; j++) acc[j] = 0;
         for (int64_t i = 0; i < K; i++) {
             real *row = S + i * V, a = sc->deck[i], ki = k[i] * bt, qi = scale * q[i];
+            const real *pr = prev ? prev + i * V : NULL;
             if (dq) { /* S_{t-1} decayed first, then k_t v_t^T */
-                for (int64_t j = 0; j < V; j++) row[j] = prev ? a * prev[i * V + j] * sc->decv[j] : 0;
+                PA_FN(la_decay_row)(row, pr, a, sc->decv, NULL, 0, V);
                 dq[t * u->sk + i] = scale * PA_FN(dot)(row, u->dout + t * u->sv, V);
                 if (u->dgv) PA_FN(axpy)(acc, row, V, qi);
                 PA_FN(axpy)(row, v, V, ki);
                 continue;
             }
-            if (prev)
-                for (int64_t j = 0; j < V; j++)
-                    row[j] = a * prev[i * V + j] * sc->decv[j] + ki * v[j];
-            else
-                for (int64_t j = 0; j < V; j++) row[j] = ki * v[j];
+            PA_FN(la_decay_row)(row, pr, a, sc->decv, v, ki, V);
             PA_FN(axpy)(acc, row, V, qi);
         }
         if (o) {
