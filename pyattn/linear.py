@@ -508,7 +508,8 @@ def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_st
     dt_bias ``[H]`` optional (A, D, dt_bias may be scalars, shared by the heads; their
     gradients are then scalars); state ``[N_seq, H, N, P]`` (fla's layout; mamba_ssm's is its
     transpose). Runs as the engine with q = C, k = B, v = x dt, g = A dt, scale 1 (the
-    mapping fla tests). softplus is the exact ``log(1 + exp)``, without a threshold.
+    mapping fla tests); the kernel scales x's rows by dt and adds D x as it reads them, so
+    neither is a new array. softplus is the exact ``log(1 + exp)``, without a threshold.
     Gradients for x, dt, A, B, C, D, dt_bias and initial_state. Returns ``(y, final_state
     or None)``.
     """
