@@ -596,24 +596,24 @@ static int PA_FN(la_has_nan)(const PA_FN(la_side) *s, int64_t L)
 static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
 {
     const int64_t D = s->D;
+    const real *G = s->G, *Gl = s->G + s->lo;
     const vreal lim = PA_FN(vset)(LA_FACTOR);
-    vint out = (vint){0};
-    for (int64_t i = 1; i < L; i++) /* |G_i - G_0| bounds both factors, whatever the signs */
+    for (int64_t i = 0; i < L; i++) { /* each row's factors, once its exponents are in range */
+        vint out = (vint){0};
         for (int64_t d = 0; d < D; d += VL) {
-            vreal diff = PA_FN(la_ld)(s->G + i * D + d, D - d) - PA_FN(la_ld)(s->G + d, D - d);
-            out |= (diff > lim) | (-diff > lim); /* a NaN gate counts as in range: a block
-                                                    * factors as it would without it */
+            /* G_i - G_0 as la_decay takes it; its hi part bounds both factors, whatever the
+             * signs, and a NaN gate counts as in range (a block factors as it would without it) */
+            const vreal hi = PA_FN(la_ld)(G + i * D + d, D - d) - PA_FN(la_ld)(G + d, D - d);
+            const vreal x = hi + (PA_FN(la_ld)(Gl + i * D + d, D - d) - PA_FN(la_ld)(Gl + d, D - d));
+            out |= (hi > lim) | (-hi > lim);
+            PA_FN(la_st)(E + i * D + d, PA_FN(vexp)(x), D - d);
+            PA_FN(la_st)(E + (L + i) * D + d, PA_FN(vexp)(-x), D - d);
         }
-    for (int l = 0; l < VL; l++)
-        if (out[l]) return;
-    for (int64_t i = 0; i < L; i++)
-        for (int64_t d = 0; d < D; d += VL) {
-            PA_FN(la_st)(E + i * D + d, PA_FN(la_decay)(s->G + i * D, s->G, s->lo, d, D - d), D - d);
-            PA_FN(la_st)(E + (L + i) * D + d, PA_FN(la_decay)(s->G, s->G + i * D, s->lo, d, D - d),
-                         D - d);
-        }
+        for (int l = 0; l < VL; l++)
+            if (out[l]) return;
+    }
     for (int64_t d = 0; d < D; d += VL)
-        PA_FN(la_st)(E + 2 * L * D + d, PA_FN(la_decay)(s->G, NULL, s->lo, d, D - d), D - d);
+        PA_FN(la_st)(E + 2 * L * D + d, PA_FN(la_decay)(G, NULL, s->lo, d, D - d), D - d);
     s->Ep = E;
     s->Em = E + L * D;
     s->E0 = E + 2 * L * D;
