@@ -550,6 +550,9 @@ static void PA_FN(la_cumsum_hilo)(const real *restrict g, int64_t ldg, int64_t L
         for (int64_t i = 0; i < L; i++) {
             const real *restrict gi = g + i * ldg;
             real *restrict Gh = G + i * D, *restrict Gl = G + lo + i * D;
+            if (i + 4 < L) /* into L1, 4 rows ahead: the rows, H apart, came to L2 only */
+                for (int64_t j = 0; j < D; j += 64 / (int64_t)sizeof(real))
+                    __builtin_prefetch(gi + 4 * ldg + j, 0, 3);
             for (int64_t j = 0; j < D; j++) {
                 PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(gi[j]));
                 const real hi = (real)hs[j];
