@@ -1743,10 +1743,11 @@ static PyMethodDef core_methods[] = {
      "feature_map_backward(x, dy, dx, kind, p, max_len, projection, dprojection): dx (and for "
      "performer dprojection [m, D], else None) written in place from dy [..., F]"},
     {"linear_forward", (PyCFunction)(void (*)(void))py_linear_forward, METH_FASTCALL,
-     "linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale): the gated "
-     "linear engine; gk None, [B, T, H] or [B, T, H, K]; gv None or [B, T, H, V]; h0, ht None "
-     "or [N, H, K, V]; o written; returns the states kept for linear_backward (keep true, "
-     "chunk form) or None"},
+     "linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale, beta, skip): the "
+     "gated linear engine; gk None, [B, T, H] or [B, T, H, K]; gv None or [B, T, H, V]; h0, ht "
+     "None or [N, H, K, V]; beta None or [B, T, H] (v's rows read as beta_t v_t; not with gv); "
+     "skip None or [H] (o_t += skip_h v_t); o written; returns the states kept for "
+     "linear_backward (keep true, chunk form) or None"},
     {"delta_forward", (PyCFunction)(void (*)(void))py_delta_forward, METH_FASTCALL,
      "delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale): the delta-rule "
      "engine; g None or [B, T, H]; beta [B, T, H]; h0, ht None or [N, H, K, V]; o written; "
@@ -1757,8 +1758,9 @@ static PyMethodDef core_methods[] = {
      "delta_forward kept, or None"},
     {"linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
      "linear_backward(q, k, v, gk, gv, h0, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, "
-     "form, chunk, scale): gradients written in place; states: what linear_forward kept, or "
-     "None; dgk/dgv None exactly when their gate is"},
+     "form, chunk, scale, beta, skip, dbeta, dskip): gradients written in place; states: what "
+     "linear_forward kept, or None; dgk, dgv, dbeta, dskip None exactly when gk, gv, beta, skip "
+     "are; dskip [B, T, H] holds the rows' do_t . v_t"},
     {"efficient_forward", (PyCFunction)(void (*)(void))py_efficient_forward, METH_FASTCALL,
      "efficient_forward(q, k, v, o, cu_q, cu_k, scale)"},
     {"efficient_backward", (PyCFunction)(void (*)(void))py_efficient_backward, METH_FASTCALL,

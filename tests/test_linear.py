@@ -1557,6 +1557,33 @@ def test_engine_value_scale_and_skip(gates, form, threads):
     assert_close(dskip, np.einsum("bthv,bthv->bth", v, do), 1e-13, name="dskip")
 
 
+@pytest.mark.parametrize("gates", ["scalar", "vector"])
+def test_engine_value_scale_one_long_unit(gates):
+    """beta and skip on the chunk-parallel schedule (one unit of T=3000, K = V = 32, 4
+    threads: fewer units than threads) in float32, under gates strong enough that a vector
+    gate's blocks are not factored (sub-blocks): the same as the engine on beta v plus skip
+    v; a NaN in beta at one row makes o NaN from that row on and leaves the rows before it."""
+    r = np.random.default_rng(17)
+    T, K, Vd = 3000, 32, 32
+    q, k = (r.standard_normal((1, T, 1, K)).astype(np.float32) for _ in range(2))
+    v = r.standard_normal((1, T, 1, Vd)).astype(np.float32)
+    g = -r.uniform(0, 3, (1, T, 1) if gates == "scalar" else (1, T, 1, K)).astype(np.float32)
+    beta = r.uniform(0.1, 2, (1, T, 1)).astype(np.float32)
+    skip = np.array([0.7], np.float32)
+    opts = (np.array([0, T], np.int64), pyattn._core.FORM_CHUNK, 64, 0.25)
+    o, ob = np.empty_like(v), np.empty_like(v)
+    with pyattn.num_threads(4):
+        pyattn._core.linear_forward(q, k, v, g, None, None, o, None, False, *opts, beta, skip)
+        pyattn._core.linear_forward(q, k, v * beta[..., None], g, None, None, ob, None, False,
+                                    *opts, *_NO_VALUE_OPTS)
+    assert_close(o, ob + skip[0] * v, 1e-6, name="o")
+    beta[0, 1234, 0] = np.nan
+    with pyattn.num_threads(4):
+        pyattn._core.linear_forward(q, k, v, g, None, None, o, None, False, *opts, beta, skip)
+    assert np.isnan(o[0, 1234:]).all()
+    assert np.isfinite(o[0, :1234]).all()
+
+
 def test_engine_value_options_checked():
     """beta takes no value gate; dbeta and dskip are given exactly with beta and skip; shapes."""
     r = np.random.default_rng(3)
