@@ -260,14 +260,19 @@ static inline void PA_FN(softmax_vjp)(const real *y, const real *dy, real *dx, i
 }
 
 
-/* Prefetch n reals from p into L2 for reading: rows that lie pages apart (one head's row of
- * a [T, H, D] array), which hardware prefetchers do not run ahead along. Always inlined, as
- * must be any function whose only work is to call it: GCC's IPA takes a function that only
- * prefetches for pure and deletes its calls. */
-static inline __attribute__((always_inline)) void PA_FN(prefetch_span)(const real *p, int64_t n)
+/* Prefetch n reals from p for reading, into L2 (l1 = 0: ahead of a block) or L1 (l1 = 1: a
+ * few rows ahead of a pass): rows that lie pages apart (one head's row of a [T, H, D] array),
+ * which hardware prefetchers do not run ahead along. Always inlined, as must be any function
+ * whose only work is to call it: GCC's IPA takes a function that only prefetches for pure
+ * and deletes its calls; inlined, l1 is a constant, as the builtin's hint must be. */
+#ifndef PA_PREFETCH_LINE
+#define PA_PREFETCH_LINE(p, l1) ((l1) ? __builtin_prefetch((p), 0, 3) : __builtin_prefetch((p), 0, 2))
+#endif
+static inline __attribute__((always_inline)) void PA_FN(prefetch_span)(const real *p, int64_t n,
+                                                                       int l1)
 {
-    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(real)) __builtin_prefetch(p + i, 0, 2);
-    if (n > 0) __builtin_prefetch(p + n - 1, 0, 2); /* the last line of a row not 64-byte aligned */
+    for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(real)) PA_PREFETCH_LINE(p + i, l1);
+    if (n > 0) PA_PREFETCH_LINE(p + n - 1, l1); /* the last line of a row not 64-byte aligned */
 }
 
 /* y += a x */

@@ -550,9 +550,7 @@ static void PA_FN(la_cumsum_hilo)(const real *restrict g, int64_t ldg, int64_t L
         for (int64_t i = 0; i < L; i++) {
             const real *restrict gi = g + i * ldg;
             real *restrict Gh = G + i * D, *restrict Gl = G + lo + i * D;
-            if (i + 4 < L) /* into L1, 4 rows ahead: the rows, H apart, came to L2 only */
-                for (int64_t j = 0; j < D; j += 64 / (int64_t)sizeof(real))
-                    __builtin_prefetch(gi + 4 * ldg + j, 0, 3);
+            if (i + 4 < L) PA_FN(prefetch_span)(gi + 4 * ldg, D, 1); /* they came to L2 only */
             for (int64_t j = 0; j < D; j++) {
                 PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(gi[j]));
                 const real hi = (real)hs[j];
@@ -1061,12 +1059,12 @@ static inline __attribute__((always_inline)) void PA_FN(la_prefetch_rows)(const 
 {
     const pa_linear_desc *d = u->d;
     for (int64_t t = r0; t < r0 + n && t < u->T; t++) {
-        if (!state_only) PA_FN(prefetch_span)(u->q + t * u->sq, d->K);
-        PA_FN(prefetch_span)(u->k + t * u->sq, d->K);
-        PA_FN(prefetch_span)(u->v + t * u->sv, d->V);
-        if (d->gk == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gk + t * u->sg, d->K);
-        if (d->gv == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gv + t * u->sv, d->V);
-        if (u->dout && !state_only) PA_FN(prefetch_span)(u->dout + t * u->sv, d->V);
+        if (!state_only) PA_FN(prefetch_span)(u->q + t * u->sq, d->K, 0);
+        PA_FN(prefetch_span)(u->k + t * u->sq, d->K, 0);
+        PA_FN(prefetch_span)(u->v + t * u->sv, d->V, 0);
+        if (d->gk == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gk + t * u->sg, d->K, 0);
+        if (d->gv == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gv + t * u->sv, d->V, 0);
+        if (u->dout && !state_only) PA_FN(prefetch_span)(u->dout + t * u->sv, d->V, 0);
     }
 }
 

@@ -672,8 +672,8 @@ static void PA_FN(sm_row_scores)(const pa_softmax_desc *d, const real *qi, const
     if (G % 4 == 0 && Dk % VL == 0 && Hk * Dk <= 256)
         for (; c + 4 <= nb; c += 4) {
             for (int64_t i = c; i < c + 4; i++) {
-                if (i + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kp[i + SM_DECODE_AHEAD], Hk * Dk);
-                if (vp) PA_FN(prefetch_span)(vp[i], Hk * d->Dv);
+                if (i + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kp[i + SM_DECODE_AHEAD], Hk * Dk, 0);
+                if (vp) PA_FN(prefetch_span)(vp[i], Hk * d->Dv, 0);
             }
             for (int64_t kh = 0; kh < Hk; kh++) {
                 const real *kr[4] = {kp[c] + kh * Dk, kp[c + 1] + kh * Dk, kp[c + 2] + kh * Dk,
@@ -684,8 +684,8 @@ static void PA_FN(sm_row_scores)(const pa_softmax_desc *d, const real *qi, const
         }
 #endif
     for (; c < nb; c++) {
-        if (c + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kp[c + SM_DECODE_AHEAD], Hk * Dk);
-        if (vp) PA_FN(prefetch_span)(vp[c], Hk * d->Dv);
+        if (c + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kp[c + SM_DECODE_AHEAD], Hk * Dk, 0);
+        if (vp) PA_FN(prefetch_span)(vp[c], Hk * d->Dv, 0);
         for (int64_t kh = 0; kh < Hk; kh++) {
             const real *kr = kp[c] + kh * Dk;
             int64_t g = 0;
