@@ -281,13 +281,27 @@ static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
                                            : 1;
 }
 
+/* row = a prev b + c x over V entries: a state row decayed (prev NULL: zeros) plus, with x,
+ * a row of k v^T. prev may be row itself: each vector is read before it is written. */
+static inline __attribute__((always_inline)) void PA_FN(la_decay_row)(
+    real *row, const real *prev, real a, const real *b, const real *x, real c, int64_t V)
+{
+    int64_t j = 0;
+    for (; j + VL <= V; j += VL) { /* whole vectors, then the tail */
+        vreal r = prev ? a * PA_FN(vload)(prev + j) * PA_FN(vload)(b + j) : PA_FN(vset)(0);
+        if (x) r += c * PA_FN(vload)(x + j);
+        PA_FN(vstore)(row + j, r);
+    }
+    for (; j < V; j++) {
+        real r = prev ? a * prev[j] * b[j] : 0;
+        row[j] = x ? r + c * x[j] : r;
+    }
+}
+
 /* S = diag(a) S diag(b), S K x V */
 static void PA_FN(la_state_decay)(real *S, const real *a, const real *b, int64_t K, int64_t V)
 {
-    for (int64_t i = 0; i < K; i++) {
-        real *row = S + i * V;
-        for (int64_t j = 0; j < V; j++) row[j] = a[i] * row[j] * b[j];
-    }
+    for (int64_t i = 0; i < K; i++) PA_FN(la_decay_row)(S + i * V, S + i * V, a[i], b, NULL, 0, V);
 }
 
 /* ---- the three block products, for any gate on their side ---- */
@@ -809,23 +823,6 @@ static void PA_FN(la_step_decay)(const PA_FN(la_unit) *u, int64_t t, real *a, re
         for (int64_t j = 0; j < V; j++) b[j] = 1;
 }
 
-/* row = a prev b + c x over V entries: a state row decayed (prev NULL: zeros) plus, with x,
- * a row of k v^T. prev may be row itself: each vector is read before it is written. */
-static inline __attribute__((always_inline)) void PA_FN(la_decay_row)(
-    real *row, const real *prev, real a, const real *b, const real *x, real c, int64_t V)
-{
-    int64_t j = 0;
-    for (; j + VL <= V; j += VL) { /* whole vectors, then the tail */
-        vreal r = prev ? a * PA_FN(vload)(prev + j) * PA_FN(vload)(b + j) : PA_FN(vset)(0);
-        if (x) r += c * PA_FN(vload)(x + j);
-        PA_FN(vstore)(row + j, r);
-    }
-    for (; j < V; j++) {
-        real r = prev ? a * prev[j] * b[j] : 0;
-        row[j] = x ? r + c * x[j] : r;
-    }
-}
-
 /* Forward over the unit's steps t0 .. t0+n-1 (n >= 1) from the state src (NULL: zeros) into S,
  * which may be src: a single pass over the state, as a decode step wants. With o: writes o_t.
  * With dq (backward): writes the off-diagonal parts (header) of dq_t = scale S_t do_t instead,
@@ -883,7 +880,7 @@ static void PA_FN(la_recurrent_reverse)(const PA_FN(la_unit) *u, int64_t t0, int
             dk[i] = bt * PA_FN(dot)(row, v, V);
             PA_FN(axpy)(dv, row, V, k[i]);
             PA_FN(axpy)(row, dout, V, scale * q[i]);
-            for (int64_t j = 0; j < V; j++) row[j] *= a * sc->decv[j];
+            PA_FN(la_decay_row)(row, row, a, sc->decv, NULL, 0, V);
         }
     }
 }
