@@ -112,6 +112,20 @@ static inline int64_t pa_linear_max_len(const pa_linear_desc *d)
     return m;
 }
 
+/* Where (sequence, head) unit n H + h of an engine call starts: its rows T, its first row r0,
+ * its head h, and the offsets of its first row in the [rows, H, K], [rows, H, V] and
+ * [rows, H] arrays. */
+typedef struct {
+    int64_t T, r0, h, k, v, row;
+} pa_linear_unit_at;
+
+static inline pa_linear_unit_at pa_linear_unit(const pa_linear_desc *d, int64_t unit)
+{
+    const int64_t H = d->H, n = unit / H, h = unit % H, r0 = d->cu[n];
+    return (pa_linear_unit_at){.T = d->cu[n + 1] - r0, .r0 = r0, .h = h, .k = (r0 * H + h) * d->K,
+                               .v = (r0 * H + h) * d->V, .row = r0 * H + h};
+}
+
 /* Rows per block: the chunk size; the whole longest sequence for the parallel form. */
 static inline int64_t pa_linear_block_rows(const pa_linear_desc *d)
 {

@@ -56,12 +56,12 @@ typedef struct {
 static void PA_FN(dr_unit_of)(const PA_FN(dr_call) *c, int64_t unit, PA_FN(dr_unit) *u)
 {
     const pa_linear_desc *d = c->d;
-    const int64_t H = d->H, n = unit / H, h = unit % H, r0 = d->cu[n];
-    u->T = d->cu[n + 1] - r0;
-    u->sk = H * d->K;
-    u->sv = H * d->V;
-    u->sg = H;
-    const int64_t ok = r0 * u->sk + h * d->K, ov = r0 * u->sv + h * d->V, og = r0 * H + h;
+    const pa_linear_unit_at at = pa_linear_unit(d, unit);
+    u->T = at.T;
+    u->sk = d->H * d->K;
+    u->sv = d->H * d->V;
+    u->sg = d->H;
+    const int64_t ok = at.k, ov = at.v, og = at.row;
     u->q = c->q + ok;
     u->k = c->k + ok;
     u->v = c->v + ov;

@@ -522,16 +522,17 @@ typedef struct {
 static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_unit) *u)
 {
     const pa_linear_desc *d = c->d;
-    const int64_t H = d->H, n = unit / H, h = unit % H, r0 = d->cu[n];
+    const int64_t H = d->H;
+    const pa_linear_unit_at at = pa_linear_unit(d, unit);
     u->d = d;
-    u->T = d->cu[n + 1] - r0;
+    u->T = at.T;
     u->sq = d->Hqk * d->K;
     u->sk = H * d->K;
     u->sv = H * d->V;
     u->sg = d->gk == PA_GATE_VECTOR ? H * d->K : H;
-    const int64_t oq = r0 * u->sq + h / (H / d->Hqk) * d->K;
-    const int64_t ok = r0 * u->sk + h * d->K, ov = r0 * u->sv + h * d->V, orow = r0 * H + h;
-    const int64_t og = d->gk == PA_GATE_VECTOR ? ok : orow;
+    /* q and k have Hqk heads: head h reads head h / (H / Hqk) */
+    const int64_t oq = at.r0 * u->sq + at.h / (H / d->Hqk) * d->K;
+    const int64_t ok = at.k, ov = at.v, orow = at.row, og = d->gk == PA_GATE_VECTOR ? ok : orow;
     u->q = c->q + oq;
     u->k = c->k + oq;
     u->v = c->v + ov;
@@ -540,7 +541,7 @@ static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_un
     u->dout = c->dout ? c->dout + ov : NULL;
     u->beta = c->beta ? c->beta + orow : NULL;
     u->has_skip = c->skip != NULL;
-    u->skip = c->skip ? c->skip[h] : 0;
+    u->skip = c->skip ? c->skip[at.h] : 0;
     u->o = c->o ? c->o + ov : NULL;
     u->dq = c->dq ? c->dq + ok : NULL;
     u->dk = c->dk ? c->dk + ok : NULL;
