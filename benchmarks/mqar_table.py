@@ -48,6 +48,10 @@ LABELS = {"softmax": "Softmax attention", "linear": "Linear attention (elu+1)",
           "gated_deltanet": "Gated DeltaNet", "hybrid": "Hybrid (Gated DeltaNet + softmax)"}
 HYBRID = ["gated_deltanet", "softmax"]
 CHECKPOINT_EVERY = 50  # steps; a killed run redoes at most this many
+# the settings every run of a table shares, recorded with each result; a result counts as done
+# for a later command only when they all match
+BUDGET = ("steps", "batch_size", "examples", "eval_examples", "seq_len", "kv_pairs", "vocab",
+          "layers", "heads", "seed")
 # ms per training step (forward + backward, batch 32, T 128, one thread), measured with this
 # script's settings on a 2-core x86-64 machine; only the order and balance of the runs use it.
 COST = {64: {"softmax": 133, "linear": 90, "retnet": 141, "mamba2": 207, "gla": 139,
@@ -97,19 +101,14 @@ def one_run(opts) -> Dict:
             "final_loss": float(np.mean(loss[-max(1, len(loss) // 50):])),
             "finite": bool(np.all(np.isfinite(loss))),
             "curve": [[int(s) + 1, round(float(a), 4)] for s, a in zip(history["eval_step"], history["accuracy"])],
-            "steps": opts.steps, "batch_size": opts.batch_size, "examples": opts.examples,
-            "eval_examples": opts.eval_examples, "seq_len": opts.seq_len, "kv_pairs": opts.kv_pairs,
-            "vocab": opts.vocab, "layers": opts.layers, "heads": opts.heads, "seed": opts.seed,
+            **{k: getattr(opts, k) for k in BUDGET},
             "train_s": round(t_train, 1), "wall_s": round(time.perf_counter() - t0, 1),
             "resumed": resumed}
 
 
 def budget_args(opts) -> List[str]:
-    return ["--steps", str(opts.steps), "--batch-size", str(opts.batch_size),
-            "--examples", str(opts.examples), "--eval-examples", str(opts.eval_examples),
-            "--seq-len", str(opts.seq_len), "--kv-pairs", str(opts.kv_pairs), "--vocab", str(opts.vocab),
-            "--layers", str(opts.layers), "--heads", str(opts.heads), "--seed", str(opts.seed),
-            "--evals", str(opts.evals)]
+    """The command-line arguments that give a run's process this table's budget."""
+    return [a for k in BUDGET + ("evals",) for a in ("--" + k.replace("_", "-"), str(getattr(opts, k)))]
 
 
 def sweep(opts) -> List[Tuple[str, int, float]]:
@@ -315,11 +314,8 @@ def main(argv=None) -> int:
         ap.error("--time-limit needs --out: the stopped runs resume from their checkpoints there")
     runs = sweep(opts)
     if opts.out and os.path.exists(os.path.join(opts.out, "results.jsonl")):
-        budget = {"steps": opts.steps, "batch_size": opts.batch_size, "examples": opts.examples,
-                  "eval_examples": opts.eval_examples, "seq_len": opts.seq_len, "kv_pairs": opts.kv_pairs,
-                  "vocab": opts.vocab, "layers": opts.layers, "heads": opts.heads, "seed": opts.seed}
         done = {(r["model"], r["d_model"], r["lr"]) for r in load_results([opts.out])
-                if r.get("accuracy") is not None and all(r.get(k) == v for k, v in budget.items())}
+                if r.get("accuracy") is not None and all(r.get(k) == getattr(opts, k) for k in BUDGET)}
         runs = [r for r in runs if r not in done]
     if opts.list:
         for m, d, lr in runs:
