@@ -460,9 +460,8 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     cu, N = _sequences(fn, nb, T, cu_seqlens)
     pre = dt + dt_bias if dt_bias is not None else dt
     dts = _softplus(pre) if dt_softplus else pre
-    q, k = np.ascontiguousarray(Cm), np.ascontiguousarray(Bm)  # the engine reads groups natively
-    dts = np.ascontiguousarray(dts)
-    g = np.ascontiguousarray(dts * A)
+    q, k = Cm, Bm  # the engine reads the groups as they are (float_arrays made them contiguous)
+    g = dts * A
     # v = x dt and y = o + D x: the engine scales x's rows by dt and adds D x as it reads them
     eng = _Engine(fn, q, k, x, g, None, arrs["initial_state"],
                   V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, 1.0,
