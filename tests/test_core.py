@@ -70,6 +70,18 @@ def test_gemm(dtype, size, ta, tb, rng):
     _check_gemm(a, b, c, ta, tb, -0.75, 1.25, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_gemm_every_row_count(dtype, rng):
+    """M from 1 to 25 reaches every size of a last row panel (MR is 6 or 12: the kernel runs a
+    third, two thirds or all of MR rows), with ragged columns and more than one K block."""
+    for M in range(1, 26):
+        for ta in (False, True):
+            for tb in (False, True):
+                a, b, c = _operands(rng, M, 37, 300, ta, tb, dtype)
+                _check_gemm(a, b, c, ta, tb, 1.0, 0.0, dtype)
+                _check_gemm(a, b, c, ta, tb, -0.75, 1.25, dtype)
+
+
 @pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (2.5, -1.5), (0.3, 0.0), (-1.0, 0.5),
                                         (0.0, 1.0), (0.0, 0.0), (1.0, -1.0)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])

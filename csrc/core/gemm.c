@@ -175,15 +175,17 @@ static inline void PA_FN(store_tile)(const real *t, int64_t mr, int64_t nr, real
 /* C tile (mr x nr valid) = alpha * A B + beta * C, with A(i, p) = a[i * ras + p * aps]
  * (ras = 1, aps = MR for a packed panel; ras = 1, aps = ld for a transposed A read in place;
  * ras = lda, aps = 1 for rows of a row-major A read in place) and B(p, j) = b[p * bs + j]
- * (bs = NR packed, ldb in place). Always inlined, so that
- * each caller's constant stride gives its own loop. */
+ * (bs = NR packed, ldb in place). It multiplies `rows` rows of A (mr <= rows <= MR; the rows
+ * past mr are read, as zeros of a packing or readable memory). Always inlined, so that each
+ * caller's constant stride and row count give their own loop. */
 static inline __attribute__((always_inline)) void PA_FN(micro_kernel)(
     int64_t kc, const real *restrict a, int64_t ras, int64_t aps, const real *restrict b,
-    int64_t bs, real *C, int64_t ldc, int64_t mr, int64_t nr, real alpha, real beta)
+    int64_t bs, real *C, int64_t ldc, int64_t mr, int64_t nr, real alpha, real beta,
+    const int rows)
 {
     vreal acc[MR][NV];
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; i++)
+    for (int i = 0; i < rows; i++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) {
             acc[i][v] = PA_FN(vset)(0);
@@ -194,15 +196,15 @@ static inline __attribute__((always_inline)) void PA_FN(micro_kernel)(
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) bv[v] = PA_FN(vload)(b + p * bs + v * VL);
 #pragma GCC unroll 16
-        for (int i = 0; i < MR; i++) {
+        for (int i = 0; i < rows; i++) {
             vreal ai = PA_FN(vset)(a[i * ras + p * aps]);
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) acc[i][v] += ai * bv[v];
         }
     }
-    if (mr == MR && nr == NR) {
+    if (mr == rows && nr == NR) {
 #pragma GCC unroll 16
-        for (int i = 0; i < MR; i++)
+        for (int i = 0; i < rows; i++)
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) {
                 real *c = C + i * ldc + v * VL;
@@ -213,7 +215,7 @@ static inline __attribute__((always_inline)) void PA_FN(micro_kernel)(
         return;
     }
     real tile[MR * NR];
-    for (int i = 0; i < MR; i++)
+    for (int i = 0; i < rows; i++)
         for (int v = 0; v < NV; v++) PA_FN(vstore)(tile + i * NR + v * VL, acc[i][v]);
     PA_FN(store_tile)(tile, mr, nr, alpha, beta, C, ldc);
 }
@@ -244,9 +246,16 @@ static inline __attribute__((always_inline)) void PA_FN(micro_tiles)(
             int64_t nr = N - jr < NR ? N - jr : NR;
             for (int64_t ir = 0; ir < M; ir += MR) {
                 int64_t mr = M - ir < MR ? M - ir : MR;
-                PA_FN(micro_kernel)(kc, Ap + ir / MR * ars + pc * aps, ras, aps,
-                                    Bp + jr / NR * bps + pc * bs, bs, C + ir * ldc + jr, ldc, mr,
-                                    nr, alpha, pc == 0 ? beta : 1);
+                const real *a = Ap + ir / MR * ars + pc * aps, *b = Bp + jr / NR * bps + pc * bs;
+                real *c = C + ir * ldc + jr, bt = pc == 0 ? beta : 1;
+                /* a last panel of few rows (64 = 5 x 12 + 4) runs a kernel of a third or two
+                 * thirds of MR rows rather than FMAs on its zero padding */
+                if (mr > 2 * MR / 3)
+                    PA_FN(micro_kernel)(kc, a, ras, aps, b, bs, c, ldc, mr, nr, alpha, bt, MR);
+                else if (mr > MR / 3)
+                    PA_FN(micro_kernel)(kc, a, ras, aps, b, bs, c, ldc, mr, nr, alpha, bt, 2 * MR / 3);
+                else
+                    PA_FN(micro_kernel)(kc, a, ras, aps, b, bs, c, ldc, mr, nr, alpha, bt, MR / 3);
             }
         }
     }
