@@ -7,7 +7,8 @@
  * B(p, j) = B[p*rsb + j*csb]. C is row-major with leading dimension ldc.
  * Loop nest as in BLIS/GotoBLAS: the micro-kernel accumulates an MR x NR tile in registers
  * from MR rows of A and NR columns of B over KC steps. It reads A in place where A is
- * row-major or transposed, and B in place where the threaded entry has a row-major B; what
+ * row-major or transposed, and B in place where B is row-major (for `gemm`, with rows not a
+ * multiple of 4 KiB apart, which would fall in few sets of the L1 cache); what
  * it cannot read as it is (other strides, a last panel narrower than MR or NR) is packed
  * into MR x KC and KC x NR micro-panels, zero-padded at the ragged edges. The caller passes
  * `work` of gemm_work_elems(M, N, K) reals.
@@ -314,13 +315,22 @@ static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real 
     int64_t mcmax = M < MC ? (M + MR - 1) / MR * MR : MC;
     int64_t kcmax = K < KC ? K : KC;
     real *Ap = work, *Bp = work + mcmax * kcmax;
+    const int inplace = csb == 1 && (rsb * (int64_t)sizeof(real)) % 4096 != 0;
     for (int64_t jc = 0; jc < N; jc += NC) {
         int64_t nc = N - jc < NC ? N - jc : NC;
         for (int64_t pc = 0; pc < K; pc += KC) {
             int64_t kc = K - pc < KC ? K - pc : KC;
-            PA_FN(pack_b)(kc, nc, B + pc * rsb + jc * csb, rsb, csb, Bp);
-            PA_FN(gemm_macro)(M, nc, kc, alpha, A + pc * csa, rsa, csa, Bp, kc * NR, NR,
-                              pc == 0 ? beta : 1, C + jc, ldc, Ap);
+            const real bb = pc == 0 ? beta : 1;
+            const real *Bb = B + pc * rsb + jc * csb;
+            int64_t full = inplace ? nc / NR * NR : 0;
+            if (full)
+                PA_FN(gemm_macro)(M, full, kc, alpha, A + pc * csa, rsa, csa, Bb, NR, rsb, bb,
+                                  C + jc, ldc, Ap);
+            if (full < nc) {
+                PA_FN(pack_b)(kc, nc - full, Bb + full * csb, rsb, csb, Bp);
+                PA_FN(gemm_macro)(M, nc - full, kc, alpha, A + pc * csa, rsa, csa, Bp, kc * NR,
+                                  NR, bb, C + jc + full, ldc, Ap);
+            }
         }
     }
 }
