@@ -608,7 +608,7 @@ static int PA_FN(la_has_nan)(const PA_FN(la_side) *s, int64_t L)
 
 /* A vector side's factors e^(G_i - G_0), e^(G_0 - G_i) and e^G_0 into E ((2 L + 1) x D) when
  * the block's gate spans at most LA_FACTOR in every channel (then s->Ep, s->Em, s->E0 point
- * there). */
+ * there). The second is the reciprocal of the first, a division being cheaper than an exp. */
 static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
 {
     const int64_t D = s->D;
@@ -622,8 +622,9 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
             const vreal hi = PA_FN(la_ld)(G + i * D + d, D - d) - PA_FN(la_ld)(G + d, D - d);
             const vreal x = hi + (PA_FN(la_ld)(Gl + i * D + d, D - d) - PA_FN(la_ld)(Gl + d, D - d));
             out |= (hi > lim) | (-hi > lim);
-            PA_FN(la_st)(E + i * D + d, PA_FN(vexp)(x), D - d);
-            PA_FN(la_st)(E + (L + i) * D + d, PA_FN(vexp)(-x), D - d);
+            const vreal e = PA_FN(vexp)(x);
+            PA_FN(la_st)(E + i * D + d, e, D - d);
+            PA_FN(la_st)(E + (L + i) * D + d, 1 / e, D - d);
         }
         for (int l = 0; l < VL; l++)
             if (out[l]) return;
