@@ -89,7 +89,7 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
             }
             continue;
         }
-        if (csa == 1 && mr == MR) { /* row-major A: VL x VL blocks transposed */
+        if (csa == 1) { /* row-major A: VL x VL blocks transposed, zero rows past mr */
             int64_t p0 = 0;
             for (; p0 + VL <= kc; p0 += VL)
                 /* blocks of VL rows from the last (maybe shorter) one down, so that row p's
@@ -98,13 +98,14 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
                     const int m = MR - i0 < VL ? MR - i0 : VL;
                     vreal r[VL];
                     for (int i = 0; i < VL; i++)
-                        r[i] = i < m ? PA_FN(vload)(A + (ir + i0 + i) * rsa + p0) : PA_FN(vset)(0);
+                        r[i] = i < m && i0 + i < mr ? PA_FN(vload)(A + (ir + i0 + i) * rsa + p0)
+                                                    : PA_FN(vset)(0);
                     PA_FN(vtranspose)(r);
                     for (int p = 0; p < VL; p++)
                         PA_FN(pack_row)(dst + (p0 + p) * MR + i0, r[p], m, p0 + p + 1 == kc);
                 }
             for (int64_t p = p0; p < kc; p++)
-                for (int64_t i = 0; i < MR; i++) dst[p * MR + i] = A[(ir + i) * rsa + p];
+                for (int64_t i = 0; i < MR; i++) dst[p * MR + i] = i < mr ? A[(ir + i) * rsa + p] : 0;
             continue;
         }
         for (int64_t i = 0; i < MR; i++) {
