@@ -91,6 +91,8 @@ typedef struct {
     const real *vb;       /* the block's value rows as the products read them: v's, or Vb */
     int64_t ldv;
     real *Bp;             /* one operand packed once for the row-block products */
+    int vb_packed;        /* Bp holds the block's value rows packed (la_block_output): the
+                           * state product reads them there */
     real *work;           /* GEMM packing */
     void *block;
 } PA_FN(la_scratch);
@@ -664,6 +666,7 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
     }
     sc->vb = u->v + c0 * u->sv;
     sc->ldv = u->sv;
+    sc->vb_packed = 0;
     if (u->beta) { /* v'_t = beta_t v_t, the rows every product of the block reads */
         for (int64_t i = 0; i < L; i++)
             PA_FN(la_gated)(sc->Vb + i * V, sc->vb + i * u->sv, NULL, NULL, 0, V,
@@ -694,17 +697,19 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
     PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, o, sv, sc);
     PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 0, sc->A, sc);
     PA_FN(la_apply)(vs, L, 1, sc->A, 0, sc->vb, sc->ldv, o, sv, sc);
+    sc->vb_packed = vs->kind == PA_GATE_NONE; /* la_tri_product's packing, restored whole */
     if (u->has_skip)
         for (int64_t i = 0; i < L; i++) PA_FN(axpy)(o + i * sv, u->v + (c0 + i) * sv, V, u->skip);
 }
 
 /* S = (decay of the block) S + alpha (X f)^T (Y f') over the block's rows, f and f' the key and
  * value sides' factors (to the block's end, or from its start); keeps the decays in sc->deck,
- * sc->decv. The state pass (X, Y = k, v) and its reverse (q, do) alike. */
+ * sc->decv. The state pass (X, Y = k, v) and its reverse (q, do) alike. Yp: Y already packed
+ * (pack_b of its L rows), for a value side without a gate; else NULL. */
 static void PA_FN(la_state_product)(const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                     int64_t L, int to_end, real alpha, const real *X,
-                                    int64_t ldx, const real *Y, int64_t ldy, real *S,
-                                    PA_FN(la_scratch) *sc)
+                                    int64_t ldx, const real *Y, int64_t ldy, const real *Yp,
+                                    real *S, PA_FN(la_scratch) *sc)
 {
     const int64_t K = ks->D, V = vs->D;
     int64_t lda, ldb;
@@ -712,6 +717,10 @@ static void PA_FN(la_state_product)(const PA_FN(la_side) *ks, const PA_FN(la_sid
     PA_FN(la_total_decay)(vs, L, sc->decv);
     PA_FN(la_state_decay)(S, sc->deck, sc->decv, K, V);
     const real *A = PA_FN(la_operand)(ks, L, to_end, X, ldx, sc->X, &lda);
+    if (Yp) {
+        PA_FN(gemm_packed_b)(K, V, L, alpha, A, 1, lda, Yp, L * NR, 1, S, V, sc->work);
+        return;
+    }
     const real *B = PA_FN(la_operand)(vs, L, to_end, Y, ldy, sc->Y, &ldb);
     PA_FN(gemm)(K, V, L, alpha, A, 1, lda, B, ldb, 1, 1, S, V, sc->work);
 }
@@ -721,7 +730,8 @@ static void PA_FN(la_block_state)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *S,
                                   PA_FN(la_scratch) *sc)
 {
-    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sq, u->sq, sc->vb, sc->ldv, S, sc);
+    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sq, u->sq, sc->vb, sc->ldv,
+                            sc->vb_packed ? sc->Bp : NULL, S, sc);
 }
 
 /* dS from the block's end to its start: decayed, plus (q~ e^Gk)^T (do e^Gv) */
@@ -730,7 +740,7 @@ static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
                                    PA_FN(la_scratch) *sc)
 {
     PA_FN(la_state_product)(ks, vs, L, 0, (real)u->d->scale, u->q + c0 * u->sq, u->sq,
-                            u->dout + c0 * u->sv, u->sv, dS, sc);
+                            u->dout + c0 * u->sv, u->sv, NULL, dS, sc);
 }
 
 /* The off-diagonal parts (header) of dq, dk, dv rows of the block from S, its start state,
