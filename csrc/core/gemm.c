@@ -57,12 +57,12 @@ static inline void PA_FN(vtranspose)(vreal *r)
     }
 }
 
-/* Row p of a packed panel from the m (<= VL) lanes of x at d: a whole vector unless it is the
- * panel's last row, since the lanes past m land on the next row's first entries, which the
- * packing writes afterwards. */
-static inline void PA_FN(pack_row)(real *d, vreal x, int m, int last)
+/* Row p of a packed panel from the m (<= VL) lanes of x at d: a whole vector where it ends
+ * inside the panel (room: the reals from d to the panel's end), since the lanes past m land
+ * on the next rows' first entries, which the packing writes afterwards. */
+static inline void PA_FN(pack_row)(real *d, vreal x, int m, int64_t room)
 {
-    if (m == VL || !last)
+    if (m == VL || room >= VL)
         PA_FN(vstore)(d, x);
     else
         PA_FN(vstore_part)(d, x, m);
@@ -84,7 +84,7 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
                      * next panel's), else the rows there are */
                     vreal x = ir + i0 + VL <= mc ? PA_FN(vload)(src + i0)
                                                  : PA_FN(vload_part)(src + i0, (int)(have < m ? have : m), 0);
-                    PA_FN(pack_row)(dst + p * MR + i0, x, m, p + 1 == kc);
+                    PA_FN(pack_row)(dst + p * MR + i0, x, m, (kc - p) * MR - i0);
                 }
             }
             continue;
@@ -102,7 +102,7 @@ static void PA_FN(pack_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, in
                                                     : PA_FN(vset)(0);
                     PA_FN(vtranspose)(r);
                     for (int p = 0; p < VL; p++)
-                        PA_FN(pack_row)(dst + (p0 + p) * MR + i0, r[p], m, p0 + p + 1 == kc);
+                        PA_FN(pack_row)(dst + (p0 + p) * MR + i0, r[p], m, (kc - p0 - p) * MR - i0);
                 }
             for (int64_t p = p0; p < kc; p++)
                 for (int64_t i = 0; i < MR; i++) dst[p * MR + i] = i < mr ? A[(ir + i) * rsa + p] : 0;
