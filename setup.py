@@ -24,7 +24,6 @@ SOURCES = [
     "csrc/dispatch.c",
     "csrc/core/parallel.c",
     "csrc/isa/avx512.c",
-    "csrc/isa/avx512_mr8.c",
     "csrc/isa/avx2.c",
     "csrc/isa/generic.c",
 ]

@@ -273,12 +273,8 @@ typedef struct {
                                const void *s, void *dx, void *dw, void *dbias);
 } pa_kernels;
 
-/* Chooses the tables once (at import): the first path of pa_isa_order this CPU runs, or
- * PYATTN_ISA's. */
+/* Chooses the tables once (at import): the widest ISA this CPU runs, or PYATTN_ISA's. */
 void pa_dispatch_init(void);
-/* The PA_ISA_COUNT kernel paths, the one this CPU runs fastest first. */
-#define PA_ISA_COUNT 4
-const char *const *pa_isa_order(void);
 /* The chosen table, for float (is_double = 0) or double; and its ISA's name. */
 const pa_kernels *pa_select_kernels(int is_double);
 const char *pa_selected_isa(void);

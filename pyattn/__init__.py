@@ -33,11 +33,6 @@ __version__ = "0.1.0"
 OPS = build_ops()
 
 
-# The kernel paths a build has: AVX-512 with the GEMM's 12-row tile, AVX-512 with an 8-row
-# tile (the default on Intel CPUs, where it runs faster), AVX2 + FMA, and portable C.
-_ISA_PATHS = ("avx512", "avx512_mr8", "avx2", "generic")
-
-
 def _check_isa_request() -> None:
     """PYATTN_ISA names the kernel path to run; one this build or CPU lacks is not silently
     replaced."""
@@ -45,8 +40,8 @@ def _check_isa_request() -> None:
     if not want:
         return
     info = _core.build_info()
-    if want not in _ISA_PATHS:
-        warnings.warn(f"PYATTN_ISA={want!r} is not a kernel path ({', '.join(_ISA_PATHS)}); "
+    if want not in ("avx512", "avx2", "generic"):
+        warnings.warn(f"PYATTN_ISA={want!r} is not a kernel path (avx512, avx2, generic); "
                       f"ignored, running {info['isa']}", RuntimeWarning, stacklevel=3)
     elif want != info["isa"]:
         warnings.warn(f"PYATTN_ISA={want!r}: this CPU runs only {', '.join(info['isas_available'])}; "
@@ -105,11 +100,9 @@ def num_threads(n: int) -> Iterator[None]:
 
 
 def build_info() -> Dict[str, Any]:
-    """How this pyattn was built and what it runs: the ISA path chosen at run time
-    ('avx512', 'avx512_mr8', 'avx2' or 'generic'), the ones this CPU supports
-    (the fastest for it first: 'avx512_mr8' on Intel CPUs, 'avx512' on others; the two differ
-    in the GEMM's register tile only), the compiler, whether OpenMP is on, and the thread
-    count."""
+    """How this pyattn was built and what it runs: the ISA path chosen at run time ('avx512',
+    'avx2' or 'generic'), the ones this CPU supports, the compiler, whether OpenMP is on,
+    and the thread count."""
     return dict(_core.build_info())
 
 

@@ -4,8 +4,7 @@
  * The micro-kernel keeps an MR x NR tile of C in MR*NV vector registers (NR = NV*VL):
  * 6 x 2 = 12 accumulators, enough independent FMAs to cover a 4-cycle latency on 2 ports,
  * and 12 + 2 (B) + 1 (broadcast A) <= 16 registers for SSE/AVX2/NEON. AVX-512 has 32
- * registers and takes MR = 12. An instantiation may name another tile (PA_TILE_ROWS rows by
- * PA_TILE_VECS vectors): csrc/isa/avx512_mr8.c takes 8 x 3, which measured faster on Intel.
+ * registers and takes MR = 12.
  * A block is MC x KC (stays in L2), a B micro-panel KC x NR (stays in L1 when packed; read in
  * place, its rows ldb apart, it may map to few L1 sets and stream from L2), B block KC x NC.
  */
@@ -16,16 +15,12 @@
 #undef MC
 #undef NC
 
-#if defined(PA_TILE_ROWS)
-#define MR PA_TILE_ROWS
-#define NV PA_TILE_VECS
-#elif PA_VBYTES == 64
+#if PA_VBYTES == 64
 #define MR 12
-#define NV 2
 #else
 #define MR 6
-#define NV 2
 #endif
+#define NV 2
 #define NR (NV * VL)
 #define KC (PA_DOUBLE ? 128 : 256)
 #define MC (MR * 16)
