@@ -332,7 +332,8 @@ def isa_selfcheck(expected):
     assert info["isa"] == expected, (info["isa"], expected)
     rng = np.random.default_rng(7)
     for dtype in DTYPES:
-        for size in [(7, 13, 5), (100, 37, 300), (30, 70, 9)]:
+        # (8, 37, 1024) and (24, 37, 1024): rows of A 4 KiB apart in float32, which gemm packs
+        for size in [(7, 13, 5), (100, 37, 300), (30, 70, 9), (8, 37, 1024), (24, 37, 1024)]:
             for ta in (False, True):
                 for tb in (False, True):
                     a, b, c = _operands(rng, *size, ta, tb, dtype)
@@ -372,7 +373,27 @@ def isa_selfcheck(expected):
                 g = pullback((do.astype(dtype), dlse.astype(dtype)))
                 for name in "qkv":
                     assert_close(g[name], g_ref[name], gtol, name=f"{expected} {form} d{name}")
+    check_chunk_engines(expected)
     print("ISA-OK", expected)
+
+
+def check_chunk_engines(expected):
+    """The chunk forms of the gated linear engine (GLA, a factored vector gate) and of the
+    delta engine (gated DeltaNet), T=130 (a ragged last chunk), against the float64 oracles:
+    their blocks run every GEMM shape of the path's tile (row panels of 64 rows, triangles)."""
+    r = np.random.default_rng(3)
+    B, T, H, K, V = 1, 130, 2, 32, 24
+    q, k, v = (r.standard_normal((B, T, H, d)) for d in (K, K, V))
+    g = -0.1 * r.random((B, T, H, K))
+    kn = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    gs, beta = -0.1 * r.random((B, T, H)), r.random((B, T, H))
+    cases = [(pyattn.gla, reference.gla, (q, k, v, g)),
+             (pyattn.gated_delta_rule, reference.gated_delta_rule, (q, kn, v, gs, beta))]
+    for op, ref, args in cases:
+        o_ref = ref(*args)[0]
+        for dtype, tol in ((np.float64, 1e-10), (np.float32, 1e-5)):
+            o = op(*(x.astype(dtype) for x in args), form="chunk")[0]
+            assert_close(o, o_ref, tol, name=f"{expected} {op.__name__} chunk o")
 
 
 # ---- the threaded GEMM and the pointwise kernels of pyattn.nn ------------------------------
