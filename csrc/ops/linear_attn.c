@@ -93,6 +93,9 @@ typedef struct {
     real *Bp;             /* one operand packed once for the row-block products */
     int vb_packed;        /* Bp holds the block's value rows packed (la_block_output): the
                            * state product reads them there */
+    real *Kf;             /* L x K: k times a factored key gate's factors to the block's end,
+                           * made beside the Gram's copy of k (la_block_output) */
+    int kf_ready;         /* Kf holds this block's rows: the state product reads them */
     real *work;           /* GEMM packing */
     void *block;
 } PA_FN(la_scratch);
@@ -111,7 +114,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       (L ? L : 1) * W * r, L * W * r, L * L * r, L * L * r, L * L * r, K * V * r,
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
                       2 * L * dbl, 4 * (K + V) * dbl, L * sizeof(int64_t), 2 * L * K * r,
-                      2 * L * V * r, L * L * r, 2 * L * dbl, L * V * r};
+                      2 * L * V * r, L * L * r, 2 * L * dbl, L * V * r, L * K * r};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
@@ -119,7 +122,8 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                             (void **)&s->deck, (void **)&s->decv,
                             (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
                             (void **)&s->acc, (void **)&s->rows, (void **)&s->Gk2,
-                            (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2, (void **)&s->Vb};
+                            (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2, (void **)&s->Vb,
+                            (void **)&s->Kf};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     return s->block != NULL;
@@ -320,6 +324,27 @@ static void PA_FN(la_rows_mul)(const real *X, int64_t ldx, const real *E, int64_
         }
 }
 
+/* A factored vector side's two copies of the rows X (L x D) for one read of X: Y1_i = X_i f_i
+ * with f_i = e^(G_i - G_0) (to_end = 0) or e^(G_0 - G_i) (to_end = 1), the Gram's operand,
+ * and Y2_i = Y1_i c with c = e^G_0 or e^(G_{L-1} - G_0): X_i times its factor from the start
+ * of the sequence's gates or to the block's end (the last row's is 1, X itself), the same
+ * bits as la_side_row's. */
+static void PA_FN(la_factored_rows)(const PA_FN(la_side) *s, int64_t L, int to_end,
+                                    const real *X, int64_t ldx, real *Y1, real *Y2)
+{
+    const int64_t D = s->D;
+    const real *F = to_end ? s->Em : s->Ep, *c = to_end ? s->Ep + (L - 1) * D : s->E0;
+    for (int64_t i = 0; i < L; i++) {
+        const int one = to_end && i == L - 1;
+        for (int64_t d = 0; d < D; d += VL) {
+            const vreal x = PA_FN(la_ld)(X + i * ldx + d, D - d);
+            const vreal y = x * PA_FN(la_ld)(F + i * D + d, D - d);
+            PA_FN(la_st)(Y1 + i * D + d, y, D - d);
+            PA_FN(la_st)(Y2 + i * D + d, one ? x : y * PA_FN(la_ld)(c + d, D - d), D - d);
+        }
+    }
+}
+
 /* The rows of U (L x D) holding a NaN or an infinity, in order, into rows; returns their count */
 static int64_t PA_FN(la_nonfinite_rows)(const real *U, int64_t ldu, int64_t L, int64_t D,
                                         int64_t *rows)
@@ -384,12 +409,34 @@ static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *
 
 /* W (L x L, ld L) = lower triangle of alpha sum_d X_id Y_jd e^(G_id - G_jd); 0 above, and on
  * the diagonal too when strict. */
+/* la_gram's products where no gate is left inside the sum: X and Y are the rows as they
+ * multiply (a factored vector gate's factors already applied), a scalar gate's mask follows.
+ * Y^T is packed once; the row blocks stop at the diagonal. */
+static void PA_FN(la_gram_rows)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
+                                int64_t ldx, const real *Y, int64_t ldy, int strict, real *W,
+                                PA_FN(la_scratch) *sc)
+{
+    const int64_t D = s->D;
+    PA_FN(pack_b)(D, L, Y, 1, ldy, sc->Bp);
+    for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
+        int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
+        PA_FN(gemm_packed_b)(i1 - i0, i1, D, alpha, X + i0 * ldx, ldx, 1, sc->Bp, D * NR, 0,
+                             W + i0 * L, L, sc->work);
+    }
+    for (int64_t i = 0; i < L; i++) {
+        real *w = W + i * L;
+        if (s->kind == PA_GATE_SCALAR)
+            for (int64_t j = 0; j <= i; j++) w[j] *= s->Dm[i * L + j];
+        for (int64_t j = strict ? i : i + 1; j < L; j++) w[j] = 0;
+    }
+}
+
 static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
                            int64_t ldx, const real *Y, int64_t ldy, int strict, real *W,
                            PA_FN(la_scratch) *sc)
 {
     const int64_t D = s->D;
-    if (s->kind != PA_GATE_VECTOR || s->Ep) { /* Y^T packed once; row blocks stop at the diagonal */
+    if (s->kind != PA_GATE_VECTOR || s->Ep) {
         if (s->Ep) {
             PA_FN(la_rows_mul)(X, ldx, s->Ep, L, D, 0, sc->Tm, D);
             PA_FN(la_rows_mul)(Y, ldy, s->Em, L, D, 0, sc->U, D);
@@ -397,18 +444,7 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
             Y = sc->U;
             ldx = ldy = D;
         }
-        PA_FN(pack_b)(D, L, Y, 1, ldy, sc->Bp);
-        for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
-            int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
-            PA_FN(gemm_packed_b)(i1 - i0, i1, D, alpha, X + i0 * ldx, ldx, 1, sc->Bp, D * NR, 0,
-                                 W + i0 * L, L, sc->work);
-        }
-        for (int64_t i = 0; i < L; i++) {
-            real *w = W + i * L;
-            if (s->kind == PA_GATE_SCALAR)
-                for (int64_t j = 0; j <= i; j++) w[j] *= s->Dm[i * L + j];
-            for (int64_t j = strict ? i : i + 1; j < L; j++) w[j] = 0;
-        }
+        PA_FN(la_gram_rows)(s, L, alpha, X, ldx, Y, ldy, strict, W, sc);
         return;
     }
     for (int64_t i0 = 0; i0 < L; i0 += LA_SUB) {
@@ -666,7 +702,7 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
     }
     sc->vb = u->v + c0 * u->sv;
     sc->ldv = u->sv;
-    sc->vb_packed = 0;
+    sc->vb_packed = sc->kf_ready = 0;
     if (u->beta) { /* v'_t = beta_t v_t, the rows every product of the block reads */
         for (int64_t i = 0; i < L; i++)
             PA_FN(la_gated)(sc->Vb + i * V, sc->vb + i * u->sv, NULL, NULL, 0, V,
@@ -694,8 +730,20 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
     const real scale = (real)u->d->scale;
     const real *q = u->q + c0 * sq, *k = u->k + c0 * sq;
     real *o = u->o + c0 * sv;
-    PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, o, sv, sc);
-    PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 0, sc->A, sc);
+    if (ks->kind == PA_GATE_VECTOR && ks->Ep) {
+        /* q and k read once each for both of their copies: the Gram's (Tm, U) and the
+         * state's (X: q to the block's start; Kf: k to its end, for la_block_state) */
+        const int64_t K = ks->D;
+        const PA_FN(la_side) none = {.kind = PA_GATE_NONE, .D = K};
+        PA_FN(la_factored_rows)(ks, L, 0, q, sq, sc->Tm, sc->X);
+        PA_FN(la_factored_rows)(ks, L, 1, k, sq, sc->U, sc->Kf);
+        sc->kf_ready = 1;
+        PA_FN(la_gram_rows)(ks, L, scale, sc->Tm, K, sc->U, K, 0, sc->A, sc);
+        PA_FN(la_rows_times)(&none, vs, L, 0, scale, sc->X, K, S, V, 1, o, sv, sc);
+    } else {
+        PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, o, sv, sc);
+        PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 0, sc->A, sc);
+    }
     PA_FN(la_apply)(vs, L, 1, sc->A, 0, sc->vb, sc->ldv, o, sv, sc);
     sc->vb_packed = vs->kind == PA_GATE_NONE; /* la_tri_product's packing, restored whole */
     if (u->has_skip)
@@ -704,19 +752,21 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
 
 /* S = (decay of the block) S + alpha (X f)^T (Y f') over the block's rows, f and f' the key and
  * value sides' factors (to the block's end, or from its start); keeps the decays in sc->deck,
- * sc->decv. The state pass (X, Y = k, v) and its reverse (q, do) alike. Yp: Y already packed
- * (pack_b of its L rows), for a value side without a gate; else NULL. */
+ * sc->decv. The state pass (X, Y = k, v) and its reverse (q, do) alike. Xf: X's rows times
+ * their factors already (K each), or NULL; Yp: Y already packed (pack_b of its L rows), for a
+ * value side without a gate, or NULL. */
 static void PA_FN(la_state_product)(const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                     int64_t L, int to_end, real alpha, const real *X,
-                                    int64_t ldx, const real *Y, int64_t ldy, const real *Yp,
-                                    real *S, PA_FN(la_scratch) *sc)
+                                    int64_t ldx, const real *Xf, const real *Y, int64_t ldy,
+                                    const real *Yp, real *S, PA_FN(la_scratch) *sc)
 {
     const int64_t K = ks->D, V = vs->D;
     int64_t lda, ldb;
     PA_FN(la_total_decay)(ks, L, sc->deck);
     PA_FN(la_total_decay)(vs, L, sc->decv);
     PA_FN(la_state_decay)(S, sc->deck, sc->decv, K, V);
-    const real *A = PA_FN(la_operand)(ks, L, to_end, X, ldx, sc->X, &lda);
+    if (Xf) lda = K;
+    const real *A = Xf ? Xf : PA_FN(la_operand)(ks, L, to_end, X, ldx, sc->X, &lda);
     if (Yp) {
         PA_FN(gemm_packed_b)(K, V, L, alpha, A, 1, lda, Yp, L * NR, 1, S, V, sc->work);
         return;
@@ -730,7 +780,8 @@ static void PA_FN(la_block_state)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, real *S,
                                   PA_FN(la_scratch) *sc)
 {
-    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sq, u->sq, sc->vb, sc->ldv,
+    PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sq, u->sq,
+                            sc->kf_ready ? sc->Kf : NULL, sc->vb, sc->ldv,
                             sc->vb_packed ? sc->Bp : NULL, S, sc);
 }
 
@@ -740,7 +791,7 @@ static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
                                    PA_FN(la_scratch) *sc)
 {
     PA_FN(la_state_product)(ks, vs, L, 0, (real)u->d->scale, u->q + c0 * u->sq, u->sq,
-                            u->dout + c0 * u->sv, u->sv, NULL, dS, sc);
+                            NULL, u->dout + c0 * u->sv, u->sv, NULL, dS, sc);
 }
 
 /* The off-diagonal parts (header) of dq, dk, dv rows of the block from S, its start state,
