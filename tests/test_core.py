@@ -332,8 +332,9 @@ def isa_selfcheck(expected):
     assert info["isa"] == expected, (info["isa"], expected)
     rng = np.random.default_rng(7)
     for dtype in DTYPES:
-        # (8, 37, 1024) and (24, 37, 1024): rows of A 4 KiB apart in float32, which gemm packs
-        for size in [(7, 13, 5), (100, 37, 300), (30, 70, 9), (8, 37, 1024), (24, 37, 1024)]:
+        # (13, 37, 1024) and (30, 37, 1024): rows of A 4 KiB apart in float32, which gemm packs,
+        # whole panels and a ragged last one (MR is 6 or 12)
+        for size in [(7, 13, 5), (100, 37, 300), (30, 70, 9), (13, 37, 1024), (30, 37, 1024)]:
             for ta in (False, True):
                 for tb in (False, True):
                     a, b, c = _operands(rng, *size, ta, tb, dtype)

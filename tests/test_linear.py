@@ -1464,17 +1464,20 @@ def _engine_backward(args, states, threads):
     return out
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("units", ["one", "many"])
-@pytest.mark.parametrize("gates", ["none", "scalar", "vector+gv"])
-def test_kept_states(gates, units, threads):
+@pytest.mark.parametrize("gates", ["none", "scalar", "vector", "vector+gv"])
+def test_kept_states(gates, units, threads, dtype):
     """The chunk forward under vjp keeps the state entering each chunk for the backward: per
     (sequence, head) the states entering its chunks, then the final one. With cu_seqlens
     (an empty sequence, ragged last chunks), one unit or three (one head), on the per-unit
     (1 thread) and the chunk-parallel (4 threads: fewer units than threads, and K = V = 32
     give the call enough work for them) schedules: the slots hold h0, the oracle's state at
     every chunk boundary and the final state, and a backward reading them gives the same
-    gradients, bitwise, as one recomputing them."""
+    gradients, bitwise, as one recomputing them. A key gate alone ("vector") is the case where
+    the forward's state update reads operands its output pass made (k times its factors, the
+    packed value rows); float32 as well as float64."""
     r = np.random.default_rng(7)
     cu = np.array([0, 500, 500, 1201]) if units == "many" else np.array([0, 1201])
     N, H, K, Vd, C = len(cu) - 1, 1, 32, 32, 32
@@ -1484,6 +1487,8 @@ def test_kept_states(gates, units, threads):
     g = None if gates == "none" else -r.uniform(0, 0.5, (1, T, H) if gates == "scalar" else (1, T, H, K))
     gv = -r.uniform(0, 0.5, (1, T, H, Vd)) if gates == "vector+gv" else None
     h0 = r.standard_normal((N, H, K, Vd))
+    q, k, v, g, gv, h0 = (None if x is None else x.astype(dtype) for x in (q, k, v, g, gv, h0))
+    tol = 1e-12 if dtype == np.float64 else 1e-5
     o, ht = np.empty_like(v), np.empty_like(h0)
     opts = (cu.astype(np.int64), pyattn._core.FORM_CHUNK, C, 0.5)
     with pyattn.num_threads(threads):
@@ -1496,7 +1501,7 @@ def test_kept_states(gates, units, threads):
             S = h0[n, h].copy()
             for t in range(s, e + 1):
                 if (t - s) % C == 0 or t == e:
-                    assert_close(kept[slot], S, 1e-12, name=f"slot {slot} (n={n} h={h} t={t})")
+                    assert_close(kept[slot], S, tol, name=f"slot {slot} (n={n} h={h} t={t})")
                     slot += 1
                 if t < e:
                     dk = np.exp(g[0, t, h]) if g is not None else 1.0
@@ -1505,7 +1510,7 @@ def test_kept_states(gates, units, threads):
                          + np.outer(k[0, t, h], v[0, t, h]))
             np.testing.assert_array_equal(kept[slot - 1], ht[n, h])
     assert slot == len(kept)
-    do, dht = r.standard_normal(o.shape), r.standard_normal(ht.shape)
+    do, dht = r.standard_normal(o.shape).astype(dtype), r.standard_normal(ht.shape).astype(dtype)
     args = (q, k, v, g, gv, h0, do, dht, opts)
     for a, b in zip(_engine_backward(args, kept, threads), _engine_backward(args, None, threads)):
         if a is not None:
