@@ -8,7 +8,7 @@
  * Loop nest as in BLIS/GotoBLAS: the micro-kernel accumulates an MR x NR tile in registers
  * from MR rows of A and NR columns of B over KC steps. It reads A in place where A is
  * row-major or transposed, and B in place where B is row-major (for `gemm`, with rows not a
- * multiple of 4 KiB apart, which would fall in few sets of the L1 cache); what
+ * multiple of 4 KiB apart: rows_in_place); what
  * it cannot read as it is (other strides, a last panel narrower than MR or NR) is packed
  * into MR x KC and KC x NR micro-panels, zero-padded at the ragged edges. The caller passes
  * `work` of gemm_work_elems(M, N, K) reals.
@@ -278,18 +278,21 @@ static void PA_FN(gemm_packed_ab)(int64_t M, int64_t N, int64_t K, real alpha, c
     PA_FN(micro_tiles)(M, N, K, alpha, Ap, ars, 1, aps, Bp, bps, NR, beta, C, ldc);
 }
 
+/* Whether rows rs reals apart are read in place: not where they lie a multiple of 4 KiB
+ * apart, since the rows the micro-kernel reads at once would fall in one set of the L1 cache. */
+static inline int PA_FN(rows_in_place)(int64_t rs) { return (rs * (int64_t)sizeof(real)) % 4096 != 0; }
+
 /* C[M x nc] (op), B laid out as micro_tiles reads it (packed, or row-major in place), MC
  * rows of A at a time. Where A already has a layout the micro-kernel can read, packing it
  * would only copy each element once more: row-major (csa = 1) or transposed (rsa = 1) A is
  * read in place, but for a last panel of fewer than MR rows (the micro-kernel reads MR),
- * which is packed into Ap. A row-major A whose rows lie a multiple of 4 KiB apart is packed
- * too: the MR rows the micro-kernel reads at once would fall in one set of the L1 cache.
+ * which is packed into Ap. A row-major A whose rows rows_in_place refuses is packed too.
  * Either way each C entry sees the same FMAs in the same order. */
 static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, const real *A,
                               int64_t rsa, int64_t csa, const real *Bp, int64_t bps, int64_t bs,
                               real beta, real *C, int64_t ldc, real *Ap)
 {
-    int rowmajor = csa == 1 && (rsa * (int64_t)sizeof(real)) % 4096 != 0;
+    int rowmajor = csa == 1 && PA_FN(rows_in_place)(rsa);
     int transposed = !rowmajor && rsa == 1;
     for (int64_t ic = 0; ic < M; ic += MC) {
         int64_t mc = M - ic < MC ? M - ic : MC;
@@ -308,6 +311,22 @@ static void PA_FN(gemm_macro)(int64_t M, int64_t nc, int64_t kc, real alpha, con
     }
 }
 
+/* gemm_macro over a row-major B (csb = 1, rows rsb apart) read in place: its full NR-column
+ * panels as they are, a narrower last panel packed into Bp (kc x NR). */
+static void PA_FN(gemm_macro_b_rows)(int64_t M, int64_t nc, int64_t kc, real alpha, const real *A,
+                                     int64_t rsa, int64_t csa, const real *B, int64_t rsb,
+                                     real beta, real *C, int64_t ldc, real *Ap, real *Bp)
+{
+    const int64_t full = nc / NR * NR;
+    if (full > 0)
+        PA_FN(gemm_macro)(M, full, kc, alpha, A, rsa, csa, B, NR, rsb, beta, C, ldc, Ap);
+    if (full < nc) {
+        PA_FN(pack_b)(kc, nc - full, B + full, rsb, 1, Bp);
+        PA_FN(gemm_macro)(M, nc - full, kc, alpha, A, rsa, csa, Bp, kc * NR, NR, beta, C + full,
+                          ldc, Ap);
+    }
+}
+
 static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                         int64_t rsa, int64_t csa, const real *B, int64_t rsb, int64_t csb,
                         real beta, real *C, int64_t ldc, real *work)
@@ -316,22 +335,21 @@ static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real 
     int64_t mcmax = M < MC ? (M + MR - 1) / MR * MR : MC;
     int64_t kcmax = K < KC ? K : KC;
     real *Ap = work, *Bp = work + mcmax * kcmax;
-    const int inplace = csb == 1 && (rsb * (int64_t)sizeof(real)) % 4096 != 0;
+    const int inplace = csb == 1 && PA_FN(rows_in_place)(rsb);
     for (int64_t jc = 0; jc < N; jc += NC) {
         int64_t nc = N - jc < NC ? N - jc : NC;
         for (int64_t pc = 0; pc < K; pc += KC) {
             int64_t kc = K - pc < KC ? K - pc : KC;
             const real bb = pc == 0 ? beta : 1;
             const real *Bb = B + pc * rsb + jc * csb;
-            int64_t full = inplace ? nc / NR * NR : 0;
-            if (full)
-                PA_FN(gemm_macro)(M, full, kc, alpha, A + pc * csa, rsa, csa, Bb, NR, rsb, bb,
-                                  C + jc, ldc, Ap);
-            if (full < nc) {
-                PA_FN(pack_b)(kc, nc - full, Bb + full * csb, rsb, csb, Bp);
-                PA_FN(gemm_macro)(M, nc - full, kc, alpha, A + pc * csa, rsa, csa, Bp, kc * NR,
-                                  NR, bb, C + jc + full, ldc, Ap);
+            if (inplace) {
+                PA_FN(gemm_macro_b_rows)(M, nc, kc, alpha, A + pc * csa, rsa, csa, Bb, rsb, bb,
+                                         C + jc, ldc, Ap, Bp);
+                continue;
             }
+            PA_FN(pack_b)(kc, nc, Bb, rsb, csb, Bp);
+            PA_FN(gemm_macro)(M, nc, kc, alpha, A + pc * csa, rsa, csa, Bp, kc * NR, NR, bb,
+                              C + jc, ldc, Ap);
         }
     }
 }
@@ -439,16 +457,10 @@ static int PA_FN(gemm_threaded)(int64_t M, int64_t N, int64_t K, real alpha, con
                 int64_t kc = K - pc < KC ? K - pc : KC;
                 real bb = pc == 0 ? beta : 1;
                 if (b_in_place) {
-                    int64_t full = nc / NR * NR;
-                    if (r1 > r0 && full > 0)
-                        PA_FN(gemm_macro)(r1 - r0, full, kc, alpha, Ar + pc * csa, rsa, csa,
-                                          B + pc * rsb + jc, NR, rsb, bb, Cr + jc, ldc, myAp);
-                    if (r1 > r0 && full < nc) {
-                        real *myBp = Bp + tid * kcmax * NR;
-                        PA_FN(pack_b)(kc, nc - full, B + pc * rsb + jc + full, rsb, 1, myBp);
-                        PA_FN(gemm_macro)(r1 - r0, nc - full, kc, alpha, Ar + pc * csa, rsa, csa,
-                                          myBp, kc * NR, NR, bb, Cr + jc + full, ldc, myAp);
-                    }
+                    if (r1 > r0)
+                        PA_FN(gemm_macro_b_rows)(r1 - r0, nc, kc, alpha, Ar + pc * csa, rsa, csa,
+                                                 B + pc * rsb + jc, rsb, bb, Cr + jc, ldc, myAp,
+                                                 Bp + tid * kcmax * NR);
                     continue;
                 }
 #pragma omp for schedule(static)
