@@ -39,7 +39,7 @@ What is timed, per row (median of samples, see benchmarks/common.py; all the cas
 The torch cases take [B*H, T, *] contiguous tensors, made once outside the timed region; the
 scale K**-0.5 is applied to q inside every timed call, as pyattn does.
 
-torch chunk algorithm (ALGORITHMS.md, "Linear attention, chunkwise"): per chunk of C=64
+torch chunk algorithm (the chunkwise form of gated linear attention, as in fla): per chunk of C=64
 rows with start state S, G = the inclusive cumsum of g inside the chunk,
   O  = (Q * exp(G)) S + ((Q K^T) * exp(G_i - G_j) * causal) V,
   S' = exp(G_last) S + (K * exp(G_last - G))^T V.
