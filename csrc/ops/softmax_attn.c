@@ -2,7 +2,8 @@
  * Template body (see core/dtype.h); needs core/vmath.h and core/gemm.c before it.
  *
  * Flash (FA-2 on the CPU): work items are (sequence, head, query block), scheduled
- * dynamically, longest (latest causal) blocks first. Q, K and V are packed once per call as
+ * dynamically, a head's blocks one after another (so its K and V stay in cache between
+ * them), the latest (longest causal) first. Q, K and V are packed once per call as
  * GEMM operands. Per item and key block: the scores are computed transposed, S^T = scale K
  * Q^T (keys down, queries across), so the online softmax runs down columns with whole
  * vectors of queries (no horizontal max or sum) and S^T is already the A operand of O += P V
@@ -1004,14 +1005,17 @@ static int64_t PA_FN(sm_items)(const int64_t *cu, int64_t nseq, int64_t block, i
 
 /* Item t -> sequence *n (moved from its previous value: a thread's items only increase),
  * head *hd and block index *b; reverse numbers the blocks from the end (the longest causal
- * ones first). */
+ * ones first). Consecutive items are blocks of one head: the threads then sweep one head's
+ * keys (or queries) together, a few MiB that the caches hold, where taking the heads in
+ * turn swept every head's (64 MiB at B=2, H=8, T=8192, D=64: T=8192 forward on 1 thread
+ * 2411 -> 1931 ms on a 2-CPU Intel Xeon, T=2048 128.4 -> 123.9 ms). */
 static inline void PA_FN(sm_item)(const int64_t *first, int64_t t, int64_t heads, int reverse,
                                   int64_t *n, int64_t *hd, int64_t *b)
 {
     while (t >= first[*n + 1]) ++*n;
     int64_t local = t - first[*n], nblk = (first[*n + 1] - first[*n]) / heads;
-    *hd = local % heads;
-    *b = reverse ? nblk - 1 - local / heads : local / heads;
+    *hd = local / nblk;
+    *b = reverse ? nblk - 1 - local % nblk : local % nblk;
 }
 
 /* Threads for a call: no more than work items, and about a million multiply-adds each at
