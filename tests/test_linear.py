@@ -1700,3 +1700,42 @@ def test_subnormal_flush_ends_with_the_call(threads):
     assert tiny * np.float32(1e-3) > 0
     assert_close(o, reference.simple_gla(q, k, v, g)[0], 1e-5, name="simple_gla")
     assert_close(od, reference.gated_delta_rule(q, k, v, g, beta)[0], 1e-5, name="gated_delta_rule")
+
+
+# ------------------------------------------------------------------------------- 14. rows 4 KiB apart
+
+
+@pytest.mark.parametrize("form", ["chunk", "parallel"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("op", ["linear_attention", "simple_gla", "gla"])
+def test_rows_4kib_apart_equal_one_head_at_a_time(op, dtype, form):
+    """With H K = 4096 bytes (float32 H=8, K=V=128; float64 H=4), a row of q, k, v or do lies
+    4 KiB after the previous one, which the kernels copy into contiguous rows before their
+    products rather than reading in place; one head at a time (H=1) the rows are read in
+    place. The outputs, final states and every gradient must be the same bits either way,
+    over three chunks with a ragged last one."""
+    r = np.random.default_rng(5)
+    dt = np.dtype(dtype)
+    H, T, K = 4096 // (128 * dt.itemsize), 150, 128
+    q, k, v, do = (r.standard_normal((1, T, H, K)).astype(dt) * 0.3 for _ in range(4))
+    h0, dht = (r.standard_normal((1, H, K, K)).astype(dt) for _ in range(2))
+    gate = {"linear_attention": None, "simple_gla": (1, T, H), "gla": (1, T, H, K)}[op]
+    g = None if gate is None else -r.uniform(0.01, 0.2, gate).astype(dt)
+
+    def run(sl):
+        args = [q[:, :, sl], k[:, :, sl], v[:, :, sl]] + ([] if g is None else [g[:, :, sl]])
+        args = [np.ascontiguousarray(a) for a in args]
+        out, pb = pyattn.vjp(getattr(pyattn, op), *args, initial_state=np.ascontiguousarray(h0[:, sl]),
+                             output_final_state=True, form=form)
+        grads = pb((np.ascontiguousarray(do[:, :, sl]), np.ascontiguousarray(dht[:, sl])))
+        return out, grads
+
+    whole_out, whole_grads = run(slice(None))
+    for h in range(H):
+        out, grads = run(slice(h, h + 1))
+        np.testing.assert_array_equal(whole_out[0][:, :, h:h + 1], out[0])
+        np.testing.assert_array_equal(whole_out[1][:, h:h + 1], out[1])
+        for name, x in grads.items():
+            whole = whole_grads[name]
+            part = whole[:, h:h + 1] if name == "initial_state" else whole[:, :, h:h + 1]
+            np.testing.assert_array_equal(part, x, err_msg=name)
