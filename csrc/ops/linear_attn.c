@@ -96,7 +96,7 @@ typedef struct {
     real *Kf;             /* L x K: k times a factored key gate's factors to the block's end,
                            * made beside the Gram's copy of k (la_block_output) */
     int kf_ready;         /* Kf holds this block's rows: the state product reads them */
-    real *Rq, *Rk, *Rv, *Ro; /* L x W each: q, k, v, do rows made contiguous (la_rows_contiguous) */
+    real *Rc;             /* L x W: rows made contiguous for two products (la_rows_contiguous) */
     real *work;           /* GEMM packing */
     void *block;
 } PA_FN(la_scratch);
@@ -116,7 +116,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
                       2 * L * dbl, 4 * (K + V) * dbl, L * sizeof(int64_t), 2 * L * K * r,
                       2 * L * V * r, L * L * r, 2 * L * dbl, L * V * r, L * K * r,
-                      L * W * r, L * W * r, L * W * r, L * W * r};
+                      L * W * r};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
@@ -125,8 +125,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                             (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
                             (void **)&s->acc, (void **)&s->rows, (void **)&s->Gk2,
                             (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2, (void **)&s->Vb,
-                            (void **)&s->Kf, (void **)&s->Rq, (void **)&s->Rk, (void **)&s->Rv,
-                            (void **)&s->Ro};
+                            (void **)&s->Kf, (void **)&s->Rc};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     return s->block != NULL;
@@ -724,10 +723,12 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
     if (d->gv == PA_GATE_VECTOR) PA_FN(la_cumsum_hilo)(gv, u->sv, L, V, 1, sc->Gv2, sc->ve.lo, acc);
 }
 
-/* The L rows of X (D each, *ldx apart) as the block's GEMMs read them: X itself, or, where the
- * rows lie a multiple of 4 KiB apart (H K = 1024 floats), which the GEMM does not read in
- * place, a contiguous copy in buf (*ldx = D), made once for every product of the block that
- * would otherwise pack them. The same FMAs in the same order either way. */
+/* The L rows of X (D each, *ldx apart) for a block whose two products read them as the A
+ * operand of a GEMM: X itself, or, where the rows lie a multiple of 4 KiB apart (H K = 1024
+ * floats), which the GEMM does not read in place but packs, a contiguous copy in buf
+ * (*ldx = D) made once for both. The same FMAs in the same order either way. Rows that one
+ * product reads, or that a vector gate's products copy with their factors, are left as they
+ * are: one packing costs what the copy does. */
 static const real *PA_FN(la_rows_contiguous)(const real *X, int64_t *ldx, int64_t L, int64_t D,
                                              real *buf)
 {
@@ -758,7 +759,7 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
         PA_FN(la_rows_times)(&none, vs, L, 0, scale, sc->X, K, S, V, 1, o, sv, sc);
     } else {
         int64_t ldq = sq;
-        q = PA_FN(la_rows_contiguous)(q, &ldq, L, ks->D, sc->Rq);
+        if (ks->kind != PA_GATE_VECTOR) q = PA_FN(la_rows_contiguous)(q, &ldq, L, ks->D, sc->Rc);
         PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, ldq, S, V, 1, o, sv, sc);
         PA_FN(la_gram)(ks, L, scale, q, ldq, k, sq, 0, sc->A, sc);
     }
@@ -819,28 +820,27 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                   const real *S, const real *dS, PA_FN(la_scratch) *sc)
 {
-    const int64_t K = u->d->K, V = u->d->V, sk = u->sk, sv = u->sv;
+    const int64_t V = u->d->V, sq = u->sq, sk = u->sk, sv = u->sv, ldv = sc->ldv;
     const real scale = (real)u->d->scale;
-    int64_t ldq = u->sq, ldk = u->sq, ldv = sc->ldv, ldo = sv;
-    const real *q = PA_FN(la_rows_contiguous)(u->q + c0 * ldq, &ldq, L, K, sc->Rq);
-    const real *k = PA_FN(la_rows_contiguous)(u->k + c0 * ldk, &ldk, L, K, sc->Rk);
-    const real *v = PA_FN(la_rows_contiguous)(sc->vb, &ldv, L, V, sc->Rv);
-    const real *dout = PA_FN(la_rows_contiguous)(u->dout + c0 * ldo, &ldo, L, V, sc->Ro);
+    const real *q = u->q + c0 * sq, *k = u->k + c0 * sq, *v = sc->vb;
+    int64_t ldo = sv;
+    const real *dout = u->dout + c0 * sv;
+    if (vs->kind != PA_GATE_VECTOR) dout = PA_FN(la_rows_contiguous)(dout, &ldo, L, V, sc->Rc);
     real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
     PA_FN(la_gram)(vs, L, 1, dout, ldo, v, ldv, 1, sc->B, sc);
     PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, ldo, S, 1, V, dq, sk, sc);
-    PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, ldk, dq, sk, sc);
+    PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sq, dq, sk, sc);
     const PA_FN(la_side) *ke = sc->ends ? &sc->ke : ks, *ve = sc->ends ? &sc->ve : vs;
     if (sc->ends) PA_FN(la_gram)(ve, L, 1, dout, ldo, v, ldv, 1, sc->B, sc);
-    PA_FN(la_gram)(ke, L, scale, q, ldq, k, ldk, 1, sc->A, sc);
+    PA_FN(la_gram)(ke, L, scale, q, sq, k, sq, 1, sc->A, sc);
     PA_FN(la_rows_times)(ve, ke, L, 1, 1, v, ldv, dS, 1, V, dk, sk, sc);
-    PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, ldq, dk, sk, sc);
-    PA_FN(la_rows_times)(ke, ve, L, 1, 1, k, ldk, dS, V, 1, dv, sv, sc);
+    PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, sq, dk, sk, sc);
+    PA_FN(la_rows_times)(ke, ve, L, 1, 1, k, sq, dS, V, 1, dv, sv, sc);
     PA_FN(la_apply)(ve, L, 1, sc->A, 1, dout, ldo, dv, sv, sc);
     if (u->dgv) {
         real *oo = u->dgv + c0 * sv;
-        if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, ldq, k, ldk, 1, sc->A, sc);
-        PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, ldq, S, V, 1, oo, sv, sc);
+        if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 1, sc->A, sc);
+        PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, oo, sv, sc);
         PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, ldv, oo, sv, sc);
     }
 }
