@@ -75,7 +75,7 @@ def one_run(opts) -> Dict:
     import numpy as np
     import pyattn
     from pyattn.nn import HybridLM
-    from pyattn.train import evaluate
+    from pyattn.training import evaluate
 
     pyattn.set_num_threads(opts.threads)
     sys.modules["tqdm"] = None  # type: ignore[assignment]  # the plain progress line in the log, not tqdm's bar

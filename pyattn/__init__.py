@@ -24,7 +24,7 @@ from .rope import rope
 from .softmax import attention_with_kvcache, merge_attention_states, softmax_attention
 from .sparse import (dsa_attention, dsa_index_scores, dsa_index_target, dsa_select, linformer_attention,
                      moba_attention, nsa_attention)
-from .train import plot_history, train
+from .training import plot_history, train
 from ._ops import OpInfo, build_ops
 from . import nn
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import OPS, build_info, get_num_threads, reference, set_num_threads
 from .autodiff import vjp
-from .train import add_train_arguments, run_train
+from .training import add_train_arguments, run_train
 from .testing import TOLERANCES, _as_tuple, _random_cotangent, gradcheck, rel_rms
 
 

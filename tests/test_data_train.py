@@ -220,3 +220,13 @@ def test_command_line_train_other_tasks(tmp_path, capsys, task):
     vocab = 12 if task == "copy" else len(set("the cat sat on the mat. "))
     model = pyattn.nn.HybridLM.load(str(tmp_path / "m.npz"))
     assert model.forward(np.zeros((1, 4), np.int64)).shape == (1, 4, vocab)
+
+
+def test_the_training_module_is_not_shadowed_by_the_function():
+    import importlib
+
+    training = importlib.import_module("pyattn.training")
+    assert isinstance(training, types.ModuleType) and pyattn.train is training.train
+    assert pyattn.plot_history is training.plot_history
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("pyattn.train")  # the old name was the module behind the function
