@@ -326,8 +326,8 @@ def test_known_pyattn_isa_is_quiet():
 
 def test_set_num_threads_above_cpu_count_warns_once(monkeypatch):
     before = pyattn.get_num_threads()
-    monkeypatch.setattr(pyattn, "_warned_oversubscription", False)
-    monkeypatch.setattr(pyattn, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(pyattn._runtime, "_warned_oversubscription", False)
+    monkeypatch.setattr(pyattn._runtime, "_cpu_count", lambda: 2)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
