@@ -217,12 +217,14 @@ def boolean(fn: str, name: str, value) -> bool:
     return bool(value)
 
 
-def integer(fn: str, name: str, value, lo: int) -> int:
-    """An int >= lo (Python or NumPy integer, not a bool)."""
+def integer(fn: str, name: str, value, lo: int, hi: Optional[int] = None) -> int:
+    """An int >= lo, and <= hi when given (Python or NumPy integer, not a bool)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{fn}(): '{name}' must be an int, got {type(value).__name__}")
     if value < lo:
         raise ValueError(f"{fn}(): '{name}' must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{fn}(): '{name}' must be <= {hi}, got {value}")
     return int(value)
 
 

@@ -1,6 +1,8 @@
 """Softmax attention: parallel, flash and recurrent forms (semantics: docs/ops.md)."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import _core
@@ -216,6 +218,8 @@ def _merge_attention_states_vjp(os, lses):
 # in the cache (the decode kernel, one pass over the cache per query); above it, a copy of the
 # visible keys goes through the tiled flash kernel, whose GEMM tiles then pay for the copy.
 _DECODE_MAX_QUERIES = 4
+# the most parts _core.softmax_decode splits a query's keys into
+_MAX_SPLITS = 1024
 
 
 class _KVCall:
@@ -267,12 +271,13 @@ class _KVCall:
             Tnew = kn.shape[1]
             V.shape(fn, "k", kn, (B, Tnew, Hk, Dk), "[B, Tnew, Hk, Dk]")
             V.shape(fn, "v", vn, (B, Tnew, Hk, Dv), "[B, Tnew, Hk, Dv]")
-        lens = seqlens + Tnew
-        over = np.flatnonzero(lens > capacity)
+        # compared before adding Tnew, which could overflow int64 (cache_seqlens near 2**63)
+        over = np.flatnonzero(seqlens > capacity - Tnew)
         if over.size:
-            b = over[0]
-            raise ValueError(f"{fn}(): sequence {b} needs {lens[b]} cache rows (cache_seqlens "
-                             f"{seqlens[b]} + Tnew {Tnew}), the cache holds {capacity}")
+            b, n = over[0], int(seqlens[over[0]])
+            raise ValueError(f"{fn}(): 'cache_seqlens'[{b}] = {n} and Tnew = {Tnew}: sequence {b} "
+                             f"needs {n + Tnew} cache rows, the cache holds {capacity}")
+        lens = seqlens + Tnew
         if paged:
             used = np.arange(table.shape[1]) < -(-lens[:, None] // R)
             bad = used & ((table < 0) | (table >= A))
@@ -285,7 +290,12 @@ class _KVCall:
                 if a is not c or not c.flags.writeable:
                     raise ValueError(f"{fn}(): '{name}' must be a writeable, C-contiguous, aligned "
                                      f"native-order array: the new keys are written into it")
-        self.num_splits = V.integer(fn, "num_splits", num_splits, 0)
+            # exact for C-contiguous arrays: each spans one interval of memory
+            if np.may_share_memory(kc, vc):
+                raise ValueError(f"{fn}(): 'k_cache' and 'v_cache' share memory: the new values "
+                                 f"would overwrite the new keys; give two separate caches")
+        # checked whatever Tq, though only the decode kernel (Tq <= _DECODE_MAX_QUERIES) splits
+        self.num_splits = V.integer(fn, "num_splits", num_splits, 0, _MAX_SPLITS)
         self.opts = _with_alibi(_mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap),
                                 _alibi(fn, alibi_slopes, H))
         self.q, self.kc, self.vc, self.kn, self.vn = q, kc, vc, kn, vn
@@ -298,15 +308,27 @@ class _KVCall:
             return b * R + j
         return self.table[b, j // R] * R + j % R
 
-    def write(self):
-        """The new keys and values into rows cache_seqlens[b] .. of the caches."""
+    @contextlib.contextmanager
+    def written(self):
+        """The new keys and values written into rows cache_seqlens[b] .. of the caches for
+        the block's duration. Every argument is checked by then; an exception inside the block
+        (out of memory, an interrupt) puts the old rows back, so a failed call changes nothing."""
         if self.kn is None or self.kn.shape[1] == 0:
+            yield
             return
         B, Tnew, Hk = self.kn.shape[:3]
         pos = self.seqlens[:, None] + np.arange(Tnew)
         at = self.rows(np.arange(B)[:, None], pos).ravel()
-        self.kc.reshape(-1, Hk, self.kc.shape[3])[at] = self.kn.reshape(B * Tnew, Hk, -1)
-        self.vc.reshape(-1, Hk, self.vc.shape[3])[at] = self.vn.reshape(B * Tnew, Hk, -1)
+        kc = self.kc.reshape(-1, Hk, self.kc.shape[3])
+        vc = self.vc.reshape(-1, Hk, self.vc.shape[3])
+        old = kc[at], vc[at]
+        kc[at] = self.kn.reshape(B * Tnew, Hk, -1)
+        vc[at] = self.vn.reshape(B * Tnew, Hk, -1)
+        try:
+            yield
+        except BaseException:
+            kc[at], vc[at] = old
+            raise
 
     def key_rows(self):
         """(b, j, row) of every visible key, sequence by sequence, and cu_seqlens_k of them."""
@@ -362,12 +384,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
 
     ``num_splits`` cuts each query's visible keys into that many parts, attended in
     parallel and merged by their log-sum-exps (flash decoding: one long sequence with few KV
-    heads still uses every thread); 0 chooses from the thread count and the lengths. Up to
-    4 queries per sequence are answered from the cache in place; longer ones (a prefill
-    into the cache) copy the visible keys and run the tiled flash kernel.
-    Bad input (a sequence that would run past the cache, a block index outside the pool,
-    mismatched shapes or dtypes) raises before anything is written. The caches must be
-    writeable C-contiguous arrays of q's dtype when ``k, v`` are given.
+    heads still uses every thread); 0 chooses from the thread count and the lengths; at most
+    1024, whatever Tq. Up to 4 queries per sequence are answered from the cache in place;
+    longer ones (a prefill into the cache) copy the visible keys and run the tiled flash
+    kernel (``num_splits`` is then checked but unused).
+    Every argument is checked before anything is written: bad input (a sequence that would
+    run past the cache, a block index outside the pool, mismatched shapes or dtypes, an
+    option out of range) raises and leaves the caches as they were, and so does a failure
+    after the write (out of memory, an interrupt), which puts the overwritten rows back.
+    When ``k, v`` are given the caches must be writeable C-contiguous arrays of q's dtype
+    that share no memory; without them nothing is written, and one array may serve as both.
 
     Returns ``o [B, Tq, H, Dv]``, then ``lse [B, Tq, H]`` with ``return_lse=True``, then with
     ``return_colsum=True`` ``colsum [B, H, capacity]``: for each query head and cache
@@ -382,10 +408,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     return_colsum = V.boolean(fn, "return_colsum", return_colsum)
     call = _KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
                    alibi_slopes, softcap, block_table, num_splits)
-    call.write()
     B, _, H, _ = call.q.shape
     colsum = np.zeros((B, H, call.capacity), call.q.dtype) if return_colsum else None
-    o, lse = call.forward(colsum)
+    with call.written():
+        o, lse = call.forward(colsum)
     out = (o,) + ((lse,) if return_lse else ()) + ((colsum,) if return_colsum else ())
     return out[0] if len(out) == 1 else out
 
@@ -401,12 +427,12 @@ def _attention_with_kvcache_vjp(q, k_cache, v_cache, cache_seqlens, *, k=None, v
                          f"for them")
     call = _KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
                    alibi_slopes, softcap, block_table, num_splits)
-    call.write()
-    o, lse = call.forward(None)
-    # the pullback works on a copy of the keys read, so later writes into the caches (the
-    # next decode step's) do not change it
-    b, j, rows, cu_k = call.key_rows()
-    qp, kp, vp, opts = call.gathered(rows, cu_k)
+    with call.written():
+        o, lse = call.forward(None)
+        # the pullback works on a copy of the keys read, so later writes into the caches (the
+        # next decode step's) do not change it
+        b, j, rows, cu_k = call.key_rows()
+        qp, kp, vp, opts = call.gathered(rows, cu_k)
     B, Tq, H, _ = call.q.shape
     op, lsep = o.reshape(1, B * Tq, H, -1), lse.reshape(1, B * Tq, H)
     old = j < call.seqlens[b]

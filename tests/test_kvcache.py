@@ -243,34 +243,120 @@ def test_empty_cache_and_no_keys(rng):
 
 
 def bad_calls(rng):
+    """id -> (exception, args, kwargs, message parts) of calls with new keys that must raise
+    before anything is written."""
     q, kc, vc, seqlens, k, v, table = make(rng, np.float64, block_size=16)
     qc, kcc, vcc, sc, _, _, _ = make(rng, np.float64)
-    return [
-        (ValueError, (qc, kcc, vcc, np.array([5, 0, 40])), dict(k=k, v=v), ["sequence 2 needs 41 cache rows", "holds 40"]),
-        (ValueError, (qc, kcc, vcc, np.array([5, -1, 3])), dict(k=k, v=v), ["'cache_seqlens' must be >= 0"]),
-        (ValueError, (q, kc, vc, seqlens), dict(k=k, v=v, block_table=np.where(table == table[2, 1], 99, table)),
-         ["block_table[2, 1] = 99", "outside the cache's"]),
-        (ValueError, (q, kc, vc, seqlens), dict(k=k, v=v, block_table=table[:, :1]), ["sequence 2 needs 32", "holds 16"]),
-        (ValueError, (qc, kcc, vcc, sc), dict(k=k), ["'k' and 'v' must be given together"]),
-        (TypeError, (qc, kcc, vcc, sc), dict(k=k.astype(np.float32), v=v), ["one dtype", "'k'"]),
-        (TypeError, (qc, kcc.tolist(), vcc, sc), dict(k=k, v=v), ["'k_cache' must be a numpy.ndarray"]),
-        (ValueError, (qc, kcc[:, ::2], vcc[:, ::2], np.array([1, 1, 1])), dict(k=k, v=v), ["'k_cache' must be a writeable"]),
-        (TypeError, (qc, kcc, vcc, sc.astype(float)), dict(k=k, v=v), ["'cache_seqlens' must be int32 or int64"]),
-        (ValueError, (qc, kcc, vcc, sc[:2]), dict(k=k, v=v), ["'cache_seqlens' must have B=3 entries"]),
-        (ValueError, (qc[:, :, :3], kcc, vcc, sc), dict(k=k, v=v), ["'k_cache' has Hk=2 heads"]),
-        (ValueError, (qc, kcc, vcc, sc), dict(k=k[:, :, :1], v=v[:, :, :1]), ["'k' must have shape"]),
-        (ValueError, (qc, kcc, vcc, sc), dict(k=k, v=v, num_splits=-1), ["num_splits"]),
-    ]
+    q9, kc9, vc9, s9, k9, v9, _ = make(rng, np.float64, Tq=9, Tnew=9, seqlens=(5, 0, 20))
+    qs, kcs, _, ss, ks, vs, _ = make(rng, np.float64, Dv=8)
+    pool = np.zeros((4,) + kcs.shape[1:])  # two caches overlapping in pool[1:3]
+    cont, paged, prefill = (qc, kcc, vcc, sc), (q, kc, vc, seqlens), (q9, kc9, vc9, s9)
+    new, new9 = dict(k=k, v=v), dict(k=k9, v=v9)
+    huge = np.array([2 ** 63 - 1, 0, 0])
+    return {
+        "past_capacity": (ValueError, (qc, kcc, vcc, np.array([5, 0, 40])), new,
+                          ["'cache_seqlens'[2] = 40", "sequence 2 needs 41 cache rows", "holds 40"]),
+        "seqlens_int64_max": (ValueError, (qc, kcc, vcc, huge), new,
+                              ["'cache_seqlens'[0] = 9223372036854775807", "holds 40"]),
+        "seqlens_int64_max_paged": (ValueError, (q, kc, vc, huge), dict(new, block_table=table),
+                                    ["'cache_seqlens'[0] = 9223372036854775807", "holds 48"]),
+        "seqlens_negative": (ValueError, (qc, kcc, vcc, np.array([5, -1, 3])), new, ["'cache_seqlens' must be >= 0"]),
+        "seqlens_float": (TypeError, (qc, kcc, vcc, sc.astype(float)), new, ["'cache_seqlens' must be int32 or int64"]),
+        "seqlens_length": (ValueError, (qc, kcc, vcc, sc[:2]), new, ["'cache_seqlens' must have B=3 entries"]),
+        "block_outside_pool": (ValueError, paged, dict(new, block_table=np.where(table == table[2, 1], 99, table)),
+                               ["block_table[2, 1] = 99", "outside the cache's"]),
+        "block_int32_wrap": (ValueError, paged, dict(new, block_table=table + np.where(table == table[0, 0], 2 ** 32, 0)),
+                             ["block_table[0, 0] = 4294967", "outside the cache's"]),
+        "block_table_short": (ValueError, paged, dict(new, block_table=table[:, :1]), ["sequence 2 needs 32", "holds 16"]),
+        "block_table_float": (TypeError, paged, dict(new, block_table=table.astype(float)),
+                              ["'block_table' must be int32 or int64"]),
+        "block_table_rows": (ValueError, paged, dict(new, block_table=table[:2]), ["'block_table' must have one row"]),
+        "k_without_v": (ValueError, cont, dict(k=k), ["'k' and 'v' must be given together"]),
+        "k_dtype": (TypeError, cont, dict(k=k.astype(np.float32), v=v), ["one dtype", "'k'"]),
+        "k_float16": (TypeError, cont, dict(k=k.astype(np.float16), v=v), ["'k' must be float32 or float64"]),
+        "cache_dtype": (TypeError, (qc, kcc, vcc.astype(np.float32), sc), new, ["one dtype", "'v_cache'"]),
+        "q_dtype": (TypeError, (qc.astype(np.float32), kcc, vcc, sc), new, ["one dtype", "'q'"]),
+        "cache_list": (TypeError, (qc, kcc.tolist(), vcc, sc), new, ["'k_cache' must be a numpy.ndarray"]),
+        "cache_strided": (ValueError, (qc, kcc[:, ::2], vcc[:, ::2], np.array([1, 1, 1])), new,
+                          ["'k_cache' must be a writeable"]),
+        "same_cache": (ValueError, (qs, kcs, kcs, ss), dict(k=ks, v=vs), ["'k_cache' and 'v_cache' share memory"]),
+        "overlapping_caches": (ValueError, (qs, pool[:3], pool[1:], ss), dict(k=ks, v=vs),
+                               ["'k_cache' and 'v_cache' share memory"]),
+        "gqa": (ValueError, (qc[:, :, :3], kcc, vcc, sc), new, ["'k_cache' has Hk=2 heads"]),
+        "k_shape": (ValueError, cont, dict(k=k[:, :, :1], v=v[:, :, :1]), ["'k' must have shape"]),
+        "num_splits_negative": (ValueError, cont, dict(new, num_splits=-1), ["'num_splits' must be >= 0"]),
+        "num_splits_2000": (ValueError, cont, dict(new, num_splits=2000), ["'num_splits' must be <= 1024, got 2000"]),
+        "num_splits_2000_paged": (ValueError, paged, dict(new, block_table=table, num_splits=2000),
+                                  ["'num_splits' must be <= 1024"]),
+        "num_splits_2000_prefill": (ValueError, prefill, dict(new9, num_splits=2000), ["'num_splits' must be <= 1024"]),
+        "num_splits_2_70": (ValueError, cont, dict(new, num_splits=2 ** 70), ["'num_splits' must be <= 1024"]),
+        "num_splits_float": (TypeError, cont, dict(new, num_splits=1.0), ["'num_splits' must be an int"]),
+        "window": (ValueError, cont, dict(new, window=(-2, 0)), ["'window[0]' must be >= -1"]),
+        "window_prefill": (ValueError, prefill, dict(new9, window=(3,)), ["'window' must be (left, right)"]),
+        "sinks": (ValueError, cont, dict(new, sinks=-1), ["'sinks' must be >= 0"]),
+        "softcap": (ValueError, cont, dict(new, softcap=float("nan")), ["'softcap' must be finite"]),
+        "scale": (ValueError, prefill, dict(new9, scale=float("inf")), ["'scale' must be finite"]),
+        "alibi_nan": (ValueError, cont, dict(new, alibi_slopes=np.full(4, np.nan)), ["'alibi_slopes' must be finite"]),
+        "alibi_shape": (ValueError, cont, dict(new, alibi_slopes=np.ones(3)), ["'alibi_slopes' must have shape (4,)"]),
+        "causal": (TypeError, cont, dict(new, causal="yes"), ["'causal' must be a bool"]),
+        "return_lse": (TypeError, cont, dict(new, return_lse=1), ["'return_lse' must be a bool"]),
+        "return_colsum": (TypeError, cont, dict(new, return_colsum=None), ["'return_colsum' must be a bool"]),
+    }
 
 
-@pytest.mark.parametrize("case", range(13))
-def test_bad_input_leaves_caches_untouched(rng, case):
+BAD_CALLS = list(bad_calls(np.random.default_rng(0)))
+
+
+@pytest.mark.parametrize("via", ["call", "vjp"])
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_bad_input_leaves_caches_untouched(rng, case, via):
+    """Every argument is checked before the first write, alike under pyattn.vjp; the message
+    names the public op and the argument."""
     exc, args, kwargs, must = bad_calls(rng)[case]
     kc, vc = args[1], args[2]
     before = [np.array(c, copy=True) for c in (kc, vc)]
-    raises(exc, pyattn.attention_with_kvcache, *args, must=must, **kwargs)
+    call = (pyattn.attention_with_kvcache,) if via == "call" else (pyattn.vjp, pyattn.attention_with_kvcache)
+    msg = raises(exc, *call, *args, must=must, **kwargs)
+    assert msg.startswith("attention_with_kvcache(): "), msg
     for c, b in zip((kc, vc), before):
         np.testing.assert_array_equal(np.asarray(c), b)
+
+
+@pytest.mark.parametrize("via", ["call", "vjp"])
+@pytest.mark.parametrize("entry,Tq", [("softmax_decode", 1), ("softmax_forward", 9)], ids=["decode", "prefill"])
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged"])
+def test_failure_after_write_restores_caches(rng, monkeypatch, via, entry, Tq, block_size):
+    """A kernel that fails once the new keys are in (out of memory, an interrupt) leaves the
+    caches as they were."""
+    q, kc, vc, seqlens, k, v, table = make(rng, np.float64, Tq=Tq, Tnew=Tq, seqlens=(5, 0, 20),
+                                           block_size=block_size)
+    before = kc.copy(), vc.copy()
+
+    def fail(*args):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(pyattn.softmax._core, entry, fail)
+    call = (pyattn.attention_with_kvcache,) if via == "call" else (pyattn.vjp, pyattn.attention_with_kvcache)
+    raises(MemoryError, *call, q, kc, vc, seqlens, k=k, v=v, block_table=table, must=["no memory"])
+    np.testing.assert_array_equal(kc, before[0])
+    np.testing.assert_array_equal(vc, before[1])
+
+
+def test_one_array_as_both_caches_when_only_reading(rng):
+    """Without new keys nothing is written, so k_cache and v_cache may be one array (MLA-style
+    decoding reads keys and values from one cache)."""
+    q, kc, _, seqlens, _, _, _ = make(rng, np.float64, Tnew=0, Dv=8)
+    np.testing.assert_array_equal(pyattn.attention_with_kvcache(q, kc, kc, seqlens),
+                                  pyattn.attention_with_kvcache(q, kc, kc.copy(), seqlens))
+
+
+@pytest.mark.parametrize("Tq", [1, 9])
+def test_num_splits_limits_accepted(rng, Tq):
+    """0 and 1024 are the bounds of num_splits, whatever Tq."""
+    q, kc, vc, seqlens, k, v, _ = make(rng, np.float64, Tq=Tq, Tnew=Tq, seqlens=(5, 0, 20))
+    o0 = pyattn.attention_with_kvcache(q, kc.copy(), vc.copy(), seqlens, k=k, v=v, num_splits=0)
+    o1024 = pyattn.attention_with_kvcache(q, kc.copy(), vc.copy(), seqlens, k=k, v=v, num_splits=1024)
+    assert_close(o1024, o0)
 
 
 def test_read_only_cache_without_new_keys(rng):
