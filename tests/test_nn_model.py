@@ -1,6 +1,11 @@
 """HybridLM end to end: decoding equals the training forward for every mixer and a hybrid,
 gradients of every parameter tensor against finite differences, params/grads semantics,
 save/load, float32 models."""
+import errno
+import json
+import os
+import re
+
 import numpy as np
 import pytest
 
@@ -235,3 +240,106 @@ def test_gradient_step_lowers_the_loss_as_predicted(rng):
     new_loss, _ = loss_and_grad()
     assert new_loss < loss
     assert abs((loss - new_loss) / (lr * sq) - 1) < 1e-3
+
+
+def test_save_writes_exactly_the_path_given(tmp_path):
+    model = tiny("softmax")
+    for name in ("model.bin", "model"):
+        model.save(tmp_path / name)
+        assert np.array_equal(HybridLM.load(tmp_path / name).params["embed.w"], model.params["embed.w"])
+    model.save(str(tmp_path / "as_str"))
+    assert sorted(os.listdir(tmp_path)) == ["as_str", "model", "model.bin"]
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_save_keeps_the_previous_file(tmp_path, monkeypatch, error):
+    """A disk that fills up (or a Ctrl-C) while the model is written leaves the previous file
+    whole and no temporary file behind."""
+    path = tmp_path / "model.npz"
+    tiny("softmax").save(path)
+    before = path.read_bytes()
+    real, calls = np.lib.format.write_array, []
+
+    def fails_on_the_third_array(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "write_array", fails_on_the_third_array)
+    with pytest.raises(type(error)):
+        tiny("softmax", seed=1).save(path)
+    assert len(calls) == 3
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["model.npz"]
+
+
+def _rewrite(src, dst, **changes):
+    """The arrays of the .npz ``src`` with ``changes`` (None removes one), saved as ``dst``."""
+    with np.load(src) as f:
+        arrays = {k: f[k] for k in f.files}
+    arrays.update(changes)
+    np.savez(dst, **{k: v for k, v in arrays.items() if v is not None})
+
+
+def _damaged(kind, tmp_path):
+    good = tmp_path / "good.npz"
+    tiny("softmax", dtype="float32").save(good)
+    raw = good.read_bytes()
+    path = tmp_path / f"{kind}.npz"
+    if kind == "truncated":
+        path.write_bytes(raw[:len(raw) // 2])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "corrupt":  # bytes changed inside an array: the zip's CRC no longer matches
+        path.write_bytes(raw[:len(raw) // 2] + bytes(64) + raw[len(raw) // 2 + 64:])
+    elif kind == "text":
+        path.write_text("not a model\n")
+    elif kind == "npy":
+        np.save(tmp_path / "a.npy", np.zeros(3))
+        os.replace(tmp_path / "a.npy", path)
+    elif kind == "foreign":
+        np.savez(path, a=np.zeros(3))
+    elif kind == "config_not_json":
+        _rewrite(good, path, __config__=np.array("{vocab_size: 3"))
+    elif kind == "config_foreign":
+        _rewrite(good, path, __config__=np.array(json.dumps({"layers": 3})))
+    elif kind == "missing_param":
+        _rewrite(good, path, **{"norm.w": None})
+    elif kind == "extra_param":
+        _rewrite(good, path, **{"blocks.9.mixer.w_q": np.zeros((2, 2), np.float32)})
+    elif kind == "param_dtype":  # float64 weights in a float32 model: refused, not cast
+        with np.load(good) as f:
+            _rewrite(good, path, **{"embed.w": f["embed.w"].astype(np.float64)})
+    elif kind == "param_shape":
+        _rewrite(good, path, **{"norm.w": np.ones(D + 1, np.float32)})
+    return path
+
+
+@pytest.mark.parametrize("kind", ["truncated", "empty", "corrupt", "text", "npy", "foreign", "config_not_json",
+                                  "config_foreign", "missing_param", "extra_param", "param_dtype",
+                                  "param_shape"])
+def test_load_refuses_a_damaged_or_foreign_file(tmp_path, kind):
+    path = _damaged(kind, tmp_path)
+    with pytest.raises(ValueError, match=re.escape(str(path))) as e:
+        HybridLM.load(path)
+    detail = {"missing_param": "norm.w", "extra_param": "blocks.9.mixer.w_q", "param_dtype": "float64",
+              "param_shape": r"\(17,\)"}.get(kind)
+    if detail is not None:
+        assert re.search(detail, str(e.value)), str(e.value)
+
+
+def test_backward_needs_the_cotangent_of_the_last_forward(rng):
+    model = tiny("hybrid")
+    tok = tokens(rng)
+    cot = rng.standard_normal(model.forward(tok).shape)
+    model.forward(tok[:1, :5])
+    with pytest.raises(ValueError, match=r"\(2, 20, 23\) does not match the last forward's logits \(1, 5, 23\)"):
+        model.backward(cot)
+    model.forward(tok)
+    model.generate(tok[:, :3], 2, temperature=0)  # decoding overwrites what backward needs
+    with pytest.raises(ValueError, match=r"generate.*call forward"):
+        model.backward(cot)
+    model.forward(tok)
+    model.zero_grad()
+    model.backward(cot)
+    assert all(np.all(np.isfinite(g)) for g in model.grads.values())

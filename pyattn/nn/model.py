@@ -4,6 +4,7 @@ cache."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from .layers import Embedding, Linear, Module, RMSNorm, SwiGLU, linear, linear_backward
 from .memory import with_cached_arrays
 from .mixers import MIXERS
+from .npz import read_npz, write_npz
 
 
 class Block(Module):
@@ -109,6 +111,7 @@ class HybridLM(Module):
         self.norm = self.add_module("norm", RMSNorm(d_model, dtype=dtype))
         self.lm_head = None if tie_embeddings else self.add_module(
             "lm_head", Linear(d_model, vocab_size, dtype=dtype, rng=rng))
+        self._forward_shape: Optional[Tuple[int, ...]] = None  # the last forward's logits, for backward
 
     @property
     def vocab_size(self) -> int:
@@ -134,13 +137,21 @@ class HybridLM(Module):
         x = self.embed.forward(self._tokens(tokens, 2))
         for block in self.blocks:
             x = block.forward(x)
-        return self._head(x)
+        logits = self._head(x)
+        self._forward_shape = logits.shape
+        return logits
 
     @with_cached_arrays
     def backward(self, dlogits: np.ndarray) -> None:
         """Adds the gradients of the loss whose gradient w.r.t. the last forward's logits
         is ``dlogits`` into ``grads``."""
         dlogits = np.asarray(dlogits, dtype=self.dtype)
+        if self._forward_shape is None:
+            raise ValueError("HybridLM.backward: no forward to differentiate (none yet, or a prefill, step "
+                             "or generate ran since and replaced what backward needs): call forward first")
+        if dlogits.shape != self._forward_shape:
+            raise ValueError(f"HybridLM.backward: dlogits of shape {dlogits.shape} does not match the last "
+                             f"forward's logits {self._forward_shape}")
         if self.lm_head is None:
             dh = linear_backward(dlogits, self.h, self.embed.w, self.embed.g["w"])
         else:
@@ -155,6 +166,7 @@ class HybridLM(Module):
         (recurrent states, KV caches of ``max_len`` rows, default 2 T, conv states) and the
         position, for ``step``."""
         tokens = self._tokens(tokens, 2)
+        self._forward_shape = None  # the layers' saved state becomes the decode's
         T = tokens.shape[1]
         max_len = 2 * T if max_len is None else max(max_len, T)
         x = self.embed.forward(tokens)
@@ -169,6 +181,7 @@ class HybridLM(Module):
         is updated in place and returned. Equals the last row of ``forward`` over the whole
         sequence."""
         x = self.embed.forward(self._tokens(tokens, 1))
+        self._forward_shape = None
         pos = cache["pos"]
         for block, c in zip(self.blocks, cache["layers"]):
             x = block.step(x, c, pos)
@@ -198,19 +211,39 @@ class HybridLM(Module):
         return np.concatenate(out, axis=1)
 
     def save(self, path) -> None:
-        """One .npz: the config (as JSON) and every parameter by its dotted name."""
+        """One .npz at exactly ``path`` (no suffix added): the config (as JSON) and every
+        parameter by its dotted name. Written to a temporary file in the same folder and moved
+        over ``path``, so a failure while writing (a full disk) leaves the previous file whole."""
         arrays: Dict[str, Any] = {"__config__": np.array(json.dumps(self.config)), **dict(self.params)}
-        np.savez(path, **arrays)
+        write_npz(path, arrays)
 
     @classmethod
     def load(cls, path) -> "HybridLM":
-        with np.load(path, allow_pickle=False) as f:
-            config = json.loads(str(f["__config__"]))
+        """The model that ``save`` wrote at ``path``. A file that is not one (truncated, corrupt,
+        another program's, a parameter missing, extra, or of another shape or dtype than its
+        config makes: parameters are never cast) is a ValueError naming the file."""
+        arrays = read_npz(path, "HybridLM.load")
+
+        def foreign(why):
+            return ValueError(f"HybridLM.load: {os.fspath(path)} is not a model saved by HybridLM.save: {why}")
+
+        if "__config__" not in arrays:
+            raise foreign("no __config__")
+        try:
+            config = json.loads(str(arrays.pop("__config__")))
             config["mixers"] = [(n, o) for n, o in config["mixers"]]
             model = cls(**config)
-            params = model.params
-            for name in params:
-                params[name] = f[name]
+        except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+            raise foreign(f"its config does not make a model ({type(e).__name__}: {e})") from e
+        params = model.params
+        missing, extra = [n for n in params if n not in arrays], [n for n in arrays if n not in params]
+        if missing or extra:
+            raise foreign(f"parameters missing {missing}, unknown {extra}")
+        for name, p in params.items():
+            a = arrays[name]
+            if a.dtype != p.dtype or a.shape != p.shape:
+                raise foreign(f"parameter {name} is {a.dtype} {a.shape}, its config makes {p.dtype} {p.shape}")
+            params[name] = a
         return model
 
 
