@@ -22,7 +22,8 @@ that the observation queries attend to most. ``[B, Hk, K]``, one selection per K
 Budgets follow their papers: H2O's ``budget`` is the whole cache after eviction (heavy
 hitters and recent window together), SnapKV's counts the selected prompt positions, the
 observation window coming on top of it. Where the cache is no larger than what would be kept,
-every position is kept. Ties in the scores go to the lower position.
+every position is kept. Ties in the scores go to the lower position. Nothing is sized by an
+argument beyond the cache (a T, budget, window or kernel of 10**12 is fine).
 """
 from __future__ import annotations
 
@@ -40,10 +41,11 @@ def streaming_keep(T, sinks, window):
     """
     fn = "streaming_keep"
     T = V.integer(fn, "T", T, 0)
-    sinks = V.integer(fn, "sinks", sinks, 0)
+    sinks = min(V.integer(fn, "sinks", sinks, 0), T)
     window = V.integer(fn, "window", window, 0)
-    positions = np.arange(T, dtype=np.int64)
-    return positions[(positions < sinks) | (positions >= T - window)]
+    # the kept positions only: T may be far more than is kept
+    return np.concatenate([np.arange(sinks, dtype=np.int64),
+                           np.arange(max(T - window, sinks), T, dtype=np.int64)])
 
 
 def _all_positions(lead, T):
@@ -88,10 +90,11 @@ def h2o_keep(scores, budget, window):
 
 def _max_pool(x, kernel):
     """Max over the ``kernel`` (odd) neighbours centred on each entry of the last axis; at the
-    edges over those that exist (torch's max_pool1d with padding kernel // 2)."""
-    r = kernel // 2
+    edges over those that exist (torch's max_pool1d with padding kernel // 2). A kernel
+    reaching past both ends is the whole axis: its padding is cut to the axis' length."""
+    r = min(kernel // 2, max(x.shape[-1] - 1, 0))
     padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(r, r)], constant_values=-np.inf)
-    return np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=-1).max(axis=-1)
+    return np.lib.stride_tricks.sliding_window_view(padded, 2 * r + 1, axis=-1).max(axis=-1)
 
 
 def snapkv_keep(q_obs, k, budget, window, *, kernel=5, scale=None):

@@ -189,6 +189,41 @@ def test_snapkv_keep_literal_gqa(Tw, window, budget, kernel):
     assert keep.tolist() == snapkv_literal(q, k, budget, window, kernel, D ** -0.5)
 
 
+# ------------------------------------------------------------------ sizes beyond the data
+
+
+def test_streaming_keep_lists_only_what_it_keeps():
+    """A cache of 10**12 positions: only the kept ones are listed (nothing of size T); sinks
+    and windows beyond T keep every position, as sinks = window = T does; small cases equal
+    the mask over every position."""
+    T = 10 ** 12
+    assert streaming_keep(T, 4, 4).tolist() == [0, 1, 2, 3, T - 4, T - 3, T - 2, T - 1]
+    assert streaming_keep(T, 0, 2).tolist() == [T - 2, T - 1]
+    assert streaming_keep(T, 3, 0).tolist() == [0, 1, 2]
+    assert streaming_keep(7, 10 ** 12, 10 ** 12).tolist() == streaming_keep(7, 7, 7).tolist() == list(range(7))
+    for t in range(9):
+        for sinks in range(11):
+            for window in range(11):
+                pos = np.arange(t)
+                keep = streaming_keep(t, sinks, window)
+                assert keep.dtype == np.int64
+                assert keep.tolist() == pos[(pos < sinks) | (pos >= t - window)].tolist(), (t, sinks, window)
+
+
+def test_budgets_and_kernels_beyond_the_cache():
+    """SnapKV's kernel of 10**9 + 1 pools over every candidate, exactly as the narrowest
+    kernel that does (2 candidates - 1); budgets and windows of 10**12 keep every position."""
+    rng = np.random.default_rng(4)
+    q, k = rng.standard_normal((2, 3, 4, 8)), rng.standard_normal((2, 20, 2, 8))
+    want = snapkv_keep(q, k, 5, 3, kernel=2 * 17 - 1)
+    assert np.array_equal(snapkv_keep(q, k, 5, 3, kernel=10 ** 9 + 1), want)
+    every = np.broadcast_to(np.arange(20), (2, 2, 20))
+    assert np.array_equal(snapkv_keep(q, k, 10 ** 12, 3), every)
+    assert np.array_equal(snapkv_keep(q, k, 5, 10 ** 12), every)
+    scores = rng.uniform(0, 1, (3, 20))
+    assert np.array_equal(h2o_keep(scores, 10 ** 12, 10 ** 12), np.broadcast_to(np.arange(20), (3, 20)))
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
