@@ -26,12 +26,14 @@ How an op uses it::
 Conversions (NumPy's conventions):
 
 * float inputs are converted with ``np.asarray``: lists and scalars are accepted. An
-  ``ndarray`` keeps its dtype, and all ndarrays of one call must share one (float32 or
-  float64; no silent casts). Anything else (a list, a Python or NumPy scalar) takes that
-  dtype, or float64 when no ndarray was given. Non-contiguous, unaligned and byte-swapped
-  arrays are copied once into C-contiguous, aligned, native-order ones; inputs are never
-  modified.
-* integer index arrays (``cu_seqlens``) may be any int32/int64 array-like (a list).
+  ``ndarray`` keeps its dtype, and so does an array-like that carries one (``__array__`` or
+  ``__dlpack__``: a torch tensor, a JAX array), converted without a copy where it can be;
+  all of them in one call must share one dtype (float32 or float64; no silent casts:
+  float16 and bfloat16 are refused). A tensor that requires grad is refused with a pointer
+  to ``pyattn.torch``. Anything else (a list, a Python or NumPy scalar) takes that dtype,
+  or float64 when no array was given. Non-contiguous, unaligned and byte-swapped arrays
+  are copied once into C-contiguous, aligned, native-order ones; inputs are never modified.
+* integer index arrays (``cu_seqlens``) may be any int32/int64 array-like (a list, a tensor).
 * booleans must be ``bool`` or ``numpy.bool_``; integers must be Python or NumPy integers,
   not bools; floats may be any real number, not bools.
 """
@@ -50,11 +52,32 @@ def _native(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("=") if dtype.byteorder not in ("=", "|") else dtype
 
 
+def _own_dtype(fn: str, name: str, a, expected: str):
+    """``a`` as an ndarray of its own dtype when it carries one (``__array__``, ``__dlpack__``);
+    anything else unchanged: ndarrays, and lists and scalars, which take the call's dtype
+    (NumPy scalars have ``__array__`` but are scalars). ``expected`` names the dtypes the
+    argument may have, for the message when NumPy cannot read it."""
+    if isinstance(a, (np.ndarray, np.generic)) or not (hasattr(a, "__array__") or hasattr(a, "__dlpack__")):
+        return a
+    # torch refuses to export such a tensor with a message about .numpy() that pyattn never calls
+    if getattr(a, "requires_grad", False) is True:
+        raise TypeError(f"{fn}(): '{name}' is a tensor that requires grad, and the NumPy API returns "
+                        f"no gradient to autograd: use pyattn.torch for torch tensors and autograd "
+                        f"(or pass '{name}.detach()')")
+    try:
+        return np.asarray(a) if hasattr(a, "__array__") else np.from_dlpack(a)
+    except (TypeError, ValueError, RuntimeError, BufferError) as e:
+        # bfloat16 tensors end here (NumPy has no such dtype), and so do tensors on a GPU
+        raise TypeError(f"{fn}(): '{name}' must be {expected}, got {type(a).__name__} of dtype "
+                        f"{getattr(a, 'dtype', 'unknown')} that NumPy cannot read ({e})") from None
+
+
 def float_arrays(fn: str, optional: Iterable[str] = (), **arrays) -> Tuple[Dict[str, Optional[np.ndarray]], np.dtype]:
     """The float inputs of one call, by name, as C-contiguous, aligned, native-order arrays
     of one dtype (float32 or float64), and that dtype. None is allowed only for the names in
     ``optional``. See the module docstring for the conversions."""
     optional = tuple(optional)
+    arrays = {name: _own_dtype(fn, name, a, "float32 or float64") for name, a in arrays.items()}
     given = [(name, a) for name, a in arrays.items() if isinstance(a, np.ndarray)]
     first, dtype = (given[0][0], _native(given[0][1].dtype)) if given else ("", None)
     if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -261,6 +284,7 @@ def index_array(fn: str, name: str, x, ndim_: int, layout: str) -> np.ndarray:
     """An int32/int64 array-like of ``ndim_`` axes (layout names them), as int64."""
     if x is None or isinstance(x, (bool, np.bool_, str, bytes, dict, set)):
         raise TypeError(f"{fn}(): '{name}' must be an int32 or int64 array, got {type(x).__name__}")
+    x = _own_dtype(fn, name, x, "int32 or int64")
     if not isinstance(x, np.ndarray):
         try:
             x = np.asarray(x)

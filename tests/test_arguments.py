@@ -149,6 +149,114 @@ def test_pullback_takes_list_cotangent():
     np.testing.assert_array_equal(pb((o.tolist(), None))["g"], pb(o)["g"])
 
 
+
+class ArrayOnly:
+    """An array-like with __array__ alone (as pandas, xarray, a torch tensor): it carries
+    its dtype."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __array__(self, dtype=None, copy=None):
+        return self._a if dtype is None else self._a.astype(dtype)
+
+
+class DLPackOnly:
+    """An array-like with __dlpack__ alone (the array API's interchange)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._a.__dlpack__(*args, **kwargs)
+
+
+WRAPS = {"array": ArrayOnly, "dlpack": DLPackOnly}
+
+
+@pytest.mark.parametrize("wrap", sorted(WRAPS))
+@pytest.mark.parametrize("op", sorted(CALLS))
+def test_array_likes_keep_their_dtype(op, wrap):
+    """float32 array-likes are computed in float32, as the same NumPy arrays are."""
+    fn, args, kw = CALLS[op](F32)
+    out = first(fn(*[WRAPS[wrap](a) for a in args], **kw))
+    assert out.dtype == F32
+    np.testing.assert_array_equal(out, first(fn(*args, **kw)))
+
+
+@pytest.mark.parametrize("wrap", sorted(WRAPS))
+def test_array_likes_follow_the_dtype_rules(wrap):
+    """An array-like's dtype decides the call's as an ndarray's does: lists and scalars take
+    it, ndarrays must match it, and float16 is refused with the ndarray's message."""
+    q, k, v = qkv(dtype=F32)
+    o, _ = pyattn.retention(WRAPS[wrap](q), k.tolist(), v, gamma=0.9)
+    assert o.dtype == F32
+    np.testing.assert_array_equal(o, pyattn.retention(q, k, v, gamma=0.9)[0])
+    raises(TypeError, pyattn.retention, q, WRAPS[wrap](k.astype(F64)), v, must=("one dtype", "'q'", "'k'"))
+    got = raises(TypeError, pyattn.retention, WRAPS[wrap](q.astype(np.float16)), k, v)
+    assert got == raises(TypeError, pyattn.retention, q.astype(np.float16), k, v)
+    (o, _), pb = pyattn.vjp(pyattn.retention, q, k, v)
+    assert pb(WRAPS[wrap](np.ones_like(o)))["q"].dtype == F32
+
+
+def test_numpy_scalars_take_the_calls_dtype():
+    """NumPy scalars have __array__ but stay scalars: like Python numbers, they take the
+    call's dtype."""
+    q, k, v = qkv(dtype=F32)
+    o, _ = pyattn.retention(q, k, v, gamma=np.float64(0.9))
+    assert o.dtype == F32
+    np.testing.assert_array_equal(o, pyattn.retention(q, k, v, gamma=0.9)[0])
+
+
+@pytest.mark.parametrize("wrap", sorted(WRAPS))
+def test_index_array_likes(wrap):
+    q, k, v = qkv()
+    np.testing.assert_array_equal(pyattn.softmax_attention(q, k, v, cu_seqlens=WRAPS[wrap](np.array([0, 4, 9]))),
+                                  pyattn.softmax_attention(q, k, v, cu_seqlens=[0, 4, 9]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", sorted(CALLS))
+def test_torch_tensors_keep_their_dtype(op, dtype):
+    torch = pytest.importorskip("torch")
+    fn, args, kw = CALLS[op](np.dtype(dtype).type)
+    out = first(fn(*[torch.from_numpy(a) for a in args], **kw))
+    assert isinstance(out, np.ndarray) and out.dtype == dtype
+    np.testing.assert_array_equal(out, first(fn(*args, **kw)))
+    (o, _), pb = pyattn.vjp(pyattn.retention, *[torch.from_numpy(a) for a in qkv(dtype=np.dtype(dtype).type)])
+    assert o.dtype == pb(torch.ones(o.shape, dtype=getattr(torch, dtype)))["k"].dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_half_tensors_refused_like_numpy_float16(dtype):
+    torch = pytest.importorskip("torch")
+    q, k, v = qkv()
+    half = torch.from_numpy(q).to(getattr(torch, dtype))
+    numpy_msg = raises(TypeError, pyattn.softmax_attention, q.astype(np.float16), k, v)
+    msg = raises(TypeError, pyattn.softmax_attention, half, k, v, must=("'q' must be float32 or float64", dtype))
+    if dtype == "float16":
+        assert msg == numpy_msg
+
+
+def test_torch_tensor_requiring_grad_points_to_pyattn_torch():
+    torch = pytest.importorskip("torch")
+    q, k, v = qkv()
+    kt = torch.from_numpy(k).requires_grad_()
+    for call in ((pyattn.softmax_attention,), (pyattn.vjp, pyattn.softmax_attention)):
+        raises(TypeError, *call, q, kt, v, must=("softmax_attention(): 'k'", "requires grad",
+                                                 "use pyattn.torch for torch tensors and autograd"))
+    np.testing.assert_array_equal(pyattn.softmax_attention(q, kt.detach(), v), pyattn.softmax_attention(q, k, v))
+
+
+def test_torch_index_tensors():
+    torch = pytest.importorskip("torch")
+    q, k, v = qkv()
+    for dtype in (torch.int32, torch.int64):
+        np.testing.assert_array_equal(
+            pyattn.softmax_attention(q, k, v, cu_seqlens=torch.tensor([0, 4, 9], dtype=dtype)),
+            pyattn.softmax_attention(q, k, v, cu_seqlens=[0, 4, 9]))
+
+
 # ----------------------------------------------------------------------- booleans
 
 
