@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .nn.npz import read_npz, write_npz
 from .nn.optim import AdamW, accuracy, clip_grad_norm, cosine_lr, cross_entropy
 
 
@@ -39,6 +43,29 @@ class _PlainBar:
 
     def close(self) -> None:
         pass
+
+
+class _CtrlC:
+    """Inside ``with _CtrlC() as stop``, a Ctrl-C (SIGINT) sets ``stop.requested`` for the
+    loop to act on between two steps; a second one interrupts at once. Only in the main thread
+    (where Python runs signal handlers) and where the current handler is a Python one."""
+
+    def __init__(self):
+        self.requested, self.previous = False, None
+
+    def __enter__(self) -> "_CtrlC":
+        if threading.current_thread() is threading.main_thread() and callable(signal.getsignal(signal.SIGINT)):
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def evaluate(model, data: Tuple[np.ndarray, np.ndarray], batch_size: int = 64) -> float:
@@ -75,7 +102,14 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     resumes from it, so a run that was killed continues where its last checkpoint left it and
     ends with the same bits as a run never interrupted. The file must come from a call with the
     same settings (steps, batch size, learning rate, schedule, seed, data shape): another is a
-    ``ValueError``."""
+    ``ValueError``, and so is a checkpoint of another model (another config, or an array of
+    another shape or dtype): nothing is changed then.
+
+    A loss or gradient norm that is not finite (a learning rate too high) stops the run with a
+    ``FloatingPointError`` naming the step, before that step updates the model; the checkpoint
+    keeps the last finite state. Ctrl-C (SIGINT, a notebook's interrupt) lets the step under
+    way finish, saves the checkpoint when there is one, and raises ``KeyboardInterrupt``
+    saying how many steps were done; a second Ctrl-C interrupts at once."""
     inputs, targets = (np.asarray(a) for a in data)
     if inputs.shape != targets.shape or inputs.ndim != 2:
         raise ValueError(f"train(): data must be (inputs, targets) of one shape [N, T], got "
@@ -90,38 +124,61 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "warmup": warmup,
                 "weight_decay": weight_decay, "clip": clip, "seed": seed, "eval_every": eval_every,
                 "evaluated": eval_data is not None, "data": list(inputs.shape)}
-    start = 0
+    start, saved = 0, None
     if checkpoint is not None:
         checkpoint_every = eval_every if checkpoint_every is None else checkpoint_every
         if checkpoint_every < 1:
             raise ValueError(f"train(): checkpoint_every must be at least 1, got {checkpoint_every}")
         if os.path.exists(checkpoint):
             start, history = _load_checkpoint(checkpoint, settings, model, opt, rng)
+            saved = start
+
+    def diverged(what: str) -> FloatingPointError:
+        kept = (f"; {checkpoint} holds the last finite state ({saved} steps done)" if saved is not None
+                else "; no checkpoint was written" if checkpoint is not None else "")
+        return FloatingPointError(f"train(): {what} (steps count from 0, as in history['step']){kept}; "
+                                  f"a lower lr may help (lr={lr})")
+
     bar = _progress(steps, progress)
     if bar is not None and start:
         bar.update(start)
-    for step in range(start, steps):
-        rows = rng.integers(0, len(inputs), batch_size)
-        loss, dlogits = cross_entropy(model.forward(inputs[rows]), targets[rows])
-        model.zero_grad()
-        model.backward(dlogits)
-        clip_grad_norm(model.grads, clip)
-        opt.lr = cosine_lr(step, lr=lr, warmup=warmup, total=steps)
-        opt.step(model.grads)
-        history["step"].append(step)
-        history["loss"].append(loss)
-        history["lr"].append(opt.lr)
-        if eval_data is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            history["eval_step"].append(step)
-            history["accuracy"].append(evaluate(model, eval_data))
+    try:
+        with _CtrlC() as ctrl_c:
+            for step in range(start, steps):
+                rows = rng.integers(0, len(inputs), batch_size)
+                loss, dlogits = cross_entropy(model.forward(inputs[rows]), targets[rows])
+                if not math.isfinite(loss):
+                    raise diverged(f"the loss is {loss} at step {step}, before its update")
+                model.zero_grad()
+                model.backward(dlogits)
+                norm = clip_grad_norm(model.grads, clip)
+                if not math.isfinite(norm):
+                    raise diverged(f"the gradient norm is {norm} at step {step}, before its update")
+                opt.lr = cosine_lr(step, lr=lr, warmup=warmup, total=steps)
+                opt.step(model.grads)
+                history["step"].append(step)
+                history["loss"].append(loss)
+                history["lr"].append(opt.lr)
+                if eval_data is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
+                    history["eval_step"].append(step)
+                    history["accuracy"].append(evaluate(model, eval_data))
+                if bar is not None:
+                    acc = (f" acc {history['accuracy'][-1]:.3f} @ step {history['eval_step'][-1] + 1}"
+                           if history.get("accuracy") else "")
+                    bar.set_postfix_str(f"loss {loss:.4f}{acc}")
+                    bar.update(1)
+                done = step + 1
+                if checkpoint is not None and (done % checkpoint_every == 0 or done == steps or ctrl_c.requested):
+                    if not all(np.all(np.isfinite(p)) for p in model.params.values()):
+                        raise diverged(f"the parameters are not finite after the update of step {step}")
+                    _save_checkpoint(checkpoint, settings, done, model, opt, rng, history)
+                    saved = done
+                if ctrl_c.requested and done < steps:
+                    kept = f"; {checkpoint} holds them: the same call resumes" if checkpoint is not None else ""
+                    raise KeyboardInterrupt(f"train(): interrupted after {done} of {steps} steps{kept}")
+    finally:
         if bar is not None:
-            acc = f" acc {history['accuracy'][-1]:.3f}" if history.get("accuracy") else ""
-            bar.set_postfix_str(f"loss {loss:.4f}{acc}")
-            bar.update(1)
-        if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            _save_checkpoint(checkpoint, settings, step + 1, model, opt, rng, history)
-    if bar is not None:
-        bar.close()
+            bar.close()
     return history
 
 
@@ -129,31 +186,60 @@ def _save_checkpoint(path: str, settings: Dict[str, Any], step: int, model, opt:
                      history: Dict[str, List[float]]) -> None:
     """Everything a resumed run needs, in one .npz written beside ``path`` and then moved over
     it, so that a kill while writing leaves the previous checkpoint whole."""
-    meta = {"settings": settings, "step": step, "adam_t": opt.t, "rng": rng.bit_generator.state,
+    meta = {"settings": settings, "model": _architecture(model), "step": step, "adam_t": opt.t,
+            "rng": rng.bit_generator.state,
             "history": {k: [x if isinstance(x, int) else float(x) for x in v] for k, v in history.items()}}
     arrays: Dict[str, Any] = {"__meta__": np.array(json.dumps(meta))}
+    write_npz(path, {**arrays, **_state_arrays(model, opt)})
+
+
+def _architecture(model) -> Optional[Dict[str, Any]]:
+    """The model's config as JSON reads it back, less the seed (which only draws the initial
+    weights, replaced by a checkpoint's); None for a model without a config."""
+    config = getattr(model, "config", None)
+    return None if config is None else {k: v for k, v in json.loads(json.dumps(config)).items() if k != "seed"}
+
+
+def _state_arrays(model, opt: AdamW) -> Dict[str, np.ndarray]:
+    """The arrays a checkpoint holds: every parameter and its two AdamW moments."""
+    arrays = {}
     for name, p in model.params.items():
         arrays["param/" + name], arrays["adam_m/" + name], arrays["adam_v/" + name] = p, opt.m[name], opt.v[name]
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    return arrays
 
 
 def _load_checkpoint(path: str, settings: Dict[str, Any], model, opt: AdamW, rng):
-    """Restores a checkpoint into model, opt and rng; returns (its step, its history)."""
-    with np.load(path, allow_pickle=False) as f:
-        meta = json.loads(str(f["__meta__"]))
-        if meta["settings"] != settings:
-            diff = {k: (meta["settings"].get(k), v) for k, v in settings.items() if meta["settings"].get(k) != v}
-            raise ValueError(f"train(): checkpoint {path} was made with other settings "
-                             f"(saved, now): {diff}; remove it or pass another path")
-        params = model.params
-        if set(params) != {k[len("param/"):] for k in f.files if k.startswith("param/")}:
-            raise ValueError(f"train(): checkpoint {path} holds another model's parameters")
-        for name in params:
-            params[name] = f["param/" + name]
-            opt.m[name][...] = f["adam_m/" + name]
-            opt.v[name][...] = f["adam_v/" + name]
+    """Restores a checkpoint into model, opt and rng; returns (its step, its history). Every
+    check (settings, the model's config, each array's name, shape and dtype) comes before the
+    first write."""
+    arrays = read_npz(path, "train()")
+    try:
+        meta = json.loads(str(arrays.pop("__meta__")))
+        saved_settings, saved_model = meta["settings"], meta.get("model")
+    except (KeyError, ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"train(): {path} is not a checkpoint of train() ({type(e).__name__}: {e})") from e
+    if saved_settings != settings:
+        diff = {k: (saved_settings.get(k), v) for k, v in settings.items() if saved_settings.get(k) != v}
+        raise ValueError(f"train(): checkpoint {path} was made with other settings "
+                         f"(saved, now): {diff}; remove it or pass another path")
+    now = _architecture(model)
+    if saved_model != now:
+        saved_model, now = saved_model or {}, now or {}
+        diff = {k: (saved_model.get(k), now.get(k)) for k in sorted(set(saved_model) | set(now))
+                if saved_model.get(k) != now.get(k)}
+        raise ValueError(f"train(): checkpoint {path} holds another model (saved, now): {diff}; "
+                         "remove it or pass another path")
+    state = _state_arrays(model, opt)
+    missing, extra = [k for k in state if k not in arrays], [k for k in arrays if k not in state]
+    if missing or extra:
+        raise ValueError(f"train(): checkpoint {path} holds another model's arrays: missing {missing}, "
+                         f"unknown {extra}")
+    for name, a in state.items():
+        if arrays[name].dtype != a.dtype or arrays[name].shape != a.shape:
+            raise ValueError(f"train(): checkpoint {path} holds another model: {name} is {arrays[name].dtype} "
+                             f"{arrays[name].shape} there, {a.dtype} {a.shape} here")
+    for name, a in state.items():
+        a[...] = arrays[name]
     opt.t = meta["adam_t"]
     rng.bit_generator.state = meta["rng"]
     return meta["step"], meta["history"]

@@ -1,5 +1,9 @@
 """pyattn.data's tasks (MQAR as Zoology builds it, copying, character text) and the training
 loop: pyattn.train, its history, the command line."""
+import json
+import os
+import re
+import signal
 import sys
 import types
 
@@ -142,7 +146,7 @@ def test_progress_is_a_plain_line_without_tqdm(monkeypatch, capsys):
     h = _tiny_run()
     lines = capsys.readouterr().err.strip().splitlines()
     assert [l.split(" (")[0] for l in lines] == [f"train {n}/10" for n in range(1, 11)]
-    assert lines[-1].endswith(f"loss {h['loss'][-1]:.4f} acc {h['accuracy'][-1]:.3f}")
+    assert lines[-1].endswith(f"loss {h['loss'][-1]:.4f} acc {h['accuracy'][-1]:.3f} @ step 10")
 
 
 def test_progress_uses_tqdm_when_installed(monkeypatch, capsys):
@@ -167,7 +171,7 @@ def test_progress_uses_tqdm_when_installed(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm.auto", auto)
     h = _tiny_run()
     assert seen["total"] == 10 and seen["updates"] == 10 and seen["closed"] and seen["unit"] == "step"
-    assert seen["post"] == f"loss {h['loss'][-1]:.4f} acc {h['accuracy'][-1]:.3f}"
+    assert seen["post"] == f"loss {h['loss'][-1]:.4f} acc {h['accuracy'][-1]:.3f} @ step 10"
     assert capsys.readouterr().err == ""  # no plain line beside the bar
 
 
@@ -230,3 +234,103 @@ def test_the_training_module_is_not_shadowed_by_the_function():
     assert pyattn.plot_history is training.plot_history
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("pyattn.train")  # the old name was the module behind the function
+
+
+SMALL = dict(vocab_size=16, d_model=16, n_layers=2, mixers=["gated_deltanet", "softmax"], n_heads=2, seed=1)
+
+
+@pytest.mark.parametrize("change", [{"mixers": ["softmax", "softmax"]}, {"n_heads": 4}, {"dtype": "float64"},
+                                    {"mixers": ["gated_deltanet", ("softmax", {"window": 4})]}])
+def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path, change):
+    """Other mixers (other parameter names), other heads (other shapes for the Gated DeltaNet
+    layer), another dtype, or the same shapes under another config (a window): refused, naming
+    the checkpoint and the difference, and the caller's model is left as it was."""
+    x, y = data.mqar(64, 16, 2, 16, seed=0)
+    kw = dict(steps=4, batch_size=4, progress=False)
+    ckpt = str(tmp_path / "run.npz")
+    pyattn.train(pyattn.nn.HybridLM(**SMALL), (x, y), checkpoint=ckpt, **kw)
+    other = pyattn.nn.HybridLM(**dict(SMALL, **change))
+    before = {n: p.copy() for n, p in other.params.items()}
+    key = next(iter(change))
+    with pytest.raises(ValueError, match=re.escape(ckpt) + ".*another model.*" + key):
+        pyattn.train(other, (x, y), checkpoint=ckpt, **kw)
+    for name, p in other.params.items():
+        np.testing.assert_array_equal(p, before[name], err_msg=name)
+
+
+def test_a_checkpoint_with_an_array_of_another_shape_is_refused(tmp_path):
+    x, y = data.mqar(64, 16, 2, 16, seed=0)
+    kw = dict(steps=4, batch_size=4, progress=False)
+    ckpt = tmp_path / "run.npz"
+    pyattn.train(pyattn.nn.HybridLM(**SMALL), (x, y), checkpoint=str(ckpt), **kw)
+    with np.load(ckpt) as f:
+        arrays = {k: f[k] for k in f.files}
+    arrays["adam_v/norm.w"] = np.ones(3, np.float32)
+    np.savez(ckpt, **arrays)
+    model = pyattn.nn.HybridLM(**SMALL)
+    before = {n: p.copy() for n, p in model.params.items()}
+    with pytest.raises(ValueError, match=re.escape(str(ckpt)) + r".*adam_v/norm.w.*\(3,\).*\(16,\)"):
+        pyattn.train(model, (x, y), checkpoint=str(ckpt), **kw)
+    assert all(np.array_equal(p, before[n]) for n, p in model.params.items())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")  # the run diverges on purpose
+def test_a_loss_that_is_not_finite_stops_training_and_keeps_the_last_finite_checkpoint(tmp_path):
+    x, y = data.mqar(64, 16, 2, 16, seed=0)
+    model = pyattn.nn.HybridLM(**SMALL)
+    ckpt = tmp_path / "run.npz"
+    with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step \d+") as e:
+        pyattn.train(model, (x, y), steps=20, batch_size=4, lr=1e6, progress=False, checkpoint=str(ckpt),
+                     checkpoint_every=1)
+    step = int(re.search(r"at step (\d+)", str(e.value)).group(1))
+    assert 0 < step < 19 and str(ckpt) in str(e.value)
+    assert all(np.all(np.isfinite(p)) for p in model.params.values())  # the bad step updated nothing
+    with np.load(ckpt) as f:
+        assert json.loads(str(f["__meta__"]))["step"] == step
+        assert all(np.all(np.isfinite(f[k])) for k in f.files if k != "__meta__")
+
+
+def test_progress_says_when_the_accuracy_was_measured(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    x, y = data.mqar(64, 16, 2, 16, seed=0)
+    model = pyattn.nn.HybridLM(16, 8, 1, "softmax", n_heads=2, seed=0)
+    h = pyattn.train(model, (x, y), steps=10, batch_size=4, eval_data=(x[:8], y[:8]), eval_every=4)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].endswith(f"loss {h['loss'][0]:.4f}")  # nothing measured yet
+    assert lines[4].endswith(f"loss {h['loss'][4]:.4f} acc {h['accuracy'][0]:.3f} @ step 4")
+    assert lines[-1].endswith(f"acc {h['accuracy'][-1]:.3f} @ step 10")
+
+
+def test_ctrl_c_ends_the_step_saves_a_checkpoint_and_the_run_resumes_with_the_same_bits(tmp_path):
+    x, y = data.mqar(128, 24, 2, 32, seed=0)
+    make = lambda: pyattn.nn.HybridLM(32, 16, 2, ["gated_deltanet", "softmax"], n_heads=2, seed=1)
+    kw = dict(steps=12, batch_size=8, lr=3e-3, eval_data=(x[:32], y[:32]), eval_every=4, progress=False)
+    whole = make()
+    h_whole = pyattn.train(whole, (x, y), **kw)
+
+    def ctrl_c_in_step(model, n):
+        calls, backward = [], model.backward
+
+        def backward_with_sigint(d):
+            calls.append(1)
+            if len(calls) == n:
+                os.kill(os.getpid(), signal.SIGINT)
+            return backward(d)
+
+        model.backward = backward_with_sigint
+        return model
+
+    ckpt = tmp_path / "run.npz"
+    with pytest.raises(KeyboardInterrupt, match="after 7 of 12 steps; .*run.npz holds them"):
+        pyattn.train(ctrl_c_in_step(make(), 7), (x, y), checkpoint=str(ckpt), checkpoint_every=5, **kw)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with np.load(ckpt) as f:
+        assert json.loads(str(f["__meta__"]))["step"] == 7  # not 5: the step under way finished and was saved
+    resumed = make()
+    assert pyattn.train(resumed, (x, y), checkpoint=str(ckpt), checkpoint_every=5, **kw) == h_whole
+    for name, p in whole.params.items():
+        np.testing.assert_array_equal(resumed.params[name], p, err_msg=name)
+    with pytest.raises(KeyboardInterrupt, match="after 3 of 12 steps$"):
+        pyattn.train(ctrl_c_in_step(make(), 3), (x, y), **kw)
