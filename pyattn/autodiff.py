@@ -37,8 +37,9 @@ def vjp(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Tuple[Any, Callabl
     every training step would double the memory): the backward reads them when the pullback
     runs. Arrays modified in place between the forward and the pullback (``k *= 10``, an
     optimizer step on a parameter) give silently wrong gradients, so do not modify them
-    before the pullback has run; pass a copy to the forward where you must. Inputs that the
-    op had to copy (lists, non-contiguous, unaligned or byte-swapped arrays) are not affected.
+    before the pullback has run; pass a copy to the forward where you must. The same holds for
+    array-likes read without a copy (a contiguous float32 or float64 torch tensor). Inputs that
+    the op had to copy (lists, non-contiguous, unaligned or byte-swapped arrays) are not affected.
     """
     rule = _RULES.get(op)
     if rule is None:
