@@ -1,6 +1,7 @@
 """pyattn.OPS: one entry per public op, iterated by the tests, the report and benchmarks."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
@@ -13,12 +14,17 @@ class OpInfo:
 
     fn: the public callable. forms: its forms, default first (empty for an op without a
     ``form`` argument, such as attention_with_kvcache). arrays: its array arguments in
-    positional order; differentiable: the array arguments, positional or keyword, that get a
+    positional order (an argument may be a list of arrays, as merge_attention_states' ``os``,
+    or an integer array, as rope's ``positions``); differentiable: the float array arguments,
+    positional or keyword (feature_map's ``projection`` reaches its ``**params``), that get a
     gradient from pyattn.vjp when given (linear_attention's performer projection, passed
-    inside feature_map_params, also gets one, keyed "projection"). has_state:
-    whether it takes initial_state / output_final_state. chunked: whether it has chunk_size.
+    inside feature_map_params, also gets one, keyed "projection"); empty for an op that
+    pyattn.vjp refuses (dsa_select, dsa_index_target). has_state: whether it takes
+    initial_state / output_final_state. chunked: whether it has chunk_size.
     example(rng, dtype, tiny=False) -> (args, kwargs): a valid call exercising the op's options
-    (tiny: small enough for finite differences), used by the self-check report.
+    (tiny: small enough for finite differences), used by the self-check report. oracle: the
+    float64 oracle, where pyattn.reference has none of the op's name (``reference`` resolves
+    either).
     """
 
     name: str
@@ -31,6 +37,17 @@ class OpInfo:
     example: Callable
     description: str = ""
     options: Dict[str, object] = field(default_factory=dict)
+    oracle: Optional[Callable] = None
+
+    @property
+    def reference(self) -> Callable:
+        """The float64 oracle the op is checked against: ``oracle`` when given, else
+        pyattn.reference's function of the op's name."""
+        if self.oracle is not None:
+            return self.oracle
+        from . import reference
+
+        return getattr(reference, self.name)
 
     @property
     def default_form(self) -> Optional[str]:
@@ -203,20 +220,92 @@ def _dsa_index_example(rng, dtype=np.float64, tiny=False):
     return _index_arrays(rng, dtype, B, Tq, Tk, Hi, Di), {}
 
 
+def _dsa_select_example(rng, dtype=np.float64, tiny=False):
+    """Packed sequences (one shorter than top_k), causal. The index arrays are multiples of
+    1/8, so every score is exact in float32 too and the keys chosen (ties to the lower key
+    included) must equal the oracle's in either dtype."""
+    T, Hi, Di, top_k, cu = (7, 2, 2, 2, (0, 3, 7)) if tiny else (150, 4, 8, 32, (0, 20, 21, 150))
+    index = [np.round(x * 8) / 8 for x in _index_arrays(rng, np.float64, 1, T, T, Hi, Di)]
+    return tuple(x.astype(dtype) for x in index), dict(top_k=top_k, causal=True, cu_seqlens=np.array(cu))
+
+
+def _dsa_index_target_example(rng, dtype=np.float64, tiny=False):
+    """GQA, a scale, and the sparse stage: the keys listed by dsa_select (-1 padded)."""
+    from .sparse import dsa_select
+
+    B, T, H, Hk, D, Hi, Di, top_k = (1, 5, 2, 1, 3, 2, 2, 2) if tiny else (2, 60, 4, 2, 16, 4, 8, 16)
+    q = rng.standard_normal((B, T, H, D)).astype(dtype)
+    k = rng.standard_normal((B, T, Hk, D)).astype(dtype)
+    indices = dsa_select(*_index_arrays(rng, np.float64, B, T, T, Hi, Di), top_k=top_k)
+    return (q, k), dict(causal=True, scale=0.3, indices=indices)
+
+
+def _rope_example(rng, dtype=np.float64, tiny=False):
+    """Positions [B, T] (each sequence at its own offset, up to ~1e5, where float32 angles would
+    lose the phase) and Llama 3's theta."""
+    B, T, H, D = (2, 3, 1, 4) if tiny else (2, 150, 4, 16)
+    x = rng.standard_normal((B, T, H, D)).astype(dtype)
+    positions = rng.integers(0, 100_000, (B, 1)) + np.arange(T)
+    return (x, positions), dict(theta=500000.0)
+
+
+def _feature_map_example(rng, dtype=np.float64, tiny=False):
+    """Performer (FAVOR+): x scaled by D ** -0.25 as q and k are, a projection W [m, D]."""
+    B, T, H, D, m = (1, 2, 2, 3, 4) if tiny else (2, 150, 3, 16, 24)
+    x = rng.standard_normal((B, T, H, D)) * D ** -0.25
+    projection = rng.standard_normal((m, D))
+    return (x.astype(dtype),), dict(kind="performer", projection=projection.astype(dtype))
+
+
+def _merge_example(rng, dtype=np.float64, tiny=False):
+    """Parts with rows one part does not see (lse -inf), and a row no part sees."""
+    P, B, Tq, H, Dv = (2, 1, 2, 2, 2) if tiny else (3, 2, 77, 4, 8)
+    os = [rng.standard_normal((B, Tq, H, Dv)).astype(dtype) for _ in range(P)]
+    lses = [(2 * rng.standard_normal((B, Tq, H))).astype(dtype) for _ in range(P)]
+    lses[0][0, 0, 0] = -np.inf
+    for part in lses:
+        part[-1, -1, -1] = -np.inf
+    return (os, lses), {}
+
+
+def _merge_oracle(os, lses):
+    """merge_attention_states, literally per (b, t, h) in float64: ``lse = log sum_p
+    exp(lse_p)``, ``o = sum_p exp(lse_p - lse) o_p``; 0 and -inf where every lse_p is -inf."""
+    o_p = np.stack([np.asarray(o, np.float64) for o in os])
+    lse_p = np.stack([np.asarray(x, np.float64) for x in lses])
+    o, lse = np.zeros(o_p.shape[1:]), np.full(lse_p.shape[1:], -np.inf)
+    for b, t, h in np.ndindex(*lse.shape):
+        parts = lse_p[:, b, t, h]
+        if np.all(parts == -np.inf):
+            continue
+        m = parts.max()
+        lse[b, t, h] = m + math.log(sum(math.exp(x - m) for x in parts))
+        o[b, t, h] = sum(math.exp(x - lse[b, t, h]) * o_p[p, b, t, h] for p, x in enumerate(parts))
+    return o, lse
+
+
+def _op(fn: Callable, example: Callable, description: str, arrays: Tuple[str, ...],
+        differentiable: Tuple[str, ...], forms: Tuple[str, ...] = (), oracle: Optional[Callable] = None) -> OpInfo:
+    """An op without state or chunk size."""
+    return OpInfo(name=fn.__name__, fn=fn, forms=forms, arrays=arrays, differentiable=differentiable,
+                  has_state=False, chunked=False, example=example, description=description, oracle=oracle)
+
+
 def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tuple[str, ...],
                   differentiable: Tuple[str, ...] = (), forms: Tuple[str, ...] = ()) -> OpInfo:
     """An op of the softmax family: no state, no chunk size; differentiable in its arrays and
     the keyword arrays named in ``differentiable``."""
-    return OpInfo(name=fn.__name__, fn=fn, forms=forms, arrays=arrays,
-                  differentiable=arrays + differentiable, has_state=False, chunked=False,
-                  example=example, description=description)
+    return _op(fn, example, description, arrays, arrays + differentiable, forms)
 
 
 def build_ops() -> Dict[str, OpInfo]:
-    from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, softmax_attention
+    from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, merge_attention_states, softmax_attention
     from . import delta, linear
+    from .feature_maps import feature_map
     from .mla import FORMS as MLA_FORMS, mla_attention
-    from .sparse import dsa_attention, dsa_index_scores, linformer_attention, moba_attention, nsa_attention
+    from .rope import rope
+    from .sparse import (dsa_attention, dsa_index_scores, dsa_index_target, dsa_select, linformer_attention,
+                         moba_attention, nsa_attention)
 
     return {
         "softmax_attention": _attention_op(
@@ -257,6 +346,29 @@ def build_ops() -> Dict[str, OpInfo]:
             "multi-head latent attention (MLA): naive (decompressed K/V) or absorbed "
             "(MQA over the latent cache)",
             arrays=("q_nope", "q_rope", "c_kv", "k_rope", "w_uk", "w_uv"), forms=MLA_FORMS),
+        "merge_attention_states": _op(
+            merge_attention_states, _merge_example,
+            "merges partial softmax attentions over disjoint key sets by their LSEs "
+            "(flash decoding, ring attention); gradients as lists, one entry per part",
+            arrays=("os", "lses"), differentiable=("os", "lses"), oracle=_merge_oracle),
+        "dsa_select": _op(
+            dsa_select, _dsa_select_example,
+            "DSA's choice: each query's top_k visible keys by the indexer scores, int64 rows "
+            "(not differentiable)",
+            arrays=("index_q", "index_k", "index_w"), differentiable=()),
+        "dsa_index_target": _op(
+            dsa_index_target, _dsa_index_target_example,
+            "DSA's indexer distillation target: the attention probabilities averaged over the "
+            "heads (a target: not differentiable)",
+            arrays=("q", "k"), differentiable=()),
+        "rope": _op(
+            rope, _rope_example, "rotary position embedding, half-split pairs, integer positions",
+            arrays=("x", "positions"), differentiable=("x",)),
+        "feature_map": _op(
+            feature_map, _feature_map_example,
+            "the feature maps of linear attention alone (identity, elu1, relu, softmax, focused, "
+            "taylor, performer, cosformer)",
+            arrays=("x",), differentiable=("x", "projection")),
         **{
             name: OpInfo(
                 name=name,

@@ -82,9 +82,9 @@ def feature_map(x, kind, **params):
       r = relu(x) and |.| the L2 norm over the features; a row with no positive entry maps
       to 0. F = D.
     * ``"taylor"`` (Based): ``[1, x, vec(x x^T) / sqrt(2)]``, the full D x D outer product
-      row-major, so phi(q).phi(k) = 1 + q.k + (q.k)**2 / 2. F = 1 + D + D*D.
+      row-major, so ``phi(q).phi(k) = 1 + q.k + (q.k)**2 / 2``. F = 1 + D + D*D.
     * ``"performer"`` (FAVOR+; ``projection`` W ``[m, D]``, required, of x's dtype):
-      ``exp(W x - |x|**2 / 2) / sqrt(m)``. F = m.
+      ``phi(x) = exp(W x - |x|**2 / 2) / sqrt(m)``. F = m.
     * ``"cosformer"`` (``max_len``, a number > 0, default T): at position t = 0 .. T-1,
       ``[relu(x) cos(pi t / (2 max_len)), relu(x) sin(pi t / (2 max_len))]``. F = 2 D.
 

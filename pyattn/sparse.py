@@ -506,7 +506,9 @@ class _DsaSelection:
 
 def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None):
     """The keys DeepSeek sparse attention chooses: for every query, its ``top_k`` visible keys
-    by ``dsa_index_scores`` (ties to the lower key), all visible keys when fewer.
+    by ``dsa_index_scores`` (ties to the lower key), all visible keys when fewer:
+    ``rows[b, t] = sorted(argtop_k_s I[b, t, s])`` over the keys s query t sees,
+    ``I = dsa_index_scores(index_q, index_k, index_w)``.
 
     index_q ``[B, Tq, Hi, Di]``, index_k ``[B, Tk, Di]``, index_w ``[B, Tq, Hi]``; the queries
     are the last Tq positions of the keys' sequence; causal: key s is visible to the query at
@@ -514,7 +516,7 @@ def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None
     ``[B, Tq, top_k]``: the key rows (of the batch row, so under cu_seqlens counted from the
     pack's start), ascending, then -1 where fewer than top_k are visible. A C kernel scores
     tiles of queries and selects by quickselect: the ``[Tq, Tk]`` scores are never held at
-    once.
+    once. Not differentiable (``pyattn.vjp`` refuses it): integer rows have no gradient.
     """
     fn = "dsa_select"
     iq, ik, iw = _index_arrays(fn, index_q, index_k, index_w)
@@ -598,7 +600,7 @@ def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=
     (``dsa_select``'s, -1 ignored) in the sparse stage. q ``[B, Tq, H, Dk]``, k ``[B, Tk, Hk, Dk]``. Returns ``P [B, Tq, Tk]`` (0 outside
     the keys; a query without keys has a row of 0). The indexer's loss is the KL divergence
     ``sum_s P log(P / softmax_s(I))`` of its scores I (``dsa_index_scores``) restricted to
-    the same keys; P is a target, not differentiated.
+    the same keys; P is a target, so by design not differentiable (``pyattn.vjp`` refuses it).
     """
     fn = "dsa_index_target"
     arrs, dtype = V.float_arrays(fn, q=q, k=k)

@@ -8,7 +8,7 @@ comparison, and central finite differences.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -108,11 +108,25 @@ def _random_cotangent(out, rng):
     return tuple(parts) if isinstance(out, tuple) else parts[0]
 
 
-def _inputs(names, args, kwargs) -> Dict[str, np.ndarray]:
-    """The float arrays given, positional and keyword, by name."""
-    given = dict(zip(names, args))
-    given.update({k: v for k, v in kwargs.items() if isinstance(v, np.ndarray)})
-    return {k: v for k, v in given.items() if isinstance(v, np.ndarray) and v.dtype.kind == "f"}
+def _entries(name: str, value) -> List[Tuple[str, Any]]:
+    """(key, value) of an argument or a gradient: itself under its name, or, for a list or
+    tuple (merge_attention_states' ``os``), each entry under ``name[i]``."""
+    if isinstance(value, (list, tuple)):
+        return [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return [(name, value)]
+
+
+def _flat(named: Dict[str, Any]) -> Dict[str, Any]:
+    """A dict of arrays and lists of arrays keyed per array, ``name`` or ``name[i]``."""
+    return {key: v for name, value in named.items() for key, v in _entries(name, value)}
+
+
+def _inputs(names, args, kwargs) -> Dict[str, Tuple[str, np.ndarray]]:
+    """The float arrays given, positional and keyword, entries of lists included:
+    {key (``name`` or ``name[i]``): (argument name, array)}."""
+    given = {**dict(zip(names, args)), **kwargs}
+    return {key: (name, a) for name, value in given.items() for key, a in _entries(name, value)
+            if isinstance(a, np.ndarray) and a.dtype.kind == "f"}
 
 
 def check_forms(op: Union[str, Callable[..., Any]], args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None, *,
@@ -138,7 +152,7 @@ def check_forms(op: Union[str, Callable[..., Any]], args: Sequence[Any], kwargs:
             cot = _random_cotangent(out, rng)
         grads = pullback(cot)
         entries = {f"out[{i}]": o for i, o in enumerate(_as_tuple(out)) if o is not None}
-        entries.update({f"d{k}": g for k, g in grads.items()})
+        entries.update({f"d{k}": g for k, g in _flat(grads).items()})
         if base is None:
             base = entries
             continue
@@ -172,25 +186,35 @@ def gradcheck(op: Union[str, Callable[..., Any]], args: Sequence[Any], kwargs: O
               eps: float = 1e-6, atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0) -> Dict[str, float]:
     """Compare ``pyattn.vjp``'s gradients with central finite differences of
     ``sum(out * cotangent)`` for every element of every differentiable float input (or those
-    named in ``wrt``). float64 inputs only (torch.autograd.gradcheck's defaults:
+    named in ``wrt``). An argument that is a list or tuple of arrays (merge_attention_states'
+    ``os``) is checked entry by entry against ``grads[name][i]``, reported as ``name[i]``
+    (``wrt`` takes either form). float64 inputs only (torch.autograd.gradcheck's defaults:
     eps 1e-6, atol 1e-5, rtol 1e-3). Returns {name: max |vjp - fd|}; raises AssertionError
     where ``|vjp - fd| > atol + rtol |fd|``."""
     fn, names, _, _ = _resolve(op)
 
     def own(a):  # a private contiguous copy, perturbed in place below
+        if isinstance(a, (list, tuple)):
+            return type(a)(own(x) for x in a)
         return np.array(a, copy=True, order="C") if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
 
     args = [own(a) for a in args]
     kwargs = {k: own(v) for k, v in (kwargs or {}).items()}
     arrays = _inputs(names, args, kwargs)
-    for name, a in arrays.items():
+    for key, (_, a) in arrays.items():
         if a.dtype != np.float64:
-            raise TypeError(f"gradcheck(): '{name}' must be float64, got {a.dtype}")
+            raise TypeError(f"gradcheck(): '{key}' must be float64, got {a.dtype}")
     rng = np.random.default_rng(seed)
     out, pullback = vjp(fn, *args, **kwargs)
     cot = _random_cotangent(out, rng)
-    grads = pullback(cot)
-    targets = list(wrt) if wrt is not None else [n for n in arrays if n in grads]
+    grads = _flat(pullback(cot))
+    if wrt is None:
+        targets = [key for key in arrays if key in grads]
+    else:
+        targets = [key for key, (name, _) in arrays.items() if key in wrt or name in wrt]
+        unknown = [n for n in wrt if not any(n in (key, name) for key, (name, _) in arrays.items())]
+        if unknown:
+            raise ValueError(f"gradcheck(): 'wrt' names no float array argument given: {unknown}")
     missing = [n for n in targets if n not in grads]
     if missing:
         raise AssertionError(f"gradcheck(): vjp gave no gradient for {missing}")
@@ -206,15 +230,15 @@ def gradcheck(op: Union[str, Callable[..., Any]], args: Sequence[Any], kwargs: O
         return total
 
     errors = {}
-    for name in targets:
-        num = finite_differences(loss, arrays[name], eps)
-        diffs = np.abs(grads[name] - num)
+    for key in targets:
+        num = finite_differences(loss, arrays[key][1], eps)
+        diffs = np.abs(grads[key] - num)
         bound = atol + rtol * np.abs(num)
-        errors[name] = float(diffs.max()) if diffs.size else 0.0
+        errors[key] = float(diffs.max()) if diffs.size else 0.0
         if np.any(diffs > bound):
             worst = np.unravel_index(np.argmax(diffs - bound), diffs.shape)
             raise AssertionError(
-                f"gradcheck(): d{name} at {tuple(int(i) for i in worst)}: vjp {grads[name][worst]:.6e}, "
+                f"gradcheck(): d{key} at {tuple(int(i) for i in worst)}: vjp {grads[key][worst]:.6e}, "
                 f"finite differences {num[worst]:.6e}"
             )
     return errors
