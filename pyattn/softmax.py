@@ -294,6 +294,10 @@ class _KVCall:
             if np.may_share_memory(kc, vc):
                 raise ValueError(f"{fn}(): 'k_cache' and 'v_cache' share memory: the new values "
                                  f"would overwrite the new keys; give two separate caches")
+        elif _same_array(kc, vc):
+            # harmless when only reading, but never what a caller meant (keys read as values)
+            raise ValueError(f"{fn}(): 'k_cache' and 'v_cache' are the same array; give the "
+                             f"keys and the values their own caches")
         # checked whatever Tq, though only the decode kernel (Tq <= _DECODE_MAX_QUERIES) splits
         self.num_splits = V.integer(fn, "num_splits", num_splits, 0, _MAX_SPLITS)
         self.opts = _with_alibi(_mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap),
@@ -363,6 +367,13 @@ class _KVCall:
         return o, lse
 
 
+def _same_array(a, b):
+    """a and b view the same elements: one array, or two views with one start, shape and
+    strides."""
+    return a is b or (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                      and a.shape == b.shape and a.strides == b.strides)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
                            scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
                            block_table=None, num_splits=0, return_lse=False, return_colsum=False):
@@ -393,7 +404,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     option out of range) raises and leaves the caches as they were, and so does a failure
     after the write (out of memory, an interrupt), which puts the overwritten rows back.
     When ``k, v`` are given the caches must be writeable C-contiguous arrays of q's dtype
-    that share no memory; without them nothing is written, and one array may serve as both.
+    that share no memory; without them nothing is written, and the caches may be views of
+    one buffer (a packed KV layout), but not one and the same array.
 
     Returns ``o [B, Tq, H, Dv]``, then ``lse [B, Tq, H]`` with ``return_lse=True``, then with
     ``return_colsum=True`` ``colsum [B, H, capacity]``: for each query head and cache

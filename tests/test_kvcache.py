@@ -342,12 +342,16 @@ def test_failure_after_write_restores_caches(rng, monkeypatch, via, entry, Tq, b
     np.testing.assert_array_equal(vc, before[1])
 
 
-def test_one_array_as_both_caches_when_only_reading(rng):
-    """Without new keys nothing is written, so k_cache and v_cache may be one array (MLA-style
-    decoding reads keys and values from one cache)."""
+def test_one_array_as_both_caches_is_refused(rng):
+    """k_cache and v_cache as one array is an error even when nothing is written; two views of
+    one packed buffer (keys and values interleaved) are read as they are."""
     q, kc, _, seqlens, _, _, _ = make(rng, np.float64, Tnew=0, Dv=8)
-    np.testing.assert_array_equal(pyattn.attention_with_kvcache(q, kc, kc, seqlens),
-                                  pyattn.attention_with_kvcache(q, kc, kc.copy(), seqlens))
+    for k_cache, v_cache in ((kc, kc), (kc, kc[:])):
+        with pytest.raises(ValueError, match=r"attention_with_kvcache\(\): 'k_cache' and 'v_cache' are the same array"):
+            pyattn.attention_with_kvcache(q, k_cache, v_cache, seqlens)
+    packed = np.stack([kc, rng.standard_normal(kc.shape)], axis=2)     # [B, T, 2, Hk, D]
+    np.testing.assert_array_equal(pyattn.attention_with_kvcache(q, packed[:, :, 0], packed[:, :, 1], seqlens),
+                                  pyattn.attention_with_kvcache(q, kc, packed[:, :, 1].copy(), seqlens))
 
 
 @pytest.mark.parametrize("Tq", [1, 9])
