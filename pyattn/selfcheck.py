@@ -16,7 +16,7 @@ import numpy as np
 
 from . import OPS, build_info, get_num_threads, set_num_threads
 from .autodiff import vjp
-from .training import add_train_arguments, run_train
+from .training import add_commands
 from .testing import TOLERANCES, _as_tuple, _entries, _flat, _random_cotangent, gradcheck, rel_rms
 
 
@@ -172,7 +172,7 @@ def _op_list(text: str) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """``python -m pyattn [check] [options]``; ``check`` is the default command. Further
-    commands (``train``) are subparsers added here."""
+    commands (``train``, ``generate``: pyattn.training.add_commands) are subparsers added here."""
     parser = argparse.ArgumentParser(
         prog="python -m pyattn",
         description="pyattn's command line. Without a command it runs 'check'.",
@@ -186,13 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(median after warm-up calls). Exits 1 if any check fails.")
     add_check_arguments(check)
     check.set_defaults(run=run_check)
-    train = commands.add_parser(
-        "train", help="train a small HybridLM on a task and save it",
-        description="Trains a pyattn.nn.HybridLM on MQAR (Zoology's multi-query associative "
-                    "recall), copying, or a text file's characters, reports the held-out answer "
-                    "accuracy and saves the model (.npz).")
-    add_train_arguments(train)
-    train.set_defaults(run=run_train)
+    add_commands(commands)
     return parser
 
 

@@ -1,6 +1,8 @@
 """The training loop: ``pyattn.train(model, data, steps=...)`` and ``pyattn.plot_history``."""
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import math
 import os
@@ -43,6 +45,11 @@ class _PlainBar:
 
     def close(self) -> None:
         pass
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that ``train()`` cannot resume from: another run's settings, another
+    model, or not a checkpoint at all."""
 
 
 class _CtrlC:
@@ -101,9 +108,9 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     ``eval_every``) and at the end, replacing the file atomically; a call that finds the file
     resumes from it, so a run that was killed continues where its last checkpoint left it and
     ends with the same bits as a run never interrupted. The file must come from a call with the
-    same settings (steps, batch size, learning rate, schedule, seed, data shape): another is a
-    ``ValueError``, and so is a checkpoint of another model (another config, or an array of
-    another shape or dtype): nothing is changed then.
+    same settings (steps, batch size, learning rate, schedule, seed, data shape) and the same
+    model (its config, every array's shape and dtype): another is a ``CheckpointError`` (a
+    ``ValueError``) raised before anything is changed.
 
     A loss or gradient norm that is not finite (a learning rate too high) stops the run with a
     ``FloatingPointError`` naming the step, before that step updates the model; the checkpoint
@@ -174,7 +181,7 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
                     _save_checkpoint(checkpoint, settings, done, model, opt, rng, history)
                     saved = done
                 if ctrl_c.requested and done < steps:
-                    kept = f"; {checkpoint} holds them: the same call resumes" if checkpoint is not None else ""
+                    kept = f"; checkpoint {checkpoint} holds them" if checkpoint is not None else ""
                     raise KeyboardInterrupt(f"train(): interrupted after {done} of {steps} steps{kept}")
     finally:
         if bar is not None:
@@ -212,32 +219,35 @@ def _load_checkpoint(path: str, settings: Dict[str, Any], model, opt: AdamW, rng
     """Restores a checkpoint into model, opt and rng; returns (its step, its history). Every
     check (settings, the model's config, each array's name, shape and dtype) comes before the
     first write."""
-    arrays = read_npz(path, "train()")
+    try:
+        arrays = read_npz(path, "train()")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
     try:
         meta = json.loads(str(arrays.pop("__meta__")))
         saved_settings, saved_model = meta["settings"], meta.get("model")
     except (KeyError, ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"train(): {path} is not a checkpoint of train() ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"train(): {path} is not a checkpoint of train() ({type(e).__name__}: {e})") from e
     if saved_settings != settings:
         diff = {k: (saved_settings.get(k), v) for k, v in settings.items() if saved_settings.get(k) != v}
-        raise ValueError(f"train(): checkpoint {path} was made with other settings "
-                         f"(saved, now): {diff}; remove it or pass another path")
+        raise CheckpointError(f"train(): checkpoint {path} was made with other settings "
+                              f"(saved, now): {diff}; remove it or pass another path")
     now = _architecture(model)
     if saved_model != now:
         saved_model, now = saved_model or {}, now or {}
         diff = {k: (saved_model.get(k), now.get(k)) for k in sorted(set(saved_model) | set(now))
                 if saved_model.get(k) != now.get(k)}
-        raise ValueError(f"train(): checkpoint {path} holds another model (saved, now): {diff}; "
-                         "remove it or pass another path")
+        raise CheckpointError(f"train(): checkpoint {path} holds another model (saved, now): {diff}; "
+                              "remove it or pass another path")
     state = _state_arrays(model, opt)
     missing, extra = [k for k in state if k not in arrays], [k for k in arrays if k not in state]
     if missing or extra:
-        raise ValueError(f"train(): checkpoint {path} holds another model's arrays: missing {missing}, "
-                         f"unknown {extra}")
+        raise CheckpointError(f"train(): checkpoint {path} holds another model's arrays: missing {missing}, "
+                              f"unknown {extra}")
     for name, a in state.items():
         if arrays[name].dtype != a.dtype or arrays[name].shape != a.shape:
-            raise ValueError(f"train(): checkpoint {path} holds another model: {name} is {arrays[name].dtype} "
-                             f"{arrays[name].shape} there, {a.dtype} {a.shape} here")
+            raise CheckpointError(f"train(): checkpoint {path} holds another model: {name} is "
+                                  f"{arrays[name].dtype} {arrays[name].shape} there, {a.dtype} {a.shape} here")
     for name, a in state.items():
         a[...] = arrays[name]
     opt.t = meta["adam_t"]
@@ -267,62 +277,233 @@ def plot_history(history: Dict[str, List[float]]):
     return fig
 
 
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """--help adds "(default: X)" to each option's help, but not where there is no value to
+    show (None, a flag's False): the help says in words what happens then."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _number(kind, low, *, above=False):
+    """An argparse type: a finite ``kind`` at least ``low`` (greater than it with ``above``)."""
+    wanted = f"{'a finite float' if kind is float else 'an int'} {'>' if above else '>='} {low}"
+
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            x = math.nan
+        if not math.isfinite(x) or x < low or (above and x == low):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return x
+    return parse
+
+
+def add_commands(commands) -> None:
+    """``train`` and ``generate``, added to the subparsers of ``python -m pyattn``."""
+    train_parser = commands.add_parser(
+        "train", help="train a small HybridLM on a task and save it", formatter_class=_ShowDefaults,
+        description="Trains a pyattn.nn.HybridLM on MQAR (Zoology's multi-query associative "
+                    "recall), copying, or a text file's characters, reports the held-out answer "
+                    "accuracy and saves the model (.npz; a text model with its vocabulary). Every "
+                    "option is checked before any work (exit 2). A loss that is not finite stops the "
+                    "run without saving (exit 1); Ctrl-C saves the checkpoint when one is set (exit 130).")
+    add_train_arguments(train_parser)
+    train_parser.set_defaults(run=functools.partial(run_train, parser=train_parser))
+    generate_parser = commands.add_parser(
+        "generate", help="continue a prompt with a saved model", formatter_class=_ShowDefaults,
+        description="Loads a model saved by 'python -m pyattn train' (or HybridLM.save) and prints "
+                    "the prompt and its continuation: as text for a model trained on text, else as "
+                    "token ids.")
+    add_generate_arguments(generate_parser)
+    generate_parser.set_defaults(run=functools.partial(run_generate, parser=generate_parser))
+
+
 def add_train_arguments(parser) -> None:
     """The options of ``python -m pyattn train``."""
-    parser.add_argument("--task", choices=("mqar", "copy", "text"), default="mqar")
+    positive = _number(int, 1)
+    parser.add_argument("--task", choices=("mqar", "copy", "text"), default="mqar", help="what to learn")
     parser.add_argument("--mixers", default="gated_deltanet,softmax",
                         help="comma-separated mixer names, one per layer, or one for every layer")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=512, help="mqar and copy: vocabulary size")
-    parser.add_argument("--kv-pairs", type=int, default=16, help="mqar: key-value pairs")
-    parser.add_argument("--text", help="text: the file to train on")
-    parser.add_argument("--examples", type=int, default=4096, help="mqar and copy: training rows")
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--layers", type=positive, default=2, help="layers of the model")
+    parser.add_argument("--d-model", type=positive, default=64, help="width of the model")
+    parser.add_argument("--heads", type=positive, default=4, help="heads of each mixer; must divide --d-model")
+    parser.add_argument("--seq-len", type=positive, default=128, help="tokens per training row")
+    parser.add_argument("--vocab", type=_number(int, 2), default=512, help="mqar and copy: vocabulary size")
+    parser.add_argument("--kv-pairs", type=positive, default=16, help="mqar: key-value pairs per row")
+    parser.add_argument("--text", help="text: the file to train on (UTF-8; a tenth is held out)")
+    parser.add_argument("--examples", type=positive, default=4096, help="mqar and copy: training rows")
+    parser.add_argument("--steps", type=positive, default=500, help="training steps")
+    parser.add_argument("--batch-size", type=positive, default=32, help="rows per step")
+    parser.add_argument("--lr", type=_number(float, 0.0, above=True), default=1e-3,
+                        help="peak learning rate (AdamW, cosine schedule)")
+    parser.add_argument("--eval-every", type=positive, default=None,
+                        help="measure the held-out accuracy (and save the checkpoint) every N steps "
+                             "and at the end (default: a tenth of the run)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="of the model")
+    parser.add_argument("--seed", type=_number(int, 0), default=0, help="of the data, weights and batches")
+    parser.add_argument("--threads", type=positive, default=None,
+                        help="threads for the kernels (default: pyattn's, from OMP_NUM_THREADS or the CPUs)")
     parser.add_argument("--out", default="model.npz", help="where the trained model is saved")
     parser.add_argument("--checkpoint", default=None,
-                        help="a .npz saved every tenth of the run; a run that finds it resumes from it")
-    parser.add_argument("--no-progress", action="store_true")
+                        help="a .npz saved every --eval-every steps and on Ctrl-C; a run that finds it "
+                             "resumes from it (default: none)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or line")
 
 
-def run_train(opts) -> int:
-    """``python -m pyattn train``: makes the task's data, trains a HybridLM, reports the
-    answer accuracy on held-out rows, saves the model."""
+def _check_writable(parser, option: str, path: str) -> None:
+    """``path`` can be written: not a folder, in a folder that exists and may be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{option} {path} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"{option} {path}: the folder {folder} cannot be written")
+
+
+def _build(opts, parser):
+    """The command line's model and ``(train_data, eval_data, vocab)``, every option checked
+    first: an impossible one is ``parser.error`` (exit 2) before any training."""
     from . import data as tasks
-    from . import set_num_threads
-    from .nn import HybridLM
+    from .nn import MIXERS, HybridLM
 
-    if opts.threads is not None:
-        set_num_threads(opts.threads)
-    if opts.task == "text":
-        if not opts.text:
-            raise SystemExit("python -m pyattn train --task text needs --text PATH")
-        inputs, targets, vocab = tasks.char_text(opts.text, opts.seq_len)
-        vocab_size = len(vocab)
-        cut = max(1, len(inputs) // 10)
-        train_data, eval_data = (inputs[cut:], targets[cut:]), (inputs[:cut], targets[:cut])
-    else:
-        make = (lambda n, seed: tasks.mqar(n, opts.seq_len, opts.kv_pairs, opts.vocab, seed=seed)) \
-            if opts.task == "mqar" else (lambda n, seed: tasks.copy_task(n, opts.seq_len, opts.vocab, seed=seed))
-        vocab_size = opts.vocab
-        train_data, eval_data = make(opts.examples, opts.seed), make(256, opts.seed + 1)
     mixers = opts.mixers.split(",")
-    model = HybridLM(vocab_size, opts.d_model, opts.layers, mixers[0] if len(mixers) == 1 else mixers,
-                     n_heads=opts.heads, dtype=opts.dtype, seed=opts.seed)
-    t0 = time.perf_counter()
-    history = train(model, train_data, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr,
-                    eval_data=eval_data, progress=not opts.no_progress, seed=opts.seed,
-                    checkpoint=opts.checkpoint)
+    unknown = [m for m in mixers if m not in MIXERS]
+    if unknown:
+        parser.error(f"--mixers: unknown {unknown}; choose from {', '.join(MIXERS)}")
+    if len(mixers) not in (1, opts.layers):
+        parser.error(f"--mixers names {len(mixers)} mixers: give one, or one per layer (--layers {opts.layers})")
+    if opts.d_model % opts.heads:
+        parser.error(f"--heads {opts.heads} must divide --d-model {opts.d_model}")
+    if opts.task == "text" and not opts.text:
+        parser.error("--task text needs --text FILE")
+    _check_writable(parser, "--out", opts.out)
+    if opts.checkpoint is not None:
+        _check_writable(parser, "--checkpoint", opts.checkpoint)
+    vocab = None
+    try:
+        if opts.task == "text":
+            inputs, targets, vocab = tasks.char_text(opts.text, opts.seq_len)
+            if len(inputs) < 2:
+                raise ValueError(f"{opts.text} makes {len(inputs)} row of {opts.seq_len} characters; "
+                                 "2 are needed (a tenth is held out)")
+            cut = max(1, len(inputs) // 10)
+            train_data, eval_data = (inputs[cut:], targets[cut:]), (inputs[:cut], targets[:cut])
+        elif opts.task == "mqar":
+            train_data = tasks.mqar(opts.examples, opts.seq_len, opts.kv_pairs, opts.vocab, seed=opts.seed)
+            eval_data = tasks.mqar(256, opts.seq_len, opts.kv_pairs, opts.vocab, seed=opts.seed + 1)
+        else:
+            train_data = tasks.copy_task(opts.examples, opts.seq_len, opts.vocab, seed=opts.seed)
+            eval_data = tasks.copy_task(256, opts.seq_len, opts.vocab, seed=opts.seed + 1)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        parser.error(f"--task {opts.task}: {e}")
+    try:
+        model = HybridLM(len(vocab) if vocab else opts.vocab, opts.d_model, opts.layers,
+                         mixers[0] if len(mixers) == 1 else mixers, n_heads=opts.heads, dtype=opts.dtype,
+                         seed=opts.seed)
+        model.forward(train_data[0][:1])  # a mixer's limits on its head dims show in its op's first call
+    except ValueError as e:
+        parser.error(f"--mixers {opts.mixers} with --d-model {opts.d_model} --heads {opts.heads}: {e}")
+    model.vocab = vocab
+    return model, train_data, eval_data
+
+
+def run_train(opts, parser) -> int:
+    """``python -m pyattn train``: makes the task's data, trains a HybridLM, reports the
+    answer accuracy on held-out rows, saves the model. Exit 2 for an impossible option (before
+    any work), 1 for a loss that is not finite (nothing saved), 130 for Ctrl-C."""
+    from . import set_num_threads
+
+    def fail(e: BaseException, then: str) -> None:
+        print(f"python -m pyattn train: {str(e).removeprefix('train(): ') or 'interrupted'}; {then}",
+              file=sys.stderr)
+
+    try:
+        if opts.threads is not None:
+            set_num_threads(opts.threads)
+        model, train_data, eval_data = _build(opts, parser)
+        t0 = time.perf_counter()
+        try:
+            history = train(model, train_data, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr,
+                            eval_data=eval_data, eval_every=opts.eval_every, progress=not opts.no_progress,
+                            seed=opts.seed, checkpoint=opts.checkpoint)
+        except CheckpointError as e:
+            parser.error(f"--checkpoint: {e}")
+    except FloatingPointError as e:
+        fail(e, "the model was not saved")
+        return 1
+    except KeyboardInterrupt as e:
+        resumable = opts.checkpoint is not None and os.path.exists(opts.checkpoint)
+        fail(e, "run the same command to resume" if resumable else "nothing was saved")
+        return 130
     print(f"task {opts.task}, mixers {opts.mixers}: loss {history['loss'][-1]:.4f}, held-out "
           f"accuracy {history['accuracy'][-1]:.4f} after {opts.steps} steps "
           f"({time.perf_counter() - t0:.1f} s)")
     model.save(opts.out)
     print(f"saved {opts.out}")
+    return 0
+
+
+def add_generate_arguments(parser) -> None:
+    """The options of ``python -m pyattn generate``."""
+    parser.add_argument("model", metavar="MODEL", help="a model saved by 'python -m pyattn train'")
+    parser.add_argument("--prompt", required=True,
+                        help="text for a model trained on text (--task text), else token ids separated "
+                             "by spaces or commas")
+    parser.add_argument("--max-new-tokens", type=_number(int, 0), default=32, help="tokens to add")
+    parser.add_argument("--temperature", type=_number(float, 0.0), default=1.0,
+                        help="of the sampling; 0 is greedy")
+    parser.add_argument("--top-k", type=_number(int, 1), default=None,
+                        help="sample among the K most likely tokens (default: all)")
+    parser.add_argument("--seed", type=_number(int, 0), default=None,
+                        help="of the sampling (default: a fresh one each run)")
+    parser.add_argument("--threads", type=_number(int, 1), default=None,
+                        help="threads for the kernels (default: pyattn's, from OMP_NUM_THREADS or the CPUs)")
+
+
+def _prompt_tokens(opts, model, parser) -> List[int]:
+    """``--prompt`` as token ids: a text model's characters through its vocabulary, else the
+    ids written out; anything else is ``parser.error``."""
+    if model.vocab is not None:
+        index = {c: i for i, c in enumerate(model.vocab)}
+        unknown = sorted(set(opts.prompt) - set(index))
+        if unknown:
+            parser.error(f"--prompt has characters the model's vocabulary lacks: {', '.join(map(repr, unknown))}")
+        ids = [index[c] for c in opts.prompt]
+    else:
+        try:
+            ids = [int(t) for t in opts.prompt.replace(",", " ").split()]
+        except ValueError:
+            parser.error(f"--prompt: this model takes token ids separated by spaces or commas, got {opts.prompt!r}")
+        outside = [t for t in ids if not 0 <= t < model.vocab_size]
+        if outside:
+            parser.error(f"--prompt: token ids must lie in [0, {model.vocab_size}), got {outside}")
+    if not ids:
+        parser.error("--prompt is empty")
+    return ids
+
+
+def run_generate(opts, parser) -> int:
+    """``python -m pyattn generate``: the prompt and its continuation on one line."""
+    from . import set_num_threads
+    from .nn import HybridLM
+
+    try:
+        if opts.threads is not None:
+            set_num_threads(opts.threads)
+        try:
+            model = HybridLM.load(opts.model)
+        except (OSError, ValueError) as e:
+            parser.error(f"MODEL: {e}")
+        prompt = np.array([_prompt_tokens(opts, model, parser)])
+        tokens = model.generate(prompt, opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
+                                seed=opts.seed)[0]
+    except KeyboardInterrupt:
+        print("python -m pyattn generate: interrupted", file=sys.stderr)
+        return 130
+    print("".join(model.vocab[t] for t in tokens) if model.vocab is not None else " ".join(map(str, tokens)))
     return 0

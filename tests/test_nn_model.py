@@ -343,3 +343,19 @@ def test_backward_needs_the_cotangent_of_the_last_forward(rng):
     model.zero_grad()
     model.backward(cot)
     assert all(np.all(np.isfinite(g)) for g in model.grads.values())
+
+
+def test_save_load_keeps_a_text_models_vocabulary(tmp_path):
+    model = tiny("softmax")
+    assert model.vocab is None and HybridLM.load(_saved(model, tmp_path / "a.npz")).vocab is None
+    model.vocab = [chr(ord("a") + i) for i in range(V)]
+    assert HybridLM.load(_saved(model, tmp_path / "b.npz")).vocab == model.vocab
+    model.vocab = ["a", "b"]
+    with pytest.raises(ValueError, match=f"vocab must be None or {V} strings"):
+        model.save(tmp_path / "c.npz")
+    assert sorted(os.listdir(tmp_path)) == ["a.npz", "b.npz"]
+
+
+def _saved(model, path):
+    model.save(path)
+    return path

@@ -86,6 +86,9 @@ class HybridLM(Module):
     arrays; ``forward(tokens [B, T]) -> logits [B, T, V]`` keeps what ``backward(dlogits)``
     needs, which adds into ``grads`` (``zero_grad()`` clears them); ``prefill``, ``step`` and
     ``generate`` run the same layers, so call ``backward`` before decoding.
+
+    ``vocab``: None, or the text of each token (``vocab[i]`` is token i) for a model of text,
+    as ``pyattn.data.char_text`` gives it; ``save`` and ``load`` keep it.
     """
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int,
@@ -112,6 +115,7 @@ class HybridLM(Module):
         self.lm_head = None if tie_embeddings else self.add_module(
             "lm_head", Linear(d_model, vocab_size, dtype=dtype, rng=rng))
         self._forward_shape: Optional[Tuple[int, ...]] = None  # the last forward's logits, for backward
+        self.vocab: Optional[List[str]] = None
 
     @property
     def vocab_size(self) -> int:
@@ -212,9 +216,15 @@ class HybridLM(Module):
 
     def save(self, path) -> None:
         """One .npz at exactly ``path`` (no suffix added): the config (as JSON) and every
-        parameter by its dotted name. Written to a temporary file in the same folder and moved
-        over ``path``, so a failure while writing (a full disk) leaves the previous file whole."""
+        parameter by its dotted name, and ``vocab`` when set. Written to a temporary file in the
+        same folder and moved over ``path``, so a failure while writing (a full disk) leaves the
+        previous file whole."""
         arrays: Dict[str, Any] = {"__config__": np.array(json.dumps(self.config)), **dict(self.params)}
+        if self.vocab is not None:
+            if len(self.vocab) != self.vocab_size or not all(isinstance(t, str) for t in self.vocab):
+                raise ValueError(f"HybridLM.save: vocab must be None or {self.vocab_size} strings, got "
+                                 f"{len(self.vocab)} entries")
+            arrays["__vocab__"] = np.array(json.dumps(list(self.vocab)))
         write_npz(path, arrays)
 
     @classmethod
@@ -235,6 +245,15 @@ class HybridLM(Module):
             model = cls(**config)
         except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
             raise foreign(f"its config does not make a model ({type(e).__name__}: {e})") from e
+        if "__vocab__" in arrays:
+            try:
+                vocab = json.loads(str(arrays.pop("__vocab__")))
+            except ValueError as e:
+                raise foreign(f"its vocab is not JSON ({e})") from e
+            if not isinstance(vocab, list) or len(vocab) != model.vocab_size or \
+                    not all(isinstance(t, str) for t in vocab):
+                raise foreign(f"its vocab is not a list of vocab_size={model.vocab_size} strings")
+            model.vocab = vocab
         params = model.params
         missing, extra = [n for n in params if n not in arrays], [n for n in arrays if n not in params]
         if missing or extra:
