@@ -71,7 +71,8 @@ class _MobaCall:
         self.causal = V.boolean(fn, "causal", causal)
         self.scale = V.scale(fn, scale, D ** -0.5, dtype)
         cu_q, cu = _offsets(fn, B, Tq, Tk, cu_seqlens)
-        self.shape, self.H, self.Hk, self.D, self.Dv = q.shape, H, Hk, D, Dv
+        self.shape, self.kshape, self.vshape = q.shape, k.shape, v.shape
+        self.H, self.Hk, self.D, self.Dv = H, Hk, D, Dv
         self.q, self.k, self.v = (x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]) for x in (q, k, v))
         self.cu, self.cu_q = cu, cu_q
         self._choose()
@@ -132,9 +133,7 @@ def _moba_attention_vjp(q, k, v, *, block_size, top_k, causal=True, scale=None, 
         dq, dk, dv = np.empty_like(c.q), np.empty_like(c.k), np.empty_like(c.v)
         _core.moba_backward(c.q, c.k, c.v, o, lse, do.reshape(o.shape), None, *c.blocks_args(),
                             dq, dk, dv)
-        B, Tq = c.shape[:2]
-        return {"q": dq.reshape(B, Tq, c.H, c.D), "k": dk.reshape(B, -1, c.Hk, c.D),
-                "v": dv.reshape(B, -1, c.Hk, c.Dv)}
+        return {"q": dq.reshape(c.shape), "k": dk.reshape(c.kshape), "v": dv.reshape(c.vshape)}
 
     return o.reshape(c.shape[:3] + (c.Dv,)), pullback
 
@@ -154,8 +153,8 @@ def _linformer_prepare(q, k, v, E, F, scale):
 
 def _project(P, x):
     """P [S, T] applied along time to x [B, T, Hk, D]: [B, S, Hk, D]."""
-    B, T = x.shape[:2]
-    return (P @ x.reshape(B, T, -1)).reshape((B, P.shape[0]) + x.shape[2:])
+    B, T, Hk, D = x.shape
+    return (P @ x.reshape(B, T, Hk * D)).reshape(B, P.shape[0], Hk, D)
 
 
 def _linformer_call(q, k, v, E, F, scale):
@@ -194,7 +193,8 @@ def _linformer_attention_vjp(q, k, v, E, F, *, scale=None):
         B, T = k.shape[:2]
         grads = {"q": dq}
         for name, pname, x, P, g in (("k", "E", k, E, dkp), ("v", "F", v, F, dvp)):
-            g2, x2 = g.reshape(B, P.shape[0], -1), x.reshape(B, T, -1)
+            C = x.shape[2] * x.shape[3]
+            g2, x2 = g.reshape(B, P.shape[0], C), x.reshape(B, T, C)
             grads[name] = (P.T @ g2).reshape(x.shape)
             grads[pname] = np.einsum("bsc,btc->st", g2, x2, optimize=True)
         return grads
@@ -258,7 +258,8 @@ class _NsaCall:
         self.window = V.integer(fn, "window", window, 1)
         self.scale = V.scale(fn, scale, D ** -0.5, dtype)
         self.cu_q, self.cu_k = _offsets(fn, B, Tq, Tk, cu_seqlens)
-        self.shape, self.H, self.Hk, self.D, self.Dv = q.shape, H, Hk, D, Dv
+        self.shape, self.kshape, self.vshape = q.shape, k.shape, v.shape
+        self.H, self.Hk, self.D, self.Dv = H, Hk, D, Dv
         self.q, self.k, self.v = (x.reshape(-1, x.shape[2], x.shape[3]) for x in (q, k, v))
         self.gates = [arrs[name].reshape(-1, H, 1) for name in self.GATES]
         # blocks of bs keys, restarting at each sequence; the last of a sequence may be shorter
@@ -272,7 +273,8 @@ class _NsaCall:
         if self.given:
             V.shape(fn, "k_cmp", arrs["k_cmp"], (B, NB // max(B, 1), Hk, D), "[B, blocks, Hk, Dk]")
             V.shape(fn, "v_cmp", arrs["v_cmp"], (B, NB // max(B, 1), Hk, Dv), "[B, blocks, Hk, Dv]")
-            self.kc, self.vc = (arrs[x].reshape(NB, Hk, -1) for x in ("k_cmp", "v_cmp"))
+            self.cmp_shapes = arrs["k_cmp"].shape, arrs["v_cmp"].shape
+            self.kc, self.vc = (arrs[x].reshape(NB, Hk, arrs[x].shape[3]) for x in ("k_cmp", "v_cmp"))
         else:
             self.kc, self.vc = (_block_means(x, self.cu_k, bs) for x in (self.k, self.v))
         self.seq, self.pos = _positions(self.cu_q, self.cu_k)
@@ -287,7 +289,8 @@ class _NsaCall:
         within = np.arange(bs)
         self.block_rows = np.minimum(self.bstart[:, None] + within, self.bstart[:, None] + self.blen[:, None] - 1)
         self.block_valid = within < self.blen[:, None]
-        pool = [np.ascontiguousarray(x[self.block_rows].transpose(2, 0, 1, 3).reshape(Hk * NB, bs, 1, -1))
+        pool = [np.ascontiguousarray(x[self.block_rows].transpose(2, 0, 1, 3).reshape(Hk * NB, bs, 1,
+                                                                                      x.shape[2]))
                 for x in (self.k, self.v)]
         length = ((count - 1) * bs + (self.pos - own * bs + 1)[:, None]).reshape(-1)
         self.slc = _Listed(self.q.reshape(-1, H // Hk, D), *pool, np.zeros_like(length), length,
@@ -349,7 +352,7 @@ class _NsaCall:
         dk, dv = dk[0], dv[0]
         # the selection's pool back to key rows (each valid (block, offset) is one row)
         for dx, dpool in ((dk, dkb), (dv, dvb)):
-            per_row = dpool.reshape(Hk, NB, bs, -1).transpose(1, 2, 0, 3)
+            per_row = dpool.reshape(Hk, NB, bs, dpool.shape[3]).transpose(1, 2, 0, 3)
             dx[self.block_rows[self.block_valid]] += per_row[self.block_valid]
         if self.given:
             grads["k_cmp"], grads["v_cmp"] = dkc[0], dvc[0]
@@ -405,14 +408,13 @@ def _nsa_attention_vjp(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_cou
         arrs, _ = V.float_arrays("nsa_attention pullback", q=c.q, do=do)
         V.shape("nsa_attention pullback", "do", arrs["do"], c.shape[:3] + (c.Dv,), "[B, T, H, Dv]")
         grads = c.backward(arrs["do"].reshape(o.shape), parts)
-        B, Tq, Tk = c.shape[0], c.shape[1], c.k.shape[0] // max(c.shape[0], 1)
-        out = {"q": grads["q"].reshape(c.shape), "k": grads["k"].reshape(B, Tk, c.Hk, c.D),
-               "v": grads["v"].reshape(B, Tk, c.Hk, c.Dv)}
+        out = {"q": grads["q"].reshape(c.shape), "k": grads["k"].reshape(c.kshape),
+               "v": grads["v"].reshape(c.vshape)}
         for name in c.GATES:
-            out[name] = grads[name].reshape(B, Tq, c.H)
+            out[name] = grads[name].reshape(c.shape[:3])
         if c.given:
-            out["k_cmp"] = grads["k_cmp"].reshape(B, -1, c.Hk, c.D)
-            out["v_cmp"] = grads["v_cmp"].reshape(B, -1, c.Hk, c.Dv)
+            out["k_cmp"] = grads["k_cmp"].reshape(c.cmp_shapes[0])
+            out["v_cmp"] = grads["v_cmp"].reshape(c.cmp_shapes[1])
         return out
 
     return o.reshape(c.shape[:3] + (c.Dv,)), pullback
@@ -499,8 +501,8 @@ class _DsaSelection:
         self.rows = np.empty((rows, top_k), np.int32)
         self.count = np.empty(rows, np.int64)
         nan = np.empty(rows, np.uint8)
-        _core.dsa_select(iq.reshape(rows, *iq.shape[2:]), ik.reshape(-1, ik.shape[2]), iw.reshape(rows, -1),
-                         cu_q, cu_k, top_k, causal, self.rows, self.count, nan)
+        _core.dsa_select(iq.reshape(rows, *iq.shape[2:]), ik.reshape(-1, ik.shape[2]),
+                         iw.reshape(rows, iw.shape[2]), cu_q, cu_k, top_k, causal, self.rows, self.count, nan)
         self.nan = nan.astype(bool)
 
 
@@ -545,7 +547,7 @@ class _DsaCall:
         causal = V.boolean(fn, "causal", causal)
         self.shape, self.kshape, self.Dv = q.shape, k.shape, Dv
         self.sel = _DsaSelection(iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
-        pool = [x.reshape(B * Tk, 1, Hk, -1) for x in (k, v)]
+        pool = [x.reshape(B * Tk, 1, Hk, x.shape[3]) for x in (k, v)]
         self.call = _Listed(q.reshape(B * Tq, H, D), *pool, np.zeros_like(self.sel.count), self.sel.count,
                             self.sel.rows, V.scale(fn, scale, D ** -0.5, dtype))
 

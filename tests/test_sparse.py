@@ -3,6 +3,8 @@ ragged last blocks, GQA, varlen, non-causal, gradients, bad input. linformer_att
 nsa_attention and DeepSeek sparse attention (dsa_index_scores, dsa_select, dsa_attention,
 dsa_index_target) against their oracles, and _core.softmax_decode_backward, the kernel under
 their backward, against the flash backward."""
+import inspect
+
 import numpy as np
 import pytest
 
@@ -1208,3 +1210,67 @@ def test_moba_select_is_a_stable_sort(rng, causal):
                 x[limit:] = np.inf
                 order = [j for j in np.argsort(x, kind="stable")[:slots] if j < limit]
                 assert list(choice[r, h]) == order + [-1] * (slots - len(order)), (r, h)
+
+
+# --------------------------------------------------------------------------- empty inputs
+
+
+def _empty_call(rng, op, dtype, B, Tq, Tk, cu):
+    """(function, arrays, options) of one sparse op with Tq queries and Tk keys."""
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((B, Tq, 4, 6), (B, Tk, 2, 6), (B, Tk, 2, 5)))
+    kw = {} if cu is None else dict(cu_seqlens=np.array(cu))
+    if op == "moba":
+        return pyattn.moba_attention, [q, k, v], dict(kw, block_size=4, top_k=2)
+    if op == "nsa":
+        gates = [rng.uniform(0, 1, (B, Tq, 4)).astype(dtype) for _ in range(3)]
+        return pyattn.nsa_attention, [q, k, v] + gates, dict(kw, block_size=4, block_count=2, window=3)
+    if op == "dsa":
+        index = [rng.standard_normal(s).astype(dtype) for s in ((B, Tq, 2, 3), (B, Tk, 3), (B, Tq, 2))]
+        return pyattn.dsa_attention, [q, k, v] + index, dict(kw, top_k=2)
+    E, F = (rng.standard_normal((3, Tk)).astype(dtype) for _ in range(2))
+    return pyattn.linformer_attention, [q, k, v, E, F], {}
+
+
+EMPTY_LAYOUTS = {  # name: (B, Tq, Tk, cu_seqlens)
+    "T0": (2, 0, 0, None),
+    "Tq0": (2, 0, 5, None),
+    "B0": (0, 4, 4, None),
+    "varlen_empty": (1, 0, 0, [0, 0, 0]),
+}
+
+
+EMPTY_CASES = {f"{op}-{name}": (op, layout) for op in ("moba", "nsa", "dsa", "linformer")
+               for name, layout in EMPTY_LAYOUTS.items() if op != "linformer" or layout[3] is None}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("op,layout", EMPTY_CASES.values(), ids=EMPTY_CASES.keys())
+def test_empty_inputs(rng, op, layout, dtype):
+    """No queries, keys or batch rows: an empty output of q's dtype, and under pyattn.vjp
+    empty gradients of the inputs' shapes and dtype."""
+    B, Tq, Tk, cu = layout
+    fn, arrays, kw = _empty_call(rng, op, dtype, B, Tq, Tk, cu)
+    o = fn(*arrays, **kw)
+    assert o.shape == (B, Tq, 4, 5) and o.dtype == dtype
+    out, pullback = pyattn.vjp(fn, *arrays, **kw)
+    assert out.shape == o.shape and out.dtype == dtype
+    grads = pullback(np.ones_like(out))
+    names = list(inspect.signature(fn).parameters)[:len(arrays)]
+    assert sorted(grads) == sorted(names)
+    for name, x in zip(names, arrays):
+        assert grads[name].shape == x.shape and grads[name].dtype == dtype, name
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_linformer_no_keys(rng, dtype):
+    """T = 0 keys under Tq = 3 queries: k' = E k and v' = F v are S zero rows, so o = 0 (the
+    oracle's), and every gradient is 0 or empty."""
+    fn, arrays, _ = _empty_call(rng, "linformer", dtype, 2, 3, 0, None)
+    o, pullback = pyattn.vjp(fn, *arrays)
+    assert o.shape == (2, 3, 4, 5) and o.dtype == dtype
+    assert_close(o, reference.linformer_attention(*arrays))
+    assert np.array_equal(o, np.zeros_like(o))
+    grads = pullback(rng.standard_normal(o.shape).astype(dtype))
+    for name, x in zip("qkvEF", arrays):
+        assert grads[name].shape == x.shape and grads[name].dtype == dtype
+        assert np.array_equal(grads[name], np.zeros_like(x)), name

@@ -997,7 +997,7 @@ static int PA_FN(moba_backward)(const pa_moba_desc *d, const void *qv, const voi
             Dr[r] = PA_FN(dot)(dout + r * d->Dv, o + r * d->Dv, d->Dv) - (dlse ? dlse[r] : 0);
         /* work w: by KV head (its blocks in order: the same bits for any thread count), or one
          * unit; dealt round robin, so a thread's dQ buffer gets the same units on every run */
-        const int64_t per = by_head ? nb : 1;
+        const int64_t per = by_head && nb > 0 ? nb : 1;
 #pragma omp for schedule(static, 1)
         for (int64_t w = 0; w < units / per; w++)
             for (int64_t u = w * per; ok && u < (w + 1) * per; u++)
