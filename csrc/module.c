@@ -563,18 +563,23 @@ static int64_t *moba_layout(const char *fn, PyObject *const *c, int64_t rq, int6
     if (!(d->cu_q = get_cu(fn, "cu_q", c[0], rq, &d->nseq)) || !(d->cu_k = get_cu(fn, "cu_k", c[1], rk, &nk)) ||
         get_int(fn, "block_size", c[2], 1, INT32_MAX, &bs) || get_int(fn, "causal", c[3], 0, 1, &causal))
         return NULL;
-    d->block_size = bs;
     d->causal = (int)causal;
     if (nk != d->nseq) {
         PyErr_Format(PyExc_ValueError, "%s(): cu_q and cu_k must have the same length", fn);
         return NULL;
     }
-    for (int64_t n = 0; n < d->nseq; n++)
+    int64_t longest = 1;
+    for (int64_t n = 0; n < d->nseq; n++) {
         if (d->cu_q[n + 1] - d->cu_q[n] > d->cu_k[n + 1] - d->cu_k[n]) {
             PyErr_Format(PyExc_ValueError, "%s(): sequence %lld has more queries than keys", fn,
                          (long long)n);
             return NULL;
         }
+        longest = d->cu_k[n + 1] - d->cu_k[n] > longest ? d->cu_k[n + 1] - d->cu_k[n] : longest;
+    }
+    /* a block longer than every sequence holds the whole sequence, as one of the longest's
+     * length does: the kernels' buffers follow the keys, not the argument */
+    d->block_size = bs < longest ? bs : longest;
     return moba_blocks(d);
 }
 

@@ -705,10 +705,10 @@ def dsa_index_scores(index_q, index_k, index_w):
 
 def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None):
     """Per (sequence, query t): the top_k visible keys by I[t, s] (ties to the lower s), in
-    ascending order of s, then -1 padding."""
+    ascending order of s, then -1 padding; min(top_k, Tk) columns."""
     scores = dsa_index_scores(index_q, index_k, index_w)
-    B, T = scores.shape[:2]
-    idx = np.full((B, T, top_k), -1, dtype=np.int64)
+    B, T, Tk = scores.shape
+    idx = np.full((B, T, min(top_k, Tk)), -1, dtype=np.int64)
     for b, s0, e in _sequences(B, T, cu_seqlens):
         for t in range(s0, e):
             visible = range(s0, t + 1 if causal else e)

@@ -8,6 +8,10 @@ A MoBA query attends to a few key blocks: its own (causal inside it) and the pas
 whose mean key best matches it. One kernel call each way: the block kernel
 (_core.moba_forward) runs each (query, head)'s chosen past blocks whole and its own block up
 to its position, with one online softmax across them; _core.moba_backward is its backward.
+
+Size arguments beyond the data (a block longer than every sequence, more blocks or keys
+than there are) mean the largest meaningful value and are clamped to it before anything is
+allocated: the result is the same, and no buffer follows the argument.
 """
 from __future__ import annotations
 
@@ -50,6 +54,11 @@ def _block_means(x, cu, bs):
     return out
 
 
+def _longest(cu):
+    """The most rows of a sequence of cu, at least 1 (the clamp of a size argument)."""
+    return max(int(np.diff(cu).max(initial=0)), 1)
+
+
 def _positions(cu_q, cu_k):
     """(sequence, key position) of every query row: bottom-right, the last query of a
     sequence at its last key."""
@@ -66,11 +75,14 @@ class _MobaCall:
         arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v)
         q, k, v = arrs["q"], arrs["k"], arrs["v"]
         B, Tq, H, D, Tk, Hk, Dv = V.attention_qkv(fn, q, k, v)
-        self.bs = V.integer(fn, "block_size", block_size, 1)
-        self.top_k = V.integer(fn, "top_k", top_k, 1)
+        bs = V.integer(fn, "block_size", block_size, 1)
+        top_k = V.integer(fn, "top_k", top_k, 1)
         self.causal = V.boolean(fn, "causal", causal)
         self.scale = V.scale(fn, scale, D ** -0.5, dtype)
         cu_q, cu = _offsets(fn, B, Tq, Tk, cu_seqlens)
+        longest = _longest(cu)
+        self.bs = min(bs, longest)
+        self.top_k = min(top_k, -(-longest // self.bs))
         self.shape, self.kshape, self.vshape = q.shape, k.shape, v.shape
         self.H, self.Hk, self.D, self.Dv = H, Hk, D, Dv
         self.q, self.k, self.v = (x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]) for x in (q, k, v))
@@ -112,10 +124,12 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
     chosen, counts as one of the ``top_k``, and is attended causally; the other ``top_k -
     1`` are the best-scoring past blocks (ties to the lower block), attended whole; future
     blocks never. ``causal=False``: the ``top_k`` best blocks of the sequence, attended
-    whole. Within the chosen keys, ``o_i = sum_j softmax_j(scale q_i.k_j) v_j`` (scale
-    ``Dk ** -0.5`` unless given). ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences; blocks
-    restart at each. Returns ``o [B, Tq, H, Dv]``. Differentiable in q, k, v through ``pyattn.vjp``; the
-    choice of blocks is not differentiated.
+    whole. Within the chosen keys, ``o_i = sum_j
+    softmax_j(scale q_i.k_j) v_j`` (scale ``Dk ** -0.5`` unless given). A ``block_size``
+    beyond the longest sequence acts as its length, a ``top_k`` beyond its blocks as their
+    count. ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences; blocks restart at each. Returns
+    ``o [B, Tq, H, Dv]``. Differentiable in q, k, v through ``pyattn.vjp``; the choice of
+    blocks is not differentiated.
     """
     c = _MobaCall(q, k, v, block_size, top_k, causal, scale, cu_seqlens)
     return _moba_forward(c)[0].reshape(c.shape[:3] + (c.Dv,))
@@ -253,11 +267,16 @@ class _NsaCall:
         B, Tq, H, D, Tk, Hk, Dv = V.attention_qkv(fn, q, k, v)
         for name in self.GATES:
             V.shape(fn, name, arrs[name], (B, Tq, H), "[B, T, H]")
-        self.bs = bs = V.integer(fn, "block_size", block_size, 1)
-        self.nsel = V.integer(fn, "block_count", block_count, 1)
-        self.window = V.integer(fn, "window", window, 1)
+        bs = V.integer(fn, "block_size", block_size, 1)
+        nsel = V.integer(fn, "block_count", block_count, 1)
+        window = V.integer(fn, "window", window, 1)
         self.scale = V.scale(fn, scale, D ** -0.5, dtype)
         self.cu_q, self.cu_k = _offsets(fn, B, Tq, Tk, cu_seqlens)
+        longest = _longest(self.cu_k)
+        # a block_size beyond every sequence gives each one block, never complete (nothing
+        # for the compressed branch), as longest + 1 does
+        self.bs = bs = min(bs, longest + 1)
+        self.nsel, self.window = min(nsel, -(-longest // bs)), min(window, longest)
         self.shape, self.kshape, self.vshape = q.shape, k.shape, v.shape
         self.H, self.Hk, self.D, self.Dv = H, Hk, D, Dv
         self.q, self.k, self.v = (x.reshape(-1, x.shape[2], x.shape[3]) for x in (q, k, v))
@@ -386,11 +405,13 @@ def nsa_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_count=16
       the group's heads (ties to the lower block), attended whole;
     - sliding window: the keys ``i - window + 1 .. i``.
 
-    ``o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa``, scale ``Dk ** -0.5`` unless given.
-    ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences. Every branch is softmax attention over
-    listed keys, run by the flash and decode kernels; no score matrix is formed. Returns ``o
-    [B, Tq, H, Dv]``; differentiable in q, k, v, the gates and k_cmp, v_cmp through
-    ``pyattn.vjp`` (the choice of blocks is not differentiated).
+    ``o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa``, scale ``Dk ** -0.5`` unless given. A
+    ``window`` beyond the longest sequence acts as its length, a ``block_count`` beyond its
+    blocks as their count, a ``block_size`` beyond it as its length + 1 (one block per
+    sequence, never complete). ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences. Every branch
+    is softmax attention over listed keys, run by the flash and decode kernels; no score
+    matrix is formed. Returns ``o [B, Tq, H, Dv]``; differentiable in q, k, v, the gates and
+    k_cmp, v_cmp through ``pyattn.vjp`` (the choice of blocks is not differentiated).
     """
     c = _NsaCall(q, k, v, g_cmp, g_slc, g_swa, block_size, block_count, window, k_cmp, v_cmp, scale,
                  cu_seqlens)
@@ -494,15 +515,19 @@ class _DsaSelection:
     scores in tiles of queries, a quickselect per query): ``rows`` int32 ``[Rq, top_k]``
     (flattened key rows b * Tk + s, ascending, -1 after the last: the decode kernel's block
     table of single rows), their ``count [Rq]``, and ``nan [Rq]``, the queries whose visible
-    index scores hold a NaN (their outputs are NaN)."""
+    index scores hold a NaN (their outputs are NaN). A top_k beyond the Tk keys is Tk: no
+    query has more to choose from."""
 
     def __init__(self, iq, ik, iw, top_k, causal, cu_q, cu_k):
-        rows = cu_q[-1]
-        self.rows = np.empty((rows, top_k), np.int32)
+        rows, Tk = int(cu_q[-1]), ik.shape[1]
+        self.top_k = min(top_k, Tk)
+        self.rows = np.empty((rows, self.top_k), np.int32)
         self.count = np.empty(rows, np.int64)
         nan = np.empty(rows, np.uint8)
-        _core.dsa_select(iq.reshape(rows, *iq.shape[2:]), ik.reshape(-1, ik.shape[2]),
-                         iw.reshape(rows, iw.shape[2]), cu_q, cu_k, top_k, causal, self.rows, self.count, nan)
+        if rows:  # a query has a key at least (Tq <= Tk): top_k >= 1 as the kernel needs
+            _core.dsa_select(iq.reshape(rows, *iq.shape[2:]), ik.reshape(-1, ik.shape[2]),
+                             iw.reshape(rows, iw.shape[2]), cu_q, cu_k, self.top_k, causal, self.rows,
+                             self.count, nan)
         self.nan = nan.astype(bool)
 
 
@@ -515,10 +540,11 @@ def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None
     index_q ``[B, Tq, Hi, Di]``, index_k ``[B, Tk, Di]``, index_w ``[B, Tq, Hi]``; the queries
     are the last Tq positions of the keys' sequence; causal: key s is visible to the query at
     position i when ``s <= i``; ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences. Returns int64
-    ``[B, Tq, top_k]``: the key rows (of the batch row, so under cu_seqlens counted from the
-    pack's start), ascending, then -1 where fewer than top_k are visible. A C kernel scores
-    tiles of queries and selects by quickselect: the ``[Tq, Tk]`` scores are never held at
-    once. Not differentiable (``pyattn.vjp`` refuses it): integer rows have no gradient.
+    ``[B, Tq, min(top_k, Tk)]`` (a top_k beyond the keys acts as Tk): the key rows (of the
+    batch row, so under cu_seqlens counted from the pack's start), ascending, then -1 where
+    fewer are visible. A C kernel scores tiles of queries and selects by quickselect: the
+    ``[Tq, Tk]`` scores are never held at once. Not differentiable (``pyattn.vjp`` refuses
+    it): integer rows have no gradient.
     """
     fn = "dsa_select"
     iq, ik, iw = _index_arrays(fn, index_q, index_k, index_w)
@@ -526,7 +552,7 @@ def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None
     causal = V.boolean(fn, "causal", causal)
     B, Tq, Tk = iq.shape[0], iq.shape[1], ik.shape[1]
     sel = _DsaSelection(iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
-    rows = sel.rows.reshape(B, Tq, top_k).astype(np.int64)
+    rows = sel.rows.reshape(B, Tq, sel.top_k).astype(np.int64)
     return np.where(rows >= 0, rows - np.arange(B)[:, None, None] * Tk, -1)
 
 
@@ -569,10 +595,10 @@ def dsa_attention(q, k, v, index_q, index_k, index_w, *, top_k, causal=True, sca
     before it; the queries are the last Tq positions of the keys' sequence); ``o_i = sum_s
     softmax_s(scale q_i.k_s) v_s`` over them (scale ``Dk ** -0.5`` unless given), run by the
     decode kernel over the selected rows. A NaN among a query's visible index scores makes
-    its output NaN. ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences. Returns ``o [B, Tq, H,
-    Dv]``; differentiable in q, k, v through ``pyattn.vjp``. The selection is not
-    differentiated: the index arrays' gradients are 0; the indexer trains on its own loss
-    against ``dsa_index_target``.
+    its output NaN. A top_k beyond the keys acts as Tk. ``cu_seqlens`` (B = 1, Tq = Tk) packs
+    sequences. Returns ``o [B, Tq, H, Dv]``; differentiable in q, k, v through
+    ``pyattn.vjp``. The selection is not differentiated: the index arrays' gradients are 0;
+    the indexer trains on its own loss against ``dsa_index_target``.
     """
     return _DsaCall(q, k, v, index_q, index_k, index_w, top_k, causal, scale, cu_seqlens).forward()
 

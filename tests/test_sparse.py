@@ -105,6 +105,50 @@ def test_ties_go_to_the_lower_block(rng):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("cu", [None, [0, 4, 4, 13]], ids=["batch", "varlen"])
+def test_moba_sizes_beyond_the_data(rng, causal, cu):
+    """block_size and top_k far beyond the keys give the oracle's output, and exactly the
+    output and gradients of the largest meaningful values (one block per sequence; every
+    block), and size nothing from the argument."""
+    T, longest = 13, 13 if cu is None else 9
+    q, k, v = qkv(rng, np.float64, B=2 if cu is None else 1, T=T)
+    do = rng.standard_normal(q.shape[:3] + (5,))
+    kw = dict(causal=causal, cu_seqlens=None if cu is None else np.array(cu))
+    for big, fit in ((dict(block_size=10 ** 9, top_k=2), dict(block_size=longest, top_k=2)),
+                     (dict(block_size=4, top_k=10 ** 9), dict(block_size=4, top_k=-(-longest // 4)))):
+        o, pullback = pyattn.vjp(pyattn.moba_attention, q, k, v, **big, **kw)
+        want, want_pullback = pyattn.vjp(pyattn.moba_attention, q, k, v, **fit, **kw)
+        assert_close(o, reference.moba_attention(q, k, v, **big, **kw))
+        assert np.array_equal(o, want)
+        assert np.array_equal(pyattn.moba_attention(q, k, v, **big, **kw), want)
+        g, gw = pullback(do), want_pullback(do)
+        for name in "qkv":
+            assert np.array_equal(g[name], gw[name]), name
+
+
+def test_moba_kernel_block_size_beyond_the_keys(rng):
+    """_core's MoBA kernels called with block_size INT32_MAX: the buffers follow the
+    longest sequence (9 keys), and the results equal block_size 9's."""
+    cu = np.array([0, 4, 13], np.int64)
+    H, Hk, D, Dv = 2, 1, 3, 2
+    q, k, v = rng.standard_normal((13, H, D)), rng.standard_normal((13, Hk, D)), rng.standard_normal((13, Hk, Dv))
+    km = np.stack([k[0:4].mean(0), k[4:13].mean(0)])
+    do, dlse = rng.standard_normal((13, H, Dv)), rng.standard_normal((13, H))
+    for causal in (False, True):
+        out = []
+        for bs in (2 ** 31 - 1, 9):
+            choice = np.empty((13, H, 1), np.int32)
+            _core.moba_select(q, km, cu, cu, bs, causal, 0 if causal else 1, choice)
+            o, lse = np.empty((13, H, Dv)), np.empty((13, H))
+            _core.moba_forward(q, k, v, choice, cu, cu, bs, causal, 0.5, o, lse)
+            dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+            _core.moba_backward(q, k, v, o, lse, do, dlse, choice, cu, cu, bs, causal, 0.5, dq, dk, dv)
+            out.append((choice, o, lse, dq, dk, dv))
+        for a, b in zip(*out):
+            assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("cu", [None, [0, 4, 11]], ids=["batch", "varlen"])
 def test_gradcheck(rng, causal, cu):
     q, k, v = qkv(rng, np.float64, B=1 if cu else 2, T=11, H=2, Hk=1, D=3, Dv=2)
@@ -581,7 +625,7 @@ DSA_LAYOUTS = {  # name: (B, T, Tq, cu_seqlens)
 @pytest.mark.parametrize("layout", DSA_LAYOUTS.values(), ids=DSA_LAYOUTS.keys())
 def test_dsa_select_equals_oracle(rng, layout, top_k, causal):
     """The int64 rows exactly the oracle's (Tq < Tk: the last Tq rows of the oracle over all
-    positions)."""
+    positions), min(top_k, Tk) of them."""
     B, T, Tq, cu = layout
     a = index_inputs(rng, B, T, T)
     kw = dict(top_k=top_k, causal=causal, cu_seqlens=None if cu is None else np.array(cu))
@@ -589,15 +633,15 @@ def test_dsa_select_equals_oracle(rng, layout, top_k, causal):
     for dtype in (np.float64, np.float32):
         rows = pyattn.dsa_select(a[0][:, T - Tq:].astype(dtype), a[1].astype(dtype), a[2][:, T - Tq:].astype(dtype),
                                  **kw)
-        assert rows.dtype == np.int64 and rows.shape == (B, Tq, top_k)
+        assert rows.dtype == np.int64 and rows.shape == (B, Tq, min(top_k, T))
         assert np.array_equal(rows, ref)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("cu", [None, [0, 4, 4, 11]], ids=["batch", "varlen"])
 def test_dsa_select_every_key_pads(rng, cu, causal):
-    """top_k >= the keys: every visible key, ascending, then -1 (under cu_seqlens the rows
-    count from the pack's start)."""
+    """top_k >= the keys: every visible key, ascending, then -1 up to Tk columns (under
+    cu_seqlens the rows count from the pack's start)."""
     B, T, top_k = (2, 11, 14) if cu is None else (1, 11, 14)
     rows = pyattn.dsa_select(*index_inputs(rng, B, T, T), top_k=top_k, causal=causal,
                              cu_seqlens=None if cu is None else np.array(cu))
@@ -605,7 +649,7 @@ def test_dsa_select_every_key_pads(rng, cu, causal):
     for s, e in bounds:
         for t in range(s, e):
             keys = list(range(s, t + 1 if causal else e))
-            want = np.array(keys + [-1] * (top_k - len(keys)))
+            want = np.array(keys + [-1] * (T - len(keys)))
             for b in range(B):
                 assert np.array_equal(rows[b, t], want), (b, t, rows[b, t])
 
@@ -1212,7 +1256,49 @@ def test_moba_select_is_a_stable_sort(rng, causal):
                 assert list(choice[r, h]) == order + [-1] * (slots - len(order)), (r, h)
 
 
-# --------------------------------------------------------------------------- empty inputs
+# --------------------------------------------------------------------------- sizes and empty inputs
+
+
+def test_nsa_sizes_beyond_the_data(rng):
+    """block_size, block_count and window far beyond the keys give the oracle's output, and
+    exactly the output and gradients of the largest meaningful values (one block of T keys,
+    never complete; every block; every key), and size nothing from the argument."""
+    T = 13
+    args = nsa_inputs(rng, T=T)
+    do = rng.standard_normal((2, T, 4, 3))
+    base = dict(block_size=4, block_count=2, window=3)
+    for big, fit in ((dict(block_size=10 ** 9), dict(block_size=T + 1)), (dict(block_count=2 ** 40), dict(block_count=4)),
+                     (dict(window=10 ** 12), dict(window=T))):
+        o, pullback = pyattn.vjp(pyattn.nsa_attention, *args, **dict(base, **big))
+        want, want_pullback = pyattn.vjp(pyattn.nsa_attention, *args, **dict(base, **fit))
+        assert_close(o, reference.nsa_attention(*args, **dict(base, **big)))
+        assert np.array_equal(o, want)
+        assert np.array_equal(pyattn.nsa_attention(*args, **dict(base, **big)), want)
+        g, gw = pullback(do), want_pullback(do)
+        assert g.keys() == gw.keys()
+        for name in g:
+            assert np.array_equal(g[name], gw[name]), name
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dsa_top_k_beyond_the_keys(rng, causal):
+    """top_k far beyond the keys: dsa_attention's output the oracle's, it and its gradients
+    exactly top_k = Tk's; dsa_select's rows [B, Tq, Tk], top_k = Tk's and the oracle's."""
+    T = 11
+    args = dsa_inputs(rng, T=T)
+    do = rng.standard_normal((2, T, 4, 3))
+    o, pullback = pyattn.vjp(pyattn.dsa_attention, *args, top_k=10 ** 9, causal=causal)
+    want, want_pullback = pyattn.vjp(pyattn.dsa_attention, *args, top_k=T, causal=causal)
+    assert_close(o, reference.dsa_attention(*args, top_k=10 ** 9, causal=causal))
+    assert np.array_equal(o, want)
+    assert np.array_equal(pyattn.dsa_attention(*args, top_k=10 ** 9, causal=causal), want)
+    g, gw = pullback(do), want_pullback(do)
+    for name in g:
+        assert np.array_equal(g[name], gw[name]), name
+    rows = pyattn.dsa_select(*args[3:], top_k=10 ** 9, causal=causal)
+    assert rows.shape == (2, T, T)
+    assert np.array_equal(rows, pyattn.dsa_select(*args[3:], top_k=T, causal=causal))
+    assert np.array_equal(rows, reference.dsa_select(*args[3:], top_k=10 ** 9, causal=causal))
 
 
 def _empty_call(rng, op, dtype, B, Tq, Tk, cu):

@@ -505,7 +505,9 @@ typedef struct {
 static int PA_FN(sb_scratch_alloc)(PA_FN(sb_scratch) * s, const pa_moba_desc *d, int64_t maxnb)
 {
     const int64_t R = SB_ROWS, RI = SB_ITEM_ROWS, bs = d->block_size, D = d->Dk > d->Dv ? d->Dk : d->Dv;
-    const int64_t slots = d->slots > 0 ? d->slots : 1, ldb = PA_FN(sb_ldb)(d);
+    /* a row lists each block once (moba_desc checks): maxnb pairs at most, whatever slots */
+    const int64_t cap = maxnb > 0 ? maxnb : 1, slots = d->slots < 1 ? 1 : (d->slots < cap ? d->slots : cap);
+    const int64_t ldb = PA_FN(sb_ldb)(d);
     const int64_t tile = R * ldb > bs * SB_LDS ? R * ldb : bs * SB_LDS;
     int64_t w = PA_FN(gemm_work_elems)(R, bs, D), w2 = PA_FN(gemm_work_elems)(R, D, bs);
     w = w > w2 ? w : w2;
