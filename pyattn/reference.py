@@ -591,8 +591,9 @@ def _attend(qi, keys, values, scale):
 
 def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
     """Per (sequence, head, query at bottom-right position p): every block's score
-    q . mean(k_block), the blocks chosen by the definition (own block first when causal, then
-    the best past ones, ties to the lower block), the keys visible in them, then softmax."""
+    q . mean(k_block), the blocks chosen by the definition (own block first, then the best
+    past ones, or when not causal the best other ones, ties to the lower block), the keys
+    visible in them, then softmax."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     B, Tq, H, Dk = q.shape
     Tk, Hk = k.shape[1], k.shape[2]
@@ -614,7 +615,8 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
                     past = sorted(range(own), key=lambda j: (-score[j], j))[:top_k - 1]
                     keys = [t for j in past for t in range(*blocks[j])] + list(range(blocks[own][0], p + 1))
                 else:
-                    chosen = sorted(range(len(blocks)), key=lambda j: (-score[j], j))[:top_k]
+                    others = [j for j in range(len(blocks)) if j != own]
+                    chosen = [own] + sorted(others, key=lambda j: (-score[j], j))[:top_k - 1]
                     keys = [t for j in chosen for t in range(*blocks[j])]
                 o[b, i, h] = _attend(q[b, i, h], k[b, keys, kh], v[b, keys, kh], scale)[0]
     return o

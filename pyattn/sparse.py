@@ -5,9 +5,10 @@ the flash kernel, the decode kernel over listed key rows, or MoBA's block kernel
 a score matrix.
 
 A MoBA query attends to a few key blocks: its own (causal inside it) and the past blocks
-whose mean key best matches it. One kernel call each way: the block kernel
-(_core.moba_forward) runs each (query, head)'s chosen past blocks whole and its own block up
-to its position, with one online softmax across them; _core.moba_backward is its backward.
+whose mean key best matches it (non-causal: its own, whole, and the best others). One kernel
+call each way: the block kernel (_core.moba_forward) runs each (query, head)'s chosen blocks
+whole and, causal, its own block up to its position, with one online softmax across them;
+_core.moba_backward is its backward.
 
 Size arguments beyond the data (a block longer than every sequence, more blocks or keys
 than there are) mean the largest meaningful value and are clamped to it before anything is
@@ -92,7 +93,8 @@ class _MobaCall:
     def _choose(self):
         """The kernel's choice [rows, H, slots]: per (query, head) the blocks best by
         q . mean(k_block), best first, ties to the lower block, -1 after them (causal: the
-        past blocks only, top_k - 1 of them, the own block being the kernel's to add)."""
+        past blocks only, top_k - 1 of them, the own block being the kernel's to add;
+        non-causal: the own block first, then the top_k - 1 best others)."""
         self.slots = max(self.top_k - 1, 0) if self.causal else self.top_k
         self.choice = np.empty((self.q.shape[0], self.H, max(self.slots, 1)), np.int32)
         _core.moba_select(self.q, _block_means(self.k, self.cu, self.bs), self.cu_q, self.cu, self.bs,
@@ -123,8 +125,9 @@ def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_se
     head h by ``q_i . mean(k_block)``. Causal (the default): the query's own block is always
     chosen, counts as one of the ``top_k``, and is attended causally; the other ``top_k -
     1`` are the best-scoring past blocks (ties to the lower block), attended whole; future
-    blocks never. ``causal=False``: the ``top_k`` best blocks of the sequence, attended
-    whole. Within the chosen keys, ``o_i = sum_j
+    blocks never. ``causal=False``: the own block is still always chosen, and the other
+    ``top_k - 1`` are the best of all other blocks, earlier or later (ties to the lower
+    block), every chosen block attended whole. Within the chosen keys, ``o_i = sum_j
     softmax_j(scale q_i.k_j) v_j`` (scale ``Dk ** -0.5`` unless given). A ``block_size``
     beyond the longest sequence acts as its length, a ``top_k`` beyond its blocks as their
     count. ``cu_seqlens`` (B = 1, Tq = Tk) packs sequences; blocks restart at each. Returns

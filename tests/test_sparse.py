@@ -104,6 +104,41 @@ def test_ties_go_to_the_lower_block(rng):
     assert np.all(last[:3] > 0) and np.all(last[3:9] == 0) and np.all(last[9:] > 0)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_full_keeps_the_own_block(rng, dtype):
+    """causal=False, top_k = 2: the own block whatever its score, and the best other block,
+    earlier or later. Blocks 1 and 2 share the best mean key, 0 and 3 the worst: a query of
+    block 0 or 3 takes its own and block 1 (the tie to the lower), one of block 1 takes
+    block 2, one of block 2 takes block 1 (the oracle agrees)."""
+    D, bs = 4, 3
+    base = rng.standard_normal((bs, D))
+    k = np.concatenate([-base, base, base[::-1], -base])[None, :, None, :].astype(dtype)
+    q = np.tile(base.mean(0), (1, 4 * bs, 1, 1)).astype(dtype)
+    v = np.eye(4 * bs, dtype=dtype)[None, :, None, :]  # o's columns say which keys were attended
+    o = pyattn.moba_attention(q, k, v, block_size=bs, top_k=2, causal=False)
+    assert_close(o, reference.moba_attention(q, k, v, block_size=bs, top_k=2, causal=False))
+    blocks = {0: [0, 1], 1: [1, 2], 2: [1, 2], 3: [1, 3]}
+    for i in range(4 * bs):
+        seen = [j for j in range(4) if np.all(o[0, i, 0, j * bs:(j + 1) * bs] > 0)]
+        assert seen == blocks[i // bs], (i, seen)
+        assert np.count_nonzero(o[0, i, 0]) == 2 * bs
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_full_top_1_is_the_whole_own_block(rng, dtype):
+    """top_k = 1, causal=False: each query sees its whole own block and nothing else:
+    non-causal attention with the blocks as sequences, forward and gradients."""
+    q, k, v = qkv(rng, dtype, B=1, T=30)
+    cu = np.array([0, 7, 14, 21, 28, 30])
+    do = rng.standard_normal((1, 30, 4, 5)).astype(dtype)
+    o, pullback = pyattn.vjp(pyattn.moba_attention, q, k, v, block_size=7, top_k=1, causal=False)
+    ref, ref_pullback = pyattn.vjp(pyattn.softmax_attention, q, k, v, cu_seqlens=cu)
+    assert_close(o, ref)
+    g, want = pullback(do), ref_pullback(do)
+    for name in "qkv":
+        assert_close(g[name], want[name], TOLERANCES[np.dtype(dtype)][1], name=f"d{name}")
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("cu", [None, [0, 4, 4, 13]], ids=["batch", "varlen"])
 def test_moba_sizes_beyond_the_data(rng, causal, cu):
@@ -1231,8 +1266,9 @@ def test_moba_blocks_wider_than_a_kernel_tile(rng, H, Hk):
 @pytest.mark.parametrize("causal", [False, True])
 def test_moba_select_is_a_stable_sort(rng, causal):
     """_core.moba_select against a stable argsort of -q.mean(k_block) (causal: blocks at and
-    after the query's own as +inf, dropped after the sort; NaN scores last), with NaN and
-    tied scores present, GQA, two sequences and fewer queries than keys."""
+    after the query's own as +inf, dropped after the sort; non-causal: the own block first,
+    then the others in that order; NaN scores last), with NaN and tied scores present, GQA,
+    two sequences and fewer queries than keys."""
     H, Hk, D, bs, slots = 4, 2, 3, 4, 3
     cu_q, cu_k = np.array([0, 9, 20], np.int64), np.array([0, 13, 30], np.int64)
     q = rng.standard_normal((20, H, D))
@@ -1247,12 +1283,15 @@ def test_moba_select_is_a_stable_sort(rng, causal):
     for n in range(2):
         lag = (cu_k[n + 1] - cu_k[n]) - (cu_q[n + 1] - cu_q[n])
         for r in range(cu_q[n], cu_q[n + 1]):
-            limit = (r - cu_q[n] + lag) // bs if causal else nb[n]
+            own = (r - cu_q[n] + lag) // bs
             for h in range(H):
                 with np.errstate(invalid="ignore"):
                     x = -(km[first[n]:first[n + 1], h // (H // Hk)] @ q[r, h])
-                x[limit:] = np.inf
-                order = [j for j in np.argsort(x, kind="stable")[:slots] if j < limit]
+                if causal:
+                    x[own:] = np.inf
+                    order = [j for j in np.argsort(x, kind="stable")[:slots] if j < own]
+                else:
+                    order = [own] + [j for j in np.argsort(x, kind="stable") if j != own][:slots - 1]
                 assert list(choice[r, h]) == order + [-1] * (slots - len(order)), (r, h)
 
 

@@ -365,11 +365,12 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
 }
 
 /* MoBA (moba_forward, moba_backward): every (query row, head) attends to a list of whole
- * key blocks of its sequence (the past blocks it chose), and, when causal, to its own block
- * up to its position. K and V are packed once per call, per (KV head, block), in each layout
- * the GEMMs read. Forward: items (sequence, head, SB_ITEM_ROWS query rows); an item's queries are
- * bucketed by chosen block, and per block the bucket's rows are gathered into one GEMM
- * against the block's keys; the own block takes the item's rows that lie in it (consecutive
+ * key blocks of its sequence (the blocks it chose: causal, past ones; non-causal, its own
+ * among them), and, when causal, to its own block up to its position. K and V are packed
+ * once per call, per (KV head, block), in each layout the GEMMs read. Forward: items
+ * (sequence, head, SB_ITEM_ROWS query rows); an item's queries are bucketed by chosen
+ * block, and per block the bucket's rows are gathered into one GEMM against the block's
+ * keys; the causal own block takes the item's rows that lie in it (consecutive
  * rows of q, no gather) against the keys up to the last of them, the keys after a row's
  * position masked by selection; one online softmax per query across all its blocks. The
  * scores are formed transposed (keys by queries, K the packed A operand), as the flash
@@ -707,7 +708,8 @@ static inline int PA_FN(sb_before)(real x, real y)
 /* MoBA's choice: for every (query row, head), the d->slots blocks of its sequence first in a
  * stable ascending sort of -q.mean(k_block) (causal: the blocks at and after the query's own
  * count as +inf, and are dropped once chosen, so a query before its slots' worth of past
- * blocks takes all it has), in that order, -1 after them. */
+ * blocks takes all it has; non-causal: the query's own block comes first whatever its score,
+ * then the others in that order), -1 after them. */
 static int PA_FN(moba_select)(const pa_moba_desc *d, const void *qv, const void *kmv, int32_t *choice)
 {
     const real *q = qv, *km = kmv;
@@ -726,7 +728,8 @@ static int PA_FN(moba_select)(const pa_moba_desc *d, const void *qv, const void 
             if (!ok) continue;
             while (row >= d->cu_q[n + 1]) n++; /* rows ascend within a thread's share */
             const int64_t fb = d->first_block[n], nbs = d->first_block[n + 1] - fb;
-            const int64_t limit = d->causal ? (row - d->cu_q[n] + PA_FN(sb_lag)(d, n)) / bs : nbs;
+            const int64_t own = (row - d->cu_q[n] + PA_FN(sb_lag)(d, n)) / bs;
+            const int64_t limit = d->causal ? own : nbs;
             for (int64_t h = 0; h < H; h++) {
                 const real *qh = q + (row * H + h) * Dk;
                 int32_t *out = choice + (row * H + h) * width;
@@ -735,7 +738,12 @@ static int PA_FN(moba_select)(const pa_moba_desc *d, const void *qv, const void 
                     taken[j] = 0;
                 }
                 for (int64_t s = 0; s < width; s++) out[s] = -1;
-                for (int64_t s = 0, got = 0; s < S && s < nbs; s++) {
+                int64_t got = 0;
+                if (!d->causal && S > 0) { /* MoBA's rule: the own block always, for locality */
+                    taken[own] = 1;
+                    out[got++] = (int32_t)own;
+                }
+                for (int64_t s = got; s < S && s < nbs; s++) {
                     int64_t best = -1;
                     for (int64_t j = 0; j < nbs; j++)
                         if (!taken[j] && (best < 0 || PA_FN(sb_before)(x[j], x[best]))) best = j;
