@@ -1,0 +1,529 @@
+"""The machinery behind pyattn.torch: one ``torch.library.custom_op`` per pyattn op, its
+backward a custom op of its own, both generated from the op's Python signature.
+
+Each op ``pyattn::<name>`` takes every argument of the pyattn op positionally (arrays as
+tensors, flags and sizes as schema scalars) and returns a fixed tuple of tensors: every output
+the op can give, an empty placeholder where the call's flags leave one out (``final_state``
+without ``output_final_state``), so that the schema does not depend on the flags. The public
+function maps the placeholders back to None and returns pyattn's structure.
+
+``pyattn::<name>_backward`` takes the same arguments, the forward's outputs and their
+cotangents, and returns one gradient per tensor argument (an empty placeholder for an
+argument that gets none). It runs pyattn's C backward through ``pyattn.vjp``: the softmax
+family reuses the forward's output and LSE, the others recompute their forward first.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+import pyattn
+from pyattn import softmax as _softmax_mod
+
+# ------------------------------------------------------------------------------------------
+# argument kinds
+
+# Schema types of the non-tensor arguments, by name; every other argument is a tensor.
+_SCALARS = {
+    "causal": "bool", "return_lse": "bool", "return_colsum": "bool", "normalize": "bool",
+    "output_final_state": "bool", "dt_softplus": "bool", "qk_l2norm": "bool",
+    "sinks": "int", "num_splits": "int", "block_size": "int", "top_k": "int", "block_count": "int",
+    "chunk_size": "int",
+    "scale": "float?", "softcap": "float", "eps": "float", "theta": "float",
+    "form": "str", "kind": "str", "feature_map": "str?",
+}
+# softmax's window is (left, right); NSA's is one int
+_WINDOW = {"nsa_attention": "int"}
+# feature-map parameters travel as schema arguments of their own (a schema has no dict)
+_MAP_PARAMS = (("projection", "Tensor?"), ("p", "int?"), ("max_len", "int?"))
+_LISTS = {"os", "lses"}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    schema: str            # its schema type
+    default: object        # pyattn's default (inspect.Parameter.empty: required)
+    keyword: bool          # keyword-only in pyattn's signature
+
+
+def params_of(name: str, fn: Callable) -> List[Param]:
+    """The schema arguments of op ``name``, in the order of pyattn's signature, with the
+    feature-map parameters (``feature_map_params`` or ``**params``) spread into their own."""
+    import inspect
+
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        keyword = p.kind == p.KEYWORD_ONLY
+        if p.kind == p.VAR_KEYWORD or p.name == "feature_map_params":
+            out += [Param(n, t, None, True) for n, t in _MAP_PARAMS]
+            continue
+        if p.name in _LISTS:
+            schema = "Tensor[]"
+        elif p.name == "window":
+            schema = _WINDOW.get(name, "int[]?")
+        elif p.name in _SCALARS:
+            schema = _SCALARS[p.name]
+        else:
+            schema = "Tensor?" if p.default is None else "Tensor"
+        out.append(Param(p.name, schema, p.default, keyword))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# tensors <-> arrays
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def check_tensor(fn: str, name: str, t) -> None:
+    if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+        raise TypeError(f"pyattn.torch.{fn}(): '{name}' is on {t.device}; pyattn's kernels run on the "
+                        f"CPU: move it with .cpu() (fla and flash-attn serve CUDA tensors)")
+
+
+def to_array(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor (a copy only where it is not contiguous); bfloat16 and
+    float16 become float32."""
+    t = t.detach()
+    if t.dtype in _HALF:
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def to_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.to(dtype) if t.dtype != dtype else t
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+def _float_dtype(tensors) -> torch.dtype:
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+# ------------------------------------------------------------------------------------------
+# calling pyattn from schema arguments
+
+
+def pyattn_call(params: Sequence[Param], values: Sequence[object]) -> Tuple[list, dict]:
+    """pyattn's (args, kwargs) from the schema arguments: tensors as arrays, lists of tensors
+    as lists of arrays, window lists as tuples, the spread feature-map parameters gathered."""
+    args, kwargs, map_params = [], {}, {}
+    for p, v in zip(params, values):
+        if isinstance(v, torch.Tensor):
+            v = to_array(v)
+        elif isinstance(v, (list, tuple)) and p.schema == "Tensor[]":
+            v = [to_array(x) for x in v]
+        elif isinstance(v, (list, tuple)):
+            v = tuple(v)
+        if p.name in dict(_MAP_PARAMS):
+            if v is not None:
+                map_params[p.name] = v
+            continue
+        if p.keyword:
+            kwargs[p.name] = v
+        else:
+            args.append(v)
+    if map_params:
+        if "kind" in [p.name for p in params]:
+            kwargs.update(map_params)
+        else:
+            kwargs["feature_map_params"] = map_params
+    return args, kwargs
+
+
+# ------------------------------------------------------------------------------------------
+# outputs
+
+# How each op's outputs appear: "single" o; "state" (o, final_state or None); "pair" (o, lse);
+# "flags" o, then each further output its flag asks for (a tuple only when one does).
+_STATE_OPS = {"linear_attention", "retention", "lightning_attention", "simple_gla", "gla", "mamba2",
+              "delta_rule", "gated_delta_rule"}
+_FLAGGED = {"softmax_attention": (("lse", "return_lse"),),
+            "attention_with_kvcache": (("lse", "return_lse"), ("colsum", "return_colsum"))}
+
+
+def output_names(name: str) -> Tuple[str, ...]:
+    if name in _STATE_OPS:
+        return ("o", "final_state")
+    if name == "merge_attention_states":
+        return ("o", "lse")
+    return ("o",) + tuple(out for out, _ in _FLAGGED.get(name, ()))
+
+
+def public_mask(name: str, kw: Dict[str, object]) -> Tuple[bool, ...]:
+    """Which of output_names(name) the call returns (False: a placeholder)."""
+    if name in _STATE_OPS:
+        return (True, bool(kw["output_final_state"]))
+    if name in _FLAGGED:
+        return (True,) + tuple(bool(kw[flag]) for _, flag in _FLAGGED[name])
+    return (True,) * len(output_names(name))
+
+
+def public_structure(name: str, outs: Sequence[Optional[torch.Tensor]], kw: Dict[str, object]):
+    """pyattn's return structure from the fixed tuple (placeholders as None)."""
+    mask = public_mask(name, kw)
+    if name in _STATE_OPS:
+        return outs[0], (outs[1] if mask[1] else None)
+    if name == "merge_attention_states":
+        return outs[0], outs[1]
+    picked = [o for o, m in zip(outs, mask) if m]
+    return picked[0] if len(picked) == 1 else tuple(picked)
+
+
+def fixed_outputs(name: str, out, kw: Dict[str, object]) -> List[Optional[np.ndarray]]:
+    """pyattn's return value as one entry per output_names(name), None where left out."""
+    parts = list(out) if isinstance(out, tuple) else [out]
+    mask = public_mask(name, kw)
+    if name in _STATE_OPS or name == "merge_attention_states":
+        return [parts[0], parts[1] if mask[1] else None]
+    it = iter(parts)
+    return [next(it) if m else None for m in mask]
+
+
+# ------------------------------------------------------------------------------------------
+# output shapes without computing (the fake kernels)
+
+
+def _feature_dim(kind: Optional[str], D, projection) -> object:
+    if kind in (None, "identity", "elu1", "relu", "softmax", "focused"):
+        return D
+    if kind == "taylor":
+        return 1 + D + D * D
+    if kind == "performer":
+        if projection is None:
+            raise ValueError("feature_map(): 'performer' needs a 'projection' [m, D]")
+        return projection.shape[0]
+    if kind == "cosformer":
+        return 2 * D
+    raise ValueError(f"feature_map(): unknown kind {kind!r}")
+
+
+def _sequences(kw, B):
+    cu = kw.get("cu_seqlens")
+    return B if cu is None else cu.shape[0] - 1
+
+
+def output_shapes(name: str, kw: Dict[str, object]) -> List[Optional[tuple]]:
+    """Each output's shape for a call with these schema arguments (None: a placeholder)."""
+    mask = public_mask(name, kw)
+    if name == "merge_attention_states":
+        shapes = [tuple(kw["os"][0].shape), tuple(kw["lses"][0].shape)]
+    elif name in _STATE_OPS:
+        if name == "mamba2":
+            x, Bm = kw["x"], kw["B"]
+            o, state = tuple(x.shape), (Bm.shape[3], x.shape[3])
+            N, H = _sequences(kw, x.shape[0]), x.shape[2]
+        else:
+            q, v = kw["q"], kw["v"]
+            K = q.shape[3]
+            V = v.shape[3]
+            if name == "linear_attention":
+                K = _feature_dim(kw["feature_map"], K, kw["projection"])
+                V = V + 1 if kw["normalize"] else V
+            o, state = tuple(v.shape), (K, V)
+            N, H = _sequences(kw, q.shape[0]), v.shape[2]
+        shapes = [o, (N, H) + state]
+    elif name == "mla_attention":
+        shapes = [tuple(kw["q_nope"].shape[:3]) + (kw["w_uv"].shape[2],)]
+    elif name == "dsa_index_scores":
+        shapes = [tuple(kw["index_q"].shape[:2]) + (kw["index_k"].shape[1],)]
+    elif name == "rope":
+        shapes = [tuple(kw["x"].shape)]
+    elif name == "feature_map":
+        x = kw["x"]
+        shapes = [tuple(x.shape[:-1]) + (_feature_dim(kw["kind"], x.shape[-1], kw["projection"]),)]
+    else:
+        q = kw["q"]
+        v = kw["v_cache"] if name == "attention_with_kvcache" else kw["v"]
+        shapes = [tuple(q.shape[:3]) + (v.shape[-1],)]
+        if name in _FLAGGED:
+            shapes.append(tuple(q.shape[:3]))
+        if name == "attention_with_kvcache":
+            kc, table = kw["k_cache"], kw["block_table"]
+            capacity = kc.shape[1] * (1 if table is None else table.shape[1])
+            shapes.append((q.shape[0], q.shape[2], capacity))
+    return [s if m else None for s, m in zip(shapes, mask)]
+
+
+# ------------------------------------------------------------------------------------------
+# the forward and backward kernels
+
+
+def _first_float(values) -> torch.Tensor:
+    for v in values:
+        if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor):
+            v = v[0]
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    raise TypeError("pyattn.torch: the call has no floating-point tensor")
+
+
+def _ret(values: tuple):
+    """A custom op's return: a schema of one output returns it bare."""
+    return values[0] if len(values) == 1 else values
+
+
+def _tup(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def ref_dtype(values) -> torch.dtype:
+    return _first_float(values).dtype
+
+
+def _cotangent(name: str, cots: Sequence[Optional[np.ndarray]], kw):
+    """The cotangent in the structure of pyattn's return value."""
+    mask = public_mask(name, kw)
+    if name in _STATE_OPS or name == "merge_attention_states":
+        return tuple(cots[:2])
+    picked = [c for c, m in zip(cots, mask) if m]
+    return picked[0] if len(picked) == 1 else tuple(picked)
+
+
+class Op:
+    """One pyattn op as a pair of custom ops, its fake kernels and its autograd formula."""
+
+    def __init__(self, name: str, fn: Callable, vjp_fn: Optional[Callable] = None,
+                 forced: Optional[Dict[str, object]] = None):
+        self.name, self.fn = name, fn
+        # flags the forward always runs with, whatever the call's: the outputs vjp_fn reuses
+        self.forced = dict(forced or {})
+        self.params = params_of(name, fn)
+        self.names = [p.name for p in self.params]
+        self.outputs = output_names(name)
+        self.tensors = [i for i, p in enumerate(self.params) if p.schema.startswith("Tensor")]
+        # vjp_fn(args, kwargs, outs, cot) -> grads: a backward that reuses the forward's outputs
+        self.vjp_fn = vjp_fn
+        args = ", ".join(f"{p.schema} {p.name}" for p in self.params)
+        rets = ", ".join("Tensor" for _ in self.outputs)
+        self.op = torch.library.custom_op(f"pyattn::{name}", self._forward, mutates_args=(),
+                                          schema=f"({args}) -> ({rets})")
+        self.op.register_fake(self._fake)
+        outs = ", ".join(f"Tensor out_{o}" for o in self.outputs)
+        cots = ", ".join(f"Tensor grad_{o}" for o in self.outputs)
+        grads = ", ".join("Tensor[]" if self.params[i].schema == "Tensor[]" else "Tensor" for i in self.tensors)
+        self.backward_op = torch.library.custom_op(
+            f"pyattn::{name}_backward", self._backward, mutates_args=(),
+            schema=f"({args}, {outs}, {cots}) -> ({grads})")
+        self.backward_op.register_fake(self._fake_backward)
+        self.op.register_autograd(self._autograd_backward, setup_context=self._setup_context)
+
+    # -- forward
+    def _forward(self, *values):
+        kw = {**dict(zip(self.names, values)), **self.forced}
+        ref = _first_float(values)
+        args, kwargs = pyattn_call(self.params, values)
+        arrays = fixed_outputs(self.name, self.fn(*args, **{**kwargs, **self.forced}), kw)
+        return _ret(tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype) for a in arrays))
+
+    def _fake(self, *values):
+        ref = _first_float(values)
+        shapes = output_shapes(self.name, {**dict(zip(self.names, values)), **self.forced})
+        return _ret(tuple(ref.new_empty(s if s is not None else (0,)) for s in shapes))
+
+    # -- backward
+    def _backward(self, *values):
+        n, m = len(self.params), len(self.outputs)
+        fwd, outs, cots = values[:n], values[n:n + m], values[n + m:]
+        kw = dict(zip(self.names, fwd))
+        args, kwargs = pyattn_call(self.params, fwd)
+        mask = public_mask(self.name, kw)
+        cot = _cotangent(self.name, [to_array(c) if keep else None for c, keep in zip(cots, mask)], kw)
+        if self.vjp_fn is not None and ref_dtype(fwd) not in _HALF:
+            kept = public_mask(self.name, {**kw, **self.forced})
+            grads = self.vjp_fn(args, kwargs, [to_array(o) if k else None for o, k in zip(outs, kept)], cot)
+        else:
+            grads = pyattn.vjp(self.fn, *args, **kwargs)[1](cot)
+        result = []
+        for i in self.tensors:
+            p, x = self.params[i], fwd[i]
+            g = grads.get(p.name)
+            if p.schema == "Tensor[]":
+                result.append([to_tensor(gi, xi.dtype) for gi, xi in zip(g, x)])
+            elif g is None or x is None:
+                result.append(placeholder(_first_float(fwd)))
+            else:
+                result.append(to_tensor(g, x.dtype))
+        return _ret(tuple(result))
+
+    def _fake_backward(self, *values):
+        fwd = values[:len(self.params)]
+        ref = _first_float(fwd)
+        result = []
+        for i in self.tensors:
+            x = fwd[i]
+            if self.params[i].schema == "Tensor[]":
+                result.append([torch.empty_like(xi) for xi in x])
+            elif x is None or not x.is_floating_point():
+                result.append(ref.new_empty((0,)))
+            else:
+                result.append(torch.empty_like(x))
+        return _ret(tuple(result))
+
+    # -- autograd
+    def _setup_context(self, ctx, inputs, output):
+        flat, layout = [], []
+        for v in list(inputs) + list(_tup(output)):
+            if isinstance(v, torch.Tensor):
+                layout.append(("t", len(flat)))
+                flat.append(v)
+            elif isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor):
+                layout.append(("l", len(flat), len(v)))
+                flat.extend(v)
+            else:
+                layout.append(("v", v))
+        ctx.save_for_backward(*flat)
+        ctx.layout = layout
+
+    def _autograd_backward(self, ctx, *grads):
+        saved = ctx.saved_tensors
+        values = []
+        for entry in ctx.layout:
+            if entry[0] == "t":
+                values.append(saved[entry[1]])
+            elif entry[0] == "l":
+                values.append(list(saved[entry[1]:entry[1] + entry[2]]))
+            else:
+                values.append(entry[1])
+        n = len(self.params)
+        fwd, outs = values[:n], values[n:]
+        cots = [o.new_zeros(o.shape) if g is None else g.contiguous() for g, o in zip(grads, outs)]
+        tensor_grads = iter(_tup(self.backward_op(*fwd, *outs, *cots)))
+        result = []
+        for i, p in enumerate(self.params):
+            if not p.schema.startswith("Tensor"):
+                result.append(None)
+                continue
+            g = next(tensor_grads)
+            x = fwd[i]
+            usable = x is not None and (p.schema == "Tensor[]" or x.is_floating_point())
+            result.append(g if usable else None)
+        return tuple(result)
+
+    # -- the public call
+    def __call__(self, values: Sequence[object]):
+        values = list(values)
+        ref = None
+        for p, v in zip(self.params, values):
+            for t in (v if isinstance(v, (list, tuple)) and p.schema == "Tensor[]" else (v,)):
+                check_tensor(self.name, p.name, t)
+                if ref is None and isinstance(t, torch.Tensor) and t.is_floating_point():
+                    ref = t
+        for i, (p, v) in enumerate(zip(self.params, values)):
+            if p.schema in ("Tensor", "Tensor?") and v is not None and not isinstance(v, torch.Tensor):
+                t = torch.as_tensor(v)
+                # a Python float converted straight to the call's dtype (not through float32)
+                values[i] = torch.as_tensor(v, dtype=ref.dtype) if t.is_floating_point() and ref is not None else t
+            elif p.schema == "int[]?" and v is not None:
+                values[i] = [int(x) for x in v]
+        outs = _tup(self.op(*values))
+        return public_structure(self.name, outs, dict(zip(self.names, values)))
+
+
+def spread_map_params(fn: str, params: Optional[Dict[str, object]]) -> Tuple[object, object, object]:
+    """(projection, p, max_len) from a feature map's parameters; another name is a TypeError
+    as in pyattn."""
+    params = dict(params or {})
+    unknown = sorted(set(params) - {n for n, _ in _MAP_PARAMS})
+    if unknown:
+        raise TypeError(f"pyattn.torch.{fn}(): unknown feature-map parameters {unknown}")
+    return tuple(params.get(n) for n, _ in _MAP_PARAMS)
+
+
+def softmax_vjp(args, kwargs, outs, cot):
+    """softmax_attention's backward from the forward's o and LSE: no forward recomputed."""
+    q, k, v = args
+    options = {n: x for n, x in kwargs.items() if n != "return_lse"}
+    q, k, v, opts = _softmax_mod._prepare(q, k, v, **options)
+    do, dlse = cot if isinstance(cot, tuple) else (cot, None)
+    dq, dk, dv = _softmax_mod._backward(q, k, v, outs[0], outs[1], do, dlse, opts)
+    return {"q": dq, "k": dk, "v": dv}
+
+
+class KVCacheOp(Op):
+    """attention_with_kvcache as two custom ops: ``pyattn::kvcache_append`` checks the whole
+    call and writes the new keys and values into the caches (declared in mutates_args, so it
+    has no autograd formula: torch allows none on a mutating op), then the functional
+    ``pyattn::attention_with_kvcache`` attends over the caches it wrote, differentiable in q,
+    the new k and v, and the cache rows read."""
+
+    def __init__(self, fn: Callable):
+        super().__init__("attention_with_kvcache", fn)
+        args = ", ".join(("Tensor(a!) " if p.name in ("k_cache", "v_cache") else f"{p.schema} ") + p.name
+                         for p in self.params)
+        self.append_op = torch.library.custom_op("pyattn::kvcache_append", self._append,
+                                                 mutates_args=("k_cache", "v_cache"),
+                                                 schema=f"({args}) -> ()")
+        self.append_op.register_fake(lambda *values: None)
+
+    def _append(self, *values):
+        for name in ("k_cache", "v_cache"):
+            t = values[self.names.index(name)]
+            if t.dtype in _HALF or not t.is_contiguous():
+                raise TypeError(f"pyattn.torch.attention_with_kvcache(): '{name}' must be a contiguous "
+                                f"float32 or float64 tensor: the new keys are written into it")
+        args, kwargs = pyattn_call(self.params, values)
+        # the arrays view the caches' memory, so the write lands in the tensors
+        call = _softmax_mod._KVCall(*args, kwargs["k"], kwargs["v"], *(kwargs[n] for n in _KV_CALL_ARGS))
+        with call.written():
+            pass
+
+    def _read_call(self, values):
+        """pyattn's call over the caches as written: no new keys, every sequence longer by Tnew."""
+        args, kwargs = pyattn_call(self.params, values)
+        k = kwargs.pop("k")
+        kwargs.pop("v")
+        if k is not None:
+            args[3] = np.asarray(args[3]) + k.shape[1]
+        return args, kwargs, k
+
+    def _forward(self, *values):
+        kw = dict(zip(self.names, values))
+        ref = _first_float(values)
+        args, kwargs, _ = self._read_call(values)
+        arrays = fixed_outputs(self.name, self.fn(*args, **kwargs), kw)
+        return _ret(tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype) for a in arrays))
+
+    def _backward(self, *values):
+        n, m = len(self.params), len(self.outputs)
+        fwd, cots = values[:n], values[n + m:]
+        kw = dict(zip(self.names, fwd))
+        args, kwargs, k = self._read_call(fwd)
+        mask = public_mask(self.name, kw)
+        cot = _cotangent(self.name, [to_array(c) if keep else None for c, keep in zip(cots, mask)], kw)
+        grads = pyattn.vjp(self.fn, *args, **kwargs)[1](cot)
+        if k is not None:
+            call = _softmax_mod._KVCall(*args, None, None, *(kwargs[x] for x in _KV_CALL_ARGS))
+            B, Tnew = k.shape[:2]
+            pos = np.asarray(args[3])[:, None] - Tnew + np.arange(Tnew)
+            rows = call.rows(np.arange(B)[:, None], pos).ravel()
+            for name, cache in (("k", "k_cache"), ("v", "v_cache")):
+                flat = grads[cache].reshape(-1, *grads[cache].shape[2:])
+                grads[name] = flat[rows].reshape(B, Tnew, *flat.shape[1:])
+                flat[rows] = 0  # overwritten rows: their old values reach nothing
+        result = []
+        for i in self.tensors:
+            x, g = fwd[i], grads.get(self.params[i].name)
+            result.append(placeholder(_first_float(fwd)) if g is None or x is None else to_tensor(g, x.dtype))
+        return _ret(tuple(result))
+
+    def __call__(self, values: Sequence[object]):
+        values = list(values)
+        if values[self.names.index("k")] is not None:
+            self.append_op(*values)
+        return super().__call__(values)
+
+
+# _KVCall's arguments after (q, k_cache, v_cache, cache_seqlens, k, v), by keyword name
+_KV_CALL_ARGS = ("causal", "scale", "window", "sinks", "alibi_slopes", "softcap", "block_table", "num_splits")

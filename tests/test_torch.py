@@ -1,0 +1,270 @@
+"""pyattn.torch: every differentiable op of pyattn.OPS as a torch custom op. Forward and
+gradients equal pyattn's own (same bits), torch.library.opcheck and
+torch.autograd.gradcheck pass, torch.compile traces a model without a graph break, dtypes
+and devices are handled as documented."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyattn
+
+torch = pytest.importorskip("torch", reason="pyattn.torch needs torch (pip install 'pyattn[torch]')")
+pt = pytest.importorskip("pyattn.torch")
+
+NAMES = sorted(pt.__all__)
+
+
+def _to_torch(x, grad_names=(), name=None):
+    if isinstance(x, np.ndarray):
+        t = torch.from_numpy(x.copy())
+        if name in grad_names and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+    if isinstance(x, list) and x and isinstance(x[0], np.ndarray):
+        return [_to_torch(a, grad_names, name) for a in x]
+    return x
+
+
+def _example(name, dtype=np.float64, tiny=True, seed=0):
+    """(pyattn args, kwargs) and the same as tensors, the differentiable ones requiring grad."""
+    info = pyattn.OPS[name]
+    args, kwargs = info.example(np.random.default_rng(seed), dtype, tiny=tiny)
+    kwargs = {k: (v if k not in ("return_colsum",) else False) for k, v in kwargs.items()}
+    diff = set(info.differentiable)
+    targs = [_to_torch(a, diff, n) for a, n in zip(args, info.arrays)]
+    tkwargs = {}
+    for k, v in kwargs.items():
+        if k == "feature_map_params" and isinstance(v, dict):
+            tkwargs[k] = {pk: _to_torch(pv, diff, pk) for pk, pv in v.items()}
+        else:
+            tkwargs[k] = _to_torch(v, diff, k)
+    return args, kwargs, targs, tkwargs
+
+
+def _flat(out):
+    if isinstance(out, (tuple, list)):
+        return [x for o in out for x in _flat(o)]
+    return [] if out is None else [out]
+
+
+def _leaves(targs, tkwargs):
+    """(name, tensor) of every tensor input that requires grad."""
+    found = []
+
+    def visit(name, x):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            found.append((name, x))
+        elif isinstance(x, list):
+            for i, xi in enumerate(x):
+                visit(f"{name}[{i}]", xi)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                visit(k, v)
+
+    return found, visit
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_and_gradients_equal_pyattn(name):
+    info = pyattn.OPS[name]
+    args, kwargs, targs, tkwargs = _example(name, tiny=False)
+    ref, pullback = pyattn.vjp(info.fn, *args, **kwargs)
+    out = getattr(pt, name)(*targs, **tkwargs)
+    refs, outs = _flat(ref), _flat(out)
+    assert isinstance(out, tuple) == isinstance(ref, tuple) and len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert o.dtype == torch.float64
+        np.testing.assert_array_equal(o.detach().numpy(), r)
+    rng = np.random.default_rng(1)
+    cots = [rng.standard_normal(r.shape) for r in refs]
+    if isinstance(ref, tuple):
+        cot = tuple(None if r is None else cots.pop(0) for r in ref)
+    else:
+        cot = cots[0]
+    grads = pullback(cot)
+    loss = sum((o * torch.from_numpy(c)).sum() for o, c in zip(_flat(out), _flat(cot)))
+    found, visit = _leaves(targs, tkwargs)
+    for n, a in zip(info.arrays, targs):
+        visit(n, a)
+    for k, v in tkwargs.items():
+        visit(k, v)
+    loss.backward()
+    names = {n.split("[")[0] for n, _ in found}
+    assert names == set(grads), (names, set(grads))
+    for n, t in found:
+        base, _, idx = n.partition("[")
+        expected = grads[base][int(idx[:-1])] if idx else grads[base]
+        np.testing.assert_array_equal(t.grad.numpy(), expected, err_msg=n)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_opcheck(name):
+    _, _, targs, tkwargs = _example(name)
+    op = pt._OPS[name]
+    values = _call_values(name, targs, tkwargs)
+    result = torch.library.opcheck(op.op, tuple(values))
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def _call_values(name, targs, tkwargs):
+    """The custom op's positional arguments for a public call (its defaults filled in)."""
+    import inspect
+
+    fn = getattr(pt, name)
+    bound = inspect.signature(fn).bind(*targs, **tkwargs)
+    bound.apply_defaults()
+    op = pt._OPS[name]
+    values = []
+    for p in op.params:
+        if p.name in ("projection", "p", "max_len"):
+            params = bound.arguments.get("feature_map_params") or bound.arguments.get("params") or {}
+            values.append(params.get(p.name))
+        else:
+            v = bound.arguments[p.name]
+            values.append(list(v) if p.schema == "int[]?" and v is not None else v)
+    return values
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradcheck_float64(name):
+    _, _, targs, tkwargs = _example(name, seed=3)
+    found, visit = _leaves(targs, tkwargs)
+    for a in targs:
+        visit("", a)
+    for k, v in tkwargs.items():
+        visit(k, v)
+    leaves = [t for _, t in found]
+
+    def f(*xs):
+        it = iter(xs)
+
+        def swap(x):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                return next(it).clone()  # attention_with_kvcache writes into its caches
+            if isinstance(x, list):
+                return [swap(xi) for xi in x]
+            if isinstance(x, dict):
+                return {k: swap(v) for k, v in x.items()}
+            return x
+
+        a = [swap(x) for x in targs]
+        kw = {k: swap(v) for k, v in tkwargs.items()}
+        # entries that are -inf (the LSE of a row with no key) have no derivative
+        return tuple(torch.where(torch.isfinite(o.detach()), o, 0) for o in _flat(getattr(pt, name)(*a, **kw)))
+
+    assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-5, rtol=1e-3)
+
+
+def test_import_pyattn_does_not_import_torch():
+    code = "import sys, pyattn; import pyattn.nn; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_float32_stays_float32_and_half_precision_round_trips():
+    rng = np.random.default_rng(4)
+    q = torch.from_numpy(rng.standard_normal((1, 20, 2, 8), dtype=np.float32))
+    o = pt.softmax_attention(q, q, q, causal=True)
+    assert o.dtype == torch.float32
+    np.testing.assert_array_equal(o.numpy(), pyattn.softmax_attention(q.numpy(), q.numpy(), q.numpy(), causal=True))
+    for half in (torch.bfloat16, torch.float16):
+        qh = q.to(half).requires_grad_(True)
+        g = -torch.rand(1, 20, 2).to(half)
+        o, _ = pt.simple_gla(qh, qh, qh, g)
+        assert o.dtype == half
+        q32 = qh.detach().float().numpy()
+        ref, _ = pyattn.simple_gla(q32, q32, q32, g.float().numpy())
+        assert torch.equal(o.detach(), torch.from_numpy(ref).to(half))
+        o.float().sum().backward()
+        assert qh.grad.dtype == half and torch.isfinite(qh.grad.float()).all()
+
+
+def test_contiguous_tensors_cross_without_a_copy():
+    from pyattn.torch import _bridge
+
+    t = torch.randn(2, 3, 4, dtype=torch.float64)
+    assert np.shares_memory(_bridge.to_array(t), t.numpy())
+    strided = t.transpose(0, 1)
+    assert not strided.is_contiguous()
+    np.testing.assert_array_equal(_bridge.to_array(strided), strided.numpy())
+
+
+def test_non_cpu_tensor_is_a_type_error():
+    q = torch.empty(1, 4, 2, 8, device="meta")
+    with pytest.raises(TypeError, match=r"softmax_attention\(\): 'q' is on meta.*CPU"):
+        pt.softmax_attention(q, q, q)
+
+
+def test_bad_argument_raises_pyattns_error():
+    q = torch.randn(1, 4, 3, 8)
+    k = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="must be a multiple"):
+        pt.softmax_attention(q, k, k)
+    with pytest.raises(TypeError, match="unknown feature-map parameters"):
+        pt.feature_map(q, "focused", power=3)
+
+
+def test_python_scalars_and_lists_as_pyattn_takes_them():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 9, 2, 4))
+    ref, _ = pyattn.retention(q, q, q, gamma=0.9, cu_seqlens=[0, 4, 9])
+    out, _ = pt.retention(*(torch.from_numpy(q),) * 3, gamma=0.9, cu_seqlens=[0, 4, 9])
+    np.testing.assert_array_equal(out.numpy(), ref)
+
+
+def test_kvcache_writes_in_place_and_is_differentiable():
+    rng = np.random.default_rng(6)
+    B, H, Hk, D, cap = 2, 4, 2, 8, 16
+    kc, vc = (torch.from_numpy(rng.standard_normal((B, cap, Hk, D))) for _ in range(2))
+    q = torch.from_numpy(rng.standard_normal((B, 1, H, D))).requires_grad_(True)
+    k, v = (torch.from_numpy(rng.standard_normal((B, 1, Hk, D))).requires_grad_(True) for _ in range(2))
+    lens = torch.tensor([5, 11])
+    ref_caches = kc.numpy().copy(), vc.numpy().copy()
+    ref, pull = pyattn.vjp(pyattn.attention_with_kvcache, q.detach().numpy(), *ref_caches, lens.numpy(),
+                           k=k.detach().numpy(), v=v.detach().numpy())
+    o = pt.attention_with_kvcache(q, kc, vc, lens, k=k, v=v)
+    np.testing.assert_array_equal(o.detach().numpy(), ref)
+    np.testing.assert_array_equal(kc.numpy(), ref_caches[0])          # written in place
+    assert torch.equal(kc[1, 11], k[1, 0].detach())
+    do = rng.standard_normal(ref.shape)
+    (o * torch.from_numpy(do)).sum().backward()
+    grads = pull(do)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        np.testing.assert_array_equal(t.grad.numpy(), grads[name])
+    before = kc.clone()
+    with pytest.raises(ValueError, match="num_splits"):
+        pt.attention_with_kvcache(q, kc, vc, lens, k=k, v=v, num_splits=5000)
+    assert torch.equal(kc, before)
+
+
+def test_compile_fullgraph_traces_a_model():
+    class Hybrid(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 3 * 16, dtype=torch.float64)
+            self.gate = torch.nn.Linear(16, 2, dtype=torch.float64)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.proj(x).view(B, T, 3, 2, 8).unbind(2)
+            g = torch.nn.functional.logsigmoid(self.gate(x))
+            a = pt.softmax_attention(q, k, v, causal=True, window=(4, 0))
+            b, _ = pt.gated_delta_rule(q, k, v, g, torch.sigmoid(g), qk_l2norm=True)
+            return (a + b).reshape(B, T, 16)
+
+    torch.manual_seed(0)
+    model = Hybrid()
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    eager = model(x)
+    eager.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    assert torch.equal(out, eager)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
