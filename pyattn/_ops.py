@@ -1,7 +1,6 @@
 """pyattn.OPS: one entry per public op, iterated by the tests, the report and benchmarks."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
@@ -22,9 +21,8 @@ class OpInfo:
     pyattn.vjp refuses (dsa_select, dsa_index_target). has_state: whether it takes
     initial_state / output_final_state. chunked: whether it has chunk_size.
     example(rng, dtype, tiny=False) -> (args, kwargs): a valid call exercising the op's options
-    (tiny: small enough for finite differences), used by the self-check report. oracle: the
-    float64 oracle, where pyattn.reference has none of the op's name (``reference`` resolves
-    either).
+    (tiny: small enough for finite differences), used by the self-check report. reference:
+    the op's float64 oracle, pyattn.reference's function of its name.
     """
 
     name: str
@@ -37,14 +35,10 @@ class OpInfo:
     example: Callable
     description: str = ""
     options: Dict[str, object] = field(default_factory=dict)
-    oracle: Optional[Callable] = None
 
     @property
     def reference(self) -> Callable:
-        """The float64 oracle the op is checked against: ``oracle`` when given, else
-        pyattn.reference's function of the op's name."""
-        if self.oracle is not None:
-            return self.oracle
+        """The float64 oracle the op is checked against."""
         from . import reference
 
         return getattr(reference, self.name)
@@ -268,27 +262,11 @@ def _merge_example(rng, dtype=np.float64, tiny=False):
     return (os, lses), {}
 
 
-def _merge_oracle(os, lses):
-    """merge_attention_states, literally per (b, t, h) in float64: ``lse = log sum_p
-    exp(lse_p)``, ``o = sum_p exp(lse_p - lse) o_p``; 0 and -inf where every lse_p is -inf."""
-    o_p = np.stack([np.asarray(o, np.float64) for o in os])
-    lse_p = np.stack([np.asarray(x, np.float64) for x in lses])
-    o, lse = np.zeros(o_p.shape[1:]), np.full(lse_p.shape[1:], -np.inf)
-    for b, t, h in np.ndindex(*lse.shape):
-        parts = lse_p[:, b, t, h]
-        if np.all(parts == -np.inf):
-            continue
-        m = parts.max()
-        lse[b, t, h] = m + math.log(sum(math.exp(x - m) for x in parts))
-        o[b, t, h] = sum(math.exp(x - lse[b, t, h]) * o_p[p, b, t, h] for p, x in enumerate(parts))
-    return o, lse
-
-
 def _op(fn: Callable, example: Callable, description: str, arrays: Tuple[str, ...],
-        differentiable: Tuple[str, ...], forms: Tuple[str, ...] = (), oracle: Optional[Callable] = None) -> OpInfo:
+        differentiable: Tuple[str, ...], forms: Tuple[str, ...] = ()) -> OpInfo:
     """An op without state or chunk size."""
     return OpInfo(name=fn.__name__, fn=fn, forms=forms, arrays=arrays, differentiable=differentiable,
-                  has_state=False, chunked=False, example=example, description=description, oracle=oracle)
+                  has_state=False, chunked=False, example=example, description=description)
 
 
 def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tuple[str, ...],
@@ -350,7 +328,7 @@ def build_ops() -> Dict[str, OpInfo]:
             merge_attention_states, _merge_example,
             "merges partial softmax attentions over disjoint key sets by their LSEs "
             "(flash decoding, ring attention); gradients as lists, one entry per part",
-            arrays=("os", "lses"), differentiable=("os", "lses"), oracle=_merge_oracle),
+            arrays=("os", "lses"), differentiable=("os", "lses")),
         "dsa_select": _op(
             dsa_select, _dsa_select_example,
             "DSA's choice: each query's top_k visible keys by the indexer scores, int64 rows "

@@ -758,3 +758,19 @@ def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=
                 kh = h // (H // Hk)
                 P[b, t, keys] += _attend(q[b, t, h], k[b, keys, kh], k[b, keys, kh], scale)[2] / H
     return P
+
+
+def merge_attention_states(os, lses):
+    """Per (b, t, h) in float64: ``lse = log sum_p
+    exp(lse_p)``, ``o = sum_p exp(lse_p - lse) o_p``; 0 and -inf where every lse_p is -inf."""
+    o_p = np.stack([np.asarray(o, np.float64) for o in os])
+    lse_p = np.stack([np.asarray(x, np.float64) for x in lses])
+    o, lse = np.zeros(o_p.shape[1:]), np.full(lse_p.shape[1:], -np.inf)
+    for b, t, h in np.ndindex(*lse.shape):
+        parts = lse_p[:, b, t, h]
+        if np.all(parts == -np.inf):
+            continue
+        m = parts.max()
+        lse[b, t, h] = m + math.log(sum(math.exp(x - m) for x in parts))
+        o[b, t, h] = sum(math.exp(x - lse[b, t, h]) * o_p[p, b, t, h] for p, x in enumerate(parts))
+    return o, lse

@@ -23,6 +23,7 @@ def test_every_op_with_an_oracle_is_registered():
     oracles = {n for n, f in vars(reference).items()
                if inspect.isfunction(f) and f.__module__ == reference.__name__ and not n.startswith("_")}
     assert oracles and oracles <= set(pyattn.OPS)
+    assert set(pyattn.OPS) <= oracles
     for name in ("rope", "feature_map", "merge_attention_states", "dsa_select", "dsa_index_target"):
         assert name in pyattn.OPS and name in pyattn.__all__
 
