@@ -17,6 +17,8 @@ def _python_blocks():
 def test_readme_python_block_runs(index):
     """Every python block of the README runs as written, each in a namespace of its own."""
     code = _python_blocks()[index]
+    if "torch" in code:
+        pytest.importorskip("torch", reason="the block uses torch")
     scope = {}
     exec(compile(code, f"{README}: python block {index}", "exec"), scope)
     if index == 0:
@@ -26,10 +28,31 @@ def test_readme_python_block_runs(index):
         assert grads["k"].shape == (2, 256, 2, 64)
 
 
+# docs pages whose python blocks are programs (docs/ops.md's are signatures)
+RUNNABLE_DOCS = ("training.md", "torch.md", "fla.md")
+
+
+def _doc_blocks():
+    blocks = []
+    for page in RUNNABLE_DOCS:
+        path = README.parent / "docs" / page
+        if path.exists():
+            blocks += [(page, i, b) for i, b in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S))]
+    return blocks
+
+
+@pytest.mark.parametrize("page,index,code", _doc_blocks(), ids=lambda x: str(x)[:20])
+def test_docs_python_block_runs(page, index, code):
+    if "torch" in code:
+        pytest.importorskip("torch", reason="the block uses torch")
+    exec(compile(code, f"docs/{page}: python block {index}", "exec"), {})
+
+
 def test_readme_has_a_tour():
     blocks = _python_blocks()
     assert len(blocks) >= 6
-    assert all("import pyattn" in b or "import numpy as np, pyattn" in b for b in blocks)
+    assert all("import pyattn" in b or "import numpy as np, pyattn" in b or "import pyattn.torch" in b
+               for b in blocks)
 
 
 def test_relative_links_resolve():
