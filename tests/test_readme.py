@@ -29,7 +29,7 @@ def test_readme_python_block_runs(index):
 
 
 # docs pages whose python blocks are programs (docs/ops.md's are signatures)
-RUNNABLE_DOCS = ("training.md", "torch.md", "fla.md")
+RUNNABLE_DOCS = ("training.md", "torch.md", "jax.md", "fla.md")
 
 
 def _doc_blocks():
@@ -43,8 +43,9 @@ def _doc_blocks():
 
 @pytest.mark.parametrize("page,index,code", _doc_blocks(), ids=lambda x: str(x)[:20])
 def test_docs_python_block_runs(page, index, code):
-    if "torch" in code:
-        pytest.importorskip("torch", reason="the block uses torch")
+    for extra in ("torch", "jax"):
+        if extra in code:
+            pytest.importorskip(extra, reason=f"the block uses {extra}")
     exec(compile(code, f"docs/{page}: python block {index}", "exec"), {})
 
 
@@ -71,7 +72,7 @@ def test_readme_commands():
     # each step a command of its own under set -e: a failing install must stop the run
     assert "set -euo pipefail" in ci
     steps = [line for line in ci if line and not line.startswith(("#", "set ", "cd "))]
-    assert steps == ["python -m pip install torch==2.13.0", 'python -m pip install -e ".[test]"',
+    assert steps == ['python -m pip install torch==2.13.0 "jax>=0.4.35"', 'python -m pip install -e ".[test]"',
                      "python -m pytest -q", "python -m pyattn",
                      "bash tests/sanitize.sh"]
     assert not any("&&" in line or "||" in line for line in steps)
