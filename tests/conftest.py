@@ -41,6 +41,10 @@ def nan_empty_like(*args, **kwargs):
     return _nan_fill(_np_empty_like(*args, **kwargs))
 
 
+# numpy.ma, imported late by some packages (jax), rewrites np.empty's docstring and needs it
+nan_empty.__doc__, nan_empty_like.__doc__ = _np_empty.__doc__, _np_empty_like.__doc__
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _nan_filled_empty():
     with pytest.MonkeyPatch.context() as mp:
