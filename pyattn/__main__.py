@@ -1,6 +1,8 @@
-"""``python -m pyattn [check] [options]``: the self-check report (see pyattn.selfcheck; the
-default command). ``python -m pyattn --help`` lists the commands and options. Exits 1 if any
-check fails, 2 on a bad command line."""
+"""``python -m pyattn [COMMAND] [options]``: ``check``, the self-check report (see
+pyattn.selfcheck; the default command), ``train`` and ``generate`` (see pyattn.training).
+``python -m pyattn --help`` lists the commands, ``python -m pyattn COMMAND --help`` their
+options. Every command exits 2 on a bad command line; ``check`` exits 1 if any check fails,
+``train`` 1 if its loss is not finite (nothing saved) and 130 on Ctrl-C."""
 import sys
 
 from .selfcheck import main

@@ -432,7 +432,7 @@ def run_train(opts, parser) -> int:
                             eval_data=eval_data, eval_every=opts.eval_every, progress=not opts.no_progress,
                             seed=opts.seed, checkpoint=opts.checkpoint)
         except CheckpointError as e:
-            parser.error(f"--checkpoint: {e}")
+            parser.error(f"--checkpoint: {str(e).removeprefix('train(): ')}")
     except FloatingPointError as e:
         fail(e, "the model was not saved")
         return 1
@@ -443,7 +443,11 @@ def run_train(opts, parser) -> int:
     print(f"task {opts.task}, mixers {opts.mixers}: loss {history['loss'][-1]:.4f}, held-out "
           f"accuracy {history['accuracy'][-1]:.4f} after {opts.steps} steps "
           f"({time.perf_counter() - t0:.1f} s)")
-    model.save(opts.out)
+    try:
+        model.save(opts.out)
+    except OSError as e:  # checked before training, but a disk can still fill up
+        print(f"python -m pyattn train: the model could not be saved: {e}", file=sys.stderr)
+        return 1
     print(f"saved {opts.out}")
     return 0
 

@@ -121,13 +121,18 @@ def test_train_help_shows_the_defaults():
         assert shown in text, shown
 
 
-def test_train_eval_every_sets_when_accuracy_and_checkpoints_are_taken(tmp_path):
+def test_train_eval_every_and_a_checkpoint_of_other_settings(tmp_path):
     ckpt = tmp_path / "c.npz"
     run = pyattn_cli("train", *tiny(), "--eval-every", "2", "--checkpoint", ckpt, "--out", tmp_path / "m.npz")
     assert run.returncode == 0, run.stderr
     with np.load(ckpt) as f:
         meta = json.loads(str(f["__meta__"]))
     assert meta["history"]["eval_step"] == [1, 3] and meta["settings"]["eval_every"] == 2
+    run = pyattn_cli("train", *tiny(), "--eval-every", "2", "--checkpoint", ckpt, "--lr", "2e-3",
+                     "--out", tmp_path / "m.npz")
+    error = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2 and error.startswith("python -m pyattn train: error: --checkpoint: checkpoint")
+    assert "other settings" in error and "'lr': (0.001, 0.002)" in error, error
 
 
 def test_a_diverging_run_exits_1_without_saving(tmp_path):
