@@ -133,9 +133,9 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
                 "evaluated": eval_data is not None, "data": list(inputs.shape)}
     start, saved = 0, None
     if checkpoint is not None:
-        checkpoint_every = eval_every if checkpoint_every is None else checkpoint_every
-        if checkpoint_every < 1:
-            raise ValueError(f"train(): checkpoint_every must be at least 1, got {checkpoint_every}")
+        save_every = eval_every if checkpoint_every is None else checkpoint_every
+        if save_every < 1:
+            raise ValueError(f"train(): checkpoint_every must be at least 1, got {save_every}")
         if os.path.exists(checkpoint):
             start, history = _load_checkpoint(checkpoint, settings, model, opt, rng)
             saved = start
@@ -175,7 +175,7 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
                     bar.set_postfix_str(f"loss {loss:.4f}{acc}")
                     bar.update(1)
                 done = step + 1
-                if checkpoint is not None and (done % checkpoint_every == 0 or done == steps or ctrl_c.requested):
+                if checkpoint is not None and (done % save_every == 0 or done == steps or ctrl_c.requested):
                     if not all(np.all(np.isfinite(p)) for p in model.params.values()):
                         raise diverged(f"the parameters are not finite after the update of step {step}")
                     _save_checkpoint(checkpoint, settings, done, model, opt, rng, history)

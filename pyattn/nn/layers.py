@@ -436,14 +436,13 @@ class Mixer(Module):
     def project_qkv_backward(self, x: np.ndarray, *dqkv: np.ndarray) -> np.ndarray:
         """dx of ``project_qkv`` from the gradients of q, k, v (each ``[B, T, ...]``)."""
         B, T, _ = x.shape
-        dx = None
+        dxs = []
         for i, (n, d) in enumerate(zip("qkv", dqkv)):
             d = d.reshape(B, T, -1)
             if self.qkv_convs:
                 d = self.qkv_convs[i].backward(d)
-            dxi = self.proj_backward(d, x, "w_" + n)
-            dx = dxi if dx is None else dx + dxi
-        return dx
+            dxs.append(self.proj_backward(d, x, "w_" + n))
+        return dxs[0] + dxs[1] + dxs[2]
 
     def convs(self, convs, xs, cache: Optional[dict]):
         """The short convolutions of xs, continuing from (and updating) the cached states."""

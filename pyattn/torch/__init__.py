@@ -44,7 +44,7 @@ import pyattn as _pyattn
 
 from . import _bridge
 
-_OPS = {}
+_OPS: "dict[str, _bridge.Op]" = {}
 
 
 def _public(name: str, op: "_bridge.Op"):

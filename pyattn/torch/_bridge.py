@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -115,7 +115,7 @@ def _float_dtype(tensors) -> torch.dtype:
 # calling pyattn from schema arguments
 
 
-def pyattn_call(params: Sequence[Param], values: Sequence[object]) -> Tuple[list, dict]:
+def pyattn_call(params: Sequence[Param], values: Sequence[Any]) -> Tuple[list, dict]:
     """pyattn's (args, kwargs) from the schema arguments: tensors as arrays, lists of tensors
     as lists of arrays, window lists as tuples, the spread feature-map parameters gathered."""
     args, kwargs, map_params = [], {}, {}
@@ -161,7 +161,7 @@ def output_names(name: str) -> Tuple[str, ...]:
     return ("o",) + tuple(out for out, _ in _FLAGGED.get(name, ()))
 
 
-def public_mask(name: str, kw: Dict[str, object]) -> Tuple[bool, ...]:
+def public_mask(name: str, kw: Dict[str, Any]) -> Tuple[bool, ...]:
     """Which of output_names(name) the call returns (False: a placeholder)."""
     if name in _STATE_OPS:
         return (True, bool(kw["output_final_state"]))
@@ -170,7 +170,7 @@ def public_mask(name: str, kw: Dict[str, object]) -> Tuple[bool, ...]:
     return (True,) * len(output_names(name))
 
 
-def public_structure(name: str, outs: Sequence[Optional[torch.Tensor]], kw: Dict[str, object]):
+def public_structure(name: str, outs: Sequence[Optional[torch.Tensor]], kw: Dict[str, Any]):
     """pyattn's return structure from the fixed tuple (placeholders as None)."""
     mask = public_mask(name, kw)
     if name in _STATE_OPS:
@@ -181,7 +181,7 @@ def public_structure(name: str, outs: Sequence[Optional[torch.Tensor]], kw: Dict
     return picked[0] if len(picked) == 1 else tuple(picked)
 
 
-def fixed_outputs(name: str, out, kw: Dict[str, object]) -> List[Optional[np.ndarray]]:
+def fixed_outputs(name: str, out, kw: Dict[str, Any]) -> List[Optional[np.ndarray]]:
     """pyattn's return value as one entry per output_names(name), None where left out."""
     parts = list(out) if isinstance(out, tuple) else [out]
     mask = public_mask(name, kw)
@@ -214,7 +214,7 @@ def _sequences(kw, B):
     return B if cu is None else cu.shape[0] - 1
 
 
-def output_shapes(name: str, kw: Dict[str, object]) -> List[Optional[tuple]]:
+def output_shapes(name: str, kw: Dict[str, Any]) -> List[Optional[tuple]]:
     """Each output's shape for a call with these schema arguments (None: a placeholder)."""
     mask = public_mask(name, kw)
     if name == "merge_attention_states":
@@ -295,7 +295,7 @@ class Op:
     """One pyattn op as a pair of custom ops, its fake kernels and its autograd formula."""
 
     def __init__(self, name: str, fn: Callable, vjp_fn: Optional[Callable] = None,
-                 forced: Optional[Dict[str, object]] = None):
+                 forced: Optional[Dict[str, Any]] = None):
         self.name, self.fn = name, fn
         # flags the forward always runs with, whatever the call's: the outputs vjp_fn reuses
         self.forced = dict(forced or {})
@@ -412,7 +412,7 @@ class Op:
         return tuple(result)
 
     # -- the public call
-    def __call__(self, values: Sequence[object]):
+    def __call__(self, values: Sequence[Any]):
         values = list(values)
         ref = None
         for p, v in zip(self.params, values):
@@ -431,7 +431,7 @@ class Op:
         return public_structure(self.name, outs, dict(zip(self.names, values)))
 
 
-def spread_map_params(fn: str, params: Optional[Dict[str, object]]) -> Tuple[object, object, object]:
+def spread_map_params(fn: str, params: Optional[Dict[str, Any]]) -> Tuple[Any, ...]:
     """(projection, p, max_len) from a feature map's parameters; another name is a TypeError
     as in pyattn."""
     params = dict(params or {})
@@ -518,7 +518,7 @@ class KVCacheOp(Op):
             result.append(placeholder(_first_float(fwd)) if g is None or x is None else to_tensor(g, x.dtype))
         return _ret(tuple(result))
 
-    def __call__(self, values: Sequence[object]):
+    def __call__(self, values: Sequence[Any]):
         values = list(values)
         if values[self.names.index("k")] is not None:
             self.append_op(*values)
