@@ -268,3 +268,27 @@ def test_compile_fullgraph_traces_a_model():
     assert torch.equal(out, eager)
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
+
+
+def test_stub_matches_the_functions():
+    """pyattn/torch/__init__.pyi declares every function with the runtime's parameters."""
+    import ast
+    import inspect
+    import pathlib
+
+    stub = pathlib.Path(pt.__file__).with_suffix(".pyi").read_text()
+    declared = {}
+    for node in ast.parse(stub).body:
+        if isinstance(node, ast.FunctionDef):
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            declared.setdefault(node.name, []).append(names + ([f"**{a.kwarg.arg}"] if a.kwarg else []))
+    assert set(declared) == set(pt.__all__)
+    for name, variants in declared.items():
+        params = inspect.signature(getattr(pt, name)).parameters.values()
+        runtime = [("**" if p.kind == p.VAR_KEYWORD else "") + p.name for p in params]
+        for names in variants:
+            if runtime[-1].startswith("**"):  # the stub spells out feature_map's parameters
+                assert names[:len(runtime) - 1] == runtime[:-1], name
+            else:
+                assert names == runtime, name

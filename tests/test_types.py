@@ -47,3 +47,20 @@ def test_mypy_checks_the_package_clean(tmp_path):
     api = pytest.importorskip("mypy.api")
     out, err, status = api.run(["-p", "pyattn", "--no-incremental", "--cache-dir", str(tmp_path / "cache")])
     assert status == 0, out + err
+
+
+def test_mypy_sees_the_torch_stubs(tmp_path):
+    """pyattn.torch's stub declares each op's parameters: a misspelt keyword is an error."""
+    api = pytest.importorskip("mypy.api")
+    path = tmp_path / "use_pyattn_torch.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        import pyattn.torch as pt
+
+        x = torch.zeros(1, 4, 2, 3)
+        o, h = pt.simple_gla(x, x, x, x[..., 0], output_final_state=True)
+        bad = pt.gated_delta_rule(x, x, x, x[..., 0], x[..., 0], qk_norm=True)
+    """))
+    out, err, status = api.run([str(path), "--no-incremental", "--cache-dir", str(tmp_path / "cache")])
+    errors = [line for line in out.splitlines() if ": error:" in line]
+    assert status == 1 and len(errors) == 1 and '"qk_norm"' in errors[0], out + err
