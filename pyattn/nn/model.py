@@ -265,6 +265,39 @@ class HybridLM(Module):
             params[name] = a
         return model
 
+    def to_torch(self):
+        """This model as a ``torch.nn.Module`` (``pyattn.torch.nn.HybridLM``): the same layers
+        computing the same logits with ``pyattn.torch``'s ops, differentiable by autograd, its
+        parameters copied under the same dotted names as ``params``; it carries ``config`` and
+        ``vocab`` for ``from_torch``. Needs torch (``pip install 'pyattn[torch]'``)."""
+        from ..torch.nn import HybridLM as TorchHybridLM
+
+        return TorchHybridLM(self)
+
+    @classmethod
+    def from_torch(cls, module) -> "HybridLM":
+        """The model of a module that ``to_torch`` made (trained since, or not): its config and
+        vocab, and its parameters copied, in their dtype (float32 or float64, one for all)."""
+        config = getattr(module, "config", None)
+        if not isinstance(config, dict):
+            raise TypeError(f"HybridLM.from_torch: {type(module).__name__} has no config: pass a module "
+                            f"that HybridLM.to_torch() made")
+        arrays = {name: t.detach().cpu().numpy() for name, t in module.named_parameters()}
+        dtypes = {a.dtype for a in arrays.values()}
+        if len(dtypes) != 1 or not dtypes <= {np.dtype(np.float32), np.dtype(np.float64)}:
+            raise TypeError(f"HybridLM.from_torch: the parameters must all be float32 or all float64, got "
+                            f"{sorted(d.name for d in dtypes)}")
+        model = cls(**dict(config, mixers=[(n, o) for n, o in config["mixers"]], dtype=dtypes.pop()))
+        params = model.params
+        missing, extra = [n for n in params if n not in arrays], [n for n in arrays if n not in params]
+        if missing or extra:
+            raise ValueError(f"HybridLM.from_torch: the module's parameters do not match its config: "
+                             f"missing {missing}, unknown {extra}")
+        for name, a in arrays.items():
+            params[name] = a
+        model.vocab = None if getattr(module, "vocab", None) is None else list(module.vocab)
+        return model
+
 
 def _sample(logits: np.ndarray, temperature: float, top_k: Optional[int], rng) -> np.ndarray:
     """One token per row of logits [B, V]."""

@@ -1,0 +1,412 @@
+"""pyattn.nn's HybridLM as a ``torch.nn.Module``: the same layers and mixers, computing
+pyattn.nn's math with ``pyattn.torch``'s ops for the attention and plain torch for the rest,
+so that autograd gives pyattn.nn's gradients and ``torch.optim`` can train it.
+
+    model = pyattn.nn.HybridLM(256, 64, 2, ["gated_deltanet", "softmax"], dtype="float64")
+    module = model.to_torch()               # pyattn.torch.nn.HybridLM, parameters copied
+    logits = module(torch.from_numpy(tokens))   # model.forward(tokens)'s logits
+    model = pyattn.nn.HybridLM.from_torch(module)
+
+Each class here mirrors the pyattn.nn class of the same name and is made from an instance of
+it: its parameters are copied under the same names (``named_parameters()`` gives
+``model.params``' dotted names, in the same order) and its sizes and options are read from
+it. ``forward`` is the training forward (no decoding caches). Weights keep pyattn's layout:
+a projection's ``w`` is ``[out, in]`` (``F.linear``), a short convolution's ``[C, K]``.
+
+DeepSeek sparse attention (``"dsa"``) trains its indexer on a loss of its own, as
+pyattn.nn's layer: its forward adds nothing to the logits, and any backward through the
+layer's output adds that loss's gradient (weight ``index_loss_weight``) to the indexer's
+parameters, whatever the loss above; ``index_loss`` holds its last value. Its key choice and
+distillation target are computed by pyattn's NumPy functions (``dsa_select``,
+``dsa_index_target``), so ``torch.compile`` breaks the graph there.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, Type
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import pyattn.torch as pt
+from pyattn.nn import layers as pl
+from pyattn.nn import mixers as pm
+from pyattn.nn import model as pmodel
+from pyattn.sparse import dsa_index_target, dsa_select
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x sigmoid(x)``, as pyattn's kernel forms it."""
+    return x * torch.sigmoid(x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + e^x)`` for every x (F.softplus returns x itself above its threshold)."""
+    return torch.logaddexp(torch.zeros_like(x), x)
+
+
+def rotary(theta: float, *xs: torch.Tensor):
+    """Each x ``[B, T, H, D]`` rotated at positions 0 .. T-1 (``pyattn.torch.rope``)."""
+    positions = torch.arange(xs[0].shape[1])
+    return tuple(pt.rope(x, positions, theta) for x in xs)
+
+
+class Module(torch.nn.Module):
+    """The mirror of a pyattn.nn module: its parameters copied under their names, then its
+    child modules mirrored under theirs."""
+
+    def __init__(self, source: pl.Module):
+        super().__init__()
+        for name, a in source.p.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.from_numpy(a.copy())))
+        for name, child in source._children.items():
+            self.add_module(name, mirror(child))
+
+
+class Embedding(Module):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.w)
+
+
+class Linear(Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w)
+
+
+class RMSNorm(Module):
+    """``x / sqrt(mean(x^2) + eps) * w``; gated: ``forward(x, gate)`` as pyattn.nn's."""
+
+    def __init__(self, source: pl.RMSNorm):
+        super().__init__(source)
+        self.eps, self.gated, self.norm_before_gate = source.eps, source.gated, source.norm_before_gate
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.w
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.gated:
+            return self.normalize(x)
+        if gate is None:
+            raise ValueError("a gated RMSNorm's forward needs its gate")
+        if self.norm_before_gate:
+            return silu(gate) * self.normalize(x)
+        return self.normalize(silu(gate) * x)
+
+
+class SwiGLU(Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+
+
+class ShortConv(Module):
+    """``y_t = silu(b + sum_i w[:, i] x_{t-K+1+i})`` over x ``[B, T, C]``, zeros before t = 0."""
+
+    def __init__(self, source: pl.ShortConv):
+        super().__init__(source)
+        self.K = source.K
+        self.biased = source.b is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        padded = F.pad(x, (0, 0, self.K - 1, 0))
+        taps = [padded[:, i:i + T] * self.w[:, i] for i in range(self.K)]
+        u = self.b + taps[0] if self.biased else taps[0]
+        for tap in taps[1:]:
+            u = u + tap
+        return silu(u)
+
+
+class Block(Module):
+    """``x + mixer(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.norm1(x))
+        return self.mlp(self.norm2(x)) + x
+
+
+# ---------------------------------------------------------------------------------------------
+# mixers
+
+
+class Mixer(Module):
+    """A mixer's mirror; ``project_qkv`` as pyattn.nn's (through the short convolutions when
+    the source has them)."""
+
+    def __init__(self, source: pl.Mixer):
+        super().__init__(source)
+        self.short_conv = bool(getattr(source, "qkv_convs", ()))
+
+    def project_qkv(self, x: torch.Tensor):
+        xs = [F.linear(x, getattr(self, "w_" + n)) for n in "qkv"]
+        return [getattr(self, "conv_" + n)(a) for n, a in zip("qkv", xs)] if self.short_conv else xs
+
+
+class SoftmaxAttention(Mixer):
+    def __init__(self, source: pm.SoftmaxAttention):
+        super().__init__(source)
+        self.H, self.Hk, self.D = source.H, source.Hk, source.D
+        self.theta, self.mask = source.rotary.theta, dict(source.mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x)
+        q, k = rotary(self.theta, q.reshape(B, T, self.H, self.D), k.reshape(B, T, self.Hk, self.D))
+        o = self.attention(x, q, k, v.reshape(B, T, self.Hk, self.D))
+        return F.linear(o.reshape(B, T, -1), self.w_o)
+
+    def attention(self, x, q, k, v):
+        """The attention of the rotated q, k and v; x is the layer's input."""
+        return pt.softmax_attention(q, k, v, **self.mask)
+
+
+class MoBAAttention(SoftmaxAttention):
+    def __init__(self, source: pm.MoBAAttention):
+        super().__init__(source)
+        self.moba = dict(source.moba)
+
+    def attention(self, x, q, k, v):
+        return pt.moba_attention(q, k, v, **self.moba)
+
+
+class NativeSparseAttention(SoftmaxAttention):
+    def __init__(self, source: pm.NativeSparseAttention):
+        super().__init__(source)
+        self.nsa = dict(source.nsa)
+
+    def attention(self, x, q, k, v):
+        B, T, _ = x.shape
+        gates = torch.sigmoid(F.linear(x, self.w_g)).reshape(B, T, self.H, 3).unbind(-1)
+        return pt.nsa_attention(q, k, v, *gates, **self.nsa)
+
+
+class _IndexLossGradient(torch.autograd.Function):
+    """Passes o through and gives the indexer's loss the gradient 1 in every backward that
+    reaches o: pyattn.nn's DSA layer adds that loss's gradient in its backward, whatever
+    the model's loss."""
+
+    @staticmethod
+    def forward(ctx, o, loss):
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        return do, do.new_ones(())
+
+
+class DeepSeekSparseAttention(SoftmaxAttention):
+    def __init__(self, source: pm.DeepSeekSparseAttention):
+        super().__init__(source)
+        self.Hi, self.Di = source.Hi, source.Di
+        self.top_k, self.index_loss_weight = source.top_k, source.index_loss_weight
+        self.index_loss: torch.Tensor | None = None
+
+    def indexer(self, x: torch.Tensor):
+        """(index_q, index_k, index_w) of x ``[B, T, d]``."""
+        B, T, _ = x.shape
+        return (F.linear(x, self.w_iq).reshape(B, T, self.Hi, self.Di), F.linear(x, self.w_ik),
+                F.linear(x, self.w_iw) * self.Hi ** -0.5)
+
+    def attention(self, x, q, k, v):
+        # the indexer sees x detached and learns only from its distillation loss
+        index = self.indexer(x.detach())
+        o = pt.dsa_attention(q, k, v, *(a.detach() for a in index), top_k=self.top_k)
+        loss = self.index_distillation(index, q.detach(), k.detach())
+        self.index_loss = loss.detach()
+        return _IndexLossGradient.apply(o, loss)
+
+    def index_distillation(self, index, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The indexer's loss: ``index_loss_weight`` times the KL divergence from the main
+        attention's distribution over the chosen keys to the softmax of the index scores
+        there, averaged over the queries."""
+        scores = pt.dsa_index_scores(*index)
+        arrays = [a.detach().numpy() for a in index]
+        chosen = dsa_select(*arrays, top_k=self.top_k)
+        target = torch.from_numpy(dsa_index_target(q.numpy(), k.numpy(), indices=chosen))
+        mask = np.zeros(scores.shape, bool)
+        b, t, j = np.nonzero(chosen >= 0)
+        mask[b, t, chosen[b, t, j]] = True
+        log_p = torch.log_softmax(scores.masked_fill(torch.from_numpy(~mask), -torch.inf), dim=-1)
+        kl = torch.where(target > 0, target * (torch.log(target) - log_p), 0).sum()
+        return self.index_loss_weight * kl / (scores.shape[0] * scores.shape[1])
+
+
+class MultiHeadLatentAttention(Mixer):
+    def __init__(self, source: pm.MultiHeadLatentAttention):
+        super().__init__(source)
+        self.H, self.Dn, self.Dr, self.form = source.H, source.Dn, source.Dr, source.form
+        self.theta = source.rotary.theta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = F.linear(x, self.w_q).reshape(B, T, self.H, self.Dn + self.Dr)
+        c_kv = self.kv_norm(F.linear(x, self.w_dkv))
+        kr = F.linear(x, self.w_kr).reshape(B, T, 1, self.Dr)
+        q_rope, k_rope = rotary(self.theta, q[..., self.Dn:], kr)
+        o = pt.mla_attention(q[..., :self.Dn], q_rope, c_kv, k_rope.reshape(B, T, self.Dr), self.w_uk,
+                             self.w_uv, causal=True, form=self.form)
+        return F.linear(o.reshape(B, T, -1), self.w_o)
+
+
+class LinearAttention(Mixer):
+    def __init__(self, source: pm.LinearAttention):
+        super().__init__(source)
+        self.H, self.K, self.op_kw = source.H, source.K, dict(source.op_kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (a.reshape(B, T, self.H, self.K) for a in self.project_qkv(x))
+        o, _ = pt.linear_attention(q, k, v, **self.op_kw)
+        return F.linear(self.o_norm(o).reshape(B, T, -1), self.w_o)
+
+
+class MultiScaleRetention(Mixer):
+    def __init__(self, source: pm.MultiScaleRetention):
+        super().__init__(source)
+        self.H, self.K, self.Vd, self.chunk_size = source.H, source.K, source.Vd, source.chunk_size
+        self.theta = source.rotary.theta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x)
+        q, k = rotary(self.theta, q.reshape(B, T, self.H, self.K), k.reshape(B, T, self.H, self.K))
+        o, _ = pt.retention(q, k, v.reshape(B, T, self.H, self.Vd), chunk_size=self.chunk_size)
+        on = self.o_norm(o, F.linear(x, self.w_g).reshape(B, T, self.H, self.Vd))
+        return F.linear(on.reshape(B, T, -1), self.w_o)
+
+
+class LightningAttention(Mixer):
+    def __init__(self, source: pm.LightningAttention):
+        super().__init__(source)
+        self.H, self.K, self.chunk_size = source.H, source.K, source.chunk_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (silu(F.linear(x, w)).reshape(B, T, self.H, self.K) for w in (self.w_q, self.w_k, self.w_v))
+        o, _ = pt.lightning_attention(q, k, v, chunk_size=self.chunk_size)
+        on = self.o_norm(o.reshape(B, T, -1)) * torch.sigmoid(F.linear(x, self.w_g))
+        return F.linear(on, self.w_o)
+
+
+class SimpleGLA(Mixer):
+    def __init__(self, source: pm.SimpleGLA):
+        super().__init__(source)
+        self.H, self.K, self.chunk_size = source.H, source.K, source.chunk_size
+        self.normalizer = source.normalizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        shape = (B, T, self.H, self.K)
+        q, k, v = (a.reshape(shape) for a in self.project_qkv(x))
+        g = F.logsigmoid(F.linear(x, self.w_gk) + self.b_gk) / self.normalizer
+        o, _ = pt.simple_gla(q, k, v, g, chunk_size=self.chunk_size)
+        on = self.o_norm(o, F.linear(x, self.w_g).reshape(shape))
+        return F.linear(on.reshape(B, T, -1), self.w_o)
+
+
+class GatedLinearAttention(Mixer):
+    def __init__(self, source: pm.GatedLinearAttention):
+        super().__init__(source)
+        self.H, self.K, self.Vd, self.chunk_size = source.H, source.K, source.Vd, source.chunk_size
+        self.normalizer = source.normalizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K, Vd = self.H, self.K, self.Vd
+        q, k, v = self.project_qkv(x)
+        gk = F.linear(F.linear(x, self.w_gk1), self.w_gk2) + self.b_gk
+        g = (F.logsigmoid(gk) / self.normalizer).reshape(B, T, H, K)
+        o, _ = pt.gla(q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, Vd), g,
+                      chunk_size=self.chunk_size)
+        on = self.o_norm(o, F.linear(x, self.w_g).reshape(B, T, H, Vd))
+        return F.linear(on.reshape(B, T, -1), self.w_o)
+
+
+class Mamba2(Mixer):
+    def __init__(self, source: pm.Mamba2):
+        super().__init__(source)
+        self.H, self.P, self.G, self.N = source.H, source.P, source.G, source.N
+        self.chunk_size = source.chunk_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        xs = self.conv_x(F.linear(x, self.w_x))
+        Bm, Cm = self.conv_B(F.linear(x, self.w_B)), self.conv_C(F.linear(x, self.w_C))
+        y, _ = pt.mamba2(xs.reshape(B, T, self.H, self.P), F.linear(x, self.w_dt), -torch.exp(self.A_log),
+                         Bm.reshape(B, T, self.G, self.N), Cm.reshape(B, T, self.G, self.N), D=self.D,
+                         dt_bias=self.dt_bias, chunk_size=self.chunk_size)
+        return F.linear(self.norm(y.reshape(B, T, -1), F.linear(x, self.w_z)), self.w_o)
+
+
+class DeltaNet(Mixer):
+    def __init__(self, source: pm.DeltaNet):
+        super().__init__(source)
+        self.H, self.K, self.chunk_size = source.H, source.K, source.chunk_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (a.reshape(B, T, self.H, self.K) for a in self.project_qkv(x))
+        beta = torch.sigmoid(F.linear(x, self.w_b))
+        o, _ = pt.delta_rule(q, k, v, beta, qk_l2norm=True, chunk_size=self.chunk_size)
+        return F.linear(self.o_norm(o).reshape(B, T, -1), self.w_o)
+
+
+class GatedDeltaNet(Mixer):
+    def __init__(self, source: pm.GatedDeltaNet):
+        super().__init__(source)
+        self.H, self.K, self.Vd, self.chunk_size = source.H, source.K, source.Vd, source.chunk_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K, Vd = self.H, self.K, self.Vd
+        q, k, v = self.project_qkv(x)
+        g = -torch.exp(self.A_log) * softplus(F.linear(x, self.w_a) + self.dt_bias)
+        beta = torch.sigmoid(F.linear(x, self.w_b))
+        o, _ = pt.gated_delta_rule(q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, Vd), g,
+                                   beta, qk_l2norm=True, chunk_size=self.chunk_size)
+        on = self.o_norm(o, F.linear(x, self.w_g).reshape(B, T, H, Vd))
+        return F.linear(on.reshape(B, T, -1), self.w_o)
+
+
+# pyattn.nn's class -> its mirror here
+MIRRORS: Dict[type, Type[Module]] = {
+    pl.Embedding: Embedding, pl.Linear: Linear, pl.RMSNorm: RMSNorm, pl.SwiGLU: SwiGLU,
+    pl.ShortConv: ShortConv, pmodel.Block: Block,
+    pm.SoftmaxAttention: SoftmaxAttention, pm.LinearAttention: LinearAttention,
+    pm.MultiScaleRetention: MultiScaleRetention, pm.LightningAttention: LightningAttention,
+    pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.Mamba2: Mamba2,
+    pm.DeltaNet: DeltaNet, pm.GatedDeltaNet: GatedDeltaNet, pm.MultiHeadLatentAttention: MultiHeadLatentAttention,
+    pm.MoBAAttention: MoBAAttention, pm.NativeSparseAttention: NativeSparseAttention,
+    pm.DeepSeekSparseAttention: DeepSeekSparseAttention,
+}
+
+
+def mirror(source: pl.Module) -> Module:
+    """The torch mirror of a pyattn.nn module, its parameters copied."""
+    cls = MIRRORS.get(type(source))
+    if cls is None:
+        raise NotImplementedError(f"pyattn.torch.nn has no mirror of {type(source).__name__}")
+    return cls(source)
+
+
+class HybridLM(torch.nn.Module):
+    """The torch mirror of a ``pyattn.nn.HybridLM`` (``HybridLM.to_torch()`` makes it):
+    embedding, pre-norm blocks, final RMSNorm, LM head (the embedding's transpose when tied);
+    ``forward(tokens [B, T] int64) -> logits [B, T, vocab_size]``, pyattn's. ``config`` and
+    ``vocab`` are the source model's, for ``HybridLM.from_torch``."""
+
+    def __init__(self, source: pmodel.HybridLM):
+        super().__init__()
+        self.config = copy.deepcopy(source.config)
+        self.vocab = None if source.vocab is None else list(source.vocab)
+        self.embed = mirror(source.embed)
+        self.blocks = torch.nn.ModuleList(mirror(block) for block in source.blocks)
+        self.norm = mirror(source.norm)
+        self.lm_head = None if source.lm_head is None else mirror(source.lm_head)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        h = self.norm(x)
+        return F.linear(h, self.embed.w) if self.lm_head is None else self.lm_head(h)
