@@ -5,10 +5,11 @@
     o = pt.softmax_attention(q, q, q, causal=True)
     o.sum().backward()                      # pyattn's C backward
 
-Every differentiable op of ``pyattn.OPS`` has a function here of the same name, arguments and
-defaults, taking and returning ``torch.Tensor``s where pyattn takes and returns arrays. Each is
-the custom op ``torch.ops.pyattn.<name>`` (``torch.library.custom_op``) with a fake kernel
-(shapes without computing) and an autograd formula whose backward is the custom op
+Every op of ``pyattn.OPS`` has a function here of the same name, arguments and defaults,
+taking and returning ``torch.Tensor``s where pyattn takes and returns arrays. Each is the
+custom op ``torch.ops.pyattn.<name>`` (``torch.library.custom_op``) with a fake kernel
+(shapes without computing) and, for the differentiable ones (all but ``dsa_select`` and
+``dsa_index_target``), an autograd formula whose backward is the custom op
 ``torch.ops.pyattn.<name>_backward``, pyattn's C backward; so ``torch.library.opcheck``
 passes and ``torch.compile(fullgraph=True)`` traces a model calling them without a graph
 break. ``pyattn.testing.gradcheck``'s finite differences and ``torch.autograd.gradcheck`` agree
@@ -70,8 +71,8 @@ def _build():
     made = {}
     for name, info in _pyattn.OPS.items():
         if not info.differentiable:
-            continue
-        if name == "attention_with_kvcache":
+            op = _bridge.Op(name, info.fn, differentiable=False)
+        elif name == "attention_with_kvcache":
             op = _bridge.KVCacheOp(info.fn)
         elif name == "softmax_attention":
             op = _bridge.Op(name, info.fn, vjp_fn=_bridge.softmax_vjp, forced={"return_lse": True})

@@ -42,6 +42,16 @@ def dsa_index_scores(
     index_q: _TensorLike, index_k: _TensorLike, index_w: _TensorLike,
 ) -> Tensor: ...
 
+def dsa_index_target(
+    q: _TensorLike, k: _TensorLike, *, causal: bool = ..., scale: Optional[float] = ...,
+    indices: Optional[_TensorLike] = ..., cu_seqlens: Optional[_TensorLike] = ...,
+) -> Tensor: ...
+
+def dsa_select(
+    index_q: _TensorLike, index_k: _TensorLike, index_w: _TensorLike, *, top_k: int,
+    causal: bool = ..., cu_seqlens: Optional[_TensorLike] = ...,
+) -> Tensor: ...
+
 def efficient_attention(
     q: _TensorLike, k: _TensorLike, v: _TensorLike, *, scale: Optional[float] = ...,
     cu_seqlens: Optional[_TensorLike] = ..., form: Literal["parallel"] = ...,

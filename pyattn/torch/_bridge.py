@@ -153,6 +153,10 @@ _FLAGGED = {"softmax_attention": (("lse", "return_lse"),),
             "attention_with_kvcache": (("lse", "return_lse"), ("colsum", "return_colsum"))}
 
 
+# ops whose output is an index array (int64), not of the call's float dtype
+_INDEX_OUTPUTS = {"dsa_select"}
+
+
 def output_names(name: str) -> Tuple[str, ...]:
     if name in _STATE_OPS:
         return ("o", "final_state")
@@ -236,6 +240,11 @@ def output_shapes(name: str, kw: Dict[str, Any]) -> List[Optional[tuple]]:
         shapes = [o, (N, H) + state]
     elif name == "mla_attention":
         shapes = [tuple(kw["q_nope"].shape[:3]) + (kw["w_uv"].shape[2],)]
+    elif name == "dsa_select":
+        Tk = kw["index_k"].shape[1]
+        shapes = [tuple(kw["index_q"].shape[:2]) + (Tk if kw["top_k"] > Tk else kw["top_k"],)]
+    elif name == "dsa_index_target":
+        shapes = [tuple(kw["q"].shape[:2]) + (kw["k"].shape[1],)]
     elif name == "dsa_index_scores":
         shapes = [tuple(kw["index_q"].shape[:2]) + (kw["index_k"].shape[1],)]
     elif name == "rope":
@@ -295,7 +304,9 @@ class Op:
     """One pyattn op as a pair of custom ops, its fake kernels and its autograd formula."""
 
     def __init__(self, name: str, fn: Callable, vjp_fn: Optional[Callable] = None,
-                 forced: Optional[Dict[str, Any]] = None):
+                 forced: Optional[Dict[str, Any]] = None, differentiable: bool = True):
+        """differentiable False: the op alone, without a backward (dsa_select's indices,
+        dsa_index_target's distillation target), so that torch.compile traces it."""
         self.name, self.fn = name, fn
         # flags the forward always runs with, whatever the call's: the outputs vjp_fn reuses
         self.forced = dict(forced or {})
@@ -310,6 +321,8 @@ class Op:
         self.op = torch.library.custom_op(f"pyattn::{name}", self._forward, mutates_args=(),
                                           schema=f"({args}) -> ({rets})")
         self.op.register_fake(self._fake)
+        if not differentiable:
+            return
         outs = ", ".join(f"Tensor out_{o}" for o in self.outputs)
         cots = ", ".join(f"Tensor grad_{o}" for o in self.outputs)
         grads = ", ".join("Tensor[]" if self.params[i].schema == "Tensor[]" else "Tensor" for i in self.tensors)
@@ -325,12 +338,14 @@ class Op:
         ref = _first_float(values)
         args, kwargs = pyattn_call(self.params, values)
         arrays = fixed_outputs(self.name, self.fn(*args, **{**kwargs, **self.forced}), kw)
-        return _ret(tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype) for a in arrays))
+        return _ret(tuple(placeholder(ref) if a is None else
+                          to_tensor(a, ref.dtype if a.dtype.kind == "f" else torch.int64) for a in arrays))
 
     def _fake(self, *values):
         ref = _first_float(values)
         shapes = output_shapes(self.name, {**dict(zip(self.names, values)), **self.forced})
-        return _ret(tuple(ref.new_empty(s if s is not None else (0,)) for s in shapes))
+        dtype = torch.int64 if self.name in _INDEX_OUTPUTS else ref.dtype
+        return _ret(tuple(ref.new_empty(s if s is not None else (0,), dtype=dtype) for s in shapes))
 
     # -- backward
     def _backward(self, *values):
