@@ -168,10 +168,12 @@ def test_training_parity_with_torch_adamw(dtype, tol):
             assert relative(p.detach().numpy(), model.params[name]) <= 1e-10, name
 
 
-def test_compile_fullgraph(rng):
-    """torch.compile(fullgraph=True) traces a to_torch() hybrid without a graph break: the
-    same logits and gradients as the module run eagerly."""
-    module = tiny("hybrid").to_torch()
+@pytest.mark.parametrize("kind", ["hybrid", "dsa"])
+def test_compile_fullgraph(rng, kind):
+    """torch.compile(fullgraph=True) traces a to_torch() hybrid, and DSA with its indexer's
+    key choice and target, without a graph break: the same logits and gradients as the
+    module run eagerly."""
+    module = tiny(kind).to_torch()
     tok = torch.from_numpy(rng.integers(0, V, (2, T)))
     compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
     out = compiled(tok)

@@ -17,15 +17,14 @@ DeepSeek sparse attention (``"dsa"``) trains its indexer on a loss of its own, a
 pyattn.nn's layer: its forward adds nothing to the logits, and any backward through the
 layer's output adds that loss's gradient (weight ``index_loss_weight``) to the indexer's
 parameters, whatever the loss above; ``index_loss`` holds its last value. Its key choice and
-distillation target are computed by pyattn's NumPy functions (``dsa_select``,
-``dsa_index_target``), so ``torch.compile`` breaks the graph there.
+distillation target are pyattn.torch's ``dsa_select`` and ``dsa_index_target`` (custom ops
+without gradient), so ``torch.compile`` traces it whole.
 """
 from __future__ import annotations
 
 import copy
 from typing import Dict, Type
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,7 +32,6 @@ import pyattn.torch as pt
 from pyattn.nn import layers as pl
 from pyattn.nn import mixers as pm
 from pyattn.nn import model as pmodel
-from pyattn.sparse import dsa_index_target, dsa_select
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -220,13 +218,12 @@ class DeepSeekSparseAttention(SoftmaxAttention):
         attention's distribution over the chosen keys to the softmax of the index scores
         there, averaged over the queries."""
         scores = pt.dsa_index_scores(*index)
-        arrays = [a.detach().numpy() for a in index]
-        chosen = dsa_select(*arrays, top_k=self.top_k)
-        target = torch.from_numpy(dsa_index_target(q.numpy(), k.numpy(), indices=chosen))
-        mask = np.zeros(scores.shape, bool)
-        b, t, j = np.nonzero(chosen >= 0)
-        mask[b, t, chosen[b, t, j]] = True
-        log_p = torch.log_softmax(scores.masked_fill(torch.from_numpy(~mask), -torch.inf), dim=-1)
+        chosen = pt.dsa_select(*(a.detach() for a in index), top_k=self.top_k)
+        target = pt.dsa_index_target(q, k, indices=chosen)
+        # the chosen keys of each query (-1 pads a row with fewer), as a mask over all keys
+        picked = torch.zeros(scores.shape, dtype=torch.int64).scatter_add_(
+            -1, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))
+        log_p = torch.log_softmax(scores.masked_fill(picked == 0, -torch.inf), dim=-1)
         kl = torch.where(target > 0, target * (torch.log(target) - log_p), 0).sum()
         return self.index_loss_weight * kl / (scores.shape[0] * scores.shape[1])
 
