@@ -91,14 +91,14 @@ def evaluate(model, data: Tuple[np.ndarray, np.ndarray], batch_size: int = 64) -
 
 def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size: int = 32,
           lr: float = 1e-3, warmup: Optional[int] = None, weight_decay: float = 0.1,
-          clip: float = 1.0, eval_data: Optional[Tuple[np.ndarray, np.ndarray]] = None,
+          betas: Tuple[float, float] = (0.9, 0.95), clip: float = 1.0, eval_data: Optional[Tuple[np.ndarray, np.ndarray]] = None,
           eval_every: Optional[int] = None, progress: bool = True, seed: int = 0,
           checkpoint: Optional[str] = None,
           checkpoint_every: Optional[int] = None) -> Dict[str, List[float]]:
     """Trains ``model`` (a ``pyattn.nn.HybridLM``) on ``data = (inputs [N, T], targets [N, T])``
     for ``steps`` steps of ``batch_size`` rows drawn at random: cross-entropy over the targets
-    that are not -100, gradients clipped to the global norm ``clip``, AdamW with a cosine
-    schedule (linear warm-up over ``warmup`` steps, default a tenth of the run). With
+    that are not -100, gradients clipped to the global norm ``clip``, AdamW (``betas``) with a
+    cosine schedule (linear warm-up over ``warmup`` steps, default a tenth of the run). With
     ``eval_data`` the answer accuracy is measured every ``eval_every`` steps (default a tenth
     of the run) and at the end. Returns the history: lists under "step", "loss", "lr", and
     "eval_step" / "accuracy" when evaluated.
@@ -124,13 +124,16 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     warmup = max(1, steps // 10) if warmup is None else warmup
     eval_every = max(1, steps // 10) if eval_every is None else eval_every
     rng = np.random.default_rng(seed)
-    opt = AdamW(model.params, lr=lr, weight_decay=weight_decay)
+    betas = (float(betas[0]), float(betas[1]))
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"train(): betas must be two numbers in [0, 1), got {betas}")
+    opt = AdamW(model.params, lr=lr, betas=betas, weight_decay=weight_decay)
     history: Dict[str, List[float]] = {"step": [], "loss": [], "lr": []}
     if eval_data is not None:
         history["eval_step"], history["accuracy"] = [], []
     settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "warmup": warmup,
-                "weight_decay": weight_decay, "clip": clip, "seed": seed, "eval_every": eval_every,
-                "evaluated": eval_data is not None, "data": list(inputs.shape)}
+                "weight_decay": weight_decay, "betas": list(betas), "clip": clip, "seed": seed,
+                "eval_every": eval_every, "evaluated": eval_data is not None, "data": list(inputs.shape)}
     start, saved = 0, None
     if checkpoint is not None:
         save_every = eval_every if checkpoint_every is None else checkpoint_every
@@ -302,6 +305,14 @@ def _number(kind, low, *, above=False):
     return parse
 
 
+def _fraction(text):
+    """An argparse type: a number in [0, 1)."""
+    x = _number(float, 0.0)(text)
+    if x >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be below 1, got {text!r}")
+    return x
+
+
 def add_commands(commands) -> None:
     """``train`` and ``generate``, added to the subparsers of ``python -m pyattn``."""
     train_parser = commands.add_parser(
@@ -340,6 +351,12 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=positive, default=32, help="rows per step")
     parser.add_argument("--lr", type=_number(float, 0.0, above=True), default=1e-3,
                         help="peak learning rate (AdamW, cosine schedule)")
+    parser.add_argument("--beta2", type=_fraction, default=0.95,
+                        help="AdamW's second-moment decay (torch's default is 0.999: all-softmax "
+                             "models learn MQAR faster with it, Gated DeltaNet slower)")
+    parser.add_argument("--untied-embeddings", action="store_true",
+                        help="an LM head of its own instead of the embedding's transpose (all-softmax "
+                             "models learn MQAR far faster with it; the default hybrid slower)")
     parser.add_argument("--eval-every", type=positive, default=None,
                         help="measure the held-out accuracy (and save the checkpoint) every N steps "
                              "and at the end (default: a tenth of the run)")
@@ -404,7 +421,7 @@ def _build(opts, parser):
     try:
         model = HybridLM(len(vocab) if vocab else opts.vocab, opts.d_model, opts.layers,
                          mixers[0] if len(mixers) == 1 else mixers, n_heads=opts.heads, dtype=opts.dtype,
-                         seed=opts.seed)
+                         tie_embeddings=not opts.untied_embeddings, seed=opts.seed)
         model.forward(train_data[0][:1])  # a mixer's limits on its head dims show in its op's first call
     except ValueError as e:
         parser.error(f"--mixers {opts.mixers} with --d-model {opts.d_model} --heads {opts.heads}: {e}")
@@ -429,6 +446,7 @@ def run_train(opts, parser) -> int:
         t0 = time.perf_counter()
         try:
             history = train(model, train_data, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr,
+                            betas=(0.9, opts.beta2),
                             eval_data=eval_data, eval_every=opts.eval_every, progress=not opts.no_progress,
                             seed=opts.seed, checkpoint=opts.checkpoint)
         except CheckpointError as e:

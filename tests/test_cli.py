@@ -99,7 +99,7 @@ def pyattn_cli(*args, timeout=120, **kw):
     (["--kv-pairs", "5"], "seq_len"),  # mqar: 16 tokens hold at most 4 pairs and their queries
     (["--task", "text"], "--text"), (["--task", "text", "--text", "/no/such/file.txt"], "/no/such/file.txt"),
     (["--out", "/no/such/folder/m.npz"], "--out"), (["--out", "."], "--out"),
-    (["--checkpoint", "/no/such/folder/c.npz"], "--checkpoint"),
+    (["--checkpoint", "/no/such/folder/c.npz"], "--checkpoint"), (["--beta2", "1"], "--beta2"),
 ])
 def test_train_checks_its_arguments_before_any_work(tmp_path, bad, named):
     """Exit 2 with argparse's usage and one error line naming the culprit, before data or a

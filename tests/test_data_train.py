@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import types
 
@@ -334,3 +335,36 @@ def test_ctrl_c_ends_the_step_saves_a_checkpoint_and_the_run_resumes_with_the_sa
         np.testing.assert_array_equal(resumed.params[name], p, err_msg=name)
     with pytest.raises(KeyboardInterrupt, match="after 3 of 12 steps$"):
         pyattn.train(ctrl_c_in_step(make(), 3), (x, y), **kw)
+
+
+def test_train_passes_its_betas_to_adamw(monkeypatch):
+    """betas reach AdamW (default (0.9, 0.95)); values outside [0, 1) are refused."""
+    import pyattn.training as training
+
+    seen = []
+    real = training.AdamW
+
+    def spy(params, **kw):
+        seen.append(kw["betas"])
+        return real(params, **kw)
+
+    monkeypatch.setattr(training, "AdamW", spy)
+    data = pyattn.data.mqar(16, 16, 2, 16)
+    model = pyattn.nn.HybridLM(16, 16, 1, "softmax", n_heads=2)
+    pyattn.train(model, data, steps=1, batch_size=4, progress=False)
+    pyattn.train(model, data, steps=1, batch_size=4, betas=(0.9, 0.999), progress=False)
+    assert seen == [(0.9, 0.95), (0.9, 0.999)]
+    with pytest.raises(ValueError, match="betas"):
+        pyattn.train(model, data, steps=1, betas=(0.9, 1.0), progress=False)
+
+
+def test_command_line_untied_embeddings_and_beta2(tmp_path):
+    out = tmp_path / "m.npz"
+    args = ["train", "--mixers", "softmax", "--layers", "1", "--d-model", "16", "--heads", "2", "--steps", "2",
+            "--examples", "32", "--seq-len", "16", "--kv-pairs", "2", "--vocab", "16", "--untied-embeddings",
+            "--beta2", "0.999", "--no-progress", "--out", str(out)]
+    subprocess.run([sys.executable, "-m", "pyattn", *args], check=True, capture_output=True, timeout=300,
+                   cwd=tmp_path)
+    model = pyattn.nn.HybridLM.load(str(out))
+    assert "lm_head.w" in model.params and not model.config["tie_embeddings"]
+
