@@ -1,0 +1,638 @@
+"""fla's (flash-linear-attention's) entry points on the CPU, computed by pyattn.
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule      # CUDA, Triton
+    from pyattn.torch.fla import chunk_gated_delta_rule               # CPU, pyattn
+
+Every function here has the name, the arguments (names, order, defaults), the layouts
+(``[B, T, H, D]``, states ``[N, H, K, V]``, ``cu_seqlens`` a LongTensor with B = 1) and the
+return convention of the fla function it replaces (``fla.ops.<family>``), and runs the pyattn
+op of the same mathematics through ``pyattn.torch``: differentiable by autograd, on CPU
+tensors. ``chunk_*`` and ``fused_chunk_*`` use pyattn's ``"chunk"`` form, ``fused_recurrent_*``
+its ``"recurrent"`` form, ``parallel_*`` its ``"parallel"`` form.
+
+- dtypes: the inputs are brought to one dtype, float64 if any is float64, else float32
+  (fla mixes bfloat16 q/k/v with float32 gates and states); ``o`` comes back in q's dtype,
+  ``final_state`` in that float32/float64 compute dtype (fla returns float32 states).
+- Flags pyattn computes exactly by rearranging the inputs are implemented that way:
+  ``head_first=True`` (inputs ``[B, H, T, ...]``, transposed), ``reverse=True`` (time flipped
+  per sequence), ``state_v_first=True`` (states ``[N, H, V, K]``, transposed), fla's
+  in-kernel beta sigmoid and GDN gate (computed in torch first), GVA of the gated delta rule
+  (v with more heads than q and k: q and k repeated per group), ``sink_bias`` of
+  ``parallel_attn`` (``o * sigmoid(lse - sink_bias)``).
+- A flag pyattn does not compute raises ``NotImplementedError`` naming it; none is ignored.
+  ``cu_seqlens_cpu`` and ``chunk_indices`` are accepted and unused: fla's precomputed copies
+  of what pyattn derives from ``cu_seqlens``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import pyattn.torch as _pt
+
+__all__ = [
+    "chunk_simple_gla", "fused_chunk_simple_gla", "fused_recurrent_simple_gla", "parallel_simple_gla",
+    "chunk_gla", "fused_recurrent_gla",
+    "chunk_retention", "fused_chunk_retention", "fused_recurrent_retention", "parallel_retention",
+    "chunk_linear_attn", "fused_chunk_linear_attn", "fused_recurrent_linear_attn",
+    "chunk_lightning_attn", "fused_recurrent_lightning_attn",
+    "parallel_based", "fused_chunk_based",
+    "chunk_delta_rule", "fused_recurrent_delta_rule",
+    "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
+    "parallel_attn", "parallel_nsa", "parallel_moba",
+]
+
+State = Optional[Tensor]
+
+
+def _unsupported(fn: str, flag: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"pyattn.torch.fla.{fn}(): {flag} is not supported: {why}")
+
+
+def _compute_dtype(*tensors) -> torch.dtype:
+    floats = [t.dtype for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
+    return torch.float64 if torch.float64 in floats else torch.float32
+
+
+def _cast(x, dtype):
+    return None if x is None else x.to(dtype)
+
+
+def _time_major(x, head_first: bool):
+    """fla's old head-first layout [B, H, T, ...] as [B, T, H, ...]."""
+    return x.transpose(1, 2) if head_first and x is not None else x
+
+
+def _cu(cu_seqlens):
+    return None if cu_seqlens is None else torch.as_tensor(cu_seqlens).to(torch.long)
+
+
+def _reversal(T: int, cu: Optional[Tensor]) -> Tensor:
+    """The time index that runs every sequence backwards (its own inverse)."""
+    t = torch.arange(T)
+    if cu is None:
+        return t.flip(0)
+    seq = torch.searchsorted(cu, t, right=True) - 1
+    return cu[seq] + cu[seq + 1] - 1 - t
+
+
+def _flip(x, order: Optional[Tensor]):
+    return x if x is None or order is None else x.index_select(1, order)
+
+
+def _state_in(h0, state_v_first: bool, dtype):
+    """fla's initial state ([N, H, K, V], or [N, H, V, K] with state_v_first) as pyattn's."""
+    if h0 is None:
+        return None
+    return (h0.transpose(-1, -2) if state_v_first else h0).to(dtype)
+
+
+def _state_out(ht, state_v_first: bool):
+    return ht.transpose(-1, -2) if state_v_first and ht is not None else ht
+
+
+def _v_first(fn: str, state_v_first: bool, transpose_state_layout: Optional[bool]) -> bool:
+    """fla's deprecated name of state_v_first, taken as fla takes it."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if state_v_first:
+        raise ValueError(f"pyattn.torch.fla.{fn}(): cannot pass both `state_v_first` and the deprecated "
+                         f"`transpose_state_layout`")
+    warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                  stacklevel=3)
+    return transpose_state_layout
+
+
+def _chunk(chunk_size) -> int:
+    return 64 if chunk_size is None else chunk_size
+
+
+def _check_cu_batch(fn: str, q: Tensor, cu) -> None:
+    if cu is not None and q.shape[0] != 1:
+        raise ValueError(f"pyattn.torch.fla.{fn}(): the batch size is expected to be 1 rather than {q.shape[0]} "
+                         f"when using `cu_seqlens`; flatten variable-length inputs first")
+
+
+def _run(op, q, k, v, *, gates=(), scale, initial_state, output_final_state, cu_seqlens, form, chunk_size,
+         reverse=False, state_v_first=False, head_first=False, options=None) -> Tuple[Tensor, State]:
+    """One pyattn.torch op of the gated linear / delta engines in fla's conventions.
+
+    ``gates`` are (name, tensor) pairs passed by name (None ones left out), all [B, T, H, ...]
+    like q. Returns (o in q's dtype and fla's layout, final state in fla's layout or None)."""
+    out_dtype = q.dtype
+    q, k, v = (_time_major(x, head_first) for x in (q, k, v))
+    gates = [(n, _time_major(g, head_first)) for n, g in gates if g is not None]
+    dtype = _compute_dtype(q, k, v, initial_state, *(g for _, g in gates))
+    cu = _cu(cu_seqlens)
+    order = _reversal(q.shape[1], cu) if reverse else None
+    q, k, v = (_flip(x.to(dtype), order) for x in (q, k, v))
+    kwargs = {n: _flip(g.to(dtype), order) for n, g in gates}
+    o, ht = op(q, k, v, **kwargs, scale=scale, initial_state=_state_in(initial_state, state_v_first, dtype),
+               output_final_state=output_final_state, cu_seqlens=cu, form=form, chunk_size=_chunk(chunk_size),
+               **(options or {}))
+    o = _time_major(_flip(o, order), head_first).to(out_dtype)
+    return o, _state_out(ht, state_v_first)
+
+
+# ------------------------------------------------------------------------------------------
+# simple GLA, GLA, retention, lightning attention: the gated linear engine
+
+
+def _simple_gla(fn, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, form,
+                chunk_size=64, reverse=False, state_v_first=False, head_first=False):
+    _check_cu_batch(fn, _time_major(q, head_first), cu_seqlens)
+    if g is None and g_gamma is None:
+        return _run(_pt.linear_attention, q, k, v, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=chunk_size,
+                    reverse=reverse, state_v_first=state_v_first, head_first=head_first)
+    if g_gamma is not None:
+        # fla applies both decays when both are given: their logs add
+        H = _time_major(q, head_first).shape[2]
+        gamma = g_gamma.reshape((1, H, 1) if head_first else (1, 1, H)).expand(q.shape[:3])
+        g = gamma if g is None else g + gamma.to(g.dtype)
+    return _run(_pt.simple_gla, q, k, v, gates=[("g", g)], scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=chunk_size,
+                reverse=reverse, state_v_first=state_v_first, head_first=head_first)
+
+
+def chunk_simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, g_gamma: Optional[Tensor] = None,
+                     scale: Optional[float] = None, initial_state: State = None, output_final_state: bool = False,
+                     state_v_first: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
+                     cu_seqlens_cpu: Optional[torch.LongTensor] = None, *, chunk_size: Optional[int] = None,
+                     head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.simple_gla.chunk_simple_gla: ``pyattn.torch.simple_gla(form="chunk")``.
+
+    g ``[B, T, H]`` a log decay per step, g_gamma ``[H]`` a constant log decay per head (both
+    given: both apply); neither: no decay (``linear_attention``). Returns ``(o, final_state)``."""
+    return _simple_gla("chunk_simple_gla", q, k, v, g, g_gamma, scale, initial_state, output_final_state,
+                       cu_seqlens, "chunk", chunk_size, state_v_first=state_v_first, head_first=head_first)
+
+
+def fused_chunk_simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
+                           g_gamma: Optional[Tensor] = None, scale: Optional[float] = None,
+                           initial_state: State = None, output_final_state: bool = False,
+                           cu_seqlens: Optional[torch.LongTensor] = None, *,
+                           head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.simple_gla.fused_chunk_simple_gla: as ``chunk_simple_gla``."""
+    return _simple_gla("fused_chunk_simple_gla", q, k, v, g, g_gamma, scale, initial_state, output_final_state,
+                       cu_seqlens, "chunk", head_first=head_first)
+
+
+def fused_recurrent_simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
+                               g_gamma: Optional[Tensor] = None, scale: Optional[float] = None,
+                               initial_state: State = None, output_final_state: bool = False, reverse: bool = False,
+                               state_v_first: bool = False, cu_seqlens: Optional[torch.LongTensor] = None, *,
+                               head_first: bool = False,
+                               transpose_state_layout: Optional[bool] = None) -> Tuple[Tensor, State]:
+    """fla.ops.simple_gla.fused_recurrent_simple_gla: ``pyattn.torch.simple_gla(form="recurrent")``;
+    ``reverse=True`` runs every sequence backwards (the time axis flipped, exactly)."""
+    state_v_first = _v_first("fused_recurrent_simple_gla", state_v_first, transpose_state_layout)
+    return _simple_gla("fused_recurrent_simple_gla", q, k, v, g, g_gamma, scale, initial_state, output_final_state,
+                       cu_seqlens, "recurrent", reverse=reverse, state_v_first=state_v_first, head_first=head_first)
+
+
+def parallel_simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None,
+                        output_attentions: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
+                        cu_seqlens_cpu: Optional[torch.LongTensor] = None, *,
+                        head_first: bool = False) -> Tuple[Tensor, None]:
+    """fla.ops.simple_gla.parallel_simple_gla: ``pyattn.torch.simple_gla(form="parallel")``.
+    Returns ``(o, None)``; ``output_attentions=True`` raises NotImplementedError."""
+    if output_attentions:
+        raise _unsupported("parallel_simple_gla", "output_attentions=True",
+                           "pyattn's parallel form does not return its score matrix")
+    o, _ = _simple_gla("parallel_simple_gla", q, k, v, g, None, scale, None, False, cu_seqlens, "parallel",
+                       head_first=head_first)
+    return o, None
+
+
+def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None, initial_state: State = None,
+              output_final_state: bool = False, state_v_first: bool = False,
+              cu_seqlens: Optional[torch.LongTensor] = None, cu_seqlens_cpu: Optional[torch.LongTensor] = None, *,
+              head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.gla.chunk_gla: ``pyattn.torch.gla(form="chunk")``, g ``[B, T, H, K]`` the log
+    decay per key channel."""
+    _check_cu_batch("chunk_gla", _time_major(q, head_first), cu_seqlens)
+    return _run(_pt.gla, q, k, v, gates=[("g", g)], scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, form="chunk", chunk_size=64,
+                state_v_first=state_v_first, head_first=head_first)
+
+
+def fused_recurrent_gla(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor] = None, gv: Optional[Tensor] = None,
+                        scale: Optional[float] = None, initial_state: State = None, output_final_state: bool = False,
+                        reverse: bool = False, state_v_first: bool = False,
+                        cu_seqlens: Optional[torch.LongTensor] = None, *,
+                        head_first: bool = False,
+                        transpose_state_layout: Optional[bool] = None) -> Tuple[Tensor, State]:
+    """fla.ops.gla.fused_recurrent_gla: ``pyattn.torch.gla(form="recurrent")`` with the key
+    gate gk ``[B, T, H, K]`` and the value gate gv ``[B, T, H, V]`` (either may be None);
+    ``reverse=True`` runs every sequence backwards."""
+    state_v_first = _v_first("fused_recurrent_gla", state_v_first, transpose_state_layout)
+    _check_cu_batch("fused_recurrent_gla", _time_major(q, head_first), cu_seqlens)
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens, form="recurrent", chunk_size=64, reverse=reverse,
+                  state_v_first=state_v_first, head_first=head_first)
+    if gv is None:
+        if gk is None:
+            return _run(_pt.linear_attention, q, k, v, **common)
+    elif gk is None:
+        gk = torch.zeros(q.shape, dtype=gv.dtype)
+    return _run(_pt.gla, q, k, v, gates=[("g", gk), ("gv", gv)], **common)
+
+
+def chunk_retention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, initial_state: State = None,
+                    output_final_state: bool = False, cu_seqlens: Optional[torch.LongTensor] = None, *,
+                    chunk_size: Optional[int] = None, head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.retention.chunk_retention: ``pyattn.torch.retention(form="chunk")`` with RetNet's
+    decays ``gamma_h = 1 - 2**(-5 - h)``, as fla."""
+    _check_cu_batch("chunk_retention", _time_major(q, head_first), cu_seqlens)
+    return _run(_pt.retention, q, k, v, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, form="chunk", chunk_size=chunk_size,
+                head_first=head_first)
+
+
+def fused_chunk_retention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+                          initial_state: State = None, output_final_state: bool = False,
+                          cu_seqlens: Optional[torch.LongTensor] = None, *,
+                          head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.retention.fused_chunk_retention: as ``chunk_retention``."""
+    _check_cu_batch("fused_chunk_retention", _time_major(q, head_first), cu_seqlens)
+    return _run(_pt.retention, q, k, v, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, form="chunk", chunk_size=64,
+                head_first=head_first)
+
+
+def fused_recurrent_retention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+                              initial_state: State = None, output_final_state: bool = False, reverse: bool = False,
+                              state_v_first: bool = False, cu_seqlens: Optional[torch.LongTensor] = None, *,
+                              head_first: bool = False,
+                              transpose_state_layout: Optional[bool] = None) -> Tuple[Tensor, State]:
+    """fla.ops.retention.fused_recurrent_retention: ``pyattn.torch.retention(form="recurrent")``."""
+    state_v_first = _v_first("fused_recurrent_retention", state_v_first, transpose_state_layout)
+    _check_cu_batch("fused_recurrent_retention", _time_major(q, head_first), cu_seqlens)
+    return _run(_pt.retention, q, k, v, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, form="recurrent", chunk_size=64,
+                reverse=reverse, state_v_first=state_v_first, head_first=head_first)
+
+
+def parallel_retention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+                       output_attentions: bool = False, cu_seqlens: Optional[torch.LongTensor] = None, *,
+                       head_first: bool = False) -> Tuple[Tensor, None]:
+    """fla.ops.retention.parallel_retention: ``pyattn.torch.retention(form="parallel")``.
+    Returns ``(o, None)``; ``output_attentions=True`` raises NotImplementedError."""
+    if output_attentions:
+        raise _unsupported("parallel_retention", "output_attentions=True",
+                           "pyattn's parallel form does not return its score matrix")
+    _check_cu_batch("parallel_retention", _time_major(q, head_first), cu_seqlens)
+    o, _ = _run(_pt.retention, q, k, v, scale=scale, initial_state=None, output_final_state=False,
+                cu_seqlens=cu_seqlens, form="parallel", chunk_size=64, head_first=head_first)
+    return o, None
+
+
+def _lightning_slopes(H: int, layer_idx: int, num_layers: int) -> Tensor:
+    # fla's decay: log gamma_h = -(8 / H) (1 - layer_idx / num_layers) h, head 0 undecayed
+    return (8 / H * (1 - layer_idx / num_layers)) * torch.arange(H, dtype=torch.float64)
+
+
+def chunk_lightning_attn(q: Tensor, k: Tensor, v: Tensor, layer_idx: int, num_layers: int,
+                         scale: Optional[float] = None, initial_state: State = None, output_final_state: bool = False,
+                         cu_seqlens: Optional[torch.LongTensor] = None, *, chunk_size: Optional[int] = None,
+                         head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.lightning_attn.chunk_lightning_attn: ``pyattn.torch.lightning_attention(form="chunk")``
+    with fla's per-layer slopes ``(8 / H) (1 - layer_idx / num_layers) h``."""
+    _check_cu_batch("chunk_lightning_attn", _time_major(q, head_first), cu_seqlens)
+    H = _time_major(q, head_first).shape[2]
+    slopes = _lightning_slopes(H, layer_idx, num_layers).to(_compute_dtype(q, k, v, initial_state))
+    return _run(_pt.lightning_attention, q, k, v, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, form="chunk", chunk_size=chunk_size,
+                head_first=head_first, options={"slopes": slopes})
+
+
+def fused_recurrent_lightning_attn(q: Tensor, k: Tensor, v: Tensor, layer_idx: int, num_layers: int,
+                                   scale: Optional[float] = None, initial_state: State = None,
+                                   output_final_state: bool = False, reverse: bool = False,
+                                   cu_seqlens: Optional[torch.LongTensor] = None, *,
+                                   head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.lightning_attn.fused_recurrent_lightning_attn:
+    ``pyattn.torch.lightning_attention(form="recurrent")``, fla's slopes."""
+    _check_cu_batch("fused_recurrent_lightning_attn", _time_major(q, head_first), cu_seqlens)
+    H = _time_major(q, head_first).shape[2]
+    slopes = _lightning_slopes(H, layer_idx, num_layers).to(_compute_dtype(q, k, v, initial_state))
+    return _run(_pt.lightning_attention, q, k, v, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, form="recurrent", chunk_size=64,
+                reverse=reverse, head_first=head_first, options={"slopes": slopes})
+
+
+# ------------------------------------------------------------------------------------------
+# linear attention and Based
+
+
+def _linear_attn(fn, q, k, v, scale, initial_state, output_final_state, normalize, cu_seqlens, form,
+                 reverse=False, head_first=False):
+    _check_cu_batch(fn, _time_major(q, head_first), cu_seqlens)
+    if not normalize:
+        return _run(_pt.linear_attention, q, k, v, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=64,
+                    reverse=reverse, head_first=head_first)
+    # fla's normalized state is (S [N, H, K, V], z [N, 1, H, K]); pyattn's is S with z as an
+    # extra last column [N, H, K, V + 1]
+    kv0, z0 = initial_state if isinstance(initial_state, tuple) else (initial_state, None)
+    h0 = None
+    if kv0 is not None or z0 is not None:
+        N, H, K, V = _state_shape(q, v, cu_seqlens, head_first)
+        ref = kv0 if kv0 is not None else z0
+        dtype = _compute_dtype(q, k, v, kv0, z0)
+        kv0 = ref.new_zeros((N, H, K, V), dtype=dtype) if kv0 is None else kv0.to(dtype)
+        z0 = ref.new_zeros((N, H, K, 1), dtype=dtype) if z0 is None else z0[:, 0].unsqueeze(-1).to(dtype)
+        h0 = torch.cat([kv0, z0], dim=-1)
+    o, ht = _run(_pt.linear_attention, q, k, v, scale=scale, initial_state=h0, output_final_state=True,
+                 cu_seqlens=cu_seqlens, form=form, chunk_size=64, reverse=reverse, head_first=head_first,
+                 options={"normalize": True, "eps": 1e-10})
+    z = ht[..., -1].unsqueeze(1).to(k.dtype)
+    return o, (ht[..., :-1] if output_final_state else None, z)
+
+
+def _state_shape(q, v, cu_seqlens, head_first):
+    q, v = _time_major(q, head_first), _time_major(v, head_first)
+    N = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+    return N, q.shape[2], q.shape[3], v.shape[3]
+
+
+_LinearState = Union[Tensor, Tuple[Optional[Tensor], Tensor], None]
+
+
+def chunk_linear_attn(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+                      initial_state: _LinearState = None, output_final_state: bool = False, normalize: bool = True,
+                      cu_seqlens: Optional[torch.LongTensor] = None, *,
+                      head_first: bool = False) -> Tuple[Tensor, _LinearState]:
+    """fla.ops.linear_attn.chunk_linear_attn: ``pyattn.torch.linear_attention(form="chunk")``.
+
+    ``normalize=True`` (fla's default here) divides by ``(scale q_t) . z_t + 1e-10``, ``z_t``
+    the running sum of keys, and returns ``(o, (final_state or None, z_state [N, 1, H, K]))``;
+    ``initial_state`` may then be fla's tuple ``(S, z)``."""
+    return _linear_attn("chunk_linear_attn", q, k, v, scale, initial_state, output_final_state, normalize,
+                        cu_seqlens, "chunk", head_first=head_first)
+
+
+def fused_chunk_linear_attn(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+                            initial_state: _LinearState = None, output_final_state: bool = False,
+                            normalize: bool = True, cu_seqlens: Optional[torch.LongTensor] = None, *,
+                            head_first: bool = False) -> Tuple[Tensor, _LinearState]:
+    """fla.ops.linear_attn.fused_chunk_linear_attn: as ``chunk_linear_attn``."""
+    return _linear_attn("fused_chunk_linear_attn", q, k, v, scale, initial_state, output_final_state, normalize,
+                        cu_seqlens, "chunk", head_first=head_first)
+
+
+def fused_recurrent_linear_attn(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+                                initial_state: _LinearState = None, output_final_state: bool = False,
+                                reverse: bool = False, normalize: bool = False,
+                                cu_seqlens: Optional[torch.LongTensor] = None, *,
+                                head_first: bool = False) -> Tuple[Tensor, _LinearState]:
+    """fla.ops.linear_attn.fused_recurrent_linear_attn: ``pyattn.torch.linear_attention(form="recurrent")``
+    (``normalize=False`` by default here, as fla)."""
+    return _linear_attn("fused_recurrent_linear_attn", q, k, v, scale, initial_state, output_final_state, normalize,
+                        cu_seqlens, "recurrent", reverse=reverse, head_first=head_first)
+
+
+def _based(q, k, v, scale, use_norm, form, head_first):
+    # Based's kernel 1 + s + s^2 / 2 of s = scale q.k is the taylor feature map's
+    # phi(q').phi(k) with q' = scale q and no further scale
+    out_dtype = q.dtype
+    q, k, v = (_time_major(x, head_first) for x in (q, k, v))
+    dtype = _compute_dtype(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, _ = _pt.linear_attention((q.to(dtype) * scale), k.to(dtype), v.to(dtype), feature_map="taylor",
+                                normalize=use_norm, eps=1e-6, scale=1.0, form=form)
+    return _time_major(o, head_first).to(out_dtype)
+
+
+def parallel_based(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, use_norm: bool = True, *,
+                   head_first: bool = False) -> Tensor:
+    """fla.ops.based.parallel_based: causal ``o_i = sum_j (1 + s_ij + s_ij^2 / 2) v_j`` with
+    ``s_ij = scale q_i.k_j``, divided by ``sum_j (...) + 1e-6`` with ``use_norm``:
+    ``pyattn.torch.linear_attention(feature_map="taylor", form="parallel")``. Returns ``o``."""
+    return _based(q, k, v, scale, use_norm, "parallel", head_first)
+
+
+def fused_chunk_based(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, use_norm: bool = True, *,
+                      head_first: bool = False) -> Tensor:
+    """fla.ops.based.fused_chunk_based: as ``parallel_based``, pyattn's ``"chunk"`` form."""
+    return _based(q, k, v, scale, use_norm, "chunk", head_first)
+
+
+# ------------------------------------------------------------------------------------------
+# the delta rule and the gated delta rule
+
+
+def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+           form, chunk_size, state_v_first=False, head_first=False, use_gate_in_kernel=False, A_log=None,
+           dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
+    q, k, v, g, beta = (_time_major(x, head_first) for x in (q, k, v, g, beta))
+    _check_cu_batch(fn, q, cu_seqlens)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError(f"pyattn.torch.fla.{fn}(): `allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    H, HV = q.shape[2], v.shape[2]
+    if beta is None:
+        beta = v.new_ones(v.shape[:3])
+    if beta.ndim == v.ndim:
+        raise _unsupported(fn, "beta of shape [B, T, H, V] (one beta per value channel)",
+                           "pyattn's delta rule takes one beta per head and step, [B, T, H]")
+    if use_gate_in_kernel:
+        if A_log is None or g is None:
+            raise ValueError(f"pyattn.torch.fla.{fn}(): `use_gate_in_kernel=True` needs `g` and `A_log`")
+        # fla's GDN gate, computed before the kernel: g = -exp(A_log) softplus(g + dt_bias)
+        dtype = _compute_dtype(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        g = g.to(dtype) if dt_bias is None else g.to(dtype) + dt_bias.to(dtype)
+        g = -A_log.to(dtype).exp() * F.softplus(g)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2 if allow_neg_eigval else 1)
+    if HV != H:
+        # GVA: value head hv reads query/key head hv // (HV // H)
+        if HV % H:
+            raise ValueError(f"pyattn.torch.fla.{fn}(): v has HV={HV} heads; it must be a multiple of q's H={H}")
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    op, gates = (_pt.delta_rule, [("beta", beta)]) if g is None else (_pt.gated_delta_rule, [("g", g), ("beta", beta)])
+    o, ht = _run(op, q, k, v, gates=gates, scale=scale, initial_state=initial_state,
+                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=chunk_size,
+                 state_v_first=state_v_first, options={"qk_l2norm": use_qk_l2norm_in_kernel})
+    return _time_major(o, head_first), ht
+
+
+def chunk_delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[float] = None,
+                     initial_state: State = None, output_final_state: bool = False,
+                     use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
+                     cu_seqlens_cpu: Optional[torch.LongTensor] = None, *, chunk_size: int = 64,
+                     head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.delta_rule.chunk_delta_rule: ``pyattn.torch.delta_rule(form="chunk")``, beta
+    ``[B, T, H]``, ``use_qk_l2norm_in_kernel`` as pyattn's ``qk_l2norm`` (``x / sqrt(sum x^2 +
+    1e-6)``, fla's). Any float dtype (fla's kernel refuses float32)."""
+    return _delta("chunk_delta_rule", q, k, v, None, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, cu_seqlens, "chunk", chunk_size, head_first=head_first)
+
+
+def fused_recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Optional[Tensor] = None,
+                               scale: Optional[float] = None, initial_state: State = None,
+                               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                               cu_seqlens: Optional[torch.LongTensor] = None, *,
+                               head_first: bool = False) -> Tuple[Tensor, State]:
+    """fla.ops.delta_rule.fused_recurrent_delta_rule: ``pyattn.torch.delta_rule(form="recurrent")``;
+    beta None is 1. A beta per value channel ``[B, T, H, V]`` raises NotImplementedError."""
+    return _delta("fused_recurrent_delta_rule", q, k, v, None, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, cu_seqlens, "recurrent", 64, head_first=head_first)
+
+
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
+                           initial_state: State = None, output_final_state: bool = False,
+                           use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                           allow_neg_eigval: bool = False, state_v_first: bool = False,
+                           cu_seqlens: Optional[torch.LongTensor] = None,
+                           cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+                           chunk_indices: Optional[torch.LongTensor] = None, cp_context=None, *,
+                           use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
+                           dt_bias: Optional[Tensor] = None, chunk_size: int = 64,
+                           head_first: bool = False,
+                           transpose_state_layout: Optional[bool] = None) -> Tuple[Tensor, State]:
+    """fla.ops.gated_delta_rule.chunk_gated_delta_rule: ``pyattn.torch.gated_delta_rule(form="chunk")``.
+
+    q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` with HV a multiple of H (GVA), g and beta
+    ``[B, T, HV]``, states ``[N, HV, K, V]``. ``use_beta_sigmoid_in_kernel`` takes
+    ``sigmoid(beta)`` (times 2 with ``allow_neg_eigval``); ``use_gate_in_kernel`` takes
+    ``g = -exp(A_log) softplus(g + dt_bias)``, both differentiated. ``cp_context`` (context
+    parallelism) raises NotImplementedError."""
+    state_v_first = _v_first("chunk_gated_delta_rule", state_v_first, transpose_state_layout)
+    if cp_context is not None:
+        raise _unsupported("chunk_gated_delta_rule", "cp_context", "pyattn runs on one machine")
+    return _delta("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, cu_seqlens, "chunk", chunk_size, state_v_first, head_first,
+                  use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+
+
+def fused_recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
+                                     gk: Optional[Tensor] = None, gv: Optional[Tensor] = None,
+                                     beta: Optional[Tensor] = None, scale: Optional[float] = None,
+                                     initial_state: State = None, output_final_state: bool = False,
+                                     use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+                                     A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+                                     use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+                                     state_v_first: bool = False, cu_seqlens: Optional[torch.LongTensor] = None, *,
+                                     head_first: bool = False,
+                                     transpose_state_layout: Optional[bool] = None) -> Tuple[Tensor, State]:
+    """fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule:
+    ``pyattn.torch.gated_delta_rule(form="recurrent")`` (g None: ``delta_rule``), the arguments
+    as ``chunk_gated_delta_rule``; beta None is 1. The vector gates gk and gv raise
+    NotImplementedError. Differentiable (fla's forward-only kernel is not)."""
+    state_v_first = _v_first("fused_recurrent_gated_delta_rule", state_v_first, transpose_state_layout)
+    for name, gate in (("gk", gk), ("gv", gv)):
+        if gate is not None:
+            raise _unsupported("fused_recurrent_gated_delta_rule", name,
+                               "pyattn's delta rule has one scalar gate g per head and step")
+    return _delta("fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, cu_seqlens, "recurrent", 64, state_v_first, head_first,
+                  use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+
+
+chunk_gdn = chunk_gated_delta_rule
+fused_recurrent_gdn = fused_recurrent_gated_delta_rule
+
+
+# ------------------------------------------------------------------------------------------
+# softmax attention and the sparse softmax family
+
+
+def _softmax_prep(q, k, v, head_first):
+    q, k, v = (_time_major(x, head_first) for x in (q, k, v))
+    dtype = _compute_dtype(q, k, v)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def parallel_attn(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None,
+                  window_size: Optional[int] = None, cu_seqlens: Optional[torch.LongTensor] = None,
+                  chunk_indices: Optional[torch.LongTensor] = None, *, sink_bias: Optional[Tensor] = None,
+                  head_first: bool = False) -> Tensor:
+    """fla.ops.attn.parallel_attn: causal softmax attention, ``pyattn.torch.softmax_attention``
+    (flash form), GQA as fla (q ``[B, T, HQ, K]``, k, v ``[B, T, H, *]``). ``window_size=w``
+    keeps keys ``i-w+1 .. i``; ``sink_bias [HQ]`` adds one learned logit per head to every
+    softmax denominator (``o * sigmoid(lse - sink_bias)``, exact). The forgetting gate ``g``
+    (FoX) raises NotImplementedError. Returns ``o``."""
+    if g is not None:
+        raise _unsupported("parallel_attn", "g", "pyattn has no forgetting attention (FoX) yet")
+    _check_cu_batch("parallel_attn", _time_major(q, head_first), cu_seqlens)
+    out_dtype = q.dtype
+    q, k, v = _softmax_prep(q, k, v, head_first)
+    window = None if window_size is None else (window_size - 1, 0)
+    kwargs = dict(causal=True, scale=scale, window=window, cu_seqlens=_cu(cu_seqlens))
+    if sink_bias is None:
+        o = _pt.softmax_attention(q, k, v, **kwargs)
+    else:
+        o, lse = _pt.softmax_attention(q, k, v, return_lse=True, **kwargs)
+        o = o * torch.sigmoid(lse - sink_bias.to(lse.dtype)).unsqueeze(-1)
+    return _time_major(o, head_first).to(out_dtype)
+
+
+def parallel_nsa(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = None, g_slc: Optional[Tensor] = None,
+                 g_swa: Optional[Tensor] = None, block_indices: Optional[torch.LongTensor] = None,
+                 block_counts: Union[torch.LongTensor, int] = 16, block_size: int = 64, window_size: int = 0,
+                 scale: Optional[float] = None, cu_seqlens=None, *, head_first: bool = False) -> Tensor:
+    """fla.ops.nsa.parallel_nsa: ``pyattn.torch.nsa_attention``, ``o = g_cmp o_cmp + g_slc o_slc
+    + g_swa o_swa`` (g_slc None: 1; ``window_size=0``: no sliding branch).
+
+    fla always selects the first block and the query's previous block besides its own, pyattn
+    its own and the best ones: the two agree when ``block_counts`` covers every block of the
+    longest sequence, and a smaller ``block_counts`` raises NotImplementedError, as do
+    ``block_indices``, a tensor of ``block_counts``, ``g_cmp=None`` and separate query and key
+    ``cu_seqlens``. Returns ``o``."""
+    fn = "parallel_nsa"
+    if block_indices is not None:
+        raise _unsupported(fn, "block_indices", "pyattn chooses the blocks itself")
+    if g_cmp is None:
+        raise _unsupported(fn, "g_cmp=None", "fla then attends to given block_indices, which pyattn does not take")
+    if isinstance(block_counts, Tensor):
+        raise _unsupported(fn, "block_counts as a tensor", "pyattn takes one block count for every query")
+    if isinstance(cu_seqlens, tuple):
+        cu_q, cu_k = cu_seqlens
+        if not torch.equal(torch.as_tensor(cu_q), torch.as_tensor(cu_k)):
+            raise _unsupported(fn, "cu_seqlens=(cu_seqlens_q, cu_seqlens_k) that differ",
+                               "pyattn's NSA packs queries and keys alike")
+        cu_seqlens = cu_q
+    cu = _cu(cu_seqlens)
+    _check_cu_batch(fn, _time_major(q, head_first), cu)
+    T = _time_major(k, head_first).shape[1]
+    lengths = [T] if cu is None else (cu[1:] - cu[:-1]).tolist()
+    blocks = -(-max(lengths, default=0) // block_size)
+    if block_counts < blocks:
+        raise _unsupported(fn, f"block_counts={block_counts} below the {blocks} blocks of the longest sequence",
+                           "fla forces the first and the previous block into the selection where pyattn chooses the "
+                           "best ones; the two agree only when every block is selected")
+    if window_size > 0 and g_swa is None:
+        raise ValueError(f"pyattn.torch.fla.{fn}(): window_size={window_size} needs g_swa")
+    out_dtype = q.dtype
+    g_cmp, g_slc, g_swa = (_time_major(x, head_first) for x in (g_cmp, g_slc, g_swa))
+    dtype = _compute_dtype(q, k, v, g_cmp, g_slc, g_swa)
+    q, k, v = _softmax_prep(q, k, v, head_first)
+    g_cmp = g_cmp.to(dtype)
+    g_slc = g_cmp.new_ones(g_cmp.shape) if g_slc is None else g_slc.to(dtype)
+    # no sliding branch: a one-key window weighted by exact zeros adds nothing
+    g_swa = g_cmp.new_zeros(g_cmp.shape) if window_size <= 0 else g_swa.to(dtype)
+    o = _pt.nsa_attention(q, k, v, g_cmp, g_slc, g_swa, block_size=block_size, block_count=max(block_counts, 1),
+                          window=max(window_size, 1), scale=scale, cu_seqlens=cu)
+    return _time_major(o, head_first).to(out_dtype)
+
+
+def parallel_moba(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[torch.LongTensor], max_seqlen: int,
+                  chunk_size: int, topk: int, *, head_first: bool = False) -> Tensor:
+    """fla.ops.moba.parallel_moba: ``pyattn.torch.moba_attention`` (causal): each query attends
+    its own chunk causally and the ``topk - 1`` past chunks of highest ``q . mean(k_chunk)``;
+    ``topk <= 1`` is plain causal attention, as fla. ``max_seqlen`` is unused (pyattn reads
+    the lengths from ``cu_seqlens``). Returns ``o``."""
+    _check_cu_batch("parallel_moba", _time_major(q, head_first), cu_seqlens)
+    out_dtype = q.dtype
+    q, k, v = _softmax_prep(q, k, v, head_first)
+    cu = _cu(cu_seqlens)
+    if topk <= 1:
+        o = _pt.softmax_attention(q, k, v, causal=True, cu_seqlens=cu)
+    else:
+        o = _pt.moba_attention(q, k, v, block_size=chunk_size, top_k=topk, causal=True, cu_seqlens=cu)
+    return _time_major(o, head_first).to(out_dtype)

@@ -1,0 +1,636 @@
+"""pyattn.torch.fla: fla's entry points (names, argument order, defaults, layouts, returns)
+computing pyattn's ops. Every entry point equals the float64 oracle (pyattn.reference, or
+a dense formula where fla's op is not one of pyattn's by name), its gradients pass
+torch.autograd.gradcheck, the flags done by rearranging (head_first, reverse,
+state_v_first, GVA, in-kernel gates) are exact, and every flag pyattn lacks raises
+NotImplementedError naming it."""
+from __future__ import annotations
+
+import inspect
+import re
+
+import numpy as np
+import pytest
+
+import pyattn.reference as ref
+
+torch = pytest.importorskip("torch", reason="pyattn.torch.fla needs torch (pip install 'pyattn[torch]')")
+fla = pytest.importorskip("pyattn.torch.fla")
+pt = pytest.importorskip("pyattn.torch")
+
+B, T, H, K, V = 2, 37, 2, 4, 3
+CU = [0, 9, 9, 37]        # packed: an empty sequence, lengths 9 and 28
+
+
+def tensor(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def array(t):
+    return t.detach().numpy()
+
+
+class Inputs:
+    """Random float64 inputs of one case, packed (B = 1, cu_seqlens) or batched."""
+
+    def __init__(self, seed, varlen, t=T, cu=CU):
+        self.rng = np.random.default_rng(seed)
+        self.varlen, self.T, self.CU = varlen, t, cu
+        self.B = 1 if varlen else B
+        self.N = len(cu) - 1 if varlen else B
+        self.cu = tensor(np.array(cu, dtype=np.int64)) if varlen else None
+
+    def randn(self, *shape):
+        return self.rng.standard_normal(shape)
+
+    def x(self, heads=H, dim=K):
+        return self.randn(self.B, self.T, heads, dim)
+
+    def logsig(self, *shape):
+        return -np.log1p(np.exp(-self.randn(self.B, self.T, *shape)))
+
+    def sig(self, *shape):
+        return 1 / (1 + np.exp(-self.randn(self.B, self.T, *shape)))
+
+    def state(self, k=K, v=V, heads=H):
+        return 0.5 * self.randn(self.N, heads, k, v)
+
+    def cu_np(self):
+        return None if self.cu is None else np.array(self.CU)
+
+
+def _t(*arrays):
+    return [None if a is None else tensor(a) for a in arrays]
+
+
+# ------------------------------------------------------------------------------------------
+# cases: name -> builder(Inputs) -> (function name, args, kwargs, expected)
+
+
+def _linear_case(fn, gates, oracle, form_kwargs=None):
+    """A state op of the gated linear engine; ``gates(inp)`` gives (fla positional gates,
+    fla keyword gates, oracle positional, oracle keyword)."""
+    def build(inp):
+        q, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
+        g_args, g_kwargs, o_args, o_kwargs = gates(inp)
+        expected = oracle(q, k, v, *o_args, **o_kwargs, initial_state=h0, output_final_state=True,
+                          cu_seqlens=inp.cu_np())
+        kwargs = dict(g_kwargs, initial_state=tensor(h0), output_final_state=True, cu_seqlens=inp.cu,
+                      **(form_kwargs or {}))
+        return fn, (*_t(q, k, v), *_t(*g_args)), {n: tensor(a) if isinstance(a, np.ndarray) else a
+                                                   for n, a in kwargs.items()}, expected
+    return build
+
+
+def _g(inp):
+    g = inp.logsig(H)
+    return (g,), {}, (g,), {}
+
+
+def _g_gamma(inp):
+    gamma = -np.array([0.1, 0.7])
+    g = np.broadcast_to(gamma, (inp.B, inp.T, H))
+    return (), {"g_gamma": gamma}, (g,), {}
+
+
+def _g_and_gamma(inp):
+    g, gamma = inp.logsig(H), -np.array([0.2, 0.05])
+    return (g,), {"g_gamma": gamma}, (g + gamma,), {}
+
+
+def _no_gate(inp):
+    return (), {}, (), {}
+
+
+def _gk(inp):
+    g = inp.logsig(H, K)
+    return (g,), {}, (g,), {}
+
+
+def _gk_gv(inp):
+    gk, gv = inp.logsig(H, K), inp.logsig(H, V)
+    return (gk, gv), {}, (gk,), {"gv": gv}
+
+
+def _gv_only(inp):
+    gv = inp.logsig(H, V)
+    return (), {"gv": gv}, (np.zeros((inp.B, inp.T, H, K)),), {"gv": gv}
+
+
+def _no_state(fn, oracle, gate, **kwargs):
+    """A parallel_* op: no state, returns (o, None)."""
+    def build(inp):
+        q, k, v = inp.x(), inp.x(), inp.x(dim=V)
+        g_args, _, o_args, _ = gate(inp)
+        o, _ = oracle(q, k, v, *o_args, cu_seqlens=inp.cu_np())
+        return fn, (*_t(q, k, v), *_t(*g_args)), dict(kwargs, cu_seqlens=inp.cu), (o, None)
+    return build
+
+
+def _lightning(fn):
+    def build(inp):
+        q, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
+        slopes = 8 / H * (1 - 1 / 4) * np.arange(H)
+        expected = ref.lightning_attention(q, k, v, slopes=slopes, initial_state=h0, output_final_state=True,
+                                           cu_seqlens=inp.cu_np())
+        return fn, (*_t(q, k, v), 1, 4), dict(initial_state=tensor(h0), output_final_state=True,
+                                              cu_seqlens=inp.cu), expected
+    return build
+
+
+def _linear_attn(fn, normalize):
+    def build(inp):
+        q, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
+        if not normalize:
+            expected = ref.linear_attention(q, k, v, initial_state=h0, output_final_state=True,
+                                            cu_seqlens=inp.cu_np())
+            return fn, tuple(_t(q, k, v)), dict(initial_state=tensor(h0), output_final_state=True,
+                                                cu_seqlens=inp.cu, normalize=False), expected
+        z0 = np.abs(inp.randn(inp.N, 1, H, K)) + 1
+        q, k = np.abs(q), np.abs(k)         # positive features: a denominator away from 0
+        o, s = ref.linear_attention(q, k, v, normalize=True, eps=1e-10, output_final_state=True,
+                                    initial_state=np.concatenate([h0, z0[:, 0, :, :, None]], -1),
+                                    cu_seqlens=inp.cu_np())
+        expected = (o, (s[..., :-1], s[..., -1][:, None]))
+        return fn, tuple(_t(q, k, v)), dict(initial_state=(tensor(h0), tensor(z0)), output_final_state=True,
+                                            cu_seqlens=inp.cu, normalize=True), expected
+    return build
+
+
+def _based(fn, use_norm):
+    def build(inp):
+        q, k, v = inp.x(), inp.x(), inp.x(dim=V)
+        s = np.einsum("bihd,bjhd->bhij", q * K ** -0.5, k)
+        a = np.tril(1 + s + s ** 2 / 2)
+        o = np.einsum("bhij,bjhd->bihd", a, v)
+        if use_norm:
+            o = o / (a.sum(-1).transpose(0, 2, 1)[..., None] + 1e-6)
+        return fn, tuple(_t(q, k, v)), dict(use_norm=use_norm), o
+    return build
+
+
+def _delta(fn, gated, gva=1, **flags):
+    def build(inp):
+        HV = H * gva
+        q, k, v, h0 = inp.x(), inp.x(), inp.x(heads=HV, dim=V), inp.state(heads=HV)
+        braw, graw = inp.randn(inp.B, inp.T, HV), inp.randn(inp.B, inp.T, HV)
+        beta = 1 / (1 + np.exp(-braw))
+        g = -np.log1p(np.exp(-graw))
+        kwargs = dict(initial_state=tensor(h0), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=inp.cu)
+        if flags.get("beta_sigmoid"):
+            kwargs.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+            beta_in, beta = braw, 2 * beta
+        else:
+            beta_in = beta
+        if flags.get("gate"):
+            A_log, dt_bias = inp.randn(HV) * 0.3, inp.randn(HV) * 0.3
+            kwargs.update(use_gate_in_kernel=True, A_log=tensor(A_log), dt_bias=tensor(dt_bias))
+            g_in, g = graw, -np.exp(A_log) * np.log1p(np.exp(graw + dt_bias))
+        else:
+            g_in = g
+        qr, kr = (np.repeat(x, gva, axis=2) for x in (q, k))
+        common = dict(qk_l2norm=True, initial_state=h0, output_final_state=True, cu_seqlens=inp.cu_np())
+        gates = (g_in,) if gated else ()
+        expected = (ref.gated_delta_rule(qr, kr, v, g, beta, **common) if gated
+                    else ref.delta_rule(qr, kr, v, beta, **common))
+        # beta by name: fused_recurrent_gated_delta_rule has gk and gv before it
+        return fn, tuple(_t(q, k, v, *gates)), dict(kwargs, beta=tensor(beta_in)), expected
+    return build
+
+
+def _dense_causal(q, k, v, scale, window=None, sink=None):
+    """float64 causal softmax attention with GQA, a window and per-head sink logits."""
+    G = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    i, j = np.arange(q.shape[1])[:, None], np.arange(q.shape[1])[None]
+    mask = (j <= i) & (True if window is None else i - j < window)
+    s = np.where(mask, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    den = p.sum(-1, keepdims=True)
+    if sink is not None:
+        den = den + np.exp(sink[None, :, None, None] - m)
+    return np.einsum("bhij,bjhd->bihd", p / den, v)
+
+
+def _attn(window=None, sink=False):
+    def build(inp):
+        q, k, v = inp.x(heads=4), inp.x(heads=2), inp.x(heads=2, dim=V)
+        sink_bias = inp.randn(4) if sink else None
+        if inp.varlen:
+            parts = [_dense_causal(q[:, a:b], k[:, a:b], v[:, a:b], K ** -0.5, window, sink_bias)
+                     for a, b in zip(inp.CU[:-1], inp.CU[1:]) if b > a]
+            o = np.concatenate(parts, axis=1)
+        else:
+            o = _dense_causal(q, k, v, K ** -0.5, window, sink_bias)
+        kwargs = dict(window_size=window, cu_seqlens=inp.cu)
+        if sink:
+            kwargs["sink_bias"] = tensor(sink_bias)
+        return "parallel_attn", tuple(_t(q, k, v)), kwargs, o
+    return build
+
+
+def _nsa(inp):
+    q, k, v = inp.x(heads=4), inp.x(heads=2), inp.x(heads=2, dim=V)
+    g_cmp, g_slc, g_swa = inp.sig(4), inp.sig(4), inp.sig(4)
+    o = ref.nsa_attention(q, k, v, g_cmp, g_slc, g_swa, block_size=8, block_count=5, window=6,
+                          cu_seqlens=inp.cu_np())
+    return "parallel_nsa", tuple(_t(q, k, v, g_cmp, g_slc, g_swa)), dict(
+        block_counts=5, block_size=8, window_size=6, cu_seqlens=inp.cu), o
+
+
+def _nsa_defaults(inp):
+    """g_slc None is 1, window_size 0 leaves the sliding branch out."""
+    q, k, v = inp.x(heads=4), inp.x(heads=2), inp.x(heads=2, dim=V)
+    g_cmp = inp.sig(4)
+    o = ref.nsa_attention(q, k, v, g_cmp, np.ones_like(g_cmp), np.zeros_like(g_cmp), block_size=16,
+                          block_count=3, window=1, cu_seqlens=inp.cu_np())
+    return "parallel_nsa", tuple(_t(q, k, v, g_cmp)), dict(block_counts=3, block_size=16, cu_seqlens=inp.cu), o
+
+
+def _moba(topk):
+    def build(inp):
+        q, k, v = inp.x(), inp.x(), inp.x(dim=V)
+        cu = inp.cu_np() if inp.varlen else None
+        if topk <= 1:
+            o = ref.softmax_attention(q, k, v, causal=True, cu_seqlens=cu)
+        else:
+            o = ref.moba_attention(q, k, v, block_size=8, top_k=topk, cu_seqlens=cu)
+        return "parallel_moba", (*_t(q, k, v), inp.cu, inp.T, 8, topk), {}, o
+    return build
+
+
+CASES = {
+    "chunk_simple_gla": _linear_case("chunk_simple_gla", _g, ref.simple_gla, {"chunk_size": 16}),
+    "chunk_simple_gla-g_gamma": _linear_case("chunk_simple_gla", _g_gamma, ref.simple_gla),
+    "chunk_simple_gla-g+g_gamma": _linear_case("chunk_simple_gla", _g_and_gamma, ref.simple_gla),
+    "chunk_simple_gla-no-gate": _linear_case("chunk_simple_gla", _no_gate, ref.linear_attention),
+    "fused_chunk_simple_gla": _linear_case("fused_chunk_simple_gla", _g, ref.simple_gla),
+    "fused_recurrent_simple_gla": _linear_case("fused_recurrent_simple_gla", _g, ref.simple_gla),
+    "fused_recurrent_simple_gla-g_gamma": _linear_case("fused_recurrent_simple_gla", _g_gamma, ref.simple_gla),
+    "parallel_simple_gla": _no_state("parallel_simple_gla", ref.simple_gla, _g),
+    "chunk_gla": _linear_case("chunk_gla", _gk, ref.gla),
+    "fused_recurrent_gla": _linear_case("fused_recurrent_gla", _gk_gv, ref.gla),
+    "fused_recurrent_gla-gv": _linear_case("fused_recurrent_gla", _gv_only, ref.gla),
+    "fused_recurrent_gla-no-gate": _linear_case("fused_recurrent_gla", _no_gate, ref.linear_attention),
+    "chunk_retention": _linear_case("chunk_retention", _no_gate, ref.retention, {"chunk_size": 32}),
+    "fused_chunk_retention": _linear_case("fused_chunk_retention", _no_gate, ref.retention),
+    "fused_recurrent_retention": _linear_case("fused_recurrent_retention", _no_gate, ref.retention),
+    "parallel_retention": _no_state("parallel_retention", ref.retention, _no_gate),
+    "chunk_lightning_attn": _lightning("chunk_lightning_attn"),
+    "fused_recurrent_lightning_attn": _lightning("fused_recurrent_lightning_attn"),
+    "chunk_linear_attn": _linear_attn("chunk_linear_attn", False),
+    "chunk_linear_attn-normalize": _linear_attn("chunk_linear_attn", True),
+    "fused_chunk_linear_attn-normalize": _linear_attn("fused_chunk_linear_attn", True),
+    "fused_recurrent_linear_attn": _linear_attn("fused_recurrent_linear_attn", False),
+    "fused_recurrent_linear_attn-normalize": _linear_attn("fused_recurrent_linear_attn", True),
+    "parallel_based": _based("parallel_based", True),
+    "fused_chunk_based": _based("fused_chunk_based", True),
+    "parallel_based-no-norm": _based("parallel_based", False),
+    "chunk_delta_rule": _delta("chunk_delta_rule", False),
+    "fused_recurrent_delta_rule": _delta("fused_recurrent_delta_rule", False),
+    "chunk_gated_delta_rule": _delta("chunk_gated_delta_rule", True),
+    "chunk_gated_delta_rule-gva": _delta("chunk_gated_delta_rule", True, gva=2),
+    "chunk_gated_delta_rule-gates-in-kernel": _delta("chunk_gated_delta_rule", True, gate=True, beta_sigmoid=True),
+    "fused_recurrent_gated_delta_rule": _delta("fused_recurrent_gated_delta_rule", True),
+    "fused_recurrent_gated_delta_rule-gva-gates": _delta("fused_recurrent_gated_delta_rule", True, gva=2,
+                                                         gate=True, beta_sigmoid=True),
+    "fused_recurrent_gated_delta_rule-no-g": _delta("fused_recurrent_gated_delta_rule", False),
+    "chunk_gdn": _delta("chunk_gdn", True),
+    "fused_recurrent_gdn": _delta("fused_recurrent_gdn", True),
+    "parallel_attn": _attn(),
+    "parallel_attn-window": _attn(window=5),
+    "parallel_attn-sink": _attn(window=7, sink=True),
+    "parallel_nsa": _nsa,
+    "parallel_nsa-defaults": _nsa_defaults,
+    "parallel_moba": _moba(3),
+    "parallel_moba-topk1": _moba(1),
+}
+SEQ = ("batched", "packed")
+
+
+def _case(name, layout, seed=0, **size):
+    inp = Inputs(seed, layout == "packed", **size)
+    fn, args, kwargs, expected = CASES[name](inp)
+    return getattr(fla, fn), args, kwargs, expected
+
+
+def _close(got, want, tol=1e-10):
+    if want is None or got is None:
+        assert got is None and want is None
+    elif isinstance(want, tuple):
+        assert isinstance(got, tuple) and len(got) == len(want)
+        for g, w in zip(got, want):
+            _close(g, w, tol)
+    else:
+        np.testing.assert_allclose(array(got), want, rtol=tol, atol=tol)
+
+
+def _layouts(name):
+    """fla's Based takes no cu_seqlens: batched only."""
+    return ("batched",) if name.startswith(("parallel_based", "fused_chunk_based")) else SEQ
+
+
+@pytest.mark.parametrize("name,layout", [(n, lay) for n in sorted(CASES) for lay in _layouts(n)])
+def test_equals_the_float64_oracle(name, layout):
+    fn, args, kwargs, expected = _case(name, layout)
+    _close(fn(*args, **kwargs), expected)
+
+
+def _tensors(args, kwargs):
+    found = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    for v in kwargs.values():
+        for x in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                found.append(x)
+    return found
+
+
+def _flat(out):
+    if isinstance(out, (tuple, list)):
+        return [x for o in out for x in _flat(o)]
+    return [] if out is None else [out]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gradcheck(name):
+    """Every floating input gets a gradient, and it is the finite-difference one (float64):
+    the rearrangements around pyattn's ops (transposes, flips, in-kernel gates, GVA's
+    repetition, the sink factor) are differentiated correctly."""
+    layout = _layouts(name)[-1]
+    fn, args, kwargs, _ = _case(name, layout, seed=1, t=13, cu=[0, 5, 5, 13])
+    inputs = _tensors(args, kwargs)
+    for t in inputs:
+        t.requires_grad_(True)
+
+    def call(*xs):
+        it = iter(xs)
+        a = [next(it) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in args]
+        kw = {}
+        for n, v in kwargs.items():
+            if isinstance(v, tuple):
+                kw[n] = tuple(next(it) if isinstance(x, torch.Tensor) else x for x in v)
+            else:
+                kw[n] = next(it) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        return tuple(_flat(fn(*a, **kw)))
+
+    assert torch.autograd.gradcheck(call, tuple(inputs), eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
+
+
+# the entry points that are one pyattn.torch op called as it is: (op, form, gate arguments)
+SAME_OP = {
+    "chunk_simple_gla": ("simple_gla", "chunk", "g"), "fused_recurrent_simple_gla": ("simple_gla", "recurrent", "g"),
+    "chunk_gla": ("gla", "chunk", "g"), "chunk_retention": ("retention", "chunk", ""),
+    "fused_recurrent_retention": ("retention", "recurrent", ""),
+    "chunk_gated_delta_rule": ("gated_delta_rule", "chunk", "g beta"),
+    "fused_recurrent_gated_delta_rule": ("gated_delta_rule", "recurrent", "g beta"),
+    "chunk_delta_rule": ("delta_rule", "chunk", "beta"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAME_OP))
+def test_equals_the_pyattn_torch_op_bit_for_bit(name):
+    """Outputs and gradients are those of the pyattn.torch op itself, same bits."""
+    op, form, gate_names = SAME_OP[name]
+    inp = Inputs(2, True)
+    q, k, v, h0 = _t(inp.x(), inp.x(), inp.x(dim=V), inp.state())
+    gates = {"g": tensor(inp.logsig(H, K) if op == "gla" else inp.logsig(H)), "beta": tensor(inp.sig(H))}
+    gates = {n: gates[n] for n in gate_names.split()}
+    leaves = [x.requires_grad_(True) for x in (q, k, v, h0, *gates.values())]
+    common = dict(initial_state=h0, output_final_state=True, cu_seqlens=inp.cu)
+    o1, s1 = getattr(fla, name)(q, k, v, **gates, **common)
+    o2, s2 = getattr(pt, op)(q, k, v, **gates, **common, form=form)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    g1 = torch.autograd.grad(o1.sum() + s1.square().sum(), leaves)
+    g2 = torch.autograd.grad(o2.sum() + s2.square().sum(), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+# ------------------------------------------------------------------------------------------
+# flags done by rearranging
+
+
+def _has(fn, flag):
+    return flag in inspect.signature(fn).parameters
+
+
+def _time_major_tensors(args, kwargs, change):
+    """args, kwargs with ``change`` applied to every [B, T, ...] tensor (not the states)."""
+    def f(x):
+        return change(x) if isinstance(x, torch.Tensor) and x.ndim >= 3 and x.shape[1] == T else x
+    return [f(a) for a in args], {n: (v if n == "initial_state" else f(v)) for n, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_head_first_is_the_transposed_layout(name):
+    """head_first=True (fla's old [B, H, T, ...] layout) gives the transposed output."""
+    fn, args, kwargs, _ = _case(name, "batched")
+    want = fn(*args, **kwargs)
+    a, kw = _time_major_tensors(args, kwargs, lambda x: x.transpose(1, 2).contiguous())
+    got = fn(*a, **kw, head_first=True)
+    want_o, got_o = (_flat(x)[0] for x in (want, got))
+    assert torch.equal(got_o.transpose(1, 2), want_o)
+    assert all(torch.equal(x, y) for x, y in zip(_flat(got)[1:], _flat(want)[1:]))
+
+
+def _flip_np(x, varlen):
+    x = array(x).copy()
+    if not varlen:
+        return tensor(x[:, ::-1])
+    for a, b in zip(CU[:-1], CU[1:]):
+        x[:, a:b] = x[:, a:b][:, ::-1]
+    return tensor(x)
+
+
+def _fla_fn(case):
+    return getattr(fla, case.split("-")[0])
+
+
+REVERSIBLE = sorted(n for n in CASES if _has(_fla_fn(n), "reverse"))
+
+
+@pytest.mark.parametrize("layout", SEQ)
+@pytest.mark.parametrize("name", REVERSIBLE)
+def test_reverse_runs_each_sequence_backwards(name, layout):
+    fn, args, kwargs, _ = _case(name, layout)
+    varlen = layout == "packed"
+    got = fn(*args, **kwargs, reverse=True)
+    a, kw = _time_major_tensors(args, kwargs, lambda x: _flip_np(x, varlen))
+    want = fn(*a, **kw)
+    torch.testing.assert_close(_flat(got)[0], _flip_np(_flat(want)[0], varlen), rtol=1e-12, atol=1e-12)
+    for x, y in zip(_flat(got)[1:], _flat(want)[1:]):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+V_FIRST = sorted(n for n in CASES if _has(_fla_fn(n), "state_v_first"))
+
+
+@pytest.mark.parametrize("name", V_FIRST)
+def test_state_v_first_transposes_the_states(name):
+    fn, args, kwargs, _ = _case(name, "packed")
+    o, s = fn(*args, **kwargs)
+    kw = dict(kwargs, initial_state=kwargs["initial_state"].transpose(-1, -2).contiguous())
+    o2, s2 = fn(*args, **kw, state_v_first=True)
+    assert torch.equal(o, o2) and torch.equal(s, s2.transpose(-1, -2))
+    if not _has(fn, "transpose_state_layout"):  # fla's deprecated name, where fla takes it
+        return
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        o3, s3 = fn(*args, **kw, transpose_state_layout=True)
+    assert torch.equal(o3, o2) and torch.equal(s3, s2)
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        fn(*args, **kw, state_v_first=True, transpose_state_layout=True)
+
+
+def test_mixed_dtypes_as_fla_takes_them():
+    """bfloat16 q, k, v with float32 gates and state: computed in float32, o in bfloat16,
+    the state float32 (as fla returns it)."""
+    inp = Inputs(3, False)
+    q, k, v = (tensor(x).to(torch.bfloat16) for x in (inp.x(), inp.x(), inp.x(dim=V)))
+    g, h0 = tensor(inp.logsig(H)).float(), tensor(inp.state()).float()
+    o, s = fla.chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    o32, s32 = pt.simple_gla(q.float(), k.float(), v.float(), g, initial_state=h0, output_final_state=True)
+    assert torch.equal(o, o32.to(torch.bfloat16)) and torch.equal(s, s32)
+
+
+def test_normalized_linear_attention_resumes_from_its_state():
+    """fla's (S, z) state of the normalized linear attention carries a split sequence on."""
+    inp = Inputs(4, False)
+    q, k, v = (tensor(np.abs(x)) for x in (inp.x(), inp.x(), inp.x(dim=V)))
+    full, (s_full, z_full) = fla.chunk_linear_attn(q, k, v, output_final_state=True)
+    o1, state = fla.chunk_linear_attn(q[:, :20], k[:, :20], v[:, :20], output_final_state=True)
+    o2, (s2, z2) = fla.fused_recurrent_linear_attn(q[:, 20:], k[:, 20:], v[:, 20:], initial_state=state,
+                                                   output_final_state=True, normalize=True)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s2, s_full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(z2, z_full, rtol=1e-12, atol=1e-12)
+    o, (s, z) = fla.chunk_linear_attn(q, k, v)
+    assert s is None and z.shape == (B, 1, H, K)
+
+
+# ------------------------------------------------------------------------------------------
+# what pyattn does not compute
+
+
+def _small():
+    inp = Inputs(5, False)
+    q, k, v = _t(inp.x(), inp.x(), inp.x(dim=V))
+    return inp, q, k, v
+
+
+def _unsupported_calls():
+    inp, q, k, v = _small()
+    g, beta = tensor(inp.logsig(H)), tensor(inp.sig(H))
+    g4 = tensor(inp.sig(4))
+    q4, k2, v2 = _t(inp.x(heads=4), inp.x(heads=2), inp.x(heads=2))
+    return [
+        ("output_attentions", lambda: fla.parallel_simple_gla(q, k, v, g, output_attentions=True)),
+        ("output_attentions", lambda: fla.parallel_retention(q, k, v, output_attentions=True)),
+        ("beta of shape [B, T, H, V]", lambda: fla.fused_recurrent_delta_rule(q, k, v, beta=torch.rand(v.shape))),
+        ("beta of shape [B, T, H, V]",
+         lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, beta=torch.rand(v.shape))),
+        ("beta of shape [B, T, H, V]", lambda: fla.chunk_gated_delta_rule(q, k, v, g, torch.rand(v.shape))),
+        ("gk", lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, gk=torch.zeros(q.shape), beta=beta)),
+        ("gv", lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, gv=torch.zeros(v.shape), beta=beta)),
+        ("cp_context", lambda: fla.chunk_gated_delta_rule(q, k, v, g, beta, cp_context=object())),
+        ("g", lambda: fla.parallel_attn(q, k, v, g)),
+        ("block_indices", lambda: fla.parallel_nsa(q4, k2, v2, g4, g4, g4,
+                                                   block_indices=torch.zeros(1, T, 2, 1, dtype=torch.long))),
+        ("g_cmp=None", lambda: fla.parallel_nsa(q4, k2, v2, None, g4, g4)),
+        ("block_counts as a tensor", lambda: fla.parallel_nsa(q4, k2, v2, g4, g4, g4,
+                                                              block_counts=torch.full((B, T, 2), 4))),
+        ("block_counts=2", lambda: fla.parallel_nsa(q4, k2, v2, g4, g4, g4, block_counts=2, block_size=8)),
+        ("cu_seqlens=(cu_seqlens_q, cu_seqlens_k)",
+         lambda: fla.parallel_nsa(q4[:1], k2[:1], v2[:1], g4[:1], g4[:1], g4[:1],
+                                  cu_seqlens=(torch.tensor([0, T]), torch.tensor([0, 5, T])))),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_unsupported_calls())))
+def test_unsupported_flag_raises_naming_it(index):
+    flag, call = _unsupported_calls()[index]
+    with pytest.raises(NotImplementedError, match=re.escape(flag)):
+        call()
+
+
+def test_nsa_with_every_block_selected_is_fla_s_selection():
+    """block_counts at the number of blocks: fla's forced first/previous blocks are selected
+    anyway, so pyattn's NSA is fla's; one block fewer is refused."""
+    inp = Inputs(6, False)
+    q, k, v = _t(inp.x(heads=4), inp.x(heads=2), inp.x(heads=2))
+    g = tensor(inp.sig(4))
+    fla.parallel_nsa(q, k, v, g, g, g, block_counts=5, block_size=8, window_size=4)
+    with pytest.raises(NotImplementedError, match="block_counts=4 below the 5 blocks"):
+        fla.parallel_nsa(q, k, v, g, g, g, block_counts=4, block_size=8, window_size=4)
+
+
+# ------------------------------------------------------------------------------------------
+# fla's API
+
+
+# fla's positional parameters (fla/ops/<family>/*.py); every further one here is keyword-only
+FLA_PARAMETERS = {
+    "chunk_simple_gla": "q k v g g_gamma scale initial_state output_final_state state_v_first cu_seqlens "
+                        "cu_seqlens_cpu",
+    "fused_chunk_simple_gla": "q k v g g_gamma scale initial_state output_final_state cu_seqlens",
+    "fused_recurrent_simple_gla": "q k v g g_gamma scale initial_state output_final_state reverse state_v_first "
+                                  "cu_seqlens",
+    "parallel_simple_gla": "q k v g scale output_attentions cu_seqlens cu_seqlens_cpu",
+    "chunk_gla": "q k v g scale initial_state output_final_state state_v_first cu_seqlens cu_seqlens_cpu",
+    "fused_recurrent_gla": "q k v gk gv scale initial_state output_final_state reverse state_v_first cu_seqlens",
+    "chunk_retention": "q k v scale initial_state output_final_state cu_seqlens",
+    "fused_chunk_retention": "q k v scale initial_state output_final_state cu_seqlens",
+    "fused_recurrent_retention": "q k v scale initial_state output_final_state reverse state_v_first cu_seqlens",
+    "parallel_retention": "q k v scale output_attentions cu_seqlens",
+    "chunk_linear_attn": "q k v scale initial_state output_final_state normalize cu_seqlens",
+    "fused_chunk_linear_attn": "q k v scale initial_state output_final_state normalize cu_seqlens",
+    "fused_recurrent_linear_attn": "q k v scale initial_state output_final_state reverse normalize cu_seqlens",
+    "chunk_lightning_attn": "q k v layer_idx num_layers scale initial_state output_final_state cu_seqlens",
+    "fused_recurrent_lightning_attn": "q k v layer_idx num_layers scale initial_state output_final_state reverse "
+                                      "cu_seqlens",
+    "parallel_based": "q k v scale use_norm",
+    "fused_chunk_based": "q k v scale use_norm",
+    "chunk_delta_rule": "q k v beta scale initial_state output_final_state use_qk_l2norm_in_kernel cu_seqlens "
+                        "cu_seqlens_cpu",
+    "fused_recurrent_delta_rule": "q k v beta scale initial_state output_final_state use_qk_l2norm_in_kernel "
+                                  "cu_seqlens",
+    "chunk_gated_delta_rule": "q k v g beta scale initial_state output_final_state use_qk_l2norm_in_kernel "
+                              "use_beta_sigmoid_in_kernel allow_neg_eigval state_v_first cu_seqlens cu_seqlens_cpu "
+                              "chunk_indices cp_context",
+    "fused_recurrent_gated_delta_rule": "q k v g gk gv beta scale initial_state output_final_state "
+                                        "use_qk_l2norm_in_kernel use_gate_in_kernel A_log dt_bias "
+                                        "use_beta_sigmoid_in_kernel allow_neg_eigval state_v_first cu_seqlens",
+    "parallel_attn": "q k v g scale window_size cu_seqlens chunk_indices",
+    "parallel_nsa": "q k v g_cmp g_slc g_swa block_indices block_counts block_size window_size scale cu_seqlens",
+    "parallel_moba": "q k v cu_seqlens max_seqlen chunk_size topk",
+}
+FLA_PARAMETERS["chunk_gdn"] = FLA_PARAMETERS["chunk_gated_delta_rule"]
+FLA_PARAMETERS["fused_recurrent_gdn"] = FLA_PARAMETERS["fused_recurrent_gated_delta_rule"]
+
+
+def test_every_entry_point_has_fla_s_parameters():
+    assert sorted(fla.__all__) == sorted(FLA_PARAMETERS)
+    for name, params in FLA_PARAMETERS.items():
+        sig = inspect.signature(getattr(fla, name)).parameters.values()
+        positional = [p.name for p in sig if p.kind == p.POSITIONAL_OR_KEYWORD]
+        assert positional == params.split(), name
+        assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in sig), name
+        defaults = {p.name: p.default for p in sig}
+        for flag in ("scale", "initial_state", "cu_seqlens", "g_gamma", "gv", "chunk_indices"):
+            if flag in defaults and name != "parallel_moba":
+                assert defaults[flag] is None, (name, flag)
+        for flag in ("output_final_state", "reverse", "state_v_first", "head_first", "use_qk_l2norm_in_kernel"):
+            if flag in defaults:
+                assert defaults[flag] is False, (name, flag)
+    assert inspect.signature(fla.chunk_linear_attn).parameters["normalize"].default is True
+    assert inspect.signature(fla.fused_recurrent_linear_attn).parameters["normalize"].default is False
+    assert inspect.signature(fla.parallel_nsa).parameters["window_size"].default == 0
+    assert inspect.signature(fla.parallel_nsa).parameters["block_counts"].default == 16
+
+
+def test_the_module_is_documented():
+    assert "chunk_gated_delta_rule" in fla.__doc__
+    for name in fla.__all__:
+        assert getattr(fla, name).__doc__.startswith("fla.ops."), name
