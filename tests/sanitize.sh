@@ -59,7 +59,11 @@ if [[ ! -e "$libasan" ]]; then
     exit 2
 fi
 
-export LD_PRELOAD="$libasan"
+# libstdc++ beside it: ASan resolves the real __cxa_throw when it starts, and without the C++
+# runtime loaded by then, the first C++ exception thrown later (torch's, jax's) is an ASan
+# CHECK failure instead of an exception
+libstdcxx="$(gcc -print-file-name=libstdc++.so.6)"
+export LD_PRELOAD="$libasan $libstdcxx"
 # allocator_may_return_null=1: an allocation too large must reach pyattn as NULL (MemoryError
 # test) instead of aborting the process. Not detect_stack_use_after_return: ASan's fake stack
 # frames do not keep the 64-byte alignment GCC gives the AVX-512 vector locals, and the aligned
