@@ -495,6 +495,27 @@ def test_mixed_dtypes_as_fla_takes_them():
     assert torch.equal(o, o32.to(torch.bfloat16)) and torch.equal(s, s32)
 
 
+@pytest.mark.parametrize("name", ["parallel_simple_gla", "parallel_retention"])
+def test_output_attentions_is_the_decayed_score_matrix(name):
+    """attn[b, h, i, j] = scale q_i.k_j prod_{j < s <= i} exp(g_s) for j <= i, else 0."""
+    inp = Inputs(7, False)
+    q, k, v = inp.x(), inp.x(), inp.x(dim=V)
+    g = inp.logsig(H) if name == "parallel_simple_gla" else np.broadcast_to(
+        np.log1p(-2.0 ** (-5.0 - np.arange(H))), (B, T, H))
+    gates = _t(g) if name == "parallel_simple_gla" else []
+    o, attn = getattr(fla, name)(*_t(q, k, v), *gates, output_attentions=True)
+    G = np.cumsum(g, axis=1).transpose(0, 2, 1)
+    i, j = np.arange(T)[:, None], np.arange(T)[None]
+    decay = np.where(j <= i, np.exp(np.minimum(G[..., :, None] - G[..., None, :], 0)), 0)
+    want = np.einsum("bihd,bjhd->bhij", q * K ** -0.5, k) * decay
+    np.testing.assert_allclose(array(attn), want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(array(o), np.einsum("bhij,bjhd->bihd", want, v), rtol=1e-10, atol=1e-12)
+    packed = Inputs(7, True)
+    with pytest.raises(ValueError, match="output_attentions"):
+        getattr(fla, name)(*_t(packed.x(), packed.x(), packed.x(dim=V)), *([tensor(packed.logsig(H))] if gates else []),
+                           output_attentions=True, cu_seqlens=packed.cu)
+
+
 def test_normalized_linear_attention_resumes_from_its_state():
     """fla's (S, z) state of the normalized linear attention carries a split sequence on."""
     inp = Inputs(4, False)
@@ -526,8 +547,6 @@ def _unsupported_calls():
     g4 = tensor(inp.sig(4))
     q4, k2, v2 = _t(inp.x(heads=4), inp.x(heads=2), inp.x(heads=2))
     return [
-        ("output_attentions", lambda: fla.parallel_simple_gla(q, k, v, g, output_attentions=True)),
-        ("output_attentions", lambda: fla.parallel_retention(q, k, v, output_attentions=True)),
         ("beta of shape [B, T, H, V]", lambda: fla.fused_recurrent_delta_rule(q, k, v, beta=torch.rand(v.shape))),
         ("beta of shape [B, T, H, V]",
          lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, beta=torch.rand(v.shape))),

@@ -195,18 +195,35 @@ def fused_recurrent_simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tens
                        cu_seqlens, "recurrent", reverse=reverse, state_v_first=state_v_first, head_first=head_first)
 
 
+def _attentions(fn, q, k, g, scale, cu_seqlens, head_first) -> Tensor:
+    """fla's ``output_attentions``: the decayed causal scores ``scale q_i.k_j exp(G_i - G_j)``,
+    ``G`` the running sum of g, as ``[B, H, T, T]`` in q's dtype."""
+    if cu_seqlens is not None:
+        raise ValueError(f"pyattn.torch.fla.{fn}(): output_attentions=True is not supported with "
+                         f"variable-length sequences (as in fla)")
+    q, k, g = (_time_major(x, head_first) for x in (q, k, g))
+    dtype = _compute_dtype(q, k, g)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    a = torch.einsum("bihd,bjhd->bhij", q.to(dtype) * scale, k.to(dtype))
+    if g is not None:
+        G = g.to(dtype).cumsum(1).transpose(1, 2)
+        # the upper triangle is masked below: exp(0) there keeps it finite
+        a = a * torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).tril())
+    return a.tril().to(q.dtype)
+
+
 def parallel_simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None,
                         output_attentions: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
                         cu_seqlens_cpu: Optional[torch.LongTensor] = None, *,
-                        head_first: bool = False) -> Tuple[Tensor, None]:
+                        head_first: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """fla.ops.simple_gla.parallel_simple_gla: ``pyattn.torch.simple_gla(form="parallel")``.
-    Returns ``(o, None)``; ``output_attentions=True`` raises NotImplementedError."""
-    if output_attentions:
-        raise _unsupported("parallel_simple_gla", "output_attentions=True",
-                           "pyattn's parallel form does not return its score matrix")
+    Returns ``(o, attn)``, attn the decayed score matrix ``[B, H, T, T]`` with
+    ``output_attentions=True`` (computed in torch beside pyattn's op), else None."""
     o, _ = _simple_gla("parallel_simple_gla", q, k, v, g, None, scale, None, False, cu_seqlens, "parallel",
                        head_first=head_first)
-    return o, None
+    if not output_attentions:
+        return o, None
+    return o, _attentions("parallel_simple_gla", q, k, g, scale, cu_seqlens, head_first)
 
 
 def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None, initial_state: State = None,
@@ -280,16 +297,18 @@ def fused_recurrent_retention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[f
 
 def parallel_retention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
                        output_attentions: bool = False, cu_seqlens: Optional[torch.LongTensor] = None, *,
-                       head_first: bool = False) -> Tuple[Tensor, None]:
+                       head_first: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """fla.ops.retention.parallel_retention: ``pyattn.torch.retention(form="parallel")``.
-    Returns ``(o, None)``; ``output_attentions=True`` raises NotImplementedError."""
-    if output_attentions:
-        raise _unsupported("parallel_retention", "output_attentions=True",
-                           "pyattn's parallel form does not return its score matrix")
+    Returns ``(o, attn)`` as ``parallel_simple_gla`` with RetNet's decays."""
     _check_cu_batch("parallel_retention", _time_major(q, head_first), cu_seqlens)
     o, _ = _run(_pt.retention, q, k, v, scale=scale, initial_state=None, output_final_state=False,
                 cu_seqlens=cu_seqlens, form="parallel", chunk_size=64, head_first=head_first)
-    return o, None
+    if not output_attentions:
+        return o, None
+    B, T, H = _time_major(q, head_first).shape[:3]
+    g = torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(H, dtype=torch.float64))).expand(B, T, H)
+    return o, _attentions("parallel_retention", q, k, g.transpose(1, 2) if head_first else g, scale, cu_seqlens,
+                          head_first)
 
 
 def _lightning_slopes(H: int, layer_idx: int, num_layers: int) -> Tensor:
