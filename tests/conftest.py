@@ -19,6 +19,8 @@ import os
 import numpy as np
 import pytest
 
+import pyattn
+
 SANITIZE_RUN = os.environ.get("PYATTN_SANITIZE_RUN") == "1"
 
 _np_empty = np.empty
@@ -51,6 +53,26 @@ def _nan_filled_empty():
         mp.setattr(np, "empty", nan_empty)
         mp.setattr(np, "empty_like", nan_empty_like)
         yield
+
+
+# Where the pyattn under test was imported from: the repository (an editable or in-place build)
+# or site-packages (an installed sdist or wheel, whose repository copy has no compiled _core).
+# Subprocesses find it first on PYTHONPATH and start outside the repository, so that
+# `python -c "import pyattn"` cannot pick up uncompiled sources from their working folder.
+PYATTN_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(pyattn.__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subprocesses_import_the_tested_pyattn(tmp_path_factory):
+    path, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    os.environ["PYTHONPATH"] = PYATTN_PARENT + (os.pathsep + path if path else "")
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(cwd)
+    if path is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = path
 
 
 @pytest.fixture

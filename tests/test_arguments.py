@@ -19,7 +19,6 @@ from pyattn import _validate as V
 from conftest import raises
 
 F32, F64 = np.float32, np.float64
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def arrays(*shapes, dtype=F64, seed=0):
@@ -415,7 +414,7 @@ def test_reduce_to():
 
 def _import_with_env(**env):
     return subprocess.run([sys.executable, "-c", "import pyattn; print(pyattn.build_info()['isa'])"],
-                          cwd=REPO, env={**os.environ, **env, "PYTHONPATH": REPO}, capture_output=True,
+                          env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -17,12 +17,11 @@ import pytest
 
 from pyattn import selfcheck
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_help_from_the_shell():
-    run = subprocess.run([sys.executable, "-m", "pyattn", "--help"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    run = subprocess.run([sys.executable, "-m", "pyattn", "--help"], capture_output=True,
+                         text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "usage: python -m pyattn" in run.stdout and "check" in run.stdout
 
@@ -86,8 +85,8 @@ def tiny(steps=4):
 
 
 def pyattn_cli(*args, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "pyattn", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": REPO}, **kw)
+    return subprocess.run([sys.executable, "-m", "pyattn", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, **kw)
 
 
 @pytest.mark.parametrize("bad, named", [
@@ -147,8 +146,8 @@ def test_a_diverging_run_exits_1_without_saving(tmp_path):
 def test_ctrl_c_saves_the_checkpoint_and_exits_130_with_one_line(tmp_path):
     ckpt, out = tmp_path / "c.npz", tmp_path / "m.npz"
     args = ["train", *tiny(100000), "--eval-every", "1", "--checkpoint", ckpt, "--out", out]
-    proc = subprocess.Popen([sys.executable, "-m", "pyattn", *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    proc = subprocess.Popen([sys.executable, "-m", "pyattn", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:

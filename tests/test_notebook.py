@@ -2,7 +2,6 @@
 check step = forward, decode (skipped only where nbclient or ipykernel are absent). The
 test shortens the training run through the notebook's parameters cell. Its stored outputs,
 which a reader sees without running it, include the plot."""
-import os
 from pathlib import Path
 
 import pytest
@@ -25,17 +24,13 @@ def test_stored_outputs_show_the_plot_and_when_accuracy_was_measured():
 
 
 @pytest.mark.skip_under_sanitizer  # a Jupyter kernel under the preloaded ASan runtime
-def test_hybrid_mqar_notebook_runs():
+def test_hybrid_mqar_notebook_runs(tmp_path):
     nb = nbformat.read(ROOT / "examples" / "hybrid_mqar.ipynb", as_version=4)
     # the parameters cell (papermill's convention): a short run here, the full one for users
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1 and "STEPS = 2000" in params[0].source
     params[0].source = params[0].source.replace("STEPS = 2000", "STEPS = 60")
-    env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + env_path if env_path else "")
-    try:
-        nbclient.NotebookClient(nb, timeout=120, resources={"metadata": {"path": str(ROOT)}}).execute()
-    finally:
-        os.environ["PYTHONPATH"] = env_path
+    # the kernel imports the pyattn under test (conftest puts it first on PYTHONPATH)
+    nbclient.NotebookClient(nb, timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert "60 steps: final loss" in outputs and "step == forward" in outputs
