@@ -87,8 +87,19 @@ def test_forward_of_an_op_without_gradient_equals_pyattn(name):
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
+@pytest.fixture(params=["eager", "custom_op"])
+def path(request, monkeypatch):
+    """Eager calls run pyattn directly (gradients through EagerVJP); traced or transformed
+    ones go through the custom ops: both are checked."""
+    if request.param == "custom_op":
+        from pyattn.torch import _bridge
+
+        monkeypatch.setattr(_bridge, "_plain_eager", lambda tensors: False)
+    return request.param
+
+
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
-def test_forward_and_gradients_equal_pyattn(name):
+def test_forward_and_gradients_equal_pyattn(name, path):
     info = pyattn.OPS[name]
     args, kwargs, targs, tkwargs = _example(name, tiny=False)
     ref, pullback = pyattn.vjp(info.fn, *args, **kwargs)
@@ -311,3 +322,15 @@ def test_stub_matches_the_functions():
                 assert names[:len(runtime) - 1] == runtime[:-1], name
             else:
                 assert names == runtime, name
+
+
+def test_an_input_modified_before_the_backward_is_refused():
+    """The eager path saves its inputs: autograd refuses a backward after one of them changed
+    in place (pyattn's pullback would read the new values)."""
+    q = torch.randn(1, 8, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+    o = pt.softmax_attention(q, k, k)
+    k.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+

@@ -321,6 +321,7 @@ class Op:
         self.op = torch.library.custom_op(f"pyattn::{name}", self._forward, mutates_args=(),
                                           schema=f"({args}) -> ({rets})")
         self.op.register_fake(self._fake)
+        self.differentiable = differentiable
         if not differentiable:
             return
         outs = ", ".join(f"Tensor out_{o}" for o in self.outputs)
@@ -442,8 +443,67 @@ class Op:
                 values[i] = torch.as_tensor(v, dtype=ref.dtype) if t.is_floating_point() and ref is not None else t
             elif p.schema == "int[]?" and v is not None:
                 values[i] = [int(x) for x in v]
-        outs = _tup(self.op(*values))
+        outs = _tup(self.dispatch(values))
         return public_structure(self.name, outs, dict(zip(self.names, values)))
+
+    def dispatch(self, values: List[Any]):
+        """The custom op where torch traces or transforms the call; in plain eager mode the
+        same computation without the dispatcher's cost, and with gradients through
+        EagerVJP, whose backward reuses the forward's pullback instead of running it again."""
+        tensors = [t for v in values for t in (v if isinstance(v, list) else (v,)) if isinstance(t, torch.Tensor)]
+        if not _plain_eager(tensors):
+            return self.op(*values)
+        if (self.differentiable and torch.is_grad_enabled()
+                and any(t.requires_grad for t in tensors if t.is_floating_point())):
+            return EagerVJP.apply(self, values, *tensors)
+        return self._forward(*values)
+
+
+def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
+    """Plain tensors, no compiler tracing, no functorch transform, no dispatch mode: the call
+    may run pyattn directly rather than through the custom op."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+            and _get_current_dispatch_mode() is None and all(type(t) is torch.Tensor for t in tensors))
+
+
+class EagerVJP(torch.autograd.Function):
+    """An op in eager mode with pyattn.vjp's pullback kept for the backward: the forward runs
+    once (the custom op's backward, which torch.compile needs as a function of tensors,
+    runs it again). The inputs are saved for backward so that autograd refuses gradients
+    after one of them was modified in place."""
+
+    @staticmethod
+    def forward(ctx, op: "Op", values: List[Any], *tensors: torch.Tensor):
+        ref = _first_float(values)
+        args, kwargs = pyattn_call(op.params, values)
+        out, ctx.pullback = pyattn.vjp(op.fn, *args, **kwargs)
+        kw = dict(zip(op.names, values))
+        arrays = fixed_outputs(op.name, out, kw)
+        outs = tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype) for a in arrays)
+        ctx.mark_non_differentiable(*(o for o, a in zip(outs, arrays) if a is None))
+        ctx.op, ctx.kw = op, kw
+        # each tensor's gradient key: (argument name, index in a list argument or None)
+        ctx.keys = [(p.name, i if isinstance(v, list) else None)
+                    for p, v in zip(op.params, values)
+                    for i, t in enumerate(v if isinstance(v, list) else [v]) if isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tensors = ctx.saved_tensors
+        mask = public_mask(ctx.op.name, ctx.kw)
+        cot = _cotangent(ctx.op.name, [None if g is None or not keep else to_array(g)
+                                       for g, keep in zip(grads, mask)], ctx.kw)
+        found = ctx.pullback(cot)
+        result = []
+        for (name, i), t in zip(ctx.keys, tensors):
+            g = found.get(name)
+            g = g if i is None or g is None else g[i]
+            result.append(None if g is None else to_tensor(g, t.dtype))
+        return (None, None, *result)
 
 
 def spread_map_params(fn: str, params: Optional[Dict[str, Any]]) -> Tuple[Any, ...]:
