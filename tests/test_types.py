@@ -9,6 +9,8 @@ import textwrap
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the project's mypy settings, whatever folder the tests run in
+CONFIG = ["--config-file", os.path.join(REPO, "pyproject.toml")]
 
 PROGRAM = textwrap.dedent("""
     import numpy as np
@@ -33,7 +35,7 @@ def test_mypy_sees_the_api(tmp_path):
     api = pytest.importorskip("mypy.api")
     path = tmp_path / "use_pyattn.py"
     path.write_text(PROGRAM)
-    out, err, status = api.run([str(path), "--no-incremental", "--cache-dir", str(tmp_path / "cache")])
+    out, err, status = api.run([str(path), *CONFIG, "--no-incremental", "--cache-dir", str(tmp_path / "cache")])
     lines = [line for line in out.splitlines() if line.startswith(str(path))]
     errors = [line for line in lines if ": error:" in line]
     assert status == 1, out + err
@@ -45,7 +47,7 @@ def test_mypy_sees_the_api(tmp_path):
 
 def test_mypy_checks_the_package_clean(tmp_path):
     api = pytest.importorskip("mypy.api")
-    out, err, status = api.run(["-p", "pyattn", "--no-incremental", "--cache-dir", str(tmp_path / "cache")])
+    out, err, status = api.run(["-p", "pyattn", *CONFIG, "--no-incremental", "--cache-dir", str(tmp_path / "cache")])
     assert status == 0, out + err
 
 
@@ -61,6 +63,6 @@ def test_mypy_sees_the_torch_stubs(tmp_path):
         o, h = pt.simple_gla(x, x, x, x[..., 0], output_final_state=True)
         bad = pt.gated_delta_rule(x, x, x, x[..., 0], x[..., 0], qk_norm=True)
     """))
-    out, err, status = api.run([str(path), "--no-incremental", "--cache-dir", str(tmp_path / "cache")])
+    out, err, status = api.run([str(path), *CONFIG, "--no-incremental", "--cache-dir", str(tmp_path / "cache")])
     errors = [line for line in out.splitlines() if ": error:" in line]
     assert status == 1 and len(errors) == 1 and '"qk_norm"' in errors[0], out + err
