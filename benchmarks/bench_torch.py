@@ -19,15 +19,8 @@ median and min of the samples, see benchmarks/common.py):
   fwd+bwd  pyattn  ``_, pb = pyattn.vjp(pyattn.<op>, arrays..., **kw); pb(do)``
            bridge  ``o = pyattn.torch.<op>(leaves..., **kw)`` (o[0] for the ops returning
                    (o, state)); ``o.backward(do)`` on leaves with requires_grad (the same
-                   memory), their grads reset to None before each call
-           and, for the ops whose bridge backward recomputes the forward (every op but the
-           softmax family: the bridge's backward runs ``pyattn.vjp`` again, a forward and
-           the pullback), in the same row:
-           fwd     ``pyattn.<op>(arrays...)`` alone: the forward the bridge runs on top of
-                   what ``pyattn.vjp`` + pullback does
-           fwd+vjp ``pyattn.<op>(arrays...)`` then ``pyattn.vjp`` + pullback: the bridge's own
-                   computation called directly, so bridge - fwd+vjp is its glue (Python,
-                   dispatch, wrapping) alone.
+                   memory), their grads reset to None before each call (in eager mode the
+                   bridge keeps pyattn.vjp's pullback: one forward, one backward)
 "overhead" = bridge - pyattn (medians; "min" column: from the minima), "%" of pyattn's
 median. The bar (issue 29): overhead < 20 us + 2% of pyattn's time, per call. Small-shape
 rows get --target x 2 seconds of samples per case (up to 400 samples of >= 10 ms batches).
@@ -94,7 +87,6 @@ OPS = {  # name -> (extra inputs beyond q, k, v; keyword arguments)
     "simple_gla": (("g",), {"form": "chunk"}),
     "gated_delta_rule": (("g", "beta"), {"qk_l2norm": True, "form": "chunk"}),
 }
-SAVES_OUTPUT = {"softmax_attention"}  # the bridge's backward reuses the forward's outputs
 BAR_US, BAR_REL, BAR_SPEED = 20.0, 0.02, 1.5
 CHUNK = 64
 LOSS_TOL = 1e-5
@@ -130,7 +122,7 @@ def check_bridge(op, arrays, do):
 
 
 def overhead_cases(op, arrays, do):
-    """{pass: [pyattn, bridge, (fwd, fwd+vjp)]} over the same memory."""
+    """{pass: [pyattn, bridge]} over the same memory."""
     kw = OPS[op][1]
     fn, tfn = getattr(pyattn, op), getattr(pt, op)
     leaves = [torch.from_numpy(a).requires_grad_(True) for a in arrays]
@@ -144,11 +136,6 @@ def overhead_cases(op, arrays, do):
         pb = pyattn.vjp(fn, *arrays, **kw)[1]
         pb(do)
 
-    def np_fwd_vjp(_):
-        fn(*arrays, **kw)
-        pb = pyattn.vjp(fn, *arrays, **kw)[1]
-        pb(do)
-
     def t_fwd(_):
         tfn(*plain, **kw)
 
@@ -157,11 +144,8 @@ def overhead_cases(op, arrays, do):
             t.grad = None
         first(tfn(*leaves, **kw)).backward(tdo)
 
-    cases = {"fwd": [Case("pyattn", np_fwd), Case("bridge", t_fwd)],
-             "fwd+bwd": [Case("pyattn", np_vjp), Case("bridge", t_fwd_bwd)]}
-    if op not in SAVES_OUTPUT:
-        cases["fwd+bwd"] += [Case("fwd", np_fwd), Case("fwd+vjp", np_fwd_vjp)]
-    return cases
+    return {"fwd": [Case("pyattn", np_fwd), Case("bridge", t_fwd)],
+            "fwd+bwd": [Case("pyattn", np_vjp), Case("bridge", t_fwd_bwd)]}
 
 
 def bar_us(t_pyattn):
@@ -177,7 +161,7 @@ def overhead(args, threads):
     print(common.timing_line(timing) + "; small-shape rows: ~{:g} s per case, <= 400 samples; "
           "large-shape rows: >= {} samples".format(timings["small"].target_s, timings["large"].min_reps))
     rng = np.random.default_rng(0)
-    rows, breakdown, verdicts, others, checks = [], [], [], [], []
+    rows, verdicts, others, checks = [], [], [], []
     for shape, (B, T) in SHAPES.items():
         for op in args.ops:
             arrays, do = op_arrays(rng, op, B, T)
@@ -194,29 +178,12 @@ def overhead(args, threads):
                              fmt(over, ".1f"), fmt(100 * over / (p.median * 1e6), ".2f"), fmt(over_min, ".1f"),
                              fmt(limit, ".1f"), "yes" if met else "NO",
                              " ".join(c.samples_cell for c in cases), common.load_cell(other)])
-                if len(cases) == 4:
-                    f, fv = cases[2], cases[3]
-                    glue = (b.median - fv.median) * 1e6
-                    breakdown.append([op, f"B{B} T{T}", fmt(p.median * 1e3, ".3f"), fmt(b.median * 1e3, ".3f"),
-                                      fmt(over, ".1f"), fmt(f.median * 1e6, ".1f"),
-                                      fmt(100 * f.median * 1e6 / over, ".0f") if over > 0 else "n/a",
-                                      fmt(fv.median * 1e3, ".3f"), fmt(glue, ".1f"),
-                                      "yes" if glue < limit else "NO",
-                                      " ".join(c.samples_cell for c in cases), common.load_cell(other)])
                 print(f"  {op} B{B} T{T} {passes}: pyattn {p.median * 1e6:.1f} us, bridge "
                       f"{b.median * 1e6:.1f} us", file=sys.stderr, flush=True)
     print("check, bridge vs pyattn (output and gradients, bit for bit): " + "; ".join(checks))
     print()
     print_table(["op", "shape", "pass", "pyattn ms", "bridge ms", "overhead us", "overhead %",
                  "overhead us (min)", "bar us", "bar met", "samples", "other %"], rows, markdown=args.markdown)
-    if breakdown:
-        print("\nfwd+bwd of the ops whose bridge backward recomputes the forward: \"fwd\" = "
-              "pyattn's forward alone, its share of the overhead; \"glue\" = bridge - (fwd then "
-              "vjp + pullback called directly); \"bar met by glue\": glue < 20 us + 2% of pyattn's vjp + "
-              "pullback\n")
-        print_table(["op", "shape", "vjp+pullback ms", "bridge ms", "overhead us", "fwd us",
-                     "fwd % of overhead", "fwd+vjp+pullback ms", "glue us", "bar met by glue",
-                     "samples", "other %"], breakdown, markdown=args.markdown)
     print()
     print(f"bar (overhead < {BAR_US:g} us + {100 * BAR_REL:g}% per call): met in "
           f"{sum(verdicts)} of {len(verdicts)} rows")

@@ -14,12 +14,13 @@ family reuses the forward's output and LSE, the others recompute their forward f
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import pyattn
 from pyattn import softmax as _softmax_mod
@@ -40,6 +41,7 @@ _SCALARS = {
 _WINDOW = {"nsa_attention": "int"}
 # feature-map parameters travel as schema arguments of their own (a schema has no dict)
 _MAP_PARAMS = (("projection", "Tensor?"), ("p", "int?"), ("max_len", "int?"))
+_MAP_NAMES = frozenset(n for n, _ in _MAP_PARAMS)
 _LISTS = {"os", "lses"}
 
 
@@ -80,19 +82,17 @@ def params_of(name: str, fn: Callable) -> List[Param]:
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def check_tensor(fn: str, name: str, t) -> None:
-    if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-        raise TypeError(f"pyattn.torch.{fn}(): '{name}' is on {t.device}; pyattn's kernels run on the "
-                        f"CPU: move it with .cpu() (fla and flash-attn serve CUDA tensors)")
-
-
 def to_array(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of a CPU tensor (a copy only where it is not contiguous); bfloat16 and
-    float16 become float32."""
-    t = t.detach()
+    float16 become float32. Each step only where needed: this runs for every tensor of every
+    call."""
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype in _HALF:
         t = t.float()
-    return t.contiguous().numpy()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.numpy()
 
 
 def to_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -102,13 +102,6 @@ def to_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def placeholder(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
-
-
-def _float_dtype(tensors) -> torch.dtype:
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return t.dtype
-    return torch.float32
 
 
 # ------------------------------------------------------------------------------------------
@@ -122,20 +115,18 @@ def pyattn_call(params: Sequence[Param], values: Sequence[Any]) -> Tuple[list, d
     for p, v in zip(params, values):
         if isinstance(v, torch.Tensor):
             v = to_array(v)
-        elif isinstance(v, (list, tuple)) and p.schema == "Tensor[]":
-            v = [to_array(x) for x in v]
         elif isinstance(v, (list, tuple)):
-            v = tuple(v)
-        if p.name in dict(_MAP_PARAMS):
+            v = [to_array(x) for x in v] if p.schema == "Tensor[]" else tuple(v)
+        if p.name in _MAP_NAMES:
             if v is not None:
                 map_params[p.name] = v
-            continue
-        if p.keyword:
+        elif p.keyword:
             kwargs[p.name] = v
         else:
             args.append(v)
     if map_params:
-        if "kind" in [p.name for p in params]:
+        # feature_map takes them as **params, linear_attention as feature_map_params
+        if params[1].name == "kind":
             kwargs.update(map_params)
         else:
             kwargs["feature_map_params"] = map_params
@@ -314,6 +305,7 @@ class Op:
         self.names = [p.name for p in self.params]
         self.outputs = output_names(name)
         self.tensors = [i for i, p in enumerate(self.params) if p.schema.startswith("Tensor")]
+        self.windows = [i for i, p in enumerate(self.params) if p.schema == "int[]?"]
         # vjp_fn(args, kwargs, outs, cot) -> grads: a backward that reuses the forward's outputs
         self.vjp_fn = vjp_fn
         args = ", ".join(f"{p.schema} {p.name}" for p in self.params)
@@ -430,40 +422,56 @@ class Op:
     # -- the public call
     def __call__(self, values: Sequence[Any]):
         values = list(values)
-        ref = None
-        for p, v in zip(self.params, values):
-            for t in (v if isinstance(v, (list, tuple)) and p.schema == "Tensor[]" else (v,)):
-                check_tensor(self.name, p.name, t)
-                if ref is None and isinstance(t, torch.Tensor) and t.is_floating_point():
-                    ref = t
-        for i, (p, v) in enumerate(zip(self.params, values)):
-            if p.schema in ("Tensor", "Tensor?") and v is not None and not isinstance(v, torch.Tensor):
+        tensors, ref = [], None
+        for i in self.tensors:
+            v = values[i]
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    if t.device.type != "cpu":
+                        raise TypeError(f"pyattn.torch.{self.name}(): '{self.names[i]}' is on {t.device}; pyattn's "
+                                        f"kernels run on the CPU: move it with .cpu() (fla and flash-attn serve "
+                                        f"CUDA tensors)")
+                    tensors.append(t)
+                    if ref is None and t.is_floating_point():
+                        ref = t
+        for i in self.tensors:
+            v = values[i]
+            if v is not None and not isinstance(v, (torch.Tensor, list)):
                 t = torch.as_tensor(v)
                 # a Python float converted straight to the call's dtype (not through float32)
                 values[i] = torch.as_tensor(v, dtype=ref.dtype) if t.is_floating_point() and ref is not None else t
-            elif p.schema == "int[]?" and v is not None:
-                values[i] = [int(x) for x in v]
-        outs = _tup(self.dispatch(values))
+                tensors.append(values[i])
+            elif isinstance(v, tuple):
+                values[i] = list(v)
+        for i in self.windows:
+            if values[i] is not None:
+                values[i] = [int(x) for x in values[i]]
+        outs = _tup(self.dispatch(values, tensors))
         return public_structure(self.name, outs, dict(zip(self.names, values)))
 
-    def dispatch(self, values: List[Any]):
+    def dispatch(self, values: List[Any], tensors: List[torch.Tensor]):
         """The custom op where torch traces or transforms the call; in plain eager mode the
         same computation without the dispatcher's cost, and with gradients through
         EagerVJP, whose backward reuses the forward's pullback instead of running it again."""
-        tensors = [t for v in values for t in (v if isinstance(v, list) else (v,)) if isinstance(t, torch.Tensor)]
         if not _plain_eager(tensors):
             return self.op(*values)
         if (self.differentiable and torch.is_grad_enabled()
                 and any(t.requires_grad for t in tensors if t.is_floating_point())):
             return EagerVJP.apply(self, values, *tensors)
-        return self._forward(*values)
+        return self._eager_forward(values)
+
+    def _eager_forward(self, values: List[Any]):
+        """pyattn's call with the call's own flags, outputs as tensors."""
+        ref = _first_float(values)
+        args, kwargs = pyattn_call(self.params, values)
+        arrays = fixed_outputs(self.name, self.fn(*args, **kwargs), dict(zip(self.names, values)))
+        return tuple(placeholder(ref) if a is None else
+                     to_tensor(a, ref.dtype if a.dtype.kind == "f" else torch.int64) for a in arrays)
 
 
 def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
     """Plain tensors, no compiler tracing, no functorch transform, no dispatch mode: the call
     may run pyattn directly rather than through the custom op."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
             and _get_current_dispatch_mode() is None and all(type(t) is torch.Tensor for t in tensors))
 
@@ -593,11 +601,12 @@ class KVCacheOp(Op):
             result.append(placeholder(_first_float(fwd)) if g is None or x is None else to_tensor(g, x.dtype))
         return _ret(tuple(result))
 
-    def __call__(self, values: Sequence[Any]):
-        values = list(values)
-        if values[self.names.index("k")] is not None:
+    def dispatch(self, values: List[Any], tensors: List[torch.Tensor]):
+        """Traced: the append op, then the functional one. Eager: pyattn's own call, which
+        writes the rows itself (EagerVJP's pyattn.vjp, or the plain call)."""
+        if not _plain_eager(tensors) and values[self.names.index("k")] is not None:
             self.append_op(*values)
-        return super().__call__(values)
+        return super().dispatch(values, tensors)
 
 
 # _KVCall's arguments after (q, k_cache, v_cache, cache_seqlens, k, v), by keyword name
