@@ -15,6 +15,10 @@ import pytest
 import pyattn
 
 jax = pytest.importorskip("jax", reason='pyattn.jax needs jax: pip install "pyattn[jax]"')
+
+# Python (jax.pure_callback) over the kernels that tests/test_torch.py and the NumPy tests run under
+# the sanitizers already: skipped there, where they would add minutes
+pytestmark = pytest.mark.skip_under_sanitizer
 import jax.numpy as jnp  # noqa: E402
 
 import pyattn.jax as pjax  # noqa: E402

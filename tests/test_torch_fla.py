@@ -18,6 +18,10 @@ torch = pytest.importorskip("torch", reason="pyattn.torch.fla needs torch (pip i
 fla = pytest.importorskip("pyattn.torch.fla")
 pt = pytest.importorskip("pyattn.torch")
 
+# Python (fla's argument mapping) over the kernels that tests/test_torch.py and the NumPy tests run under
+# the sanitizers already: skipped there, where they would add minutes
+pytestmark = pytest.mark.skip_under_sanitizer
+
 B, T, H, K, V = 2, 37, 2, 4, 3
 CU = [0, 9, 9, 37]        # packed: an empty sequence, lengths 9 and 28
 

@@ -14,6 +14,10 @@ from pyattn.nn import MIXERS, HybridLM, cosine_lr
 
 torch = pytest.importorskip("torch", reason="pyattn.torch.nn needs torch (pip install 'pyattn[torch]')")
 
+# Python (torch modules) over the kernels that tests/test_torch.py and the NumPy tests run under
+# the sanitizers already: skipped there, where they would add minutes
+pytestmark = pytest.mark.skip_under_sanitizer
+
 V, D, L, H = 23, 16, 2, 2
 T = 20  # chunk_size 16 below: a full chunk and a ragged one
 
