@@ -237,3 +237,23 @@ def run_bad_arg_case(fn, make, index, bad, exc, must):
         assert fn(*args) is None
         return
     raises(exc, fn, *args, must=must)
+
+
+# Tiny models of every mixer (tests/test_nn_model.py, tests/test_torch_nn.py): vocabulary,
+# width, layers, heads, and T = 20 tokens, a full chunk of 16 and a ragged one
+TINY_MODEL = (23, 16, 2, 2, 20)
+
+
+def _tiny_mixer_options():
+    from pyattn.nn import MIXERS
+
+    options = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "mla", "moba", "nsa", "dsa")}
+    options.update(softmax={}, mla={}, mamba2={"chunk_size": 16, "d_state": 8},
+                   moba={"block_size": 4, "top_k": 2},  # T = 20: five blocks, two past ones chosen
+                   nsa={"block_size": 4, "block_count": 2, "window": 3, "n_kv_heads": 1},
+                   dsa={"top_k": 5, "index_heads": 2, "index_dim": 4})
+    return options
+
+
+TINY_MIXER_OPTIONS = _tiny_mixer_options()
+

@@ -12,16 +12,10 @@ import pytest
 from pyattn.nn import MIXERS, HybridLM
 from pyattn.testing import assert_close
 
-V, D, L, H = 23, 16, 2, 2
-T = 20  # chunk_size 16 below: a full chunk and a ragged one
+from conftest import TINY_MIXER_OPTIONS as OPTIONS, TINY_MODEL
 
-OPTIONS = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "mla", "moba", "nsa", "dsa")}
-OPTIONS["softmax"] = {}
-OPTIONS["mla"] = {}
-OPTIONS["moba"] = {"block_size": 4, "top_k": 2}  # T = 20: five blocks, two past ones chosen
-OPTIONS["nsa"] = {"block_size": 4, "block_count": 2, "window": 3, "n_kv_heads": 1}
-OPTIONS["dsa"] = {"top_k": 5, "index_heads": 2, "index_dim": 4}
-OPTIONS["mamba2"] = {"chunk_size": 16, "d_state": 8}
+V, D, L, H, T = TINY_MODEL
+
 MODELS = {name: [(name, OPTIONS[name])] * L for name in MIXERS}
 MODELS["hybrid"] = [("softmax", {}), ("gated_deltanet", OPTIONS["gated_deltanet"])]
 MODELS["softmax_gqa_window_sinks"] = [("softmax", {"n_kv_heads": 1, "window": 5, "sinks": 2})] * L
