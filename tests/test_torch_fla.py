@@ -203,11 +203,15 @@ def _delta(fn, gated, gva=1, **flags):
     return build
 
 
-def _dense_causal(q, k, v, scale, window=None, sink=None):
-    """float64 causal softmax attention with GQA, a window and per-head sink logits."""
+def _dense_causal(q, k, v, scale, window=None, sink=None, g=None):
+    """float64 causal softmax attention with GQA, a window, per-head sink logits and FoX's
+    forgetting gate (scores plus G_i - G_j, G the running sum of g [B, T, HQ])."""
     G = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
     s = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    if g is not None:
+        cum = np.cumsum(g, axis=1).transpose(0, 2, 1)
+        s = s + cum[..., :, None] - cum[..., None, :]
     i, j = np.arange(q.shape[1])[:, None], np.arange(q.shape[1])[None]
     mask = (j <= i) & (True if window is None else i - j < window)
     s = np.where(mask, s, -np.inf)
@@ -219,20 +223,22 @@ def _dense_causal(q, k, v, scale, window=None, sink=None):
     return np.einsum("bhij,bjhd->bihd", p / den, v)
 
 
-def _attn(window=None, sink=False):
+def _attn(window=None, sink=False, gate=False):
     def build(inp):
         q, k, v = inp.x(heads=4), inp.x(heads=2), inp.x(heads=2, dim=V)
         sink_bias = inp.randn(4) if sink else None
+        g = inp.randn(inp.B, inp.T, 4) if gate else None
         if inp.varlen:
-            parts = [_dense_causal(q[:, a:b], k[:, a:b], v[:, a:b], K ** -0.5, window, sink_bias)
+            parts = [_dense_causal(q[:, a:b], k[:, a:b], v[:, a:b], K ** -0.5, window, sink_bias,
+                                   None if g is None else g[:, a:b])
                      for a, b in zip(inp.CU[:-1], inp.CU[1:]) if b > a]
             o = np.concatenate(parts, axis=1)
         else:
-            o = _dense_causal(q, k, v, K ** -0.5, window, sink_bias)
+            o = _dense_causal(q, k, v, K ** -0.5, window, sink_bias, g)
         kwargs = dict(window_size=window, cu_seqlens=inp.cu)
         if sink:
             kwargs["sink_bias"] = tensor(sink_bias)
-        return "parallel_attn", tuple(_t(q, k, v)), kwargs, o
+        return "parallel_attn", tuple(_t(q, k, v, g)), kwargs, o
     return build
 
 
@@ -307,6 +313,8 @@ CASES = {
     "parallel_attn": _attn(),
     "parallel_attn-window": _attn(window=5),
     "parallel_attn-sink": _attn(window=7, sink=True),
+    "parallel_attn-g": _attn(gate=True),
+    "parallel_attn-g-window-sink": _attn(window=6, sink=True, gate=True),
     "parallel_nsa": _nsa,
     "parallel_nsa-defaults": _nsa_defaults,
     "parallel_moba": _moba(3),
@@ -558,7 +566,6 @@ def _unsupported_calls():
         ("gk", lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, gk=torch.zeros(q.shape), beta=beta)),
         ("gv", lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, gv=torch.zeros(v.shape), beta=beta)),
         ("cp_context", lambda: fla.chunk_gated_delta_rule(q, k, v, g, beta, cp_context=object())),
-        ("g", lambda: fla.parallel_attn(q, k, v, g)),
         ("block_indices", lambda: fla.parallel_nsa(q4, k2, v2, g4, g4, g4,
                                                    block_indices=torch.zeros(1, T, 2, 1, dtype=torch.long))),
         ("g_cmp=None", lambda: fla.parallel_nsa(q4, k2, v2, None, g4, g4)),

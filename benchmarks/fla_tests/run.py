@@ -17,7 +17,8 @@ import, 3.5 does not). A virtual environment over the system packages keeps them
 What the runner does before pytest collects fla's tests:
 - puts the checkout first on sys.path, so ``fla`` (its naive references, ``fla.utils``'s
   ``assert_close``) is fla's own source;
-- sets fla's ``device`` to ``"cpu"`` (fla's tests create their tensors on it);
+- sets fla's ``device`` to ``"cpu"`` (fla's tests create their tensors on it) and
+  ``FLA_DISABLE_BACKEND_DISPATCH=1`` (as fla's Triton-baseline CI run);
 - imports every module of ``fla.ops`` and, in each, replaces every entry point that
   pyattn.torch.fla has (``chunk_gla``, ``parallel_attn``, ...) by pyattn's, so the tests'
   ``from fla.ops.gla import chunk_gla`` gets pyattn's while ``naive_recurrent_gla`` stays
@@ -26,6 +27,7 @@ What the runner does before pytest collects fla's tests:
 from __future__ import annotations
 
 import importlib
+import os
 import pathlib
 import pkgutil
 import sys
@@ -45,6 +47,9 @@ def patch_fla(root: pathlib.Path) -> list:
     sys.path.insert(1, str(repo))
     import pyattn.torch.fla as ours
 
+    # no back-end dispatch here: fla's tests then also run the cases (GVA) its tilelang back
+    # end lacks, as in fla's own Triton-baseline CI run
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     import fla.utils
     import fla.utils._device as fla_device
     for module in (fla.utils, fla_device):

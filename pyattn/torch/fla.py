@@ -18,7 +18,9 @@ its ``"recurrent"`` form, ``parallel_*`` its ``"parallel"`` form.
   per sequence), ``state_v_first=True`` (states ``[N, H, V, K]``, transposed), fla's
   in-kernel beta sigmoid and GDN gate (computed in torch first), GVA of the gated delta rule
   (v with more heads than q and k: q and k repeated per group), ``sink_bias`` of
-  ``parallel_attn`` (``o * sigmoid(lse - sink_bias)``).
+  ``parallel_attn`` (``o * sigmoid(lse - sink_bias)``) and its forgetting gate ``g`` (one
+  more key dimension); ``output_attentions`` of the parallel forms is fla's score matrix,
+  computed in torch beside pyattn's op.
 - A flag pyattn does not compute raises ``NotImplementedError`` naming it; none is ignored.
   ``cu_seqlens_cpu`` and ``chunk_indices`` are accepted and unused: fla's precomputed copies
   of what pyattn derives from ``cu_seqlens``.
@@ -56,10 +58,6 @@ def _unsupported(fn: str, flag: str, why: str) -> NotImplementedError:
 def _compute_dtype(*tensors) -> torch.dtype:
     floats = [t.dtype for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
     return torch.float64 if torch.float64 in floats else torch.float32
-
-
-def _cast(x, dtype):
-    return None if x is None else x.to(dtype)
 
 
 def _time_major(x, head_first: bool):
@@ -561,10 +559,18 @@ fused_recurrent_gdn = fused_recurrent_gated_delta_rule
 # softmax attention and the sparse softmax family
 
 
-def _softmax_prep(q, k, v, head_first):
+def _softmax_prep(q, k, v, head_first, *others):
+    """q, k, v time-major in the compute dtype of them and ``others``."""
     q, k, v = (_time_major(x, head_first) for x in (q, k, v))
-    dtype = _compute_dtype(q, k, v)
+    dtype = _compute_dtype(q, k, v, *others)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _seq_cumsum(g: Tensor, cu: Optional[Tensor]) -> Tensor:
+    """The running sum of g along time, restarting at every sequence."""
+    if cu is None:
+        return g.cumsum(1)
+    return torch.cat([g[:, a:b].cumsum(1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], 1)
 
 
 def parallel_attn(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None,
@@ -574,19 +580,30 @@ def parallel_attn(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, s
     """fla.ops.attn.parallel_attn: causal softmax attention, ``pyattn.torch.softmax_attention``
     (flash form), GQA as fla (q ``[B, T, HQ, K]``, k, v ``[B, T, H, *]``). ``window_size=w``
     keeps keys ``i-w+1 .. i``; ``sink_bias [HQ]`` adds one learned logit per head to every
-    softmax denominator (``o * sigmoid(lse - sink_bias)``, exact). The forgetting gate ``g``
-    (FoX) raises NotImplementedError. Returns ``o``."""
-    if g is not None:
-        raise _unsupported("parallel_attn", "g", "pyattn has no forgetting attention (FoX) yet")
+    softmax denominator (``o * sigmoid(lse - sink_bias)``). ``g [B, T, HQ]`` is FoX's
+    forgetting gate, scores ``scale q_i.k_j + G_i - G_j`` (G its running sum per sequence):
+    ``G_i`` is constant along the softmax's row and cancels, ``-G_j`` rides in one more key
+    dimension (q's is 1), so it is softmax attention of head dimension K + 1. Returns ``o``."""
     _check_cu_batch("parallel_attn", _time_major(q, head_first), cu_seqlens)
     out_dtype = q.dtype
-    q, k, v = _softmax_prep(q, k, v, head_first)
+    g = _time_major(g, head_first)
+    q, k, v = _softmax_prep(q, k, v, head_first, g, sink_bias)
+    cu = _cu(cu_seqlens)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if g is not None:
+        G = _seq_cumsum(g.to(q.dtype), cu)
+        k, v = (x.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for x in (k, v))
+        q = torch.cat([q * scale, q.new_ones(q.shape[:3] + (1,))], -1)
+        k = torch.cat([k, -G.unsqueeze(-1)], -1)
+        scale = 1.0
     window = None if window_size is None else (window_size - 1, 0)
-    kwargs = dict(causal=True, scale=scale, window=window, cu_seqlens=_cu(cu_seqlens))
+    kwargs = dict(causal=True, scale=scale, window=window, cu_seqlens=cu)
     if sink_bias is None:
         o = _pt.softmax_attention(q, k, v, **kwargs)
     else:
         o, lse = _pt.softmax_attention(q, k, v, return_lse=True, **kwargs)
+        if g is not None:
+            lse = lse + G  # the row term G_i that cancelled inside the softmax
         o = o * torch.sigmoid(lse - sink_bias.to(lse.dtype)).unsqueeze(-1)
     return _time_major(o, head_first).to(out_dtype)
 
@@ -629,12 +646,11 @@ def parallel_nsa(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = None
         raise ValueError(f"pyattn.torch.fla.{fn}(): window_size={window_size} needs g_swa")
     out_dtype = q.dtype
     g_cmp, g_slc, g_swa = (_time_major(x, head_first) for x in (g_cmp, g_slc, g_swa))
-    dtype = _compute_dtype(q, k, v, g_cmp, g_slc, g_swa)
-    q, k, v = _softmax_prep(q, k, v, head_first)
-    g_cmp = g_cmp.to(dtype)
-    g_slc = g_cmp.new_ones(g_cmp.shape) if g_slc is None else g_slc.to(dtype)
+    q, k, v = _softmax_prep(q, k, v, head_first, g_cmp, g_slc, g_swa)
+    g_cmp = g_cmp.to(q.dtype)
+    g_slc = g_cmp.new_ones(g_cmp.shape) if g_slc is None else g_slc.to(q.dtype)
     # no sliding branch: a one-key window weighted by exact zeros adds nothing
-    g_swa = g_cmp.new_zeros(g_cmp.shape) if window_size <= 0 else g_swa.to(dtype)
+    g_swa = g_cmp.new_zeros(g_cmp.shape) if window_size <= 0 else g_swa.to(q.dtype)
     o = _pt.nsa_attention(q, k, v, g_cmp, g_slc, g_swa, block_size=block_size, block_count=max(block_counts, 1),
                           window=max(window_size, 1), scale=scale, cu_seqlens=cu)
     return _time_major(o, head_first).to(out_dtype)
