@@ -36,11 +36,11 @@ arguments and defaults, as a ``jax.custom_vjp`` over ``jax.pure_callback`` with
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union, overload
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 
-from . import OPS
+from . import OPS, _outputs
 from .autodiff import vjp as _vjp
 
 # jax is an optional extra: mypy checks this package without it too, jax then being Any
@@ -133,106 +133,28 @@ def _to_numpy(tree: Any, upcast: Optional[Any]) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Result shapes, from the input shapes. A rule has only to be right for a valid call, and must
-# not raise for an invalid one: pyattn's own check in the callback then reports it.
-
-
-class _Shapes:
-    """What a rule reads: the operands' shapes and the static options; a missing operand or
-    axis reads as () or 0."""
-
-    def __init__(self, static: Tuple[Tuple[str, Any], ...], operands: Dict[str, Any]):
-        self.options = dict(static)
-        self.operands = operands
-
-    def shape(self, arg: str, key: Optional[str] = None) -> Tuple[int, ...]:
-        """The shape of an operand, of a list's first array, or of the array ``key`` in a dict."""
-        value = self.operands.get(arg)
-        if isinstance(value, dict):
-            value = value.get(key)
-        elif isinstance(value, list):
-            value = value[0]
-        return tuple(value.shape) if value is not None else ()
-
-    def dim(self, arg: str, axis: int, key: Optional[str] = None) -> int:
-        shape = self.shape(arg, key)
-        return shape[axis] if -len(shape) <= axis < len(shape) else 0
-
-    def sequences(self, batch: int) -> int:
-        """N, the number of sequences of a state: len(cu_seqlens) - 1, else the batch."""
-        if "cu_seqlens" in self.operands:
-            return max(self.dim("cu_seqlens", 0) - 1, 0)
-        cu = self.options.get("cu_seqlens")
-        return max(len(cu) - 1, 0) if isinstance(cu, tuple) else batch
-
-
-def _features(kind: Any, D: int, m: int) -> int:
-    """F of pyattn.feature_map's kinds (docstring table)."""
-    return {"taylor": 1 + D + D * D, "performer": m, "cosformer": 2 * D}.get(kind, D)
-
-
-def _attention_shapes(s: _Shapes) -> Any:
-    return s.shape("q")[:3] + s.shape("v")[3:4]
-
-
-def _softmax_shapes(s: _Shapes) -> Any:
-    o = _attention_shapes(s)
-    return (o, s.shape("q")[:3]) if s.options.get("return_lse") else o
-
-
-def _state_shapes(s: _Shapes, o: Tuple[int, ...], K: int, V: int) -> Any:
-    """(o, final_state [N, H, K, V] or None)"""
-    state = (s.sequences(s.dim("q", 0)), s.dim("q", 2), K, V)
-    return o, state if s.options.get("output_final_state") else None
-
-
-def _gated_shapes(s: _Shapes) -> Any:
-    return _state_shapes(s, _attention_shapes(s), s.dim("q", 3), s.dim("v", 3))
-
-
-def _linear_attention_shapes(s: _Shapes) -> Any:
-    K = _features(s.options.get("feature_map"), s.dim("q", 3), s.dim("feature_map_params", 0, "projection"))
-    return _state_shapes(s, _attention_shapes(s), K, s.dim("v", 3) + bool(s.options.get("normalize")))
-
-
-def _mamba2_shapes(s: _Shapes) -> Any:
-    x = s.shape("x")
-    state = (s.sequences(s.dim("x", 0)), s.dim("x", 2), s.dim("B", 3), s.dim("x", 3))
-    return x, state if s.options.get("output_final_state") else None
-
-
-_SHAPES: Dict[str, Callable[[_Shapes], Any]] = {
-    "softmax_attention": _softmax_shapes,
-    "moba_attention": _attention_shapes,
-    "nsa_attention": _attention_shapes,
-    "dsa_attention": _attention_shapes,
-    "linformer_attention": _attention_shapes,
-    "efficient_attention": _attention_shapes,
-    "dsa_index_scores": lambda s: s.shape("index_q")[:2] + s.shape("index_k")[1:2],
-    "mla_attention": lambda s: s.shape("q_nope")[:3] + s.shape("w_uv")[2:3],
-    "merge_attention_states": lambda s: (s.shape("os"), s.shape("lses")),
-    "rope": lambda s: s.shape("x"),
-    "feature_map": lambda s: s.shape("x")[:-1] + (
-        _features(s.options.get("kind"), s.dim("x", -1), s.dim("projection", 0)),),
-    "linear_attention": _linear_attention_shapes,
-    "retention": _gated_shapes,
-    "lightning_attention": _gated_shapes,
-    "simple_gla": _gated_shapes,
-    "gla": _gated_shapes,
-    "delta_rule": _gated_shapes,
-    "gated_delta_rule": _gated_shapes,
-    "mamba2": _mamba2_shapes,
-}
-
-
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+# Result shapes, from the input shapes (pyattn._outputs' rules, shared with pyattn.torch): no
+# kernel runs at trace time.
 
 
 def _result_structs(name: str, static: Tuple[Tuple[str, Any], ...], operands: Dict[str, Any]) -> Any:
     dtype, _ = _compute_dtype(operands)
-    shapes = _SHAPES[name](_Shapes(static, operands))
-    return jax.tree_util.tree_map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), shapes, is_leaf=_is_shape)
+    option = dict(static).get
+
+    def shape(arg: str) -> Tuple[int, ...]:
+        value = operands.get(arg)
+        for nested in (v for v in operands.values() if isinstance(v, dict)):
+            value = nested.get(arg, value)  # performer's projection inside feature_map_params
+        if isinstance(value, list):
+            value = value[0]
+        if value is None:  # cu_seqlens given as a list is static
+            given = option(arg)
+            return (len(given),) if isinstance(given, tuple) else ()
+        return tuple(value.shape)
+
+    entries = [jax.ShapeDtypeStruct(s, dtype) if keep else None
+               for s, keep in zip(_outputs.shapes(name, shape, option), _outputs.returned(name, option))]
+    return _outputs.structure(name, entries, option)
 
 
 # ---------------------------------------------------------------------------------------------

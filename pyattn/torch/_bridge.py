@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import pyattn
+from pyattn import _outputs as outputs
 from pyattn import softmax as _softmax_mod
 
 # ------------------------------------------------------------------------------------------
@@ -136,124 +137,16 @@ def pyattn_call(params: Sequence[Param], values: Sequence[Any]) -> Tuple[list, d
 # ------------------------------------------------------------------------------------------
 # outputs
 
-# How each op's outputs appear: "single" o; "state" (o, final_state or None); "pair" (o, lse);
-# "flags" o, then each further output its flag asks for (a tuple only when one does).
-_STATE_OPS = {"linear_attention", "retention", "lightning_attention", "simple_gla", "gla", "mamba2",
-              "delta_rule", "gated_delta_rule"}
-_FLAGGED = {"softmax_attention": (("lse", "return_lse"),),
-            "attention_with_kvcache": (("lse", "return_lse"), ("colsum", "return_colsum"))}
-
-
-# ops whose output is an index array (int64), not of the call's float dtype
-_INDEX_OUTPUTS = {"dsa_select"}
-
-
-def output_names(name: str) -> Tuple[str, ...]:
-    if name in _STATE_OPS:
-        return ("o", "final_state")
-    if name == "merge_attention_states":
-        return ("o", "lse")
-    return ("o",) + tuple(out for out, _ in _FLAGGED.get(name, ()))
-
-
-def public_mask(name: str, kw: Dict[str, Any]) -> Tuple[bool, ...]:
-    """Which of output_names(name) the call returns (False: a placeholder)."""
-    if name in _STATE_OPS:
-        return (True, bool(kw["output_final_state"]))
-    if name in _FLAGGED:
-        return (True,) + tuple(bool(kw[flag]) for _, flag in _FLAGGED[name])
-    return (True,) * len(output_names(name))
-
-
-def public_structure(name: str, outs: Sequence[Optional[torch.Tensor]], kw: Dict[str, Any]):
-    """pyattn's return structure from the fixed tuple (placeholders as None)."""
-    mask = public_mask(name, kw)
-    if name in _STATE_OPS:
-        return outs[0], (outs[1] if mask[1] else None)
-    if name == "merge_attention_states":
-        return outs[0], outs[1]
-    picked = [o for o, m in zip(outs, mask) if m]
-    return picked[0] if len(picked) == 1 else tuple(picked)
-
-
-def fixed_outputs(name: str, out, kw: Dict[str, Any]) -> List[Optional[np.ndarray]]:
-    """pyattn's return value as one entry per output_names(name), None where left out."""
-    parts = list(out) if isinstance(out, tuple) else [out]
-    mask = public_mask(name, kw)
-    if name in _STATE_OPS or name == "merge_attention_states":
-        return [parts[0], parts[1] if mask[1] else None]
-    it = iter(parts)
-    return [next(it) if m else None for m in mask]
-
-
-# ------------------------------------------------------------------------------------------
-# output shapes without computing (the fake kernels)
-
-
-def _feature_dim(kind: Optional[str], D, projection) -> object:
-    if kind in (None, "identity", "elu1", "relu", "softmax", "focused"):
-        return D
-    if kind == "taylor":
-        return 1 + D + D * D
-    if kind == "performer":
-        if projection is None:
-            raise ValueError("feature_map(): 'performer' needs a 'projection' [m, D]")
-        return projection.shape[0]
-    if kind == "cosformer":
-        return 2 * D
-    raise ValueError(f"feature_map(): unknown kind {kind!r}")
-
-
-def _sequences(kw, B):
-    cu = kw.get("cu_seqlens")
-    return B if cu is None else cu.shape[0] - 1
-
-
 def output_shapes(name: str, kw: Dict[str, Any]) -> List[Optional[tuple]]:
     """Each output's shape for a call with these schema arguments (None: a placeholder)."""
-    mask = public_mask(name, kw)
-    if name == "merge_attention_states":
-        shapes = [tuple(kw["os"][0].shape), tuple(kw["lses"][0].shape)]
-    elif name in _STATE_OPS:
-        if name == "mamba2":
-            x, Bm = kw["x"], kw["B"]
-            o, state = tuple(x.shape), (Bm.shape[3], x.shape[3])
-            N, H = _sequences(kw, x.shape[0]), x.shape[2]
-        else:
-            q, v = kw["q"], kw["v"]
-            K = q.shape[3]
-            V = v.shape[3]
-            if name == "linear_attention":
-                K = _feature_dim(kw["feature_map"], K, kw["projection"])
-                V = V + 1 if kw["normalize"] else V
-            o, state = tuple(v.shape), (K, V)
-            N, H = _sequences(kw, q.shape[0]), v.shape[2]
-        shapes = [o, (N, H) + state]
-    elif name == "mla_attention":
-        shapes = [tuple(kw["q_nope"].shape[:3]) + (kw["w_uv"].shape[2],)]
-    elif name == "dsa_select":
-        Tk = kw["index_k"].shape[1]
-        shapes = [tuple(kw["index_q"].shape[:2]) + (Tk if kw["top_k"] > Tk else kw["top_k"],)]
-    elif name == "dsa_index_target":
-        shapes = [tuple(kw["q"].shape[:2]) + (kw["k"].shape[1],)]
-    elif name == "dsa_index_scores":
-        shapes = [tuple(kw["index_q"].shape[:2]) + (kw["index_k"].shape[1],)]
-    elif name == "rope":
-        shapes = [tuple(kw["x"].shape)]
-    elif name == "feature_map":
-        x = kw["x"]
-        shapes = [tuple(x.shape[:-1]) + (_feature_dim(kw["kind"], x.shape[-1], kw["projection"]),)]
-    else:
-        q = kw["q"]
-        v = kw["v_cache"] if name == "attention_with_kvcache" else kw["v"]
-        shapes = [tuple(q.shape[:3]) + (v.shape[-1],)]
-        if name in _FLAGGED:
-            shapes.append(tuple(q.shape[:3]))
-        if name == "attention_with_kvcache":
-            kc, table = kw["k_cache"], kw["block_table"]
-            capacity = kc.shape[1] * (1 if table is None else table.shape[1])
-            shapes.append((q.shape[0], q.shape[2], capacity))
-    return [s if m else None for s, m in zip(shapes, mask)]
+    def shape(arg):
+        v = kw.get(arg)
+        if isinstance(v, (list, tuple)) and v:
+            v = v[0]
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+    return [s if keep else None for s, keep in zip(outputs.shapes(name, shape, kw.get),
+                                                   outputs.returned(name, kw.get))]
 
 
 # ------------------------------------------------------------------------------------------
@@ -282,15 +175,6 @@ def ref_dtype(values) -> torch.dtype:
     return _first_float(values).dtype
 
 
-def _cotangent(name: str, cots: Sequence[Optional[np.ndarray]], kw):
-    """The cotangent in the structure of pyattn's return value."""
-    mask = public_mask(name, kw)
-    if name in _STATE_OPS or name == "merge_attention_states":
-        return tuple(cots[:2])
-    picked = [c for c, m in zip(cots, mask) if m]
-    return picked[0] if len(picked) == 1 else tuple(picked)
-
-
 class Op:
     """One pyattn op as a pair of custom ops, its fake kernels and its autograd formula."""
 
@@ -303,7 +187,7 @@ class Op:
         self.forced = dict(forced or {})
         self.params = params_of(name, fn)
         self.names = [p.name for p in self.params]
-        self.outputs = output_names(name)
+        self.outputs = outputs.names(name)
         self.tensors = [i for i, p in enumerate(self.params) if p.schema.startswith("Tensor")]
         self.windows = [i for i, p in enumerate(self.params) if p.schema == "int[]?"]
         # vjp_fn(args, kwargs, outs, cot) -> grads: a backward that reuses the forward's outputs
@@ -330,14 +214,14 @@ class Op:
         kw = {**dict(zip(self.names, values)), **self.forced}
         ref = _first_float(values)
         args, kwargs = pyattn_call(self.params, values)
-        arrays = fixed_outputs(self.name, self.fn(*args, **{**kwargs, **self.forced}), kw)
+        arrays = outputs.entries(self.name, self.fn(*args, **{**kwargs, **self.forced}), kw.get)
         return _ret(tuple(placeholder(ref) if a is None else
                           to_tensor(a, ref.dtype if a.dtype.kind == "f" else torch.int64) for a in arrays))
 
     def _fake(self, *values):
         ref = _first_float(values)
         shapes = output_shapes(self.name, {**dict(zip(self.names, values)), **self.forced})
-        dtype = torch.int64 if self.name in _INDEX_OUTPUTS else ref.dtype
+        dtype = torch.int64 if self.name in outputs.INDEX_OUTPUTS else ref.dtype
         return _ret(tuple(ref.new_empty(s if s is not None else (0,), dtype=dtype) for s in shapes))
 
     # -- backward
@@ -346,10 +230,10 @@ class Op:
         fwd, outs, cots = values[:n], values[n:n + m], values[n + m:]
         kw = dict(zip(self.names, fwd))
         args, kwargs = pyattn_call(self.params, fwd)
-        mask = public_mask(self.name, kw)
-        cot = _cotangent(self.name, [to_array(c) if keep else None for c, keep in zip(cots, mask)], kw)
+        mask = outputs.returned(self.name, kw.get)
+        cot = outputs.structure(self.name, [to_array(c) if keep else None for c, keep in zip(cots, mask)], kw.get)
         if self.vjp_fn is not None and ref_dtype(fwd) not in _HALF:
-            kept = public_mask(self.name, {**kw, **self.forced})
+            kept = outputs.returned(self.name, {**kw, **self.forced}.get)
             grads = self.vjp_fn(args, kwargs, [to_array(o) if k else None for o, k in zip(outs, kept)], cot)
         else:
             grads = pyattn.vjp(self.fn, *args, **kwargs)[1](cot)
@@ -447,7 +331,7 @@ class Op:
             if values[i] is not None:
                 values[i] = [int(x) for x in values[i]]
         outs = _tup(self.dispatch(values, tensors))
-        return public_structure(self.name, outs, dict(zip(self.names, values)))
+        return outputs.structure(self.name, outs, dict(zip(self.names, values)).get)
 
     def dispatch(self, values: List[Any], tensors: List[torch.Tensor]):
         """The custom op where torch traces or transforms the call; in plain eager mode the
@@ -464,7 +348,7 @@ class Op:
         """pyattn's call with the call's own flags, outputs as tensors."""
         ref = _first_float(values)
         args, kwargs = pyattn_call(self.params, values)
-        arrays = fixed_outputs(self.name, self.fn(*args, **kwargs), dict(zip(self.names, values)))
+        arrays = outputs.entries(self.name, self.fn(*args, **kwargs), dict(zip(self.names, values)).get)
         return tuple(placeholder(ref) if a is None else
                      to_tensor(a, ref.dtype if a.dtype.kind == "f" else torch.int64) for a in arrays)
 
@@ -488,7 +372,7 @@ class EagerVJP(torch.autograd.Function):
         args, kwargs = pyattn_call(op.params, values)
         out, ctx.pullback = pyattn.vjp(op.fn, *args, **kwargs)
         kw = dict(zip(op.names, values))
-        arrays = fixed_outputs(op.name, out, kw)
+        arrays = outputs.entries(op.name, out, kw.get)
         outs = tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype) for a in arrays)
         ctx.mark_non_differentiable(*(o for o, a in zip(outs, arrays) if a is None))
         ctx.op, ctx.kw = op, kw
@@ -502,9 +386,9 @@ class EagerVJP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         tensors = ctx.saved_tensors
-        mask = public_mask(ctx.op.name, ctx.kw)
-        cot = _cotangent(ctx.op.name, [None if g is None or not keep else to_array(g)
-                                       for g, keep in zip(grads, mask)], ctx.kw)
+        mask = outputs.returned(ctx.op.name, ctx.kw.get)
+        cot = outputs.structure(ctx.op.name, [None if g is None or not keep else to_array(g)
+                                              for g, keep in zip(grads, mask)], ctx.kw.get)
         found = ctx.pullback(cot)
         result = []
         for (name, i), t in zip(ctx.keys, tensors):
@@ -575,7 +459,7 @@ class KVCacheOp(Op):
         kw = dict(zip(self.names, values))
         ref = _first_float(values)
         args, kwargs, _ = self._read_call(values)
-        arrays = fixed_outputs(self.name, self.fn(*args, **kwargs), kw)
+        arrays = outputs.entries(self.name, self.fn(*args, **kwargs), kw.get)
         return _ret(tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype) for a in arrays))
 
     def _backward(self, *values):
@@ -583,8 +467,8 @@ class KVCacheOp(Op):
         fwd, cots = values[:n], values[n + m:]
         kw = dict(zip(self.names, fwd))
         args, kwargs, k = self._read_call(fwd)
-        mask = public_mask(self.name, kw)
-        cot = _cotangent(self.name, [to_array(c) if keep else None for c, keep in zip(cots, mask)], kw)
+        mask = outputs.returned(self.name, kw.get)
+        cot = outputs.structure(self.name, [to_array(c) if keep else None for c, keep in zip(cots, mask)], kw.get)
         grads = pyattn.vjp(self.fn, *args, **kwargs)[1](cot)
         if k is not None:
             call = _softmax_mod._KVCall(*args, None, None, *(kwargs[x] for x in _KV_CALL_ARGS))
