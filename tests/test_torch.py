@@ -334,3 +334,14 @@ def test_an_input_modified_before_the_backward_is_refused():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         o.sum().backward()
 
+
+
+def test_list_arguments_may_be_tuples():
+    """merge_attention_states' parts given as tuples of tensors, as pyattn takes them."""
+    rng = np.random.default_rng(7)
+    os_ = [rng.standard_normal((1, 3, 2, 4)) for _ in range(2)]
+    lses = [rng.standard_normal((1, 3, 2)) for _ in range(2)]
+    o, lse = pt.merge_attention_states(tuple(map(torch.from_numpy, os_)), tuple(map(torch.from_numpy, lses)))
+    ref_o, ref_lse = pyattn.merge_attention_states(os_, lses)
+    np.testing.assert_array_equal(o.numpy(), ref_o)
+    np.testing.assert_array_equal(lse.numpy(), ref_lse)

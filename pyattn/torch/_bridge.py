@@ -10,7 +10,9 @@ function maps the placeholders back to None and returns pyattn's structure.
 ``pyattn::<name>_backward`` takes the same arguments, the forward's outputs and their
 cotangents, and returns one gradient per tensor argument (an empty placeholder for an
 argument that gets none). It runs pyattn's C backward through ``pyattn.vjp``: the softmax
-family reuses the forward's output and LSE, the others recompute their forward first.
+family reuses the forward's output and LSE, the others recompute their forward first. The
+custom ops serve torch.compile, export, functorch transforms and dispatch modes; a plain
+eager call runs pyattn directly (``Op.dispatch``), its gradients through EagerVJP.
 """
 from __future__ import annotations
 
@@ -50,7 +52,6 @@ _LISTS = {"os", "lses"}
 class Param:
     name: str
     schema: str            # its schema type
-    default: object        # pyattn's default (inspect.Parameter.empty: required)
     keyword: bool          # keyword-only in pyattn's signature
 
 
@@ -63,7 +64,7 @@ def params_of(name: str, fn: Callable) -> List[Param]:
     for p in inspect.signature(fn).parameters.values():
         keyword = p.kind == p.KEYWORD_ONLY
         if p.kind == p.VAR_KEYWORD or p.name == "feature_map_params":
-            out += [Param(n, t, None, True) for n, t in _MAP_PARAMS]
+            out += [Param(n, t, True) for n, t in _MAP_PARAMS]
             continue
         if p.name in _LISTS:
             schema = "Tensor[]"
@@ -73,7 +74,7 @@ def params_of(name: str, fn: Callable) -> List[Param]:
             schema = _SCALARS[p.name]
         else:
             schema = "Tensor?" if p.default is None else "Tensor"
-        out.append(Param(p.name, schema, p.default, keyword))
+        out.append(Param(p.name, schema, keyword))
     return out
 
 
@@ -171,8 +172,17 @@ def _tup(result) -> tuple:
     return result if isinstance(result, tuple) else (result,)
 
 
-def ref_dtype(values) -> torch.dtype:
-    return _first_float(values).dtype
+def _output_tensors(name: str, out, option: Callable[[str], Any], ref: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """pyattn's return value as one tensor per output (floats in ref's dtype, indices int64),
+    a placeholder for each the call does not return."""
+    return tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype if a.dtype.kind == "f" else torch.int64)
+                 for a in outputs.entries(name, out, option))
+
+
+def _cotangent(name: str, cots: Sequence[Optional[torch.Tensor]], option: Callable[[str], Any]):
+    """The cotangents of the returned outputs, as arrays in pyattn's return structure."""
+    return outputs.structure(name, [None if c is None or not keep else to_array(c)
+                                    for c, keep in zip(cots, outputs.returned(name, option))], option)
 
 
 class Op:
@@ -212,11 +222,9 @@ class Op:
     # -- forward
     def _forward(self, *values):
         kw = {**dict(zip(self.names, values)), **self.forced}
-        ref = _first_float(values)
         args, kwargs = pyattn_call(self.params, values)
-        arrays = outputs.entries(self.name, self.fn(*args, **{**kwargs, **self.forced}), kw.get)
-        return _ret(tuple(placeholder(ref) if a is None else
-                          to_tensor(a, ref.dtype if a.dtype.kind == "f" else torch.int64) for a in arrays))
+        return _ret(_output_tensors(self.name, self.fn(*args, **{**kwargs, **self.forced}), kw.get,
+                                    _first_float(values)))
 
     def _fake(self, *values):
         ref = _first_float(values)
@@ -228,15 +236,7 @@ class Op:
     def _backward(self, *values):
         n, m = len(self.params), len(self.outputs)
         fwd, outs, cots = values[:n], values[n:n + m], values[n + m:]
-        kw = dict(zip(self.names, fwd))
-        args, kwargs = pyattn_call(self.params, fwd)
-        mask = outputs.returned(self.name, kw.get)
-        cot = outputs.structure(self.name, [to_array(c) if keep else None for c, keep in zip(cots, mask)], kw.get)
-        if self.vjp_fn is not None and ref_dtype(fwd) not in _HALF:
-            kept = outputs.returned(self.name, {**kw, **self.forced}.get)
-            grads = self.vjp_fn(args, kwargs, [to_array(o) if k else None for o, k in zip(outs, kept)], cot)
-        else:
-            grads = pyattn.vjp(self.fn, *args, **kwargs)[1](cot)
+        grads = self._grads(fwd, outs, _cotangent(self.name, cots, dict(zip(self.names, fwd)).get))
         result = []
         for i in self.tensors:
             p, x = self.params[i], fwd[i]
@@ -248,6 +248,16 @@ class Op:
             else:
                 result.append(to_tensor(g, x.dtype))
         return _ret(tuple(result))
+
+    def _grads(self, fwd, outs, cot) -> Dict[str, Any]:
+        """pyattn's gradients, by argument name, for the cotangent cot of the call fwd that
+        returned outs."""
+        kw = dict(zip(self.names, fwd))
+        args, kwargs = pyattn_call(self.params, fwd)
+        if self.vjp_fn is not None and _first_float(fwd).dtype not in _HALF:
+            kept = outputs.returned(self.name, {**kw, **self.forced}.get)
+            return self.vjp_fn(args, kwargs, [to_array(o) if k else None for o, k in zip(outs, kept)], cot)
+        return pyattn.vjp(self.fn, *args, **kwargs)[1](cot)
 
     def _fake_backward(self, *values):
         fwd = values[:len(self.params)]
@@ -320,13 +330,13 @@ class Op:
                         ref = t
         for i in self.tensors:
             v = values[i]
-            if v is not None and not isinstance(v, (torch.Tensor, list)):
+            if self.params[i].schema == "Tensor[]":
+                values[i] = list(v)
+            elif v is not None and not isinstance(v, torch.Tensor):
                 t = torch.as_tensor(v)
                 # a Python float converted straight to the call's dtype (not through float32)
                 values[i] = torch.as_tensor(v, dtype=ref.dtype) if t.is_floating_point() and ref is not None else t
                 tensors.append(values[i])
-            elif isinstance(v, tuple):
-                values[i] = list(v)
         for i in self.windows:
             if values[i] is not None:
                 values[i] = [int(x) for x in values[i]]
@@ -346,11 +356,9 @@ class Op:
 
     def _eager_forward(self, values: List[Any]):
         """pyattn's call with the call's own flags, outputs as tensors."""
-        ref = _first_float(values)
         args, kwargs = pyattn_call(self.params, values)
-        arrays = outputs.entries(self.name, self.fn(*args, **kwargs), dict(zip(self.names, values)).get)
-        return tuple(placeholder(ref) if a is None else
-                     to_tensor(a, ref.dtype if a.dtype.kind == "f" else torch.int64) for a in arrays)
+        return _output_tensors(self.name, self.fn(*args, **kwargs), dict(zip(self.names, values)).get,
+                               _first_float(values))
 
 
 def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
@@ -368,13 +376,11 @@ class EagerVJP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op: "Op", values: List[Any], *tensors: torch.Tensor):
-        ref = _first_float(values)
         args, kwargs = pyattn_call(op.params, values)
         out, ctx.pullback = pyattn.vjp(op.fn, *args, **kwargs)
         kw = dict(zip(op.names, values))
-        arrays = outputs.entries(op.name, out, kw.get)
-        outs = tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype) for a in arrays)
-        ctx.mark_non_differentiable(*(o for o, a in zip(outs, arrays) if a is None))
+        outs = _output_tensors(op.name, out, kw.get, _first_float(values))
+        ctx.mark_non_differentiable(*(o for o, keep in zip(outs, outputs.returned(op.name, kw.get)) if not keep))
         ctx.op, ctx.kw = op, kw
         # each tensor's gradient key: (argument name, index in a list argument or None)
         ctx.keys = [(p.name, i if isinstance(v, list) else None)
@@ -386,10 +392,7 @@ class EagerVJP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         tensors = ctx.saved_tensors
-        mask = outputs.returned(ctx.op.name, ctx.kw.get)
-        cot = outputs.structure(ctx.op.name, [None if g is None or not keep else to_array(g)
-                                              for g, keep in zip(grads, mask)], ctx.kw.get)
-        found = ctx.pullback(cot)
+        found = ctx.pullback(_cotangent(ctx.op.name, grads, ctx.kw.get))
         result = []
         for (name, i), t in zip(ctx.keys, tensors):
             g = found.get(name)
@@ -456,19 +459,14 @@ class KVCacheOp(Op):
         return args, kwargs, k
 
     def _forward(self, *values):
-        kw = dict(zip(self.names, values))
-        ref = _first_float(values)
         args, kwargs, _ = self._read_call(values)
-        arrays = outputs.entries(self.name, self.fn(*args, **kwargs), kw.get)
-        return _ret(tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype) for a in arrays))
+        return _ret(_output_tensors(self.name, self.fn(*args, **kwargs), dict(zip(self.names, values)).get,
+                                    _first_float(values)))
 
-    def _backward(self, *values):
-        n, m = len(self.params), len(self.outputs)
-        fwd, cots = values[:n], values[n + m:]
-        kw = dict(zip(self.names, fwd))
+    def _grads(self, fwd, outs, cot) -> Dict[str, Any]:
+        """pyattn's gradients over the caches as written; the new rows' gradients are k's and
+        v's."""
         args, kwargs, k = self._read_call(fwd)
-        mask = outputs.returned(self.name, kw.get)
-        cot = outputs.structure(self.name, [to_array(c) if keep else None for c, keep in zip(cots, mask)], kw.get)
         grads = pyattn.vjp(self.fn, *args, **kwargs)[1](cot)
         if k is not None:
             call = _softmax_mod._KVCall(*args, None, None, *(kwargs[x] for x in _KV_CALL_ARGS))
@@ -479,11 +477,7 @@ class KVCacheOp(Op):
                 flat = grads[cache].reshape(-1, *grads[cache].shape[2:])
                 grads[name] = flat[rows].reshape(B, Tnew, *flat.shape[1:])
                 flat[rows] = 0  # overwritten rows: their old values reach nothing
-        result = []
-        for i in self.tensors:
-            x, g = fwd[i], grads.get(self.params[i].name)
-            result.append(placeholder(_first_float(fwd)) if g is None or x is None else to_tensor(g, x.dtype))
-        return _ret(tuple(result))
+        return grads
 
     def dispatch(self, values: List[Any], tensors: List[torch.Tensor]):
         """Traced: the append op, then the functional one. Eager: pyattn's own call, which
