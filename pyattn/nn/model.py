@@ -254,16 +254,22 @@ class HybridLM(Module):
                     not all(isinstance(t, str) for t in vocab):
                 raise foreign(f"its vocab is not a list of vocab_size={model.vocab_size} strings")
             model.vocab = vocab
-        params = model.params
+        model._take_params(arrays, foreign)
+        return model
+
+    def _take_params(self, arrays: Dict[str, np.ndarray], refuse) -> None:
+        """Every parameter from ``arrays`` (by dotted name), checked whole before any is set:
+        one missing, extra, or of another shape or dtype is ``refuse(why)``, never a cast."""
+        params = self.params
         missing, extra = [n for n in params if n not in arrays], [n for n in arrays if n not in params]
         if missing or extra:
-            raise foreign(f"parameters missing {missing}, unknown {extra}")
+            raise refuse(f"parameters missing {missing}, unknown {extra}")
         for name, p in params.items():
             a = arrays[name]
             if a.dtype != p.dtype or a.shape != p.shape:
-                raise foreign(f"parameter {name} is {a.dtype} {a.shape}, its config makes {p.dtype} {p.shape}")
+                raise refuse(f"parameter {name} is {a.dtype} {a.shape}, its config makes {p.dtype} {p.shape}")
+        for name, a in arrays.items():
             params[name] = a
-        return model
 
     def to_torch(self):
         """This model as a ``torch.nn.Module`` (``pyattn.torch.nn.HybridLM``): the same layers
@@ -288,13 +294,8 @@ class HybridLM(Module):
             raise TypeError(f"HybridLM.from_torch: the parameters must all be float32 or all float64, got "
                             f"{sorted(d.name for d in dtypes)}")
         model = cls(**dict(config, mixers=[(n, o) for n, o in config["mixers"]], dtype=dtypes.pop()))
-        params = model.params
-        missing, extra = [n for n in params if n not in arrays], [n for n in arrays if n not in params]
-        if missing or extra:
-            raise ValueError(f"HybridLM.from_torch: the module's parameters do not match its config: "
-                             f"missing {missing}, unknown {extra}")
-        for name, a in arrays.items():
-            params[name] = a
+        model._take_params(arrays, lambda why: ValueError(
+            f"HybridLM.from_torch: the module's parameters do not match its config: {why}"))
         model.vocab = None if getattr(module, "vocab", None) is None else list(module.vocab)
         return model
 
