@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .nn.npz import read_npz, write_npz
+from .nn.npz import mismatch, read_npz, write_npz
 from .nn.optim import AdamW, accuracy, clip_grad_norm, cosine_lr, cross_entropy
 
 
@@ -243,14 +243,9 @@ def _load_checkpoint(path: str, settings: Dict[str, Any], model, opt: AdamW, rng
         raise CheckpointError(f"train(): checkpoint {path} holds another model (saved, now): {diff}; "
                               "remove it or pass another path")
     state = _state_arrays(model, opt)
-    missing, extra = [k for k in state if k not in arrays], [k for k in arrays if k not in state]
-    if missing or extra:
-        raise CheckpointError(f"train(): checkpoint {path} holds another model's arrays: missing {missing}, "
-                              f"unknown {extra}")
-    for name, a in state.items():
-        if arrays[name].dtype != a.dtype or arrays[name].shape != a.shape:
-            raise CheckpointError(f"train(): checkpoint {path} holds another model: {name} is "
-                                  f"{arrays[name].dtype} {arrays[name].shape} there, {a.dtype} {a.shape} here")
+    why = mismatch(state, arrays)
+    if why is not None:
+        raise CheckpointError(f"train(): checkpoint {path} holds another model: {why}")
     for name, a in state.items():
         a[...] = arrays[name]
     opt.t = meta["adam_t"]

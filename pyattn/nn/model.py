@@ -12,7 +12,7 @@ import numpy as np
 from .layers import Embedding, Linear, Module, RMSNorm, SwiGLU, linear, linear_backward
 from .memory import with_cached_arrays
 from .mixers import MIXERS
-from .npz import read_npz, write_npz
+from .npz import mismatch, read_npz, write_npz
 
 
 class Block(Module):
@@ -261,13 +261,9 @@ class HybridLM(Module):
         """Every parameter from ``arrays`` (by dotted name), checked whole before any is set:
         one missing, extra, or of another shape or dtype is ``refuse(why)``, never a cast."""
         params = self.params
-        missing, extra = [n for n in params if n not in arrays], [n for n in arrays if n not in params]
-        if missing or extra:
-            raise refuse(f"parameters missing {missing}, unknown {extra}")
-        for name, p in params.items():
-            a = arrays[name]
-            if a.dtype != p.dtype or a.shape != p.shape:
-                raise refuse(f"parameter {name} is {a.dtype} {a.shape}, its config makes {p.dtype} {p.shape}")
+        why = mismatch(dict(params), arrays)
+        if why is not None:
+            raise refuse(f"its parameters do not fit its config: {why}")
         for name, a in arrays.items():
             params[name] = a
 
@@ -294,8 +290,7 @@ class HybridLM(Module):
             raise TypeError(f"HybridLM.from_torch: the parameters must all be float32 or all float64, got "
                             f"{sorted(d.name for d in dtypes)}")
         model = cls(**dict(config, mixers=[(n, o) for n, o in config["mixers"]], dtype=dtypes.pop()))
-        model._take_params(arrays, lambda why: ValueError(
-            f"HybridLM.from_torch: the module's parameters do not match its config: {why}"))
+        model._take_params(arrays, lambda why: ValueError(f"HybridLM.from_torch: {why}"))
         model.vocab = None if getattr(module, "vocab", None) is None else list(module.vocab)
         return model
 

@@ -7,7 +7,7 @@ import secrets
 import struct
 import zipfile
 import zlib
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -44,3 +44,17 @@ def read_npz(path, who: str) -> Dict[str, np.ndarray]:
                 return {name: f[name] for name in f.files}
         except (ValueError, EOFError, zipfile.BadZipFile, zlib.error, struct.error, NotImplementedError) as e:
             raise ValueError(f"{who}: {os.fspath(path)} is not a readable .npz file ({e})") from e
+
+
+def mismatch(expected: Dict[str, np.ndarray], found: Dict[str, np.ndarray]) -> Optional[str]:
+    """Why ``found`` cannot stand in for ``expected`` array by array (a name missing or extra,
+    an array of another shape or dtype), or None when it can."""
+    missing, extra = [n for n in expected if n not in found], [n for n in found if n not in expected]
+    if missing or extra:
+        return f"arrays missing {missing}, unknown {extra}"
+    for name, a in expected.items():
+        b = found[name]
+        if b.dtype != a.dtype or b.shape != a.shape:
+            return f"{name} is {b.dtype} {b.shape} there, {a.dtype} {a.shape} here"
+    return None
+
