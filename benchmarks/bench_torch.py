@@ -34,24 +34,29 @@ output projection; the convolutions as shifted products: F.conv1d's CPU backward
 a call on the transposed gradients it gets here, differently in the two versions, which would
 have timed torch's convolution, not the mixers), block 2 a softmax attention mixer (q, k, v,
 o projections, RoPE, causal), each block pre-norm (RMSNorm) with a SwiGLU MLP (width 704), a
-final RMSNorm and an untied LM head; 4 heads of 64. Two versions with identical parameters (state_dict copied):
+final RMSNorm and an untied LM head; 4 heads of 64. Versions with identical parameters (state_dict copied):
   pyattn  ``pyattn.torch.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)`` and
           ``pyattn.torch.softmax_attention(q, k, v, causal=True)``, on [B, T, H, D]
-  torch   ``chunk_gated_delta_rule`` below (the chunkwise WY algorithm of fla's
-          naive_chunk_gated_delta_rule, chunk 64, the (I + A)^-1 by one batched
-          torch.linalg.solve_triangular, the chunks' states in a Python loop) on L2-normalised
+  fla     fla's own torch fallback, ``naive_chunk_gated_delta_rule`` (chunk 64, the (I + A)^-1
+          by a Python loop over a chunk's rows), loaded from fla-core's installed source
+          (``pip install fla-core einops``; left out with a note where absent), on L2-normalised
           q, k, and ``F.scaled_dot_product_attention(is_causal=True)`` on [B, H, T, D] views
+  torch   ``chunk_gated_delta_rule`` below, the same chunkwise WY algorithm with the (I + A)^-1
+          by one batched torch.linalg.solve_triangular (the chunks' states in a Python loop),
+          a faster baseline than fla's, and the same SDPA
 Everything else is the same torch code. A step: forward, F.cross_entropy over every position,
 zero_grad(set_to_none=True), backward, torch.optim.AdamW step (lr 1e-3); batch 4 x T 512 of
-random tokens, the same batch every step. Before timing: chunk_gated_delta_rule against
-pyattn.gated_delta_rule in float64 (output and gradients), and the two models' loss and
-gradients at step 0 from the same parameters (float32; the losses must agree within 1e-5
-relative). Then one untimed step each and the steps of the two interleaved, median over
-about --train-target seconds of steps each (>= 3). tokens/s = batch * T / median step time.
-"mixers alone": each version's two mixer kernels (q, k, v, g, beta to o, forward + backward,
-the torch one with its L2 normalisation) timed apart at the model's shapes on random inputs,
-the four interleaved; "rest" = step time - their sum, the part both versions share.
-The bar (issue 29): pyattn's tokens/s >= 1.5x torch's, same threads.
+random tokens, the same batch every step. Before timing: each torch Gated DeltaNet kernel
+against pyattn.gated_delta_rule in float64 (output and gradients; fla's computes in float32),
+and the models' loss and gradients at step 0 from the same parameters (float32; the losses
+must agree within 1e-5 relative). Then one untimed step each and the steps of all versions
+interleaved, median over about --train-target seconds of steps each (>= 3). tokens/s = batch *
+T / median step time. "mixers alone": each version's two mixer kernels (q, k, v, g, beta to
+o, forward + backward, the torch ones with their L2 normalisation) timed apart at the model's
+shapes on random inputs, all interleaved; "rest" = step time - their sum, the part all
+versions share.
+The bar (issue 29, against the model with fla's torch fallback): pyattn's tokens/s >= 1.5x,
+same threads.
 
 "samples": used/taken per case; "other %": the largest share of the CPUs other processes took
 during a sample used (above 5: timed on a busy machine; benchmarks/common.py replaces such
@@ -235,6 +240,34 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale, C=CHUNK):
     return torch.stack(outs, 2).reshape(B, Hn, T, V).transpose(1, 2)
 
 
+def fla_naive_chunk():
+    """fla's own torch fallback, naive_chunk_gated_delta_rule (the chunkwise WY algorithm, its
+    (I + A)^-1 by a Python loop over a chunk's rows), from fla-core's source file as installed
+    (``pip install fla-core einops``; importing the package ``fla`` would need Triton), called
+    as (q, k, v, g, beta, scale) -> o like chunk_gated_delta_rule; None where it is absent."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("fla")  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("einops") is None:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "ops", "gated_delta_rule", "naive.py")
+    if not os.path.exists(path):
+        return None
+    loader = importlib.util.spec_from_file_location("fla_gated_delta_rule_naive", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+
+    def call(q, k, v, g, beta, scale):
+        return module.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=CHUNK, scale=scale)[0]
+    return call
+
+
+# the torch versions of the Gated DeltaNet kernel, by backend name (fla's where installed)
+TORCH_GDN = {"torch": chunk_gated_delta_rule, "fla": fla_naive_chunk()}
+if TORCH_GDN["fla"] is None:
+    del TORCH_GDN["fla"]
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -282,7 +315,7 @@ class GatedDeltaNet(torch.nn.Module):
         if self.backend == "pyattn":
             o, _ = pt.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)
         else:
-            o = chunk_gated_delta_rule(l2norm(q), l2norm(k), v, g, beta, shape[-1] ** -0.5)
+            o = TORCH_GDN[self.backend](l2norm(q), l2norm(k), v, g, beta, shape[-1] ** -0.5)
         o = self.o_norm(o) * F.silu(self.g_proj(x).reshape(shape))
         return self.o_proj(o.reshape(B, T, d))
 
@@ -350,21 +383,22 @@ class Hybrid(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def check_chunk(rng):
-    """Max rel-RMS difference of chunk_gated_delta_rule from pyattn.gated_delta_rule in float64
-    (output and the gradients of q, k, v, g, beta), B=2 T=192 H=2 K=V=32, L2-normalised q, k."""
+def check_chunk(rng, fn, dtype):
+    """Max rel-RMS difference of a torch Gated DeltaNet kernel fn (q, k, v, g, beta, scale) -> o
+    at dtype from pyattn.gated_delta_rule in float64 (output and the gradients of q, k, v, g,
+    beta), B=2 T=192 H=2 K=V=32, L2-normalised q, k."""
     B, T, Hn, K = 2, 192, 2, 32
     q, k, v, do = (rng.standard_normal((B, T, Hn, K)) for _ in range(4))
     g = np.log(1 / (1 + np.exp(-rng.standard_normal((B, T, Hn))))) / 4
     beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, Hn))))
     out, pb = pyattn.vjp(pyattn.gated_delta_rule, q, k, v, g, beta, qk_l2norm=True)
     grads = pb(do)
-    leaves = [torch.from_numpy(a).requires_grad_(True) for a in (q, k, v, g, beta)]
+    leaves = [torch.from_numpy(a.astype(dtype)).requires_grad_(True) for a in (q, k, v, g, beta)]
     tq, tk, tv, tg, tb = leaves
-    o = chunk_gated_delta_rule(l2norm(tq), l2norm(tk), tv, tg, tb, K ** -0.5)
-    o.backward(torch.from_numpy(do))
-    errs = [rel_err(o.detach().numpy(), out[0])]
-    errs += [rel_err(t.grad.numpy(), grads[n]) for t, n in zip(leaves, ("q", "k", "v", "g", "beta"))]
+    o = fn(l2norm(tq), l2norm(tk), tv, tg, tb, K ** -0.5)
+    o.backward(torch.from_numpy(do).to(o.dtype))
+    errs = [rel_err(o.detach().double().numpy(), out[0])]
+    errs += [rel_err(t.grad.double().numpy(), grads[n]) for t, n in zip(leaves, ("q", "k", "v", "g", "beta"))]
     return max(errs)
 
 
@@ -379,7 +413,7 @@ def train_step(model, opt, x, y):
 
 def mixer_cases(args):
     """{version: [Gated DeltaNet op, softmax op]}: each mixer's kernel alone, forward + backward,
-    at the model's shapes, as the two versions call them (inputs as in part 1)."""
+    at the model's shapes, as the versions call them (inputs as in part 1)."""
     B, T, Hn, Dh = args.batch, args.T, args.heads, args.d_model // args.heads
     rng = np.random.default_rng(2)
     q, k, v, do = (torch.from_numpy(rng.standard_normal((B, T, Hn, Dh)).astype(np.float32)) for _ in range(4))
@@ -398,25 +432,35 @@ def mixer_cases(args):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=True).transpose(1, 2)
 
-    return {"pyattn": [Case("pyattn gdn", run(lambda *x: pt.gated_delta_rule(*x, qk_l2norm=True)[0])),
-                       Case("pyattn softmax", run(lambda q, k, v, *_: pt.softmax_attention(q, k, v, causal=True)))],
-            "torch": [Case("torch gdn", run(lambda q, k, v, g, beta: chunk_gated_delta_rule(
-                          l2norm(q), l2norm(k), v, g, beta, Dh ** -0.5))),
-                      Case("torch softmax", run(sdpa))]}
+    def torch_gdn(fn):
+        return lambda q, k, v, g, beta: fn(l2norm(q), l2norm(k), v, g, beta, Dh ** -0.5)
+
+    cases = {"pyattn": [Case("pyattn gdn", run(lambda *x: pt.gated_delta_rule(*x, qk_l2norm=True)[0])),
+                        Case("pyattn softmax", run(lambda q, k, v, *_: pt.softmax_attention(q, k, v, causal=True)))]}
+    for name, fn in TORCH_GDN.items():
+        cases[name] = [Case(f"{name} gdn", run(torch_gdn(fn))), Case(f"{name} softmax", run(sdpa))]
+    return cases
 
 
 def train(args):
     print(f"\n## Part 2: training, batch {args.batch} x T {args.T}, d_model {args.d_model}, "
           f"{args.heads} heads, vocab {args.vocab}\n")
-    err = check_chunk(np.random.default_rng(1))
-    print(f"check: chunk_gated_delta_rule vs pyattn.gated_delta_rule, float64, output and gradients: "
-          f"max rel-RMS {err:.1e}")
-    if not err < 1e-10:
-        raise SystemExit("chunk_gated_delta_rule disagrees with pyattn")
+    if "fla" not in TORCH_GDN:
+        print("fla-core is not installed (pip install fla-core einops): the bar's baseline, fla's "
+              "naive_chunk_gated_delta_rule, is left out; only the torch WY version runs")
+    for name, fn in TORCH_GDN.items():
+        # fla's fallback computes in float32 whatever the input dtype
+        dtype, tol = (np.float64, 1e-10) if name == "torch" else (np.float32, 1e-4)
+        err = check_chunk(np.random.default_rng(1), fn, dtype)
+        print(f"check: {name}'s Gated DeltaNet kernel in {np.dtype(dtype).name} vs pyattn.gated_delta_rule "
+              f"in float64, output and gradients: max rel-RMS {err:.1e} (need < {tol:g})")
+        if not err < tol:
+            raise SystemExit(f"{name}'s Gated DeltaNet kernel disagrees with pyattn")
     torch.manual_seed(0)
     models = {"pyattn": Hybrid(args.vocab, args.d_model, args.heads, args.T, "pyattn")}
-    models["torch"] = Hybrid(args.vocab, args.d_model, args.heads, args.T, "torch")
-    models["torch"].load_state_dict(models["pyattn"].state_dict())
+    for name in TORCH_GDN:
+        models[name] = Hybrid(args.vocab, args.d_model, args.heads, args.T, name)
+        models[name].load_state_dict(models["pyattn"].state_dict())
     nparams = sum(p.numel() for p in models["pyattn"].parameters())
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, args.vocab, (args.batch, args.T + 1), generator=gen)
@@ -426,14 +470,15 @@ def train(args):
         loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
         loss.backward()
         losses[name] = loss.item()
-    grads = {n: p.grad for n, p in models["torch"].named_parameters()}
-    gerr = max(rel_err(p.grad.numpy(), grads[n].numpy()) for n, p in models["pyattn"].named_parameters())
-    lerr = abs(losses["pyattn"] - losses["torch"]) / abs(losses["torch"])
-    print(f"check, step 0 from the same {nparams:,} parameters: loss pyattn {losses['pyattn']:.7f}, torch "
-          f"{losses['torch']:.7f} (rel diff {lerr:.1e}, need < {LOSS_TOL:g}); gradients' max rel-RMS diff "
-          f"{gerr:.1e}")
-    if not lerr < LOSS_TOL:
-        raise SystemExit("the two models' losses differ at step 0")
+    for name in TORCH_GDN:
+        grads = {n: p.grad for n, p in models[name].named_parameters()}
+        gerr = max(rel_err(p.grad.numpy(), grads[n].numpy()) for n, p in models["pyattn"].named_parameters())
+        lerr = abs(losses["pyattn"] - losses[name]) / abs(losses[name])
+        print(f"check, step 0 from the same {nparams:,} parameters: loss pyattn {losses['pyattn']:.7f}, "
+              f"{name} {losses[name]:.7f} (rel diff {lerr:.1e}, need < {LOSS_TOL:g}); gradients' max "
+              f"rel-RMS diff {gerr:.1e}")
+        if not lerr < LOSS_TOL:
+            raise SystemExit(f"the pyattn and {name} models' losses differ at step 0")
     cases = [Case(name, train_step(m, torch.optim.AdamW(m.parameters(), lr=1e-3), x, y))
              for name, m in models.items()]
     mixers = mixer_cases(args)
@@ -441,35 +486,40 @@ def train(args):
     mixer_timing = common.Timing(target_s=args.train_target / 4)
     print(f"timing: one untimed step each, then steps interleaved, ~{timing.target_s:g} s of steps per "
           f"case (>= {timing.min_reps}); median (and min) of the steps. \"mixers alone\": the two mixer "
-          f"kernels' forward + backward at the model's shapes, timed apart (the four interleaved, "
+          f"kernels' forward + backward at the model's shapes, timed apart (all interleaved, "
           f"~{mixer_timing.target_s:g} s each), summed; \"rest\" = ms/step - mixers alone")
     tokens = args.batch * args.T
     rows, verdicts, others = [], [], []
     for n in args.train_threads:
         common.set_threads(n)
         other = common.measure(cases, timing)
-        mixer_other = common.measure(mixers["pyattn"] + mixers["torch"], mixer_timing)
+        mixer_other = common.measure([c for group in mixers.values() for c in group], mixer_timing)
         others += [other, mixer_other]
-        a, b = cases
-        ratio = b.median / a.median
-        verdicts.append((n, ratio))
+        mine = cases[0]
         for c in cases:
+            ratio = c.median / mine.median
+            if c is not mine:
+                verdicts.append((n, c.name, ratio))
             alone = sum(m.median for m in mixers[c.name])
             rows.append([n, c.name, fmt(c.median * 1e3, ".0f"), fmt(c.min * 1e3, ".0f"),
-                         fmt(tokens / c.median, ".0f"), f"{ratio:.2f}x" if c is a else "",
+                         fmt(tokens / c.median, ".0f"), "" if c is mine else f"{ratio:.2f}x",
                          " + ".join(fmt(m.median * 1e3, ".1f") for m in mixers[c.name]),
                          fmt((c.median - alone) * 1e3, ".0f"), c.samples_cell,
                          f"{common.load_cell(other)} / {common.load_cell(mixer_other)}"])
-        print(f"  {n} thread(s): pyattn {a.median * 1e3:.0f} ms/step, torch {b.median * 1e3:.0f} ms/step",
+        print(f"  {n} thread(s): " + ", ".join(f"{c.name} {c.median * 1e3:.0f} ms/step" for c in cases),
               file=sys.stderr, flush=True)
     print()
-    print_table(["threads", "mixers", "ms/step", "min ms", "tokens/s", "pyattn vs torch",
+    print_table(["threads", "mixers", "ms/step", "min ms", "tokens/s", "pyattn's tokens/s over this",
                  "mixers alone ms (gdn + softmax)", "rest ms", "samples", "other % (steps / mixers)"],
                 rows, markdown=args.markdown)
     print()
-    for n, ratio in verdicts:
-        print(f"bar, {n} thread(s): pyattn tokens/s = {ratio:.2f}x torch's, need >= {BAR_SPEED:g}x: "
-              f"{'met' if ratio >= BAR_SPEED else 'NOT met'}")
+    for n, name, ratio in verdicts:
+        if name == "fla":
+            print(f"bar, {n} thread(s): pyattn tokens/s = {ratio:.2f}x that of fla's torch fallback, need "
+                  f">= {BAR_SPEED:g}x: {'met' if ratio >= BAR_SPEED else 'NOT met'}")
+        else:
+            print(f"{n} thread(s): pyattn tokens/s = {ratio:.2f}x that of the torch WY version (a faster "
+                  f"baseline than fla's; no bar)")
     print(common.load_footer(others))
 
 

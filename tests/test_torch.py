@@ -345,3 +345,19 @@ def test_list_arguments_may_be_tuples():
     ref_o, ref_lse = pyattn.merge_attention_states(os_, lses)
     np.testing.assert_array_equal(o.numpy(), ref_o)
     np.testing.assert_array_equal(lse.numpy(), ref_lse)
+
+
+def test_python_scalars_before_a_tensor_argument_keep_the_gradients_in_place():
+    """retention's gamma given as a Python list becomes a tensor, in its place among the
+    arguments: initial_state, after it, still gets its own gradient."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 5, 2, 3)) for _ in range(3))
+    h0, do = rng.standard_normal((1, 2, 3, 3)), rng.standard_normal((1, 5, 2, 3))
+    gamma = [0.9, 0.5]
+    leaves = [torch.from_numpy(a).requires_grad_(True) for a in (q, k, v, h0)]
+    o, _ = pt.retention(*leaves[:3], gamma=gamma, initial_state=leaves[3])
+    o.backward(torch.from_numpy(do))
+    _, pullback = pyattn.vjp(pyattn.retention, q, k, v, gamma=np.array(gamma), initial_state=h0)
+    grads = pullback((do, None))
+    for t, name in zip(leaves, ("q", "k", "v", "initial_state")):
+        np.testing.assert_allclose(t.grad.numpy(), grads[name], rtol=1e-12, atol=1e-12)

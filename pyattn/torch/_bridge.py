@@ -110,29 +110,52 @@ def placeholder(like: torch.Tensor) -> torch.Tensor:
 # calling pyattn from schema arguments
 
 
-def pyattn_call(params: Sequence[Param], values: Sequence[Any]) -> Tuple[list, dict]:
-    """pyattn's (args, kwargs) from the schema arguments: tensors as arrays, lists of tensors
-    as lists of arrays, window lists as tuples, the spread feature-map parameters gathered."""
-    args, kwargs, map_params = [], {}, {}
-    for p, v in zip(params, values):
-        if isinstance(v, torch.Tensor):
-            v = to_array(v)
-        elif isinstance(v, (list, tuple)):
-            v = [to_array(x) for x in v] if p.schema == "Tensor[]" else tuple(v)
-        if p.name in _MAP_NAMES:
-            if v is not None:
-                map_params[p.name] = v
-        elif p.keyword:
-            kwargs[p.name] = v
-        else:
-            args.append(v)
-    if map_params:
-        # feature_map takes them as **params, linear_attention as feature_map_params
-        if params[1].name == "kind":
-            kwargs.update(map_params)
-        else:
-            kwargs["feature_map_params"] = map_params
-    return args, kwargs
+class CallPlan:
+    """How an op's schema arguments become pyattn's (args, kwargs), worked out once per op:
+    each slot's conversion (a tensor to an array, a list of tensors to a list of arrays, a
+    window list to a tuple) and where it goes (positional, keyword, or gathered into the
+    feature-map parameters). The conversions touch only the slots that need them: this runs
+    for every call."""
+
+    _TENSOR, _LIST, _WINDOW, _PLAIN = range(4)
+
+    def __init__(self, params: Sequence[Param]):
+        def kind(p: Param) -> int:
+            if p.schema == "Tensor[]":
+                return self._LIST
+            if p.schema.startswith("Tensor"):
+                return self._TENSOR
+            return self._WINDOW if p.schema == "int[]?" else self._PLAIN
+
+        self.positional = [(i, kind(p)) for i, p in enumerate(params)
+                           if not p.keyword and p.name not in _MAP_NAMES]
+        self.keywords = [(i, p.name, kind(p)) for i, p in enumerate(params)
+                         if p.keyword and p.name not in _MAP_NAMES]
+        self.maps = [(i, p.name, kind(p)) for i, p in enumerate(params) if p.name in _MAP_NAMES]
+        # feature_map takes its parameters as **params, linear_attention as feature_map_params
+        self.spread_maps = len(params) > 1 and params[1].name == "kind"
+
+    def _convert(self, v, kind: int):
+        if v is None or kind == self._PLAIN:
+            return v
+        if kind == self._TENSOR:
+            return to_array(v)
+        if kind == self._LIST:
+            return [to_array(x) for x in v]
+        return tuple(v)
+
+    def __call__(self, values: Sequence[Any]) -> Tuple[list, dict]:
+        """pyattn's (args, kwargs) from the schema arguments."""
+        convert = self._convert
+        args = [convert(values[i], kind) for i, kind in self.positional]
+        kwargs = {name: convert(values[i], kind) for i, name, kind in self.keywords}
+        found = {name: convert(values[i], kind) for i, name, kind in self.maps if values[i] is not None}
+        if found:
+            if self.spread_maps:
+                kwargs.update(found)
+            else:
+                kwargs["feature_map_params"] = found
+        return args, kwargs
 
 
 # ------------------------------------------------------------------------------------------
@@ -196,6 +219,7 @@ class Op:
         # flags the forward always runs with, whatever the call's: the outputs vjp_fn reuses
         self.forced = dict(forced or {})
         self.params = params_of(name, fn)
+        self.call_args = CallPlan(self.params)
         self.names = [p.name for p in self.params]
         self.outputs = outputs.names(name)
         self.tensors = [i for i, p in enumerate(self.params) if p.schema.startswith("Tensor")]
@@ -222,7 +246,7 @@ class Op:
     # -- forward
     def _forward(self, *values):
         kw = {**dict(zip(self.names, values)), **self.forced}
-        args, kwargs = pyattn_call(self.params, values)
+        args, kwargs = self.call_args(values)
         return _ret(_output_tensors(self.name, self.fn(*args, **{**kwargs, **self.forced}), kw.get,
                                     _first_float(values)))
 
@@ -253,7 +277,7 @@ class Op:
         """pyattn's gradients, by argument name, for the cotangent cot of the call fwd that
         returned outs."""
         kw = dict(zip(self.names, fwd))
-        args, kwargs = pyattn_call(self.params, fwd)
+        args, kwargs = self.call_args(fwd)
         if self.vjp_fn is not None and _first_float(fwd).dtype not in _HALF:
             kept = outputs.returned(self.name, {**kw, **self.forced}.get)
             return self.vjp_fn(args, kwargs, [to_array(o) if k else None for o, k in zip(outs, kept)], cot)
@@ -316,49 +340,64 @@ class Op:
     # -- the public call
     def __call__(self, values: Sequence[Any]):
         values = list(values)
-        tensors, ref = [], None
+        tensors: List[torch.Tensor] = []
         for i in self.tensors:
             v = values[i]
-            for t in (v if isinstance(v, (list, tuple)) else (v,)):
-                if isinstance(t, torch.Tensor):
-                    if t.device.type != "cpu":
-                        raise TypeError(f"pyattn.torch.{self.name}(): '{self.names[i]}' is on {t.device}; pyattn's "
-                                        f"kernels run on the CPU: move it with .cpu() (fla and flash-attn serve "
-                                        f"CUDA tensors)")
-                    tensors.append(t)
-                    if ref is None and t.is_floating_point():
-                        ref = t
-        for i in self.tensors:
-            v = values[i]
+            if v is None:
+                continue
             if self.params[i].schema == "Tensor[]":
-                values[i] = list(v)
-            elif v is not None and not isinstance(v, torch.Tensor):
+                v = values[i] = list(v)
+                tensors += v
+            elif not isinstance(v, torch.Tensor):
                 t = torch.as_tensor(v)
                 # a Python float converted straight to the call's dtype (not through float32)
-                values[i] = torch.as_tensor(v, dtype=ref.dtype) if t.is_floating_point() and ref is not None else t
-                tensors.append(values[i])
+                v = values[i] = t if not t.is_floating_point() else torch.as_tensor(v, dtype=self._ref_dtype(values))
+                tensors.append(v)
+            else:
+                tensors.append(v)
+        for t in tensors:
+            if t.device.type != "cpu":
+                name = next(self.names[i] for i in self.tensors if values[i] is t or
+                            (isinstance(values[i], list) and any(x is t for x in values[i])))
+                raise TypeError(f"pyattn.torch.{self.name}(): '{name}' is on {t.device}; pyattn's "
+                                f"kernels run on the CPU: move it with .cpu() (fla and flash-attn serve "
+                                f"CUDA tensors)")
         for i in self.windows:
             if values[i] is not None:
                 values[i] = [int(x) for x in values[i]]
-        outs = _tup(self.dispatch(values, tensors))
-        return outputs.structure(self.name, outs, dict(zip(self.names, values)).get)
+        return self.dispatch(values, tensors)
+
+    def _ref_dtype(self, values: List[Any]) -> Optional[torch.dtype]:
+        """The dtype of the call's first floating-point tensor argument (None: there is none)."""
+        for i in self.tensors:
+            for t in (values[i] if isinstance(values[i], (list, tuple)) else (values[i],)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    return t.dtype
+        return None
 
     def dispatch(self, values: List[Any], tensors: List[torch.Tensor]):
-        """The custom op where torch traces or transforms the call; in plain eager mode the
-        same computation without the dispatcher's cost, and with gradients through
-        EagerVJP, whose backward reuses the forward's pullback instead of running it again."""
+        """pyattn's return structure, of tensors. Where torch traces or transforms the call, the
+        custom op; in plain eager mode pyattn's own call without the dispatcher's cost, with
+        gradients through EagerVJP, whose backward reuses the forward's pullback instead of
+        running it again."""
         if not _plain_eager(tensors):
-            return self.op(*values)
+            return outputs.structure(self.name, _tup(self.op(*values)), dict(zip(self.names, values)).get)
+        args, kwargs = self.call_args(values)
+        dtype = _first_float(values).dtype
         if (self.differentiable and torch.is_grad_enabled()
                 and any(t.requires_grad for t in tensors if t.is_floating_point())):
-            return EagerVJP.apply(self, values, *tensors)
-        return self._eager_forward(values)
+            keys = [(p.name, i if isinstance(v, list) else None)
+                    for p, v in zip(self.params, values)
+                    for i, t in enumerate(v if isinstance(v, list) else [v]) if isinstance(t, torch.Tensor)]
+            return EagerVJP.apply(self.fn, args, kwargs, dtype, keys, *tensors)
+        return _as_tensors(self.fn(*args, **kwargs), dtype)
 
-    def _eager_forward(self, values: List[Any]):
-        """pyattn's call with the call's own flags, outputs as tensors."""
-        args, kwargs = pyattn_call(self.params, values)
-        return _output_tensors(self.name, self.fn(*args, **kwargs), dict(zip(self.names, values)).get,
-                               _first_float(values))
+
+def _as_tensors(out, dtype: torch.dtype):
+    """pyattn's return value with each array a tensor (floats in dtype, indices int64)."""
+    if isinstance(out, tuple):
+        return tuple(None if a is None else to_tensor(a, dtype if a.dtype.kind == "f" else torch.int64) for a in out)
+    return to_tensor(out, dtype if out.dtype.kind == "f" else torch.int64)
 
 
 def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
@@ -371,34 +410,29 @@ def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
 class EagerVJP(torch.autograd.Function):
     """An op in eager mode with pyattn.vjp's pullback kept for the backward: the forward runs
     once (the custom op's backward, which torch.compile needs as a function of tensors,
-    runs it again). The inputs are saved for backward so that autograd refuses gradients
-    after one of them was modified in place."""
+    runs it again). Returns pyattn's structure (a tuple may hold None). The inputs are saved
+    for backward so that autograd refuses gradients after one of them was modified in place."""
 
     @staticmethod
-    def forward(ctx, op: "Op", values: List[Any], *tensors: torch.Tensor):
-        args, kwargs = pyattn_call(op.params, values)
-        out, ctx.pullback = pyattn.vjp(op.fn, *args, **kwargs)
-        kw = dict(zip(op.names, values))
-        outs = _output_tensors(op.name, out, kw.get, _first_float(values))
-        ctx.mark_non_differentiable(*(o for o, keep in zip(outs, outputs.returned(op.name, kw.get)) if not keep))
-        ctx.op, ctx.kw = op, kw
-        # each tensor's gradient key: (argument name, index in a list argument or None)
-        ctx.keys = [(p.name, i if isinstance(v, list) else None)
-                    for p, v in zip(op.params, values)
-                    for i, t in enumerate(v if isinstance(v, list) else [v]) if isinstance(t, torch.Tensor)]
+    def forward(ctx, fn: Callable, args: list, kwargs: dict, dtype: torch.dtype,
+                keys: List[Tuple[str, Optional[int]]], *tensors: torch.Tensor):
+        out, ctx.pullback = pyattn.vjp(fn, *args, **kwargs)
+        outs = _as_tensors(out, dtype)
+        ctx.keys, ctx.structured = keys, isinstance(outs, tuple)
         ctx.save_for_backward(*tensors)
         return outs
 
     @staticmethod
     def backward(ctx, *grads):
         tensors = ctx.saved_tensors
-        found = ctx.pullback(_cotangent(ctx.op.name, grads, ctx.kw.get))
+        arrays = [None if g is None else to_array(g) for g in grads]
+        found = ctx.pullback(tuple(arrays) if ctx.structured else arrays[0])
         result = []
         for (name, i), t in zip(ctx.keys, tensors):
             g = found.get(name)
             g = g if i is None or g is None else g[i]
             result.append(None if g is None else to_tensor(g, t.dtype))
-        return (None, None, *result)
+        return (None, None, None, None, None, *result)
 
 
 def spread_map_params(fn: str, params: Optional[Dict[str, Any]]) -> Tuple[Any, ...]:
@@ -443,7 +477,7 @@ class KVCacheOp(Op):
             if t.dtype in _HALF or not t.is_contiguous():
                 raise TypeError(f"pyattn.torch.attention_with_kvcache(): '{name}' must be a contiguous "
                                 f"float32 or float64 tensor: the new keys are written into it")
-        args, kwargs = pyattn_call(self.params, values)
+        args, kwargs = self.call_args(values)
         # the arrays view the caches' memory, so the write lands in the tensors
         call = _softmax_mod._KVCall(*args, kwargs["k"], kwargs["v"], *(kwargs[n] for n in _KV_CALL_ARGS))
         with call.written():
@@ -451,7 +485,7 @@ class KVCacheOp(Op):
 
     def _read_call(self, values):
         """pyattn's call over the caches as written: no new keys, every sequence longer by Tnew."""
-        args, kwargs = pyattn_call(self.params, values)
+        args, kwargs = self.call_args(values)
         k = kwargs.pop("k")
         kwargs.pop("v")
         if k is not None:
