@@ -14,6 +14,7 @@ from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
                      retention, simple_gla)
 from .rope import rope
+from .rwkv import rwkv6
 from .softmax import attention_with_kvcache, merge_attention_states, softmax_attention
 from .sparse import (dsa_attention, dsa_index_scores, dsa_index_target, dsa_select, linformer_attention,
                      moba_attention, nsa_attention)
@@ -59,6 +60,7 @@ __all__ = [
     "reference",
     "retention",
     "rope",
+    "rwkv6",
     "simple_gla",
     "testing",
     "set_num_threads",

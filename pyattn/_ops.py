@@ -105,6 +105,13 @@ def _gla_example(rng, dtype=np.float64, tiny=False):
     return (q, k, v, g), dict(gv=gv, initial_state=_state(rng, dtype, q, v), output_final_state=True)
 
 
+def _rwkv6_example(rng, dtype=np.float64, tiny=False):
+    r, k, v = _qkv(rng, dtype, tiny)
+    w = -rng.uniform(0.0, 1.0, r.shape).astype(dtype)
+    u = rng.standard_normal(r.shape[2:]).astype(dtype)
+    return (r, k, v, w, u), dict(initial_state=_state(rng, dtype, r, v), output_final_state=True)
+
+
 def _mamba2_example(rng, dtype=np.float64, tiny=False):
     Bsz, T, H, G, P, N = (1, 7, 2, 1, 3, 2) if tiny else (2, 150, 4, 2, 12, 16)
     x = rng.standard_normal((Bsz, T, H, P)).astype(dtype)
@@ -278,7 +285,7 @@ def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tup
 
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, merge_attention_states, softmax_attention
-    from . import delta, linear
+    from . import delta, linear, rwkv
     from .feature_maps import feature_map
     from .mla import FORMS as MLA_FORMS, mla_attention
     from .rope import rope
@@ -375,6 +382,18 @@ def build_ops() -> Dict[str, OpInfo]:
                  _mamba2_example, "Mamba-2 SSD: groups, D skip, dt_bias, softplus"),
             ]
         },
+        "rwkv6": OpInfo(
+            name="rwkv6",
+            fn=rwkv.rwkv6,
+            forms=linear.FORMS,
+            arrays=("r", "k", "v", "w", "u"),
+            differentiable=("r", "k", "v", "w", "u", "initial_state"),
+            has_state=True,
+            chunked=True,
+            example=_rwkv6_example,
+            description="RWKV-6: a vector decay and the bonus u of each token's own write, on the "
+                        "gated linear engine",
+        ),
         **{
             name: OpInfo(
                 name=name,

@@ -11,7 +11,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 # ops returning (o, final_state or None)
 STATE_OPS = frozenset({"linear_attention", "retention", "lightning_attention", "simple_gla", "gla", "mamba2",
-                       "delta_rule", "gated_delta_rule"})
+                       "delta_rule", "gated_delta_rule", "rwkv6"})
 # ops returning o, then each further output its flag asks for (a tuple only when one does)
 FLAGGED = {"softmax_attention": (("lse", "return_lse"),),
            "attention_with_kvcache": (("lse", "return_lse"), ("colsum", "return_colsum"))}
@@ -75,7 +75,7 @@ def shapes(op: str, shape: Callable[[str], Shape], option: Callable[[str], Any])
     """The shape of each of names(op) for a call whose array arguments have these shapes
     (``shape(name)``: () when not given; a list argument's first entry; ``cu_seqlens`` [N+1]
     however it is given) and these other arguments (``option(name)``)."""
-    q, v = shape("q"), shape("v")
+    q, v = shape("q") or shape("r"), shape("v")  # RWKV's query is r
     if op == "merge_attention_states":
         return [shape("os"), shape("lses")]
     if op in STATE_OPS:

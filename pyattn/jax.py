@@ -390,6 +390,14 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, bet
     return _call("gated_delta_rule", locals())
 
 
+def rwkv6(r: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, u: ArrayLike, *,
+          scale: Optional[float] = None, initial_state: Optional[ArrayLike] = None,
+          output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None, form: _Form = "chunk",
+          chunk_size: _ChunkSize = 64) -> _WithState:
+    """``pyattn.rwkv6`` on jax arrays: (o, final_state or None)."""
+    return _call("rwkv6", locals())
+
+
 def efficient_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: Optional[float] = None,
                         cu_seqlens: Optional[ArrayLike] = None, form: Literal["parallel"] = "parallel") -> Array:
     """``pyattn.efficient_attention`` on jax arrays."""

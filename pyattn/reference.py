@@ -435,6 +435,28 @@ def gla(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_sta
     return o, (states if output_final_state else None)
 
 
+def rwkv6(r, k, v, w, u, *, scale=None, initial_state=None, output_final_state=False,
+          cu_seqlens=None, form=None, chunk_size=None):
+    """RWKV-6: ``o_t = (S_{t-1} + diag(u) k_t v_t^T)^T (scale r_t)``,
+    ``S_t = diag(exp(w_t)) S_{t-1} + k_t v_t^T``; ``w [B, T, H, K]`` log decay, ``u [H, K]``."""
+    r, k, v, w, u = _f64(r, k, v, w, u)
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h]
+            for t in range(start, end):
+                kv = np.outer(k[b, t, h], v[b, t, h])
+                o[b, t, h] = (S + np.diag(u[h]) @ kv).T @ (scale * r[b, t, h])
+                S = np.diag(np.exp(w[b, t, h])) @ S + kv
+            states[n, h] = S
+    return o, (states if output_final_state else None)
+
+
 def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_state=None,
            output_final_state=False, cu_seqlens=None, form=None, chunk_size=None):
     """Mamba-2 SSD, in its own state-space form (no scale):

@@ -116,6 +116,12 @@ def _gk_gv(inp):
     return (gk, gv), {}, (gk,), {"gv": gv}
 
 
+def _w_u(inp):
+    """RWKV-6's decay w [B, T, H, K] and bonus u [H, K]."""
+    w, u = inp.logsig(H, K), inp.randn(H, K)
+    return (w, u), {}, (w, u), {}
+
+
 def _gv_only(inp):
     gv = inp.logsig(H, V)
     return (), {"gv": gv}, (np.zeros((inp.B, inp.T, H, K)),), {"gv": gv}
@@ -285,6 +291,8 @@ CASES = {
     "fused_recurrent_gla": _linear_case("fused_recurrent_gla", _gk_gv, ref.gla),
     "fused_recurrent_gla-gv": _linear_case("fused_recurrent_gla", _gv_only, ref.gla),
     "fused_recurrent_gla-no-gate": _linear_case("fused_recurrent_gla", _no_gate, ref.linear_attention),
+    "chunk_rwkv6": _linear_case("chunk_rwkv6", _w_u, ref.rwkv6, {"chunk_size": 16}),
+    "fused_recurrent_rwkv6": _linear_case("fused_recurrent_rwkv6", _w_u, ref.rwkv6),
     "chunk_retention": _linear_case("chunk_retention", _no_gate, ref.retention, {"chunk_size": 32}),
     "fused_chunk_retention": _linear_case("fused_chunk_retention", _no_gate, ref.retention),
     "fused_recurrent_retention": _linear_case("fused_recurrent_retention", _no_gate, ref.retention),
@@ -424,6 +432,10 @@ def test_equals_the_pyattn_torch_op_bit_for_bit(name):
 # flags done by rearranging
 
 
+def _fla_fn(case):
+    return getattr(fla, case.split("-")[0])
+
+
 def _has(fn, flag):
     return flag in inspect.signature(fn).parameters
 
@@ -435,7 +447,7 @@ def _time_major_tensors(args, kwargs, change):
     return [f(a) for a in args], {n: (v if n == "initial_state" else f(v)) for n, v in kwargs.items()}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(n for n in CASES if _has(_fla_fn(n), "head_first")))
 def test_head_first_is_the_transposed_layout(name):
     """head_first=True (fla's old [B, H, T, ...] layout) gives the transposed output."""
     fn, args, kwargs, _ = _case(name, "batched")
@@ -454,10 +466,6 @@ def _flip_np(x, varlen):
     for a, b in zip(CU[:-1], CU[1:]):
         x[:, a:b] = x[:, a:b][:, ::-1]
     return tensor(x)
-
-
-def _fla_fn(case):
-    return getattr(fla, case.split("-")[0])
 
 
 REVERSIBLE = sorted(n for n in CASES if _has(_fla_fn(n), "reverse"))
@@ -632,6 +640,8 @@ FLA_PARAMETERS = {
     "fused_recurrent_gated_delta_rule": "q k v g gk gv beta scale initial_state output_final_state "
                                         "use_qk_l2norm_in_kernel use_gate_in_kernel A_log dt_bias "
                                         "use_beta_sigmoid_in_kernel allow_neg_eigval state_v_first cu_seqlens",
+    "chunk_rwkv6": "r k v w u scale initial_state output_final_state cu_seqlens cu_seqlens_cpu",
+    "fused_recurrent_rwkv6": "r k v w u scale initial_state output_final_state reverse cu_seqlens",
     "parallel_attn": "q k v g scale window_size cu_seqlens chunk_indices",
     "parallel_nsa": "q k v g_cmp g_slc g_swa block_indices block_counts block_size window_size scale cu_seqlens",
     "parallel_moba": "q k v cu_seqlens max_seqlen chunk_size topk",
@@ -646,7 +656,11 @@ def test_every_entry_point_has_fla_s_parameters():
         sig = inspect.signature(getattr(fla, name)).parameters.values()
         positional = [p.name for p in sig if p.kind == p.POSITIONAL_OR_KEYWORD]
         assert positional == params.split(), name
-        assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in sig), name
+        # fla's rwkv6 entry points end in **kwargs (chunk_size, head_first's refusal)
+        kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
+        if "rwkv6" in name:
+            kinds.add(inspect.Parameter.VAR_KEYWORD)
+        assert all(p.kind in kinds for p in sig), name
         defaults = {p.name: p.default for p in sig}
         for flag in ("scale", "initial_state", "cu_seqlens", "g_gamma", "gv", "chunk_indices"):
             if flag in defaults and name != "parallel_moba":
@@ -664,3 +678,14 @@ def test_the_module_is_documented():
     assert "chunk_gated_delta_rule" in fla.__doc__
     for name in fla.__all__:
         assert getattr(fla, name).__doc__.startswith("fla.ops."), name
+
+
+@pytest.mark.parametrize("name", ["chunk_rwkv6", "fused_recurrent_rwkv6"])
+def test_rwkv6_refuses_head_first_and_unknown_keywords_as_fla(name):
+    """fla's rwkv6 raises DeprecationWarning for head_first; pyattn also refuses any other
+    keyword it would otherwise ignore."""
+    fn, args, kwargs, _ = _case(name, "batched")
+    with pytest.raises(DeprecationWarning, match="head_first"):
+        fn(*args, **kwargs, head_first=True)
+    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+        fn(*args, **kwargs, use_fast_path=True)

@@ -43,6 +43,7 @@ __all__ = [
     "chunk_linear_attn", "fused_chunk_linear_attn", "fused_recurrent_linear_attn",
     "chunk_lightning_attn", "fused_recurrent_lightning_attn",
     "parallel_based", "fused_chunk_based",
+    "chunk_rwkv6", "fused_recurrent_rwkv6",
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
     "parallel_attn", "parallel_nsa", "parallel_moba",
@@ -438,6 +439,43 @@ def fused_chunk_based(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = 
                       head_first: bool = False) -> Tensor:
     """fla.ops.based.fused_chunk_based: as ``parallel_based``, pyattn's ``"chunk"`` form."""
     return _based(q, k, v, scale, use_norm, "chunk", head_first)
+
+
+# ------------------------------------------------------------------------------------------
+# RWKV-6: the gated linear engine with the bonus u
+
+
+def _rwkv6(fn, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, form, reverse, kwargs):
+    """fla's rwkv6 entry points take **kwargs: head_first raises as in fla, chunk_size is the
+    chunk form's, anything else is refused rather than ignored."""
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    chunk_size = kwargs.pop("chunk_size", None) if form == "chunk" else None
+    if kwargs:
+        raise TypeError(f"pyattn.torch.fla.{fn}(): unexpected keyword arguments {sorted(kwargs)}")
+    _check_cu_batch(fn, r, cu_seqlens)
+    return _run(_pt.rwkv6, r, k, v, gates=[("w", w)], scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=chunk_size,
+                reverse=reverse, options={"u": u.to(_compute_dtype(r, k, v, w, initial_state))})
+
+
+def chunk_rwkv6(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor, scale: Optional[float] = None,
+                initial_state: State = None, output_final_state: bool = False,
+                cu_seqlens: Optional[torch.LongTensor] = None, cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+                **kwargs) -> Tuple[Tensor, State]:
+    """fla.ops.rwkv6.chunk_rwkv6: ``pyattn.torch.rwkv6(form="chunk")``, w ``[B, T, H, K]`` the log
+    decay per key channel, u ``[H, K]`` the bonus; ``chunk_size`` (a keyword) 16, 32, 64 or 128."""
+    return _rwkv6("chunk_rwkv6", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, "chunk",
+                  False, kwargs)
+
+
+def fused_recurrent_rwkv6(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor, scale: Optional[float] = None,
+                          initial_state: State = None, output_final_state: bool = False, reverse: bool = False,
+                          cu_seqlens: Optional[torch.LongTensor] = None, **kwargs) -> Tuple[Tensor, State]:
+    """fla.ops.rwkv6.fused_recurrent_rwkv6: ``pyattn.torch.rwkv6(form="recurrent")``;
+    ``reverse=True`` runs every sequence backwards."""
+    return _rwkv6("fused_recurrent_rwkv6", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                  "recurrent", reverse, kwargs)
 
 
 # ------------------------------------------------------------------------------------------
