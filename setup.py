@@ -20,6 +20,14 @@ from setuptools.command.build_ext import build_ext
 
 SOURCES = [
     "csrc/module.c",
+    "csrc/bind/args.c",
+    "csrc/bind/softmax.c",
+    "csrc/bind/sparse.c",
+    "csrc/bind/feature_maps.c",
+    "csrc/bind/linear.c",
+    "csrc/bind/delta.c",
+    "csrc/bind/nn.c",
+    "csrc/bind/runtime.c",
     "csrc/array_cache.c",
     "csrc/dispatch.c",
     "csrc/core/parallel.c",

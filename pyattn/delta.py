@@ -12,14 +12,15 @@ import numpy as np
 
 from . import _core
 from . import _validate as V
+from ._engines import LINEAR_FORMS, LinearEngine, engine_qkv, sequences
 from ._rownorm import normalize_rows, normalize_rows_backward
 from .autodiff import register_vjp
-from .linear import FORMS, _Engine, _qkv, _sequences
 
+FORMS = LINEAR_FORMS
 L2_EPS = 1e-6  # qk_l2norm: x / sqrt(sum x^2 + L2_EPS) over the head dimension
 
 
-class _DeltaEngine(_Engine):
+class _DeltaEngine(LinearEngine):
     """One call of the delta-rule engine: the linear engine's checked call with the gate g as
     its scalar key gate, plus beta."""
 
@@ -52,13 +53,13 @@ def _delta(fn, q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_s
     """(engine, the normalisation's (q, rq, k, rk) or None: normalised q and k and their
     1 / norms), arguments checked under the op's names."""
     optional = () if fn == "gated_delta_rule" else ("g",)
-    arrs, _ = _qkv(fn, q, k, v, optional, g=g, beta=beta, initial_state=initial_state)
+    arrs, _ = engine_qkv(fn, q, k, v, optional, g=g, beta=beta, initial_state=initial_state)
     q, k, v, g, beta = arrs["q"], arrs["k"], arrs["v"], arrs["g"], arrs["beta"]
     B, T, H, K = q.shape
     V.shape(fn, "g", g, (B, T, H), "[B, T, H]")
     V.shape(fn, "beta", beta, (B, T, H), "[B, T, H]")
     V.log_gate(fn, "g", g)
-    cu, N = _sequences(fn, B, T, cu_seqlens)
+    cu, N = sequences(fn, B, T, cu_seqlens)
     scale = V.scale(fn, scale, K ** -0.5, q.dtype)
     norm = None
     if V.boolean(fn, "qk_l2norm", qk_l2norm):

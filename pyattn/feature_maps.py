@@ -3,70 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
 from . import _validate as V
+from ._engines import FEATURE_MAP_KINDS, feature_map_backward, feature_map_forward, feature_map_prepare
 from .autodiff import register_vjp, split_cotangent
 
-KINDS = ("identity", "elu1", "relu", "softmax", "focused", "taylor", "performer", "cosformer")
-_KIND_CODE = {kind: getattr(_core, "FM_" + kind.upper()) for kind in KINDS}
-_PARAMS = {"focused": ("p",), "performer": ("projection",), "cosformer": ("max_len",)}
-
-
-def _prepare(x, kind, params):
-    """(x, projection, positional options of _core's feature map entry points)"""
-    fn = "feature_map"
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise ValueError(f"{fn}(): 'kind' must be one of {KINDS}, got {kind!r}")
-    allowed = _PARAMS.get(kind, ())
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        takes = f"only {list(allowed)}" if allowed else "no parameters"
-        raise TypeError(f"{fn}(): kind {kind!r} takes {takes}, got unexpected {unknown}")
-    projection = params.get("projection")
-    if kind == "performer" and projection is None:
-        raise ValueError(f"{fn}(): kind 'performer' needs 'projection', an array [m, D]")
-    arrs, _ = V.float_arrays(fn, ("projection",), x=x, projection=projection)
-    x, projection = arrs["x"], arrs["projection"]
-    if kind == "cosformer":
-        V.ndim(fn, "x", x, 4, "[B, T, H, D]")
-    elif x.ndim < 1:
-        raise ValueError(f"{fn}(): 'x' must be at least 1-D [..., D], got shape {x.shape}")
-    D = x.shape[-1]
-    if D < 1:
-        raise ValueError(f"{fn}(): 'x' needs a feature dimension D >= 1, got shape {x.shape}")
-    p = V.integer(fn, "p", params.get("p", 3), 1)
-    max_len = 1.0  # read by cosformer only
-    if kind == "cosformer":
-        given = params.get("max_len")
-        if given is None:
-            # with T = 0 there is no position to place; any positive value serves
-            max_len = float(max(x.shape[1], 1))
-        else:
-            max_len = V.real(fn, "max_len", given, 0.0)
-            if max_len <= 0:
-                raise ValueError(f"{fn}(): 'max_len' must be > 0, got {given!r}")
-    if projection is not None:
-        if projection.ndim != 2 or projection.shape[1] != D or projection.shape[0] < 1:
-            raise ValueError(
-                f"{fn}(): 'projection' must have shape [m, D] = [m >= 1, {D}], got {projection.shape}"
-            )
-    return x, projection, (_KIND_CODE[kind], p, max_len)
-
-
-def _out_features(kind_code, D, projection):
-    if kind_code == _core.FM_TAYLOR:
-        return 1 + D + D * D
-    if kind_code == _core.FM_PERFORMER:
-        return projection.shape[0]
-    if kind_code == _core.FM_COSFORMER:
-        return 2 * D
-    return D
-
-
-def _forward(x, projection, opts):
-    y = np.empty(x.shape[:-1] + (_out_features(opts[0], x.shape[-1], projection),), dtype=x.dtype)
-    _core.feature_map_forward(x, y, *opts, projection)
-    return y
+KINDS = FEATURE_MAP_KINDS
 
 
 def feature_map(x, kind, **params):
@@ -91,14 +32,14 @@ def feature_map(x, kind, **params):
     Differentiable (``pyattn.vjp``) in x and, for performer, in ``projection``; the
     subgradient of relu at 0 is 0.
     """
-    x, projection, opts = _prepare(x, kind, params)
-    return _forward(x, projection, opts)
+    x, projection, opts = feature_map_prepare(x, kind, params)
+    return feature_map_forward(x, projection, opts)
 
 
 @register_vjp(feature_map)
 def _feature_map_vjp(x, kind, **params):
-    x, projection, opts = _prepare(x, kind, params)
-    y = _forward(x, projection, opts)
+    x, projection, opts = feature_map_prepare(x, kind, params)
+    y = feature_map_forward(x, projection, opts)
 
     def pullback(cot):
         (dy,) = split_cotangent("feature_map", cot, 1)
@@ -108,9 +49,7 @@ def _feature_map_vjp(x, kind, **params):
             dy = np.zeros_like(y)
         if dy.shape != y.shape:
             raise ValueError(f"feature_map pullback: 'dy' must have shape {y.shape}, got {dy.shape}")
-        dx = np.empty_like(x)
-        dprojection = None if projection is None else np.empty_like(projection)
-        _core.feature_map_backward(x, dy, dx, *opts, projection, dprojection)
+        dx, dprojection = feature_map_backward(x, projection, opts, dy)
         grads = {"x": dx}
         if projection is not None:
             grads["projection"] = dprojection

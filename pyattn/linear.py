@@ -12,95 +12,12 @@ import numpy as np
 
 from . import _core
 from . import _validate as V
-from . import feature_maps as _fm
+from ._engines import (LINEAR_FORMS, LinearEngine, engine_qkv, feature_map_backward,
+                       feature_map_forward, feature_map_prepare, sequences)
 from .autodiff import register_vjp, split_cotangent
 
-FORMS = ("chunk", "parallel", "recurrent")
-_FORM_CODE = {"chunk": _core.FORM_CHUNK, "parallel": _core.FORM_PARALLEL,
-              "recurrent": _core.FORM_RECURRENT}
+FORMS = LINEAR_FORMS
 
-
-def _sequences(fn, B, T, cu_seqlens):
-    """(int64 offsets of the packed rows, number of sequences N)"""
-    if cu_seqlens is None:
-        return V.batch_offsets(B, T), B
-    cu = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, T, B)
-    return cu, len(cu) - 1
-
-
-class _Engine:
-    """One call of the engine: checked inputs, the forward, and the C backward."""
-
-    def __init__(self, fn, q, k, v, gk, gv, h0, want_state, cu, N, form, chunk_size, scale,
-                 beta=None, skip=None):
-        """beta [B, T, H] scales v's rows (v_t becomes beta_t v_t; no value gate with it) and
-        skip [H] adds skip_h v_t to o_t: Mamba-2's x dt and D x, done where the kernel reads
-        the rows rather than in new arrays."""
-        V.form(fn, form, FORMS)
-        V.chunk_size(fn, chunk_size)
-        K = q.shape[3]
-        H, Vd = v.shape[2:]  # q and k may have fewer heads (groups), v has every head's
-        V.shape(fn, "initial_state", h0, (N, H, K, Vd), "[N, H, K, V]")
-        self.fn, self.q, self.k, self.v, self.gk, self.gv, self.h0 = fn, q, k, v, gk, gv, h0
-        self.want_state, self.N = want_state, N
-        self.opts = (cu, _FORM_CODE[form], int(chunk_size), float(scale))
-        self.beta, self.skip = beta, skip
-        self.o = self.ht = self.states = None
-
-    def forward(self, keep=False):
-        """(o, final state or None). keep: a pullback follows, so the chunk form keeps the
-        state entering each chunk for the backward (about T / chunk_size states per head)."""
-        q, v = self.q, self.v
-        self.o = np.empty(v.shape, dtype=q.dtype)
-        self.ht = np.empty((self.N, v.shape[2], q.shape[3], v.shape[3]), dtype=q.dtype) if self.want_state else None
-        self.states = _core.linear_forward(q, self.k, v, self.gk, self.gv, self.h0, self.o, self.ht,
-                                           keep, *self.opts, self.beta, self.skip)
-        return self.o, self.ht
-
-    def cotangent(self, cot):
-        """(do, dht) checked against the forward's outputs; None entries mean zero."""
-        fn = self.fn
-        do, dht = split_cotangent(fn, cot, 2)
-        if dht is not None and not self.want_state:
-            raise ValueError(f"{fn} pullback: got a cotangent for the final state, but output_final_state=False")
-        arrs, _ = V.float_arrays(f"{fn} pullback", ("do", "dht"), q=self.q, do=do, dht=dht)
-        do, dht = arrs["do"], arrs["dht"]
-        if do is None:
-            do = np.zeros_like(self.o)
-        if do.shape != self.o.shape:
-            raise ValueError(f"{fn} pullback: 'do' must have shape {self.o.shape}, got {do.shape}")
-        if dht is not None and dht.shape != self.ht.shape:
-            raise ValueError(f"{fn} pullback: the final state's cotangent must have shape {self.ht.shape}, got {dht.shape}")
-        return do, dht
-
-    def backward(self, do, dht):
-        """{q, k, v, gk, gv, h0, beta, skip: gradient} for the engine's own inputs (gk, gv, h0,
-        beta when given; skip: the rows' terms do_t . v_t [B, T, H], for the caller to sum)."""
-        g = {"q": np.empty_like(self.q), "k": np.empty_like(self.k), "v": np.empty_like(self.v)}
-        for name in ("gk", "gv", "h0", "beta"):
-            x = getattr(self, name)
-            g[name] = None if x is None else np.empty_like(x)
-        g["skip"] = None if self.skip is None else np.empty(self.v.shape[:3], dtype=self.v.dtype)
-        _core.linear_backward(self.q, self.k, self.v, self.gk, self.gv, self.h0, do, dht, self.states,
-                              g["q"], g["k"], g["v"], g["gk"], g["gv"], g["h0"], *self.opts,
-                              self.beta, self.skip, g["beta"], g["skip"])
-        return g
-
-
-def _qkv(fn, q, k, v, optional=(), **more):
-    """float arrays of one dtype; q, k [B, T, H, K] and v [B, T, H, V] checked."""
-    arrs, dtype = V.float_arrays(fn, ("initial_state",) + tuple(optional), q=q, k=k, v=v, **more)
-    q, k, v = arrs["q"], arrs["k"], arrs["v"]
-    V.ndim(fn, "q", q, 4, "[B, T, H, K]")
-    V.ndim(fn, "k", k, 4, "[B, T, H, K]")
-    V.ndim(fn, "v", v, 4, "[B, T, H, V]")
-    if k.shape != q.shape:
-        raise ValueError(f"{fn}(): 'k' must have the shape of q {q.shape}, got {k.shape}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"{fn}(): 'v' must be [B, T, H, V] = {q.shape[:3] + ('V',)}, got {v.shape}")
-    if q.shape[3] < 1 or v.shape[3] < 1:
-        raise ValueError(f"{fn}(): head dims must be >= 1, got K={q.shape[3]}, V={v.shape[3]}")
-    return arrs, dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,16 +28,16 @@ def _gated(fn, q, k, v, g, vector, gv, scale, initial_state, output_final_state,
            chunk_size):
     """The engine for a key gate g ([B, T, H], or [B, T, H, K] when vector) and an optional
     value gate gv [B, T, H, V], checked under the op's argument names."""
-    arrs, _ = _qkv(fn, q, k, v, ("gv",), g=g, gv=gv, initial_state=initial_state)
+    arrs, _ = engine_qkv(fn, q, k, v, ("gv",), g=g, gv=gv, initial_state=initial_state)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     B, T, H, K = q.shape
     V.shape(fn, "g", arrs["g"], q.shape if vector else q.shape[:3])
     V.shape(fn, "gv", arrs["gv"], v.shape)
     V.log_gate(fn, "g", arrs["g"])
     V.log_gate(fn, "gv", arrs["gv"])
-    cu, N = _sequences(fn, B, T, cu_seqlens)
+    cu, N = sequences(fn, B, T, cu_seqlens)
     scale = V.scale(fn, scale, K ** -0.5, q.dtype)
-    return _Engine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"],
+    return LinearEngine(fn, q, k, v, arrs["g"], arrs["gv"], arrs["initial_state"],
                    V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, scale)
 
 
@@ -187,7 +104,7 @@ def _constant_decay(fn, name, q, k, v, const, log_decay, scale, initial_state, o
                     cu_seqlens, form, chunk_size, keep):
     """retention / lightning: a log decay per head, expanded to a scalar gate per step; the
     gradient of the constant is the sum of the gate's over (batch, time)."""
-    arrs, dtype = _qkv(fn, q, k, v, (name,), initial_state=initial_state, **{name: const})
+    arrs, dtype = engine_qkv(fn, q, k, v, (name,), initial_state=initial_state, **{name: const})
     B, T, H, _ = arrs["q"].shape
     c = V.per_head(fn, name, arrs[name], H)
     logd, dlog = log_decay(H, c)
@@ -309,14 +226,11 @@ def _phi(fn, x, kind, params, cu, cosformer_per_sequence):
     """(phi(x), back) with back(dy) -> (dx, dprojection or None), by the C feature maps.
     cosformer with cu_seqlens restarts its positions (and its default max_len) per sequence."""
     if not cosformer_per_sequence:
-        xs, projection, opts = _fm._prepare(x, kind, params)
-        y = _fm._forward(xs, projection, opts)
+        xs, projection, opts = feature_map_prepare(x, kind, params)
+        y = feature_map_forward(xs, projection, opts)
 
         def back(dy):
-            dx = np.empty_like(xs)
-            dW = None if projection is None else np.empty_like(projection)
-            _core.feature_map_backward(xs, np.ascontiguousarray(dy), dx, *opts, projection, dW)
-            return dx, dW
+            return feature_map_backward(xs, projection, opts, np.ascontiguousarray(dy))
 
         return y, back
     pieces = [_phi(fn, np.ascontiguousarray(x[:, s:e]), kind, params, None, False)
@@ -333,10 +247,10 @@ def _phi(fn, x, kind, params, cu, cosformer_per_sequence):
 def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, scale, initial_state,
                       output_final_state, cu_seqlens, form, chunk_size, keep):
     fn = "linear_attention"
-    arrs, dtype = _qkv(fn, q, k, v, initial_state=initial_state)
+    arrs, dtype = engine_qkv(fn, q, k, v, initial_state=initial_state)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     B, T, H, _ = q.shape
-    cu, N = _sequences(fn, B, T, cu_seqlens)
+    cu, N = sequences(fn, B, T, cu_seqlens)
     kind = "identity" if feature_map is None else feature_map
     if feature_map_params is not None and not isinstance(feature_map_params, dict):
         raise TypeError(f"{fn}(): 'feature_map_params' must be a dict or None, got {type(feature_map_params).__name__}")
@@ -349,7 +263,7 @@ def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, 
     eps = V.real(fn, "eps", eps, dtype=dtype)
     normalize = V.boolean(fn, "normalize", normalize)
     vv = np.concatenate([v, np.ones(v.shape[:3] + (1,), dtype)], axis=3) if normalize else v
-    eng = _Engine(fn, pq, pk, vv, None, None, arrs["initial_state"],
+    eng = LinearEngine(fn, pq, pk, vv, None, None, arrs["initial_state"],
                   V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, scale)
     o1, ht = eng.forward(keep)
     if normalize:
@@ -457,13 +371,13 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
         raise ValueError(f"{fn}(): 'C' must have the shape of B {Bm.shape}, got {Cm.shape}")
     if P < 1:
         raise ValueError(f"{fn}(): 'x' needs a head dim P >= 1, got {x.shape}")
-    cu, N = _sequences(fn, nb, T, cu_seqlens)
+    cu, N = sequences(fn, nb, T, cu_seqlens)
     pre = dt + dt_bias if dt_bias is not None else dt
     dts = _softplus(pre) if dt_softplus else pre
     q, k = Cm, Bm  # the engine reads the groups as they are (float_arrays made them contiguous)
     g = dts * A
     # v = x dt and y = o + D x: the engine scales x's rows by dt and adds D x as it reads them
-    eng = _Engine(fn, q, k, x, g, None, arrs["initial_state"],
+    eng = LinearEngine(fn, q, k, x, g, None, arrs["initial_state"],
                   V.boolean(fn, "output_final_state", output_final_state), cu, N, form, chunk_size, 1.0,
                   beta=dts, skip=Dh)
     out = eng.forward(keep)

@@ -1,86 +1,13 @@
 """Softmax attention: parallel, flash and recurrent forms (semantics: docs/ops.md)."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
-from . import _core
 from . import _validate as V
+from ._engines import SOFTMAX_FORMS, KVCall, softmax_backward, softmax_forward, softmax_prepare
 from .autodiff import register_vjp, split_cotangent
 
-FORMS = ("parallel", "flash", "recurrent")
-_FORM_CODE = {"parallel": _core.FORM_PARALLEL, "flash": _core.FORM_FLASH, "recurrent": _core.FORM_RECURRENT}
-
-
-def _alibi(fn, alibi, H):
-    alibi = V.per_head(fn, "alibi_slopes", alibi, H)
-    if alibi is not None and not np.all(np.isfinite(alibi)):
-        # a NaN slope would make every score of its head NaN: a silent dead head, or NaN rows
-        raise ValueError(f"{fn}(): 'alibi_slopes' must be finite, got {alibi}")
-    return alibi
-
-
-def _mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap):
-    """(causal, window_left, window_right, sinks, softcap, scale) checked, as the kernels take
-    them (alibi_slopes goes between sinks and softcap: see _with_alibi)."""
-    if window is None:
-        left, right = -1, -1
-    else:
-        left, right = V.int_pair(fn, "window", window, -1, "(left, right) or None")
-    sinks = V.integer(fn, "sinks", sinks, 0)
-    # beyond any sequence length a bound is no bound; keep it within int64 for the kernel
-    left, right, sinks = (min(x, 2 ** 62) for x in (left, right, sinks))
-    return (V.boolean(fn, "causal", causal), left, right, sinks, V.real(fn, "softcap", softcap, 0.0, dtype),
-            V.scale(fn, scale, Dk ** -0.5, dtype))
-
-
-def _with_alibi(mask, alibi):
-    """The kernels' option tuple: causal, window_left, window_right, sinks, alibi_slopes,
-    softcap, scale."""
-    return mask[:4] + (alibi,) + mask[4:]
-
-
-def _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap, cu_seqlens,
-             cu_seqlens_q, cu_seqlens_k, form):
-    fn = "softmax_attention"
-    arrs, dtype = V.float_arrays(fn, ("alibi_slopes",), q=q, k=k, v=v, alibi_slopes=alibi_slopes)
-    q, k, v, alibi = arrs["q"], arrs["k"], arrs["v"], arrs["alibi_slopes"]
-    B, Tq, H, Dk, Tk, Hk, Dv = V.attention_qkv(fn, q, k, v)
-    alibi = _alibi(fn, alibi, H)
-    V.form(fn, form, FORMS)
-    mask = _mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap)
-    if cu_seqlens is not None:
-        if cu_seqlens_q is not None or cu_seqlens_k is not None:
-            raise ValueError(f"{fn}(): give either 'cu_seqlens' or 'cu_seqlens_q'/'cu_seqlens_k', not both")
-        if Tq != Tk:
-            raise ValueError(f"{fn}(): 'cu_seqlens' needs Tq == Tk, got Tq={Tq}, Tk={Tk}; use cu_seqlens_q/cu_seqlens_k")
-        cu_q = cu_k = V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, Tq, B)
-    elif (cu_seqlens_q is None) != (cu_seqlens_k is None):
-        raise ValueError(f"{fn}(): 'cu_seqlens_q' and 'cu_seqlens_k' must be given together")
-    elif cu_seqlens_q is None:
-        cu_q, cu_k = V.batch_offsets(B, Tq), V.batch_offsets(B, Tk)
-    else:
-        cu_q = V.cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, Tq, B)
-        cu_k = V.cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, Tk, B)
-        if len(cu_q) != len(cu_k):
-            raise ValueError(f"{fn}(): cu_seqlens_q and cu_seqlens_k must have the same length, got {len(cu_q)} and {len(cu_k)}")
-    return q, k, v, (cu_q, cu_k, _FORM_CODE[form]) + _with_alibi(mask, alibi)
-
-
-def _forward(q, k, v, opts):
-    B, Tq, H, _ = q.shape
-    o = np.empty((B, Tq, H, v.shape[3]), dtype=q.dtype)
-    lse = np.empty((B, Tq, H), dtype=q.dtype)
-    _core.softmax_forward(q, k, v, o, lse, *opts)
-    return o, lse
-
-
-def _backward(q, k, v, o, lse, do, dlse, opts):
-    """(dq, dk, dv) of the flash backward for the call _forward(q, k, v, opts) made."""
-    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    _core.softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, *opts)
-    return dq, dk, dv
+FORMS = SOFTMAX_FORMS
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0,
@@ -108,9 +35,9 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
     gets no gradient.
     """
     return_lse = V.boolean("softmax_attention", "return_lse", return_lse)
-    q, k, v, opts = _prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap,
-                             cu_seqlens, cu_seqlens_q, cu_seqlens_k, form)
-    o, lse = _forward(q, k, v, opts)
+    q, k, v, opts = softmax_prepare(q, k, v, causal, scale, window, sinks, alibi_slopes, softcap,
+                                    cu_seqlens, cu_seqlens_q, cu_seqlens_k, form)
+    o, lse = softmax_forward(q, k, v, opts)
     return (o, lse) if return_lse else o
 
 
@@ -123,8 +50,8 @@ def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
         raise TypeError(f"softmax_attention(): unexpected keyword arguments {sorted(unknown)}")
     opts_kw.update(kwargs)
     return_lse = V.boolean("softmax_attention", "return_lse", return_lse)
-    q, k, v, opts = _prepare(q, k, v, **opts_kw)
-    o, lse = _forward(q, k, v, opts)
+    q, k, v, opts = softmax_prepare(q, k, v, **opts_kw)
+    o, lse = softmax_forward(q, k, v, opts)
 
     def pullback(cot):
         do, dlse = split_cotangent("softmax_attention", cot, 2)
@@ -138,7 +65,7 @@ def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
             raise ValueError(f"softmax_attention pullback: 'do' must have shape {o.shape}, got {do.shape}")
         if dlse is not None and dlse.shape != lse.shape:
             raise ValueError(f"softmax_attention pullback: 'dlse' must have shape {lse.shape}, got {dlse.shape}")
-        dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, opts)
+        dq, dk, dv = softmax_backward(q, k, v, o, lse, do, dlse, opts)
         return {"q": dq, "k": dk, "v": dv}
 
     return ((o, lse) if return_lse else o), pullback
@@ -214,166 +141,6 @@ def _merge_attention_states_vjp(os, lses):
     return (o, lse), pullback
 
 
-# Up to this many queries per sequence, attention_with_kvcache reads the keys where they lie
-# in the cache (the decode kernel, one pass over the cache per query); above it, a copy of the
-# visible keys goes through the tiled flash kernel, whose GEMM tiles then pay for the copy.
-_DECODE_MAX_QUERIES = 4
-# the most parts _core.softmax_decode splits a query's keys into
-_MAX_SPLITS = 1024
-
-
-class _KVCall:
-    """An attention_with_kvcache call checked: arrays, cache geometry, key rows, options."""
-
-    def __init__(self, q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
-                 alibi_slopes, softcap, block_table, num_splits):
-        fn = "attention_with_kvcache"
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(c, np.ndarray):
-                raise TypeError(f"{fn}(): '{name}' must be a numpy.ndarray (new keys are written "
-                                f"into it in place), got {type(c).__name__}")
-        if (k is None) != (v is None):
-            raise ValueError(f"{fn}(): 'k' and 'v' must be given together")
-        arrs, dtype = V.float_arrays(fn, ("k", "v", "alibi_slopes"), k_cache=k_cache, v_cache=v_cache,
-                                     q=q, k=k, v=v, alibi_slopes=alibi_slopes)
-        q, kc, vc, kn, vn = (arrs[x] for x in ("q", "k_cache", "v_cache", "k", "v"))
-        paged = block_table is not None
-        cache_layout = "[num_blocks, block_size, Hk, D]" if paged else "[B, capacity, Hk, D]"
-        V.ndim(fn, "q", q, 4, "[B, Tq, H, Dk]")
-        V.ndim(fn, "k_cache", kc, 4, cache_layout)
-        V.ndim(fn, "v_cache", vc, 4, cache_layout)
-        B, Tq, H, Dk = q.shape
-        A, R, Hk = kc.shape[:3]
-        V.same(fn, "cache blocks" if paged else "cache batch sizes", {"k_cache": A, "v_cache": vc.shape[0]})
-        V.same(fn, "cache rows", {"k_cache": R, "v_cache": vc.shape[1]})
-        V.same(fn, "KV head counts", {"k_cache": Hk, "v_cache": vc.shape[2]})
-        V.same(fn, "key head dims", {"q": Dk, "k_cache": kc.shape[3]})
-        Dv = vc.shape[3]
-        V.divides(fn, "k_cache", Hk, "heads", "q", H)
-        if Dk < 1 or Dv < 1 or R < 1:
-            raise ValueError(f"{fn}(): head dims and cache rows must be >= 1, got Dk={Dk}, Dv={Dv}, rows={R}")
-        if paged:
-            table = V.index_array(fn, "block_table", block_table, 2, "[B, max_blocks]")
-            if table.shape[0] != B:
-                raise ValueError(f"{fn}(): 'block_table' must have one row per sequence (B={B}), got shape {table.shape}")
-            capacity = table.shape[1] * R
-        else:
-            V.same(fn, "batch sizes", {"q": B, "k_cache": A})
-            table, capacity = None, R
-        seqlens = V.index_array(fn, "cache_seqlens", cache_seqlens, 1, "[B]")
-        if seqlens.shape[0] != B:
-            raise ValueError(f"{fn}(): 'cache_seqlens' must have B={B} entries, got shape {seqlens.shape}")
-        if np.any(seqlens < 0):
-            raise ValueError(f"{fn}(): 'cache_seqlens' must be >= 0, got {seqlens.tolist()}")
-        Tnew = 0
-        if kn is not None:
-            V.ndim(fn, "k", kn, 4, "[B, Tnew, Hk, Dk]")
-            Tnew = kn.shape[1]
-            V.shape(fn, "k", kn, (B, Tnew, Hk, Dk), "[B, Tnew, Hk, Dk]")
-            V.shape(fn, "v", vn, (B, Tnew, Hk, Dv), "[B, Tnew, Hk, Dv]")
-        # compared before adding Tnew, which could overflow int64 (cache_seqlens near 2**63)
-        over = np.flatnonzero(seqlens > capacity - Tnew)
-        if over.size:
-            b, n = over[0], int(seqlens[over[0]])
-            raise ValueError(f"{fn}(): 'cache_seqlens'[{b}] = {n} and Tnew = {Tnew}: sequence {b} "
-                             f"needs {n + Tnew} cache rows, the cache holds {capacity}")
-        lens = seqlens + Tnew
-        if paged:
-            used = np.arange(table.shape[1]) < -(-lens[:, None] // R)
-            bad = used & ((table < 0) | (table >= A))
-            if np.any(bad):
-                b, i = np.argwhere(bad)[0]
-                raise ValueError(f"{fn}(): block_table[{b}, {i}] = {table[b, i]} is outside the "
-                                 f"cache's {A} blocks")
-        if kn is not None:
-            for name, c, a in (("k_cache", k_cache, kc), ("v_cache", v_cache, vc)):
-                if a is not c or not c.flags.writeable:
-                    raise ValueError(f"{fn}(): '{name}' must be a writeable, C-contiguous, aligned "
-                                     f"native-order array: the new keys are written into it")
-            # exact for C-contiguous arrays: each spans one interval of memory
-            if np.may_share_memory(kc, vc):
-                raise ValueError(f"{fn}(): 'k_cache' and 'v_cache' share memory: the new values "
-                                 f"would overwrite the new keys; give two separate caches")
-        elif _same_array(kc, vc):
-            # harmless when only reading, but never what a caller meant (keys read as values)
-            raise ValueError(f"{fn}(): 'k_cache' and 'v_cache' are the same array; give the "
-                             f"keys and the values their own caches")
-        # checked whatever Tq, though only the decode kernel (Tq <= _DECODE_MAX_QUERIES) splits
-        self.num_splits = V.integer(fn, "num_splits", num_splits, 0, _MAX_SPLITS)
-        self.opts = _with_alibi(_mask_options(fn, dtype, causal, scale, Dk, window, sinks, softcap),
-                                _alibi(fn, alibi_slopes, H))
-        self.q, self.kc, self.vc, self.kn, self.vn = q, kc, vc, kn, vn
-        self.table, self.seqlens, self.lens, self.capacity = table, seqlens, lens, capacity
-
-    def rows(self, b, j):
-        """Rows of the caches (seen as [rows, Hk, D]) holding position j of sequence b."""
-        R = self.kc.shape[1]
-        if self.table is None:
-            return b * R + j
-        return self.table[b, j // R] * R + j % R
-
-    @contextlib.contextmanager
-    def written(self):
-        """The new keys and values written into rows cache_seqlens[b] .. of the caches for
-        the block's duration. Every argument is checked by then; an exception inside the block
-        (out of memory, an interrupt) puts the old rows back, so a failed call changes nothing."""
-        if self.kn is None or self.kn.shape[1] == 0:
-            yield
-            return
-        B, Tnew, Hk = self.kn.shape[:3]
-        pos = self.seqlens[:, None] + np.arange(Tnew)
-        at = self.rows(np.arange(B)[:, None], pos).ravel()
-        kc = self.kc.reshape(-1, Hk, self.kc.shape[3])
-        vc = self.vc.reshape(-1, Hk, self.vc.shape[3])
-        old = kc[at], vc[at]
-        kc[at] = self.kn.reshape(B * Tnew, Hk, -1)
-        vc[at] = self.vn.reshape(B * Tnew, Hk, -1)
-        try:
-            yield
-        except BaseException:
-            kc[at], vc[at] = old
-            raise
-
-    def key_rows(self):
-        """(b, j, row) of every visible key, sequence by sequence, and cu_seqlens_k of them."""
-        cu_k = np.concatenate(([0], np.cumsum(self.lens)))
-        b = np.repeat(np.arange(len(self.lens)), self.lens)
-        j = np.arange(cu_k[-1]) - cu_k[b]
-        return b, j, self.rows(b, j), cu_k
-
-    def gathered(self, rows, cu_k):
-        """q, k, v as softmax_attention's packed varlen call takes them (one sequence row of
-        q per batch entry, the visible keys at ``rows`` copied out of the caches) and its
-        options, offsets first."""
-        B, Tq, H, Dk = self.q.shape
-        Hk = self.kc.shape[2]
-        k = self.kc.reshape(-1, Hk, Dk)[rows][None]
-        v = self.vc.reshape(-1, Hk, self.vc.shape[3])[rows][None]
-        opts = (V.batch_offsets(B, Tq), cu_k, _core.FORM_FLASH) + self.opts
-        return self.q.reshape(1, B * Tq, H, Dk), k, v, opts
-
-    def forward(self, colsum):
-        B, Tq, H, _ = self.q.shape
-        if Tq > _DECODE_MAX_QUERIES and colsum is None:
-            _, _, rows, cu_k = self.key_rows()
-            o, lse = _forward(*self.gathered(rows, cu_k))
-            return o.reshape(B, Tq, H, -1), lse.reshape(B, Tq, H)
-        o = np.empty((B, Tq, H, self.vc.shape[3]), dtype=self.q.dtype)
-        lse = np.empty((B, Tq, H), dtype=self.q.dtype)
-        start = np.zeros(B, np.int64) if self.table is not None else np.arange(B) * self.kc.shape[1]
-        table = None if self.table is None else self.table.astype(np.int32)
-        _core.softmax_decode(self.q, self.kc, self.vc, o, lse, V.batch_offsets(B, Tq), start,
-                             start + self.lens, table, self.num_splits, colsum, *self.opts)
-        return o, lse
-
-
-def _same_array(a, b):
-    """a and b view the same elements: one array, or two views with one start, shape and
-    strides."""
-    return a is b or (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-                      and a.shape == b.shape and a.strides == b.strides)
-
-
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
                            scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
                            block_table=None, num_splits=0, return_lse=False, return_colsum=False):
@@ -418,8 +185,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     fn = "attention_with_kvcache"
     return_lse = V.boolean(fn, "return_lse", return_lse)
     return_colsum = V.boolean(fn, "return_colsum", return_colsum)
-    call = _KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
-                   alibi_slopes, softcap, block_table, num_splits)
+    call = KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
+                  alibi_slopes, softcap, block_table, num_splits)
     B, _, H, _ = call.q.shape
     colsum = np.zeros((B, H, call.capacity), call.q.dtype) if return_colsum else None
     with call.written():
@@ -437,8 +204,8 @@ def _attention_with_kvcache_vjp(q, k_cache, v_cache, cache_seqlens, *, k=None, v
     if V.boolean(fn, "return_colsum", return_colsum):
         raise ValueError(f"{fn}(): the column sums are not differentiable; call it without pyattn.vjp "
                          f"for them")
-    call = _KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
-                   alibi_slopes, softcap, block_table, num_splits)
+    call = KVCall(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, window, sinks,
+                  alibi_slopes, softcap, block_table, num_splits)
     with call.written():
         o, lse = call.forward(None)
         # the pullback works on a copy of the keys read, so later writes into the caches (the
@@ -463,7 +230,7 @@ def _attention_with_kvcache_vjp(q, k_cache, v_cache, cache_seqlens, *, k=None, v
         if dlse is not None:
             V.shape(f"{fn} pullback", "dlse", dlse, (B, Tq, H), "[B, Tq, H]")
             dlse = dlse.reshape(1, B * Tq, H)
-        dq, dk, dv = _backward(qp, kp, vp, op, lsep, do.reshape(op.shape), dlse, opts)
+        dq, dk, dv = softmax_backward(qp, kp, vp, op, lsep, do.reshape(op.shape), dlse, opts)
         grads = {"q": dq.reshape(call.q.shape)}
         for name, cache, d in (("k_cache", call.kc, dk[0]), ("v_cache", call.vc, dv[0])):
             g = np.zeros_like(cache)

@@ -1,5 +1,5 @@
 """Type stubs of pyattn.softmax (the implementation is softmax.py)."""
-from typing import Any, ContextManager, Literal, Optional, Sequence, Tuple, Union, overload
+from typing import Literal, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -7,12 +7,6 @@ import numpy.typing as npt
 FORMS: Tuple[str, ...]
 
 _Array = npt.NDArray[np.floating]
-
-class _KVCall:
-    # pyattn.torch's cache append: a checked attention_with_kvcache call and its key rows
-    def __init__(self, *args: Any) -> None: ...
-    def rows(self, b: np.ndarray, j: np.ndarray) -> np.ndarray: ...
-    def written(self) -> ContextManager[None]: ...
 
 @overload
 def softmax_attention(

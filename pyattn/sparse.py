@@ -20,8 +20,8 @@ import numpy as np
 
 from . import _core
 from . import _validate as V
+from ._engines import softmax_backward, softmax_forward, softmax_mask, softmax_options
 from .autodiff import register_vjp
-from .softmax import _backward, _forward
 
 
 def _offsets(fn, B, Tq, Tk, cu_seqlens):
@@ -179,8 +179,7 @@ def _linformer_call(q, k, v, E, F, scale):
     q, k, v, E, F, scale = _linformer_prepare(q, k, v, E, F, scale)
     kp, vp = _project(E, k), _project(F, v)
     B, Tq, S = q.shape[0], q.shape[1], E.shape[0]
-    opts = (V.batch_offsets(B, Tq), V.batch_offsets(B, S), _core.FORM_FLASH, False, -1, -1, 0, None,
-            0.0, scale)
+    opts = softmax_options(V.batch_offsets(B, Tq), V.batch_offsets(B, S), softmax_mask(scale))
     return q, k, v, E, F, kp, vp, opts
 
 
@@ -194,19 +193,19 @@ def linformer_attention(q, k, v, E, F, *, scale=None):
     the S projected rows. Returns ``o [B, Tq, H, Dv]``. Differentiable in q, k, v, E and F.
     """
     q, _, _, _, _, kp, vp, opts = _linformer_call(q, k, v, E, F, scale)
-    return _forward(q, kp, vp, opts)[0]
+    return softmax_forward(q, kp, vp, opts)[0]
 
 
 @register_vjp(linformer_attention)
 def _linformer_attention_vjp(q, k, v, E, F, *, scale=None):
     q, k, v, E, F, kp, vp, opts = _linformer_call(q, k, v, E, F, scale)
-    o, lse = _forward(q, kp, vp, opts)
+    o, lse = softmax_forward(q, kp, vp, opts)
 
     def pullback(do):
         arrs, _ = V.float_arrays("linformer_attention pullback", q=q, do=do)
         do = arrs["do"]
         V.shape("linformer_attention pullback", "do", do, o.shape, "[B, Tq, H, Dv]")
-        dq, dkp, dvp = _backward(q, kp, vp, o, lse, do, None, opts)
+        dq, dkp, dvp = softmax_backward(q, kp, vp, o, lse, do, None, opts)
         B, T = k.shape[:2]
         grads = {"q": dq}
         for name, pname, x, P, g in (("k", "E", k, E, dkp), ("v", "F", v, F, dvp)):
@@ -231,14 +230,14 @@ class _Listed:
         R = q.shape[0]
         self.rows = (np.arange(R + 1, dtype=np.int64), start.astype(np.int64), end.astype(np.int64),
                      None if table is None else np.ascontiguousarray(table, dtype=np.int32))
-        self.opts = (False, -1, -1, 0, None, 0.0, scale)
+        self.mask = softmax_mask(scale)
 
     def forward(self):
         """(o [R, Hq, Dv], lse [R, Hq])"""
         q = self.q
         self.o = np.empty(q.shape[:3] + (self.v.shape[3],), q.dtype)
         self.lse = np.empty(q.shape[:3], q.dtype)
-        _core.softmax_decode(q, self.k, self.v, self.o, self.lse, *self.rows, 0, None, *self.opts)
+        _core.softmax_decode(q, self.k, self.v, self.o, self.lse, *self.rows, 0, None, *self.mask)
         return self.o[0], self.lse[0]
 
     def backward(self, do, dlse=None):
@@ -246,7 +245,7 @@ class _Listed:
         dq, dk, dv = np.empty_like(self.q), np.empty_like(self.k), np.empty_like(self.v)
         _core.softmax_decode_backward(self.q, self.k, self.v, self.o, self.lse, do[None],
                                       None if dlse is None else dlse[None], dq, dk, dv, *self.rows,
-                                      *self.opts)
+                                      *self.mask)
         return dq[0], dk, dv
 
 
@@ -317,8 +316,8 @@ class _NsaCall:
         length = ((count - 1) * bs + (self.pos - own * bs + 1)[:, None]).reshape(-1)
         self.slc = _Listed(self.q.reshape(-1, H // Hk, D), *pool, np.zeros_like(length), length,
                            table.reshape(-1, table.shape[-1]), self.scale)
-        self.swa_opts = (self.cu_q, self.cu_k, _core.FORM_FLASH, True, self.window - 1, 0, 0, None, 0.0,
-                         self.scale)
+        window = softmax_mask(self.scale, causal=True, window_left=self.window - 1, window_right=0)
+        self.swa_opts = softmax_options(self.cu_q, self.cu_k, window)
 
     def _select(self, own):
         """Block tables [rows, Hk, block_count] of the selection (past blocks best first, then
@@ -358,7 +357,7 @@ class _NsaCall:
         """o [rows, H, Dv], and the branches' outputs (compressed, selected, window)."""
         rows, H = self.q.shape[0], self.H
         os_ = self.slc.forward()[0].reshape(rows, H, self.Dv)
-        self.swa = _forward(self.q[None], self.k[None], self.v[None], self.swa_opts)
+        self.swa = softmax_forward(self.q[None], self.k[None], self.v[None], self.swa_opts)
         parts = (self.oc, os_, self.swa[0][0])
         return sum(g * x for g, x in zip(self.gates, parts)), parts
 
@@ -368,8 +367,8 @@ class _NsaCall:
         grads = {name: np.sum(do * x, axis=-1) for name, x in zip(self.GATES, parts)}
         dq, dkc, dvc = self.cmp.backward(self.gates[0] * do)
         dqs, dkb, dvb = self.slc.backward((self.gates[1] * do).reshape(-1, G, self.Dv))
-        dqw, dk, dv = _backward(self.q[None], self.k[None], self.v[None], *self.swa,
-                                (self.gates[2] * do)[None], None, self.swa_opts)
+        dqw, dk, dv = softmax_backward(self.q[None], self.k[None], self.v[None], *self.swa,
+                                       (self.gates[2] * do)[None], None, self.swa_opts)
         dq += dqs.reshape(dq.shape) + dqw[0]
         dk, dv = dk[0], dv[0]
         # the selection's pool back to key rows (each valid (block, offset) is one row)

@@ -1078,7 +1078,7 @@ def test_core_kept_states(gated):
     raises(ValueError, _core.delta_backward, *b2, must=("chunk form",))
 
 
-# the names _core's messages give some buffers (module.c shares the linear engine's checks)
+# the names _core's messages give some buffers (csrc/bind/delta.c shares the linear engine's checks)
 CORE_SHOWN = {"g": "gk", "h0": "initial_state", "ht": "final_state"}
 
 
@@ -1099,7 +1099,7 @@ def _core_bad_cases(names, make, outputs):
             (f"{name}-noncontig", i, np.asfortranarray(a) if a.ndim > 1 and a.shape[0] > 1
              else np.repeat(a, 2, axis=-1)[..., ::2], ValueError, (own, "C-contiguous")),
             (f"{name}-short", i, a[:1].copy(), ValueError, (shown, "shape")),
-            # module.c checks g's ndim itself, under g's own name
+            # csrc/bind/delta.c checks g's ndim itself, under g's own name
             (f"{name}-ndim", i, a[None].copy(), ValueError, ("'g'" if name == "g" else own,)),
             (f"{name}-last-dim", i, a[..., :-1].copy() if a.shape[-1] > 1 else np.concatenate([a, a], -1),
              ValueError, (last, "shape")),

@@ -1,6 +1,6 @@
 /* The delta-rule engine (DeltaNet, Gated DeltaNet), forward and backward. Template body (see
- * core/dtype.h); needs core/vmath.h, core/gemm.c, ops/linear_attn.c (its vector load and
- * store helpers and its scan for non-finite rows) and ops/decay.h before it.
+ * core/dtype.h); needs core/vmath.h, core/gemm.c, ops/rows.h, ops/decay.h and
+ * ops/linear_engine.h before it.
  *
  * Per (sequence, head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a scalar log
  * gate g per step (absent: 0):
@@ -157,11 +157,11 @@ static void PA_FN(dr_recurrent)(const PA_FN(dr_unit) *u, int64_t t0, int64_t n, 
         vreal a0 = PA_FN(vset)(0), a1 = a0;
         const real *kt = u->k + t0 * u->sk;
         for (int64_t r = 0; S0 && r + 1 < K; r += 2) {
-            a0 += kt[r] * PA_FN(la_ld)(S0 + r * V + j, V - j);
-            a1 += kt[r + 1] * PA_FN(la_ld)(S0 + (r + 1) * V + j, V - j);
+            a0 += kt[r] * PA_FN(row_ld)(S0 + r * V + j, V - j);
+            a1 += kt[r + 1] * PA_FN(row_ld)(S0 + (r + 1) * V + j, V - j);
         }
-        if (S0 && K % 2) a0 += kt[K - 1] * PA_FN(la_ld)(S0 + (K - 1) * V + j, V - j);
-        PA_FN(la_st)(w + j, a0 + a1, V - j);
+        if (S0 && K % 2) a0 += kt[K - 1] * PA_FN(row_ld)(S0 + (K - 1) * V + j, V - j);
+        PA_FN(row_st)(w + j, a0 + a1, V - j);
     }
     for (int64_t t = t0; t < t0 + n; t++) {
         const real e = PA_FN(dr_step_decay)(u, t), b = u->beta[t * u->sg], sq = (real)scale;
@@ -173,12 +173,12 @@ static void PA_FN(dr_recurrent)(const PA_FN(dr_unit) *u, int64_t t0, int64_t n, 
         for (int64_t j = 0; j < V; j++) uv[j] = b * (vt[j] - e * w[j]);
         for (int64_t j = 0; j < V; j += VL) {
             const int64_t left = V - j;
-            const vreal vu = PA_FN(la_ld)(uv + j, left);
+            const vreal vu = PA_FN(row_ld)(uv + j, left);
             vreal o0 = PA_FN(vset)(0), o1 = o0, w0 = o0, w1 = o0;
             for (int64_t r = 0; r < K; r++) {
-                const vreal x = (src ? e * PA_FN(la_ld)(src + r * V + j, left) : PA_FN(vset)(0)) +
+                const vreal x = (src ? e * PA_FN(row_ld)(src + r * V + j, left) : PA_FN(vset)(0)) +
                                 kt[r] * vu;
-                PA_FN(la_st)(S + r * V + j, x, left);
+                PA_FN(row_st)(S + r * V + j, x, left);
                 if (r % 2) {
                     o1 += (sq * qt[r]) * x;
                     w1 += kn[r] * x;
@@ -187,8 +187,8 @@ static void PA_FN(dr_recurrent)(const PA_FN(dr_unit) *u, int64_t t0, int64_t n, 
                     w0 += kn[r] * x;
                 }
             }
-            if (ot) PA_FN(la_st)(ot + j, o0 + o1, left);
-            PA_FN(la_st)(w + j, w0 + w1, left);
+            if (ot) PA_FN(row_st)(ot + j, o0 + o1, left);
+            PA_FN(row_st)(w + j, w0 + w1, left);
         }
         if (trail) memcpy(trail + (t - t0) * K * V, S, sizeof(real) * K * V);
     }

@@ -1,5 +1,5 @@
 /* Feature maps phi of linear attention (docs/ops.md), forward and backward.
- * Template body (see core/dtype.h); needs core/vmath.h and core/gemm.c before it.
+ * Template body (see core/dtype.h); needs core/vmath.h, core/gemm.c and ops/rows.h before it.
  *
  * x is [rows, D] (every axis but the last flattened), y = phi(x) is [rows, F] (kernels.h).
  * Every row is independent, so work is split over rows (identity, elu1 and relu over flat
@@ -23,24 +23,10 @@
 #define FM_MAX_PARTS 64 /* performer's dW is summed from at most this many partial products */
 #define FM_EXP_COST 16  /* multiply-adds of one vexp, for the thread count */
 
-/* A full vector at p, or the last `left` (< VL) values of a row with the other lanes = fill. */
-static inline vreal PA_FN(fm_load)(const real *p, int64_t left, real fill)
-{
-    return left >= VL ? PA_FN(vload)(p) : PA_FN(vload_part)(p, (int)left, fill);
-}
-
-static inline void PA_FN(fm_store)(real *p, vreal v, int64_t left)
-{
-    if (left >= VL)
-        PA_FN(vstore)(p, v);
-    else
-        PA_FN(vstore_part)(p, v, (int)left);
-}
-
 /* Element loops, not memcpy: the caller's buffers may overlap. */
 static inline void PA_FN(fm_copy)(real *dst, const real *src, int64_t n)
 {
-    for (int64_t j = 0; j < n; j += VL) PA_FN(fm_store)(dst + j, PA_FN(fm_load)(src + j, n - j, 0), n - j);
+    for (int64_t j = 0; j < n; j += VL) PA_FN(row_st)(dst + j, PA_FN(row_ld)(src + j, n - j), n - j);
 }
 
 static inline void PA_FN(fm_zero)(real *dst, int64_t n)
@@ -72,7 +58,7 @@ static void PA_FN(fm_pointwise_forward)(int kind, const real *x, real *y, int64_
 {
     const vreal zero = PA_FN(vset)(0), one = PA_FN(vset)(1);
     for (int64_t i = 0; i < n; i += VL) {
-        vreal v = PA_FN(fm_load)(x + i, n - i, 0);
+        vreal v = PA_FN(row_ld)(x + i, n - i);
         if (kind == PA_FM_RELU) {
             v = PA_FN(fm_relu)(v);
         } else if (kind == PA_FM_ELU1) {
@@ -80,7 +66,7 @@ static void PA_FN(fm_pointwise_forward)(int kind, const real *x, real *y, int64_
             /* exp of min(x, 0): the positive lanes are discarded, and need not overflow */
             v = PA_FN(vselect)(pos, v + one, PA_FN(vexp)(PA_FN(vselect)(pos, zero, v)));
         }
-        PA_FN(fm_store)(y + i, v, n - i);
+        PA_FN(row_st)(y + i, v, n - i);
     }
 }
 
@@ -89,14 +75,14 @@ static void PA_FN(fm_pointwise_backward)(int kind, const real *x, const real *dy
 {
     const vreal zero = PA_FN(vset)(0);
     for (int64_t i = 0; i < n; i += VL) {
-        vreal g = PA_FN(fm_load)(dy + i, n - i, 0);
+        vreal g = PA_FN(row_ld)(dy + i, n - i);
         if (kind != PA_FM_IDENTITY) {
-            vreal v = PA_FN(fm_load)(x + i, n - i, 0);
+            vreal v = PA_FN(row_ld)(x + i, n - i);
             vint pos = v > zero;
             vreal neg = kind == PA_FM_ELU1 ? g * PA_FN(vexp)(PA_FN(vselect)(pos, zero, v)) : zero;
             g = PA_FN(vselect)(pos, g, neg);
         }
-        PA_FN(fm_store)(dx + i, g, n - i);
+        PA_FN(row_st)(dx + i, g, n - i);
     }
 }
 
@@ -132,16 +118,16 @@ static void PA_FN(fm_focused_forward)(const real *x, real *y, int64_t D, int64_t
     const vreal vs = PA_FN(vset)(s);
     vreal a2 = PA_FN(vset)(0), b2 = PA_FN(vset)(0);
     for (int64_t j = 0; j < D; j += VL) {
-        vreal u = PA_FN(fm_relu)(PA_FN(fm_load)(x + j, D - j, 0)) / vs;
+        vreal u = PA_FN(fm_relu)(PA_FN(row_ld)(x + j, D - j)) / vs;
         vreal up = PA_FN(fm_ipow)(u, p);
         a2 += u * u;
         b2 += up * up;
-        PA_FN(fm_store)(y + j, up, D - j);
+        PA_FN(row_st)(y + j, up, D - j);
     }
     real c = (real)sqrt((double)PA_FN(hsum)(a2)) / (real)sqrt((double)PA_FN(hsum)(b2));
     /* (u^p c) <= sqrt(D) first, then times max(r): no intermediate overflow */
     for (int64_t j = 0; j < D; j += VL)
-        PA_FN(fm_store)(y + j, PA_FN(fm_load)(y + j, D - j, 0) * c * s, D - j);
+        PA_FN(row_st)(y + j, PA_FN(row_ld)(y + j, D - j) * c * s, D - j);
 }
 
 static void PA_FN(fm_focused_backward)(const real *x, const real *dy, real *dx, int64_t D,
@@ -155,27 +141,27 @@ static void PA_FN(fm_focused_backward)(const real *x, const real *dy, real *dx, 
     const vreal vs = PA_FN(vset)(s), zero = PA_FN(vset)(0);
     vreal a2 = zero, b2 = zero, cd = zero;
     for (int64_t j = 0; j < D; j += VL) {
-        vreal u = PA_FN(fm_relu)(PA_FN(fm_load)(x + j, D - j, 0)) / vs;
+        vreal u = PA_FN(fm_relu)(PA_FN(row_ld)(x + j, D - j)) / vs;
         vreal up = PA_FN(fm_ipow)(u, p - 1) * u;
         a2 += u * u;
         b2 += up * up;
-        cd += PA_FN(fm_load)(dy + j, D - j, 0) * up;
+        cd += PA_FN(row_ld)(dy + j, D - j) * up;
     }
     const real a = (real)sqrt((double)PA_FN(hsum)(a2)), b = (real)sqrt((double)PA_FN(hsum)(b2));
     const real c = PA_FN(hsum)(cd) / b;
     const vreal k1 = PA_FN(vset)(c / a), k2 = PA_FN(vset)(a * (real)p / b);
     const vreal nc = PA_FN(vset)(c / b); /* n_j c = u_j^p nc */
     for (int64_t j = 0; j < D; j += VL) {
-        vreal u = PA_FN(fm_relu)(PA_FN(fm_load)(x + j, D - j, 0)) / vs;
+        vreal u = PA_FN(fm_relu)(PA_FN(row_ld)(x + j, D - j)) / vs;
         vreal upm1 = PA_FN(fm_ipow)(u, p - 1);
-        vreal g = PA_FN(fm_load)(dy + j, D - j, 0);
-        PA_FN(fm_store)(dx + j, u * k1 + k2 * upm1 * (g - upm1 * u * nc), D - j);
+        vreal g = PA_FN(row_ld)(dy + j, D - j);
+        PA_FN(row_st)(dx + j, u * k1 + k2 * upm1 * (g - upm1 * u * nc), D - j);
     }
     /* [x_j > 0] in a pass of its own: in the loop above, GCC 12 fails (internal compiler
      * error) on the select after fm_ipow's data-dependent loop with 16-byte vectors */
     for (int64_t j = 0; j < D; j += VL) {
-        vreal v = PA_FN(fm_load)(x + j, D - j, 0);
-        PA_FN(fm_store)(dx + j, PA_FN(vselect)(v > zero, PA_FN(fm_load)(dx + j, D - j, 0), zero), D - j);
+        vreal v = PA_FN(row_ld)(x + j, D - j);
+        PA_FN(row_st)(dx + j, PA_FN(vselect)(v > zero, PA_FN(row_ld)(dx + j, D - j), zero), D - j);
     }
 }
 
@@ -190,7 +176,7 @@ static void PA_FN(fm_taylor_forward)(const real *x, real *y, int64_t D)
     for (int64_t i = 0; i < D; i++) {
         const vreal xi = PA_FN(vset)(x[i] * c);
         for (int64_t j = 0; j < D; j += VL)
-            PA_FN(fm_store)(quad + i * D + j, PA_FN(fm_load)(x + j, D - j, 0) * xi, D - j);
+            PA_FN(row_st)(quad + i * D + j, PA_FN(row_ld)(x + j, D - j) * xi, D - j);
     }
 }
 
@@ -223,9 +209,9 @@ static void PA_FN(fm_cosformer_forward)(const pa_feature_map_desc *d, int64_t ro
     PA_FN(fm_cos_sin)(d, row, &cs, &sn);
     const vreal vc = PA_FN(vset)(cs), vsn = PA_FN(vset)(sn);
     for (int64_t j = 0; j < D; j += VL) {
-        vreal r = PA_FN(fm_relu)(PA_FN(fm_load)(x + j, D - j, 0));
-        PA_FN(fm_store)(y + j, r * vc, D - j);
-        PA_FN(fm_store)(y + D + j, r * vsn, D - j);
+        vreal r = PA_FN(fm_relu)(PA_FN(row_ld)(x + j, D - j));
+        PA_FN(row_st)(y + j, r * vc, D - j);
+        PA_FN(row_st)(y + D + j, r * vsn, D - j);
     }
 }
 
@@ -237,9 +223,9 @@ static void PA_FN(fm_cosformer_backward)(const pa_feature_map_desc *d, int64_t r
     PA_FN(fm_cos_sin)(d, row, &cs, &sn);
     const vreal vc = PA_FN(vset)(cs), vsn = PA_FN(vset)(sn), zero = PA_FN(vset)(0);
     for (int64_t j = 0; j < D; j += VL) {
-        vreal v = PA_FN(fm_load)(x + j, D - j, 0);
-        vreal g = PA_FN(fm_load)(dy + j, D - j, 0) * vc + PA_FN(fm_load)(dy + D + j, D - j, 0) * vsn;
-        PA_FN(fm_store)(dx + j, PA_FN(vselect)(v > zero, g, zero), D - j);
+        vreal v = PA_FN(row_ld)(x + j, D - j);
+        vreal g = PA_FN(row_ld)(dy + j, D - j) * vc + PA_FN(row_ld)(dy + D + j, D - j) * vsn;
+        PA_FN(row_st)(dx + j, PA_FN(vselect)(v > zero, g, zero), D - j);
     }
 }
 
@@ -251,7 +237,7 @@ static void PA_FN(fm_performer_exp)(real *z, int64_t m, real sq, real inv)
 {
     const vreal vsq = PA_FN(vset)(sq), vinv = PA_FN(vset)(inv);
     for (int64_t j = 0; j < m; j += VL)
-        PA_FN(fm_store)(z + j, PA_FN(vexp)(PA_FN(fm_load)(z + j, m - j, 0) - vsq) * vinv, m - j);
+        PA_FN(row_st)(z + j, PA_FN(vexp)(PA_FN(row_ld)(z + j, m - j) - vsq) * vinv, m - j);
 }
 
 /* z = dy * exp(z - sq) / sqrt(m) (the cotangent g of W x) in place; returns sum(g) */
@@ -260,10 +246,10 @@ static real PA_FN(fm_performer_grad)(real *z, const real *dy, int64_t m, real sq
     const vreal vsq = PA_FN(vset)(sq), vinv = PA_FN(vset)(inv);
     vreal s = PA_FN(vset)(0);
     for (int64_t j = 0; j < m; j += VL) {
-        vreal e = PA_FN(vexp)(PA_FN(fm_load)(z + j, m - j, 0) - vsq) * vinv;
-        vreal g = PA_FN(fm_load)(dy + j, m - j, 0) * e; /* 0 in the padding lanes */
+        vreal e = PA_FN(vexp)(PA_FN(row_ld)(z + j, m - j) - vsq) * vinv;
+        vreal g = PA_FN(row_ld)(dy + j, m - j) * e; /* 0 in the padding lanes */
         s += g;
-        PA_FN(fm_store)(z + j, g, m - j);
+        PA_FN(row_st)(z + j, g, m - j);
     }
     return PA_FN(hsum)(s);
 }
@@ -352,7 +338,7 @@ static int PA_FN(fm_performer_backward)(const pa_feature_map_desc *d, const real
                     real s = PA_FN(fm_performer_grad)(G + i * m, dy + (r0 + i) * m, m, sq, inv);
                     real *dxr = dx + (r0 + i) * D;
                     for (int64_t j = 0; j < D; j += VL)
-                        PA_FN(fm_store)(dxr + j, PA_FN(fm_load)(xr + j, D - j, 0) * -s, D - j);
+                        PA_FN(row_st)(dxr + j, PA_FN(row_ld)(xr + j, D - j) * -s, D - j);
                 }
                 /* dx += G W;  dW_c (+)= G^T X */
                 PA_FN(gemm)(n, D, m, 1, G, m, 1, W, D, 1, 1, dx + r0 * D, D, work);

@@ -1,5 +1,6 @@
 /* The gated linear engine, forward and backward. Template body (see
- * core/dtype.h); needs core/vmath.h, core/gemm.c and ops/decay.h before it.
+ * core/dtype.h); needs core/vmath.h, core/gemm.c, ops/rows.h, ops/decay.h and
+ * ops/linear_engine.h before it.
  *
  * Per (sequence, head) unit, with S_0 = h0 (zeros when absent) and q~ = scale q:
  *   S_t = diag(exp(gk_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T,   o_t = S_t^T q~_t
@@ -131,34 +132,18 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
     return s->block != NULL;
 }
 
-/* ---- cumulative gates ---- */
-
-
 /* ---- vector helpers: y = beta y + alpha x e^(ga - gb), a NULL exponent counting as 0 ---- */
-
-static inline vreal PA_FN(la_ld)(const real *p, int64_t left)
-{
-    return left >= VL ? PA_FN(vload)(p) : PA_FN(vload_part)(p, (int)left, 0);
-}
-
-static inline void PA_FN(la_st)(real *p, vreal x, int64_t left)
-{
-    if (left >= VL)
-        PA_FN(vstore)(p, x);
-    else
-        PA_FN(vstore_part)(p, x, (int)left);
-}
 
 /* e^(ga - gb) from hi/lo pairs (lo parts `lo` further on): (hi_a - hi_b) + (lo_a - lo_b) keeps
  * the digits of a small difference between two large cumulative gates. */
 static inline vreal PA_FN(la_decay)(const real *ga, const real *gb, int64_t lo, int64_t d,
                                     int64_t left)
 {
-    vreal e = ga ? PA_FN(la_ld)(ga + d, left) : PA_FN(vset)(0);
-    vreal f = ga ? PA_FN(la_ld)(ga + lo + d, left) : PA_FN(vset)(0);
+    vreal e = ga ? PA_FN(row_ld)(ga + d, left) : PA_FN(vset)(0);
+    vreal f = ga ? PA_FN(row_ld)(ga + lo + d, left) : PA_FN(vset)(0);
     if (gb) {
-        e -= PA_FN(la_ld)(gb + d, left);
-        f -= PA_FN(la_ld)(gb + lo + d, left);
+        e -= PA_FN(row_ld)(gb + d, left);
+        f -= PA_FN(row_ld)(gb + lo + d, left);
     }
     return PA_FN(vexp)(e + f);
 }
@@ -167,10 +152,10 @@ static inline void PA_FN(la_gated)(real *y, const real *x, const real *ga, const
                                    int64_t lo, int64_t D, real alpha, real beta)
 {
     for (int64_t d = 0; d < D; d += VL) {
-        vreal r = alpha * PA_FN(la_ld)(x + d, D - d);
+        vreal r = alpha * PA_FN(row_ld)(x + d, D - d);
         if (ga || gb) r *= PA_FN(la_decay)(ga, gb, lo, d, D - d);
-        if (beta != 0) r += beta * PA_FN(la_ld)(y + d, D - d);
-        PA_FN(la_st)(y + d, r, D - d);
+        if (beta != 0) r += beta * PA_FN(row_ld)(y + d, D - d);
+        PA_FN(row_st)(y + d, r, D - d);
     }
 }
 
@@ -179,7 +164,7 @@ static inline real PA_FN(la_dot_gated)(const real *x, const real *y, const real 
 {
     vreal s = PA_FN(vset)(0);
     for (int64_t d = 0; d < D; d += VL)
-        s += PA_FN(la_ld)(x + d, D - d) * PA_FN(la_ld)(y + d, D - d) *
+        s += PA_FN(row_ld)(x + d, D - d) * PA_FN(row_ld)(y + d, D - d) *
              PA_FN(la_decay)(ga, gb, lo, d, D - d);
     return PA_FN(hsum)(s);
 }
@@ -226,10 +211,10 @@ static inline void PA_FN(la_side_row)(const PA_FN(la_side) *s, int64_t L, int to
     const int64_t D = s->D;
     const real *f = (to_end ? s->Em : s->Ep) + i * D, *c = to_end ? s->Ep + (L - 1) * D : s->E0;
     for (int64_t d = 0; d < D; d += VL) {
-        vreal r = alpha * PA_FN(la_ld)(x + d, D - d) * PA_FN(la_ld)(f + d, D - d) *
-                  PA_FN(la_ld)(c + d, D - d);
-        if (beta != 0) r += beta * PA_FN(la_ld)(y + d, D - d);
-        PA_FN(la_st)(y + d, r, D - d);
+        vreal r = alpha * PA_FN(row_ld)(x + d, D - d) * PA_FN(row_ld)(f + d, D - d) *
+                  PA_FN(row_ld)(c + d, D - d);
+        if (beta != 0) r += beta * PA_FN(row_ld)(y + d, D - d);
+        PA_FN(row_st)(y + d, r, D - d);
     }
 }
 
@@ -320,9 +305,9 @@ static void PA_FN(la_rows_mul)(const real *X, int64_t ldx, const real *E, int64_
 {
     for (int64_t i = 0; i < L; i++)
         for (int64_t d = 0; d < D; d += VL) {
-            vreal r = PA_FN(la_ld)(X + i * ldx + d, D - d) * PA_FN(la_ld)(E + i * D + d, D - d);
-            if (beta != 0) r += PA_FN(la_ld)(Y + i * ldy + d, D - d);
-            PA_FN(la_st)(Y + i * ldy + d, r, D - d);
+            vreal r = PA_FN(row_ld)(X + i * ldx + d, D - d) * PA_FN(row_ld)(E + i * D + d, D - d);
+            if (beta != 0) r += PA_FN(row_ld)(Y + i * ldy + d, D - d);
+            PA_FN(row_st)(Y + i * ldy + d, r, D - d);
         }
 }
 
@@ -339,26 +324,12 @@ static void PA_FN(la_factored_rows)(const PA_FN(la_side) *s, int64_t L, int to_e
     for (int64_t i = 0; i < L; i++) {
         const int one = to_end && i == L - 1;
         for (int64_t d = 0; d < D; d += VL) {
-            const vreal x = PA_FN(la_ld)(X + i * ldx + d, D - d);
-            const vreal y = x * PA_FN(la_ld)(F + i * D + d, D - d);
-            PA_FN(la_st)(Y1 + i * D + d, y, D - d);
-            PA_FN(la_st)(Y2 + i * D + d, one ? x : y * PA_FN(la_ld)(c + d, D - d), D - d);
+            const vreal x = PA_FN(row_ld)(X + i * ldx + d, D - d);
+            const vreal y = x * PA_FN(row_ld)(F + i * D + d, D - d);
+            PA_FN(row_st)(Y1 + i * D + d, y, D - d);
+            PA_FN(row_st)(Y2 + i * D + d, one ? x : y * PA_FN(row_ld)(c + d, D - d), D - d);
         }
     }
-}
-
-/* The rows of U (L x D) holding a NaN or an infinity, in order, into rows; returns their count */
-static int64_t PA_FN(la_nonfinite_rows)(const real *U, int64_t ldu, int64_t L, int64_t D,
-                                        int64_t *rows)
-{
-    int64_t n = 0;
-    for (int64_t i = 0; i < L; i++) {
-        vreal z = PA_FN(vset)(0); /* x * 0 is NaN exactly when x is not finite */
-        for (int64_t d = 0; d < D; d += VL) z += PA_FN(la_ld)(U + i * ldu + d, D - d) * 0;
-        const real t = PA_FN(hsum)(z);
-        if (t != t) rows[n++] = i;
-    }
-    return n;
 }
 
 /* Row p of pack_b(L, D, U, ldu, 1, Bp): U's (zero = 0) or zeros (zero = 1) */
@@ -659,18 +630,18 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
         for (int64_t d = 0; d < D; d += VL) {
             /* G_i - G_0 as la_decay takes it; its hi part bounds both factors, whatever the
              * signs, and a NaN gate counts as in range (a block factors as it would without it) */
-            const vreal hi = PA_FN(la_ld)(G + i * D + d, D - d) - PA_FN(la_ld)(G + d, D - d);
-            const vreal x = hi + (PA_FN(la_ld)(Gl + i * D + d, D - d) - PA_FN(la_ld)(Gl + d, D - d));
+            const vreal hi = PA_FN(row_ld)(G + i * D + d, D - d) - PA_FN(row_ld)(G + d, D - d);
+            const vreal x = hi + (PA_FN(row_ld)(Gl + i * D + d, D - d) - PA_FN(row_ld)(Gl + d, D - d));
             out |= (hi > lim) | (-hi > lim);
             const vreal e = PA_FN(vexp)(x);
-            PA_FN(la_st)(E + i * D + d, e, D - d);
-            PA_FN(la_st)(E + (L + i) * D + d, 1 / e, D - d);
+            PA_FN(row_st)(E + i * D + d, e, D - d);
+            PA_FN(row_st)(E + (L + i) * D + d, 1 / e, D - d);
         }
         for (int l = 0; l < VL; l++)
             if (out[l]) return;
     }
     for (int64_t d = 0; d < D; d += VL)
-        PA_FN(la_st)(E + 2 * L * D + d, PA_FN(la_decay)(G, NULL, s->lo, d, D - d), D - d);
+        PA_FN(row_st)(E + 2 * L * D + d, PA_FN(la_decay)(G, NULL, s->lo, d, D - d), D - d);
     s->Ep = E;
     s->Em = E + L * D;
     s->E0 = E + 2 * L * D;
@@ -1077,19 +1048,6 @@ static int PA_FN(la_threads)(const pa_linear_desc *d, int64_t L, int64_t items)
     double work = d->form == PA_FORM_RECURRENT ? rows * KV * 8
                                                : rows * (KV * 2 + (double)L * (d->K + d->V));
     return pa_threads_for(work, items);
-}
-
-/* The kept-states layout (pa_linear_kept_states): first[u] is unit u's first slot, a slot per
- * block of L rows and one for the final state; NULL when out of memory. */
-static int64_t *PA_FN(la_slots)(const pa_linear_desc *d, int64_t L)
-{
-    const int64_t units = d->nseq * d->H;
-    int64_t *first = malloc(sizeof(int64_t) * (units + 1));
-    if (!first) return NULL;
-    first[0] = 0;
-    for (int64_t u = 0; u < units; u++)
-        first[u + 1] = first[u] + pa_linear_unit_states(d, u / d->H, L);
-    return first;
 }
 
 /* Chunk items for the chunk-parallel schedule: item i is block block[i] of unit unit[i], its

@@ -1,6 +1,6 @@
 /* Sparse softmax attention: the kernels of the sparse ops beyond the flash and decode forms.
- * Template body (see core/dtype.h); needs ops/softmax_attn.c before it, whose decode helpers
- * it shares. Three parts:
+ * Template body (see core/dtype.h); needs core/vmath.h, core/gemm.c and ops/softmax_rows.h
+ * (the row-wise pieces it shares with softmax_attn.c) before it. Three parts:
  *
  * 1. softmax_decode_backward, the backward of the decode form over keys that lie anywhere,
  *    listed per query. NSA's compressed and selected branches and DeepSeek sparse attention

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import pyattn
 from pyattn import _outputs as outputs
-from pyattn import softmax as _softmax_mod
+from pyattn._engines import KVCall, softmax_backward, softmax_prepare
 
 # ------------------------------------------------------------------------------------------
 # argument kinds
@@ -449,9 +449,9 @@ def softmax_vjp(args, kwargs, outs, cot):
     """softmax_attention's backward from the forward's o and LSE: no forward recomputed."""
     q, k, v = args
     options = {n: x for n, x in kwargs.items() if n != "return_lse"}
-    q, k, v, opts = _softmax_mod._prepare(q, k, v, **options)
+    q, k, v, opts = softmax_prepare(q, k, v, **options)
     do, dlse = cot if isinstance(cot, tuple) else (cot, None)
-    dq, dk, dv = _softmax_mod._backward(q, k, v, outs[0], outs[1], do, dlse, opts)
+    dq, dk, dv = softmax_backward(q, k, v, outs[0], outs[1], do, dlse, opts)
     return {"q": dq, "k": dk, "v": dv}
 
 
@@ -479,7 +479,7 @@ class KVCacheOp(Op):
                                 f"float32 or float64 tensor: the new keys are written into it")
         args, kwargs = self.call_args(values)
         # the arrays view the caches' memory, so the write lands in the tensors
-        call = _softmax_mod._KVCall(*args, kwargs["k"], kwargs["v"], *(kwargs[n] for n in _KV_CALL_ARGS))
+        call = KVCall(*args, kwargs["k"], kwargs["v"], *(kwargs[n] for n in _KV_CALL_ARGS))
         with call.written():
             pass
 
@@ -503,9 +503,11 @@ class KVCacheOp(Op):
         args, kwargs, k = self._read_call(fwd)
         grads = pyattn.vjp(self.fn, *args, **kwargs)[1](cot)
         if k is not None:
-            call = _softmax_mod._KVCall(*args, None, None, *(kwargs[x] for x in _KV_CALL_ARGS))
+            # named rather than *args, which mypy (checking this body) would let fill k and v
+            q, k_cache, v_cache, seqlens = args
+            call = KVCall(q, k_cache, v_cache, seqlens, None, None, *(kwargs[x] for x in _KV_CALL_ARGS))
             B, Tnew = k.shape[:2]
-            pos = np.asarray(args[3])[:, None] - Tnew + np.arange(Tnew)
+            pos = np.asarray(seqlens)[:, None] - Tnew + np.arange(Tnew)
             rows = call.rows(np.arange(B)[:, None], pos).ravel()
             for name, cache in (("k", "k_cache"), ("v", "v_cache")):
                 flat = grads[cache].reshape(-1, *grads[cache].shape[2:])
@@ -521,5 +523,5 @@ class KVCacheOp(Op):
         return super().dispatch(values, tensors)
 
 
-# _KVCall's arguments after (q, k_cache, v_cache, cache_seqlens, k, v), by keyword name
+# KVCall's arguments after (q, k_cache, v_cache, cache_seqlens, k, v), by keyword name
 _KV_CALL_ARGS = ("causal", "scale", "window", "sinks", "alibi_slopes", "softcap", "block_table", "num_splits")
