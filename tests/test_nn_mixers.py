@@ -91,6 +91,10 @@ def literal(name, p, x):
         o, _ = ref.gla(heads(proj["q"], H), heads(proj["k"], H), heads(proj["v"], H),
                        heads(-np.logaddexp(0, -gk) / 16, H))
         return flat(rmsnorm(o, p["o_norm.w"]) * silu(heads(proj["g"], H))) @ p["w_o"].T
+    if name == "hgrn2":  # fla's k = 1 - exp(g)
+        g = -np.logaddexp(0, -proj["f"])
+        o, _ = ref.gla(heads(silu(proj["q"]), H), heads(1 - np.exp(g), H), heads(proj["i"], H), heads(g, H))
+        return rmsnorm(flat(o), p["o_norm.w"]) @ p["w_o"].T
     if name == "mamba2":
         xs = short_conv(proj["x"], p["conv_x.w"], p["conv_x.b"])
         Bm = short_conv(proj["B"], p["conv_B.w"], p["conv_B.b"])

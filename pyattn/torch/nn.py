@@ -319,6 +319,21 @@ class GatedLinearAttention(Mixer):
         return F.linear(on.reshape(B, T, -1), self.w_o)
 
 
+class HGRN2(Mixer):
+    def __init__(self, source: pm.HGRN2):
+        super().__init__(source)
+        self.H, self.K, self.chunk_size = source.H, source.K, source.chunk_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        shape = (B, T, self.H, self.K)
+        f = F.linear(x, self.w_f)
+        o, _ = pt.gla(silu(F.linear(x, self.w_q)).reshape(shape), torch.sigmoid(-f).reshape(shape),
+                      F.linear(x, self.w_i).reshape(shape), F.logsigmoid(f).reshape(shape),
+                      chunk_size=self.chunk_size)
+        return F.linear(self.o_norm(o.reshape(B, T, -1)), self.w_o)
+
+
 class Mamba2(Mixer):
     def __init__(self, source: pm.Mamba2):
         super().__init__(source)
@@ -371,7 +386,7 @@ MIRRORS: Dict[type, Type[Module]] = {
     pl.ShortConv: ShortConv, pmodel.Block: Block,
     pm.SoftmaxAttention: SoftmaxAttention, pm.LinearAttention: LinearAttention,
     pm.MultiScaleRetention: MultiScaleRetention, pm.LightningAttention: LightningAttention,
-    pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.Mamba2: Mamba2,
+    pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.HGRN2: HGRN2, pm.Mamba2: Mamba2,
     pm.DeltaNet: DeltaNet, pm.GatedDeltaNet: GatedDeltaNet, pm.MultiHeadLatentAttention: MultiHeadLatentAttention,
     pm.MoBAAttention: MoBAAttention, pm.NativeSparseAttention: NativeSparseAttention,
     pm.DeepSeekSparseAttention: DeepSeekSparseAttention,

@@ -4,6 +4,7 @@ from .deltanet import DeltaNet
 from .dsa import DeepSeekSparseAttention
 from .gated_deltanet import GatedDeltaNet
 from .gla import GatedLinearAttention
+from .hgrn2 import HGRN2
 from .lightning import LightningAttention
 from .linear import LinearAttention
 from .mamba2 import Mamba2
@@ -21,6 +22,7 @@ MIXERS = {
     "lightning": LightningAttention,
     "simple_gla": SimpleGLA,
     "gla": GatedLinearAttention,
+    "hgrn2": HGRN2,
     "mamba2": Mamba2,
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
