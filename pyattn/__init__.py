@@ -9,6 +9,7 @@ forward and backward, behind a NumPy API.
 from . import _core, _ops, _runtime, data, kvcache, reference, testing
 from .autodiff import vjp
 from .delta import delta_rule, gated_delta_rule
+from .delta_product import gated_delta_product
 from .feature_maps import feature_map
 from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
@@ -41,6 +42,7 @@ __all__ = [
     "dsa_select",
     "efficient_attention",
     "feature_map",
+    "gated_delta_product",
     "gated_delta_rule",
     "get_num_threads",
     "gla",

@@ -138,6 +138,17 @@ def _delta_rule_example(rng, dtype=np.float64, tiny=False):
     return _delta_example(rng, dtype, tiny, gated=False)
 
 
+def _delta_product_example(rng, dtype=np.float64, tiny=False):
+    q, k, v = _qkv(rng, dtype, tiny)
+    n = 2
+    k, v = (np.repeat(x, n, axis=1) + rng.standard_normal((x.shape[0], x.shape[1] * n) + x.shape[2:]).astype(dtype)
+            for x in (k, v))
+    beta = rng.uniform(0.1, 1.9, k.shape[:3]).astype(dtype)
+    g = -rng.uniform(0.0, 1.0, q.shape[:3]).astype(dtype)
+    return (q, k, v, g, beta), dict(num_householder=n, qk_l2norm=True, initial_state=_state(rng, dtype, q, v),
+                                    output_final_state=True)
+
+
 def _efficient_example(rng, dtype=np.float64, tiny=False):
     B, Tq, Tk, H, K, Vd = (1, 5, 6, 2, 3, 2) if tiny else (2, 120, 150, 3, 16, 12)
     q = rng.standard_normal((B, Tq, H, K)).astype(dtype)
@@ -285,7 +296,7 @@ def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tup
 
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, merge_attention_states, softmax_attention
-    from . import delta, linear, rwkv
+    from . import delta, delta_product, linear, rwkv
     from .feature_maps import feature_map
     from .mla import FORMS as MLA_FORMS, mla_attention
     from .rope import rope
@@ -413,6 +424,18 @@ def build_ops() -> Dict[str, OpInfo]:
                  "Gated DeltaNet: the delta rule with a scalar decay per step"),
             ]
         },
+        "gated_delta_product": OpInfo(
+            name="gated_delta_product",
+            fn=delta_product.gated_delta_product,
+            forms=delta.FORMS,
+            arrays=("q", "k", "v", "g", "beta"),
+            differentiable=("q", "k", "v", "g", "beta", "initial_state"),
+            has_state=True,
+            chunked=True,
+            example=_delta_product_example,
+            description="Gated DeltaProduct: num_householder delta-rule steps per token after one "
+                        "decay, on the delta-rule engine",
+        ),
         "efficient_attention": OpInfo(
             name="efficient_attention",
             fn=linear.efficient_attention,

@@ -390,6 +390,15 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, bet
     return _call("gated_delta_rule", locals())
 
 
+def gated_delta_product(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: Optional[ArrayLike], beta: ArrayLike, *,
+                        num_householder: int, qk_l2norm: bool = False, scale: Optional[float] = None,
+                        initial_state: Optional[ArrayLike] = None, output_final_state: bool = False,
+                        cu_seqlens: Optional[ArrayLike] = None, form: _Form = "chunk",
+                        chunk_size: _ChunkSize = 64) -> _WithState:
+    """``pyattn.gated_delta_product`` on jax arrays: (o, final_state or None)."""
+    return _call("gated_delta_product", locals())
+
+
 def rwkv6(r: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, u: ArrayLike, *,
           scale: Optional[float] = None, initial_state: Optional[ArrayLike] = None,
           output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None, form: _Form = "chunk",

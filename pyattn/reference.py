@@ -555,6 +555,37 @@ def gated_delta_rule(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_s
     return o, (states if output_final_state else None)
 
 
+def gated_delta_product(q, k, v, g, beta, *, num_householder, qk_l2norm=False, scale=None,
+                        initial_state=None, output_final_state=False, cu_seqlens=None, form=None,
+                        chunk_size=None):
+    """Gated DeltaProduct: per token t, ``S <- exp(g_t) S``, then for j in 0 .. n-1 (rows
+    ``t n + j`` of k, v, beta) ``S <- (I - beta k k^T) S + beta k v^T``, then
+    ``o_t = S^T (scale q_t)``; g None: no decay. cu_seqlens counts tokens."""
+    n = int(num_householder)
+    q, k, v, g, beta = _f64(q, k, v, g, beta)
+    if qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    eye = np.eye(K)
+    for m, (b, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[m, h]
+            for t in range(start, end):
+                if g is not None:
+                    S = np.exp(g[b, t, h]) * S
+                for r in range(t * n, t * n + n):
+                    kr, br = k[b, r, h], beta[b, r, h]
+                    S = (eye - br * np.outer(kr, kr)) @ S + br * np.outer(kr, v[b, r, h])
+                o[b, t, h] = S.T @ (scale * q[b, t, h])
+            states[m, h] = S
+    return o, (states if output_final_state else None)
+
+
 def delta_rule(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state=None,
                output_final_state=False, cu_seqlens=None, form=None, chunk_size=None):
     """DeltaNet: ``S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``,

@@ -209,6 +209,22 @@ def _delta(fn, gated, gva=1, **flags):
     return build
 
 
+def _delta_product(gated):
+    """Two delta steps per token: k, v, beta carry 2 T rows, q and g T."""
+    def build(inp):
+        n = 2
+        q, h0 = inp.x(), inp.state()
+        k, v = inp.randn(inp.B, inp.T * n, H, K), inp.randn(inp.B, inp.T * n, H, V)
+        beta = 1 / (1 + np.exp(-inp.randn(inp.B, inp.T * n, H)))
+        g = inp.logsig(H) if gated else None
+        expected = ref.gated_delta_product(q, k, v, g, beta, num_householder=n, qk_l2norm=True, initial_state=h0,
+                                           output_final_state=True, cu_seqlens=inp.cu_np())
+        return "chunk_gated_delta_product", tuple(_t(q, k, v, g, beta)), dict(
+            num_householder=n, initial_state=tensor(h0), output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=inp.cu), expected
+    return build
+
+
 def _dense_causal(q, k, v, scale, window=None, sink=None, g=None):
     """float64 causal softmax attention with GQA, a window, per-head sink logits and FoX's
     forgetting gate (scores plus G_i - G_j, G the running sum of g [B, T, HQ])."""
@@ -310,6 +326,8 @@ CASES = {
     "chunk_delta_rule": _delta("chunk_delta_rule", False),
     "fused_recurrent_delta_rule": _delta("fused_recurrent_delta_rule", False),
     "chunk_gated_delta_rule": _delta("chunk_gated_delta_rule", True),
+    "chunk_gated_delta_product": _delta_product(True),
+    "chunk_gated_delta_product-no-gate": _delta_product(False),
     "chunk_gated_delta_rule-gva": _delta("chunk_gated_delta_rule", True, gva=2),
     "chunk_gated_delta_rule-gates-in-kernel": _delta("chunk_gated_delta_rule", True, gate=True, beta_sigmoid=True),
     "fused_recurrent_gated_delta_rule": _delta("fused_recurrent_gated_delta_rule", True),
@@ -642,6 +660,8 @@ FLA_PARAMETERS = {
                                         "use_beta_sigmoid_in_kernel allow_neg_eigval state_v_first cu_seqlens",
     "chunk_rwkv6": "r k v w u scale initial_state output_final_state cu_seqlens cu_seqlens_cpu",
     "fused_recurrent_rwkv6": "r k v w u scale initial_state output_final_state reverse cu_seqlens",
+    "chunk_gated_delta_product": "q k v g beta num_householder scale initial_state output_final_state "
+                                 "use_qk_l2norm_in_kernel cu_seqlens cu_seqlens_cpu",
     "parallel_attn": "q k v g scale window_size cu_seqlens chunk_indices",
     "parallel_nsa": "q k v g_cmp g_slc g_swa block_indices block_counts block_size window_size scale cu_seqlens",
     "parallel_moba": "q k v cu_seqlens max_seqlen chunk_size topk",

@@ -36,7 +36,7 @@ _SCALARS = {
     "causal": "bool", "return_lse": "bool", "return_colsum": "bool", "normalize": "bool",
     "output_final_state": "bool", "dt_softplus": "bool", "qk_l2norm": "bool",
     "sinks": "int", "num_splits": "int", "block_size": "int", "top_k": "int", "block_count": "int",
-    "chunk_size": "int",
+    "chunk_size": "int", "num_householder": "int",
     "scale": "float?", "softcap": "float", "eps": "float", "theta": "float",
     "form": "str", "kind": "str", "feature_map": "str?",
 }

@@ -46,6 +46,7 @@ __all__ = [
     "chunk_rwkv6", "fused_recurrent_rwkv6",
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
+    "chunk_gated_delta_product",
     "parallel_attn", "parallel_nsa", "parallel_moba",
 ]
 
@@ -591,6 +592,25 @@ def fused_recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optiona
 
 chunk_gdn = chunk_gated_delta_rule
 fused_recurrent_gdn = fused_recurrent_gated_delta_rule
+
+
+def chunk_gated_delta_product(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Tensor,
+                              num_householder: int, scale: Optional[float] = None, initial_state: State = None,
+                              output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                              cu_seqlens: Optional[torch.LongTensor] = None,
+                              cu_seqlens_cpu: Optional[torch.LongTensor] = None) -> Tuple[Tensor, State]:
+    """fla.ops.gated_delta_product.chunk_gated_delta_product: ``pyattn.torch.gated_delta_product(
+    form="chunk")``; k, v, beta carry ``num_householder`` rows per token, g ``[B, T, H]`` (or
+    None) one per token; any float dtype (fla's kernel refuses float32)."""
+    _check_cu_batch("chunk_gated_delta_product", q, cu_seqlens)
+    out_dtype = q.dtype
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    o, ht = _pt.gated_delta_product(q.to(dtype), k.to(dtype), v.to(dtype), None if g is None else g.to(dtype),
+                                    beta.to(dtype), num_householder=num_householder,
+                                    qk_l2norm=use_qk_l2norm_in_kernel, scale=scale,
+                                    initial_state=_state_in(initial_state, False, dtype),
+                                    output_final_state=output_final_state, cu_seqlens=_cu(cu_seqlens))
+    return o.to(out_dtype), ht
 
 
 # ------------------------------------------------------------------------------------------
