@@ -67,6 +67,20 @@ def gated_delta_rule(
     chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
 
+def gated_delta_product(
+    q: _TensorLike, k: _TensorLike, v: _TensorLike, g: Optional[_TensorLike], beta: _TensorLike, *,
+    num_householder: int, qk_l2norm: bool = ..., scale: Optional[float] = ...,
+    initial_state: Optional[_TensorLike] = ..., output_final_state: bool = ...,
+    cu_seqlens: Optional[_TensorLike] = ..., form: _Form = ..., chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
+
+def rwkv6(
+    r: _TensorLike, k: _TensorLike, v: _TensorLike, w: _TensorLike, u: _TensorLike, *,
+    scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[_TensorLike] = ..., form: _Form = ...,
+    chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
+
 def gla(
     q: _TensorLike, k: _TensorLike, v: _TensorLike, g: _TensorLike, *,
     gv: Optional[_TensorLike] = ..., scale: Optional[float] = ...,
