@@ -86,6 +86,14 @@ def literal(name, p, x):
             g = -np.exp(p["A_log"]) * np.logaddexp(0, proj["a"] + p["dt_bias"])
             o, _ = ref.gated_delta_rule(q, k, v, g, sigmoid(proj["b"]), qk_l2norm=True)
         return flat(rmsnorm(o, p["o_norm.w"]) * silu(heads(proj["g"], H))) @ p["w_o"].T
+    if name == "gated_deltaproduct":  # two steps per token, beta = 2 sigmoid
+        n = 2
+        q = heads(short_conv(proj["q"], p["conv_q.w"]), H)
+        k, v = (short_conv(proj[c], p[f"conv_{c}.w"]).reshape(B, T * n, H, -1) for c in "kv")
+        g = -np.exp(p["A_log"]) * np.logaddexp(0, proj["a"] + p["dt_bias"])
+        beta = (2 * sigmoid(proj["b"])).reshape(B, T * n, H)
+        o, _ = ref.gated_delta_product(q, k, v, g, beta, num_householder=n, qk_l2norm=True)
+        return flat(rmsnorm(o, p["o_norm.w"]) * silu(heads(proj["g"], H))) @ p["w_o"].T
     if name == "gla":
         gk = (proj["gk1"] @ p["w_gk2"].T) + p["b_gk"]
         o, _ = ref.gla(heads(proj["q"], H), heads(proj["k"], H), heads(proj["v"], H),

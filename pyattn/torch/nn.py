@@ -364,18 +364,25 @@ class DeltaNet(Mixer):
 
 
 class GatedDeltaNet(Mixer):
+    """Also the mirror of GatedDeltaProduct (n delta steps per token, beta scaled by 2 with
+    negative eigenvalues allowed)."""
+
     def __init__(self, source: pm.GatedDeltaNet):
         super().__init__(source)
         self.H, self.K, self.Vd, self.chunk_size = source.H, source.K, source.Vd, source.chunk_size
+        self.n, self.beta_scale = source.n, source.beta_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        H, K, Vd = self.H, self.K, self.Vd
+        H, K, Vd, n = self.H, self.K, self.Vd, self.n
         q, k, v = self.project_qkv(x)
         g = -torch.exp(self.A_log) * softplus(F.linear(x, self.w_a) + self.dt_bias)
-        beta = torch.sigmoid(F.linear(x, self.w_b))
-        o, _ = pt.gated_delta_rule(q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, Vd), g,
-                                   beta, qk_l2norm=True, chunk_size=self.chunk_size)
+        beta = (self.beta_scale * torch.sigmoid(F.linear(x, self.w_b))).reshape(B, T * n, H)
+        args = (q.reshape(B, T, H, K), k.reshape(B, T * n, H, K), v.reshape(B, T * n, H, Vd), g, beta)
+        if n == 1:
+            o, _ = pt.gated_delta_rule(*args, qk_l2norm=True, chunk_size=self.chunk_size)
+        else:
+            o, _ = pt.gated_delta_product(*args, num_householder=n, qk_l2norm=True, chunk_size=self.chunk_size)
         on = self.o_norm(o, F.linear(x, self.w_g).reshape(B, T, H, Vd))
         return F.linear(on.reshape(B, T, -1), self.w_o)
 
@@ -387,7 +394,8 @@ MIRRORS: Dict[type, Type[Module]] = {
     pm.SoftmaxAttention: SoftmaxAttention, pm.LinearAttention: LinearAttention,
     pm.MultiScaleRetention: MultiScaleRetention, pm.LightningAttention: LightningAttention,
     pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.HGRN2: HGRN2, pm.Mamba2: Mamba2,
-    pm.DeltaNet: DeltaNet, pm.GatedDeltaNet: GatedDeltaNet, pm.MultiHeadLatentAttention: MultiHeadLatentAttention,
+    pm.DeltaNet: DeltaNet, pm.GatedDeltaNet: GatedDeltaNet, pm.GatedDeltaProduct: GatedDeltaNet,
+    pm.MultiHeadLatentAttention: MultiHeadLatentAttention,
     pm.MoBAAttention: MoBAAttention, pm.NativeSparseAttention: NativeSparseAttention,
     pm.DeepSeekSparseAttention: DeepSeekSparseAttention,
 }

@@ -2,7 +2,7 @@
 ``MIXERS`` maps the names HybridLM takes to the classes."""
 from .deltanet import DeltaNet
 from .dsa import DeepSeekSparseAttention
-from .gated_deltanet import GatedDeltaNet
+from .gated_deltanet import GatedDeltaNet, GatedDeltaProduct
 from .gla import GatedLinearAttention
 from .hgrn2 import HGRN2
 from .lightning import LightningAttention
@@ -26,6 +26,7 @@ MIXERS = {
     "mamba2": Mamba2,
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
+    "gated_deltaproduct": GatedDeltaProduct,
     "mla": MultiHeadLatentAttention,
     "moba": MoBAAttention,
     "nsa": NativeSparseAttention,
