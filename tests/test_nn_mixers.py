@@ -103,6 +103,19 @@ def literal(name, p, x):
         g = -np.logaddexp(0, -proj["f"])
         o, _ = ref.gla(heads(silu(proj["q"]), H), heads(1 - np.exp(g), H), heads(proj["i"], H), heads(g, H))
         return rmsnorm(flat(o), p["o_norm.w"]) @ p["w_o"].T
+    if name == "rwkv6":  # token shift, five low-rank interpolations, GroupNorm per head
+        prev = np.concatenate([np.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+        delta = prev - x
+        r = p["w_x1"].shape[0] // 5
+        t1 = np.tanh((x + delta * p["mu_x"]) @ p["w_x1"].T).reshape(B, T, 5, r)
+        mus = [t1[:, :, i] @ p["w_x2"].reshape(D, 5, r)[:, i].T + p["x_bias"][i] for i in range(5)]
+        rr, w, k, v, g = (x + delta * m for m in mus)
+        w = -np.exp(np.tanh(w @ p["w_w1"].T) @ p["w_w2"].T + p["b_w2"])
+        o, _ = ref.rwkv6(heads(rr @ p["w_r"].T, H), heads(k @ p["w_k"].T, H), heads(v @ p["w_v"].T, H),
+                         heads(w, H), p["u"], scale=1.0)
+        oh = flat(o).reshape(B, T, H, -1)
+        gn = (oh - oh.mean(-1, keepdims=True)) / np.sqrt(oh.var(-1, keepdims=True) + 1e-5)
+        return (flat(gn) * p["g_norm.w"] + p["g_norm.b"]) * silu(g @ p["w_g"].T) @ p["w_o"].T
     if name == "mamba2":
         xs = short_conv(proj["x"], p["conv_x.w"], p["conv_x.b"])
         Bm = short_conv(proj["B"], p["conv_B.w"], p["conv_B.b"])
@@ -133,3 +146,36 @@ def test_mixer_is_its_published_layer(rng, name):
         p += rng.standard_normal(p.shape) * 0.1
     x = rng.standard_normal((B, T, D))
     assert_close(mixer.forward(x), literal(name, dict(mixer.params), x))
+
+
+@pytest.mark.parametrize("name", ["rwkv6", "hgrn2", "gated_deltaproduct"])
+def test_mixer_backward_away_from_its_initialisation(rng, name):
+    """dx and every parameter's gradient against central differences (float64) with every
+    parameter moved away from its initial value (zero interpolation weights, bonus and
+    biases would hide the terms they multiply)."""
+    mixer = MIXERS[name](D, H, dtype=np.float64, rng=rng, out_std=0.5)
+    for p in mixer.params.values():
+        p += rng.standard_normal(p.shape) * 0.3
+    x = rng.standard_normal((B, T, D))
+    cot = rng.standard_normal((B, T, D))
+    mixer.forward(x)
+    mixer.zero_grad()
+    dx = mixer.backward(cot)
+    grads = mixer.grads
+    eps = 1e-6
+
+    def loss():
+        return float(np.sum(mixer.forward(x) * cot))
+
+    targets = [("x", x, dx)] + [(n, p, grads[n]) for n, p in mixer.params.items()]
+    for label, arr, g in targets:
+        for _ in range(4):
+            i = tuple(int(rng.integers(0, s)) for s in arr.shape)
+            old = arr[i]
+            arr[i] = old + eps
+            up = loss()
+            arr[i] = old - eps
+            down = loss()
+            arr[i] = old
+            fd = (up - down) / (2 * eps)
+            assert abs(fd - g[i]) <= 1e-8 + 1e-5 * abs(fd), (label, i, fd, g[i])

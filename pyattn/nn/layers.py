@@ -272,6 +272,34 @@ class RMSNorm(Module):
         return dx, dgate
 
 
+class GroupNorm(Module):
+    """fla's GroupNorm (RWKV-6's output norm): the last axis split into ``groups`` equal parts,
+    each normalised to zero mean and unit variance (``eps`` inside the square root), then
+    ``* w + b`` over the whole axis (w ones, b zeros at the start)."""
+
+    def __init__(self, d: int, groups: int, *, dtype, eps: float = 1e-5):
+        super().__init__(dtype)
+        self.w = self.add_param("w", np.ones(d))
+        self.b = self.add_param("b", np.zeros(d))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        xs = x.reshape(x.shape[:-1] + (self.groups, -1))
+        centred = xs - xs.mean(axis=-1, keepdims=True)
+        self.rstd = 1 / np.sqrt(np.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        self.xhat = (centred * self.rstd).reshape(x.shape)
+        return self.xhat * self.w + self.b
+
+    def backward(self, dy: np.ndarray) -> np.ndarray:
+        self.g["w"] += rowdot_sum(dy, self.xhat)
+        self.g["b"] += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+        shape = dy.shape[:-1] + (self.groups, -1)
+        dxhat, xhat = (dy * self.w).reshape(shape), self.xhat.reshape(shape)
+        dx = self.rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                          - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))
+        return dx.reshape(dy.shape)
+
+
 class SwiGLU(Module):
     """The gated MLP of Llama: ``y = (silu(x w_gate^T) * (x w_up^T)) w_down^T``."""
 

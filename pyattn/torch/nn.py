@@ -334,6 +334,37 @@ class HGRN2(Mixer):
         return F.linear(self.o_norm(o.reshape(B, T, -1)), self.w_o)
 
 
+class GroupNorm(Module):
+    def __init__(self, source: pl.GroupNorm):
+        super().__init__(source)
+        self.groups, self.eps = source.groups, source.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xs = x.reshape(x.shape[:-1] + (self.groups, -1))
+        xs = (xs - xs.mean(-1, keepdim=True)) * torch.rsqrt(xs.var(-1, unbiased=False, keepdim=True) + self.eps)
+        return xs.reshape(x.shape) * self.w + self.b
+
+
+class RWKV6Attention(Mixer):
+    def __init__(self, source: pm.RWKV6Attention):
+        super().__init__(source)
+        self.H, self.K, self.Vd, self.rank = source.H, source.K, source.Vd, source.rank
+        self.chunk_size = source.chunk_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        H, K, Vd, r = self.H, self.K, self.Vd, self.rank
+        delta = F.pad(x, (0, 0, 1, -1)) - x
+        t1 = torch.tanh(F.linear(x + delta * self.mu_x, self.w_x1)).reshape(B, T, 5, r)
+        mus = torch.einsum("btnr,dnr->btnd", t1, self.w_x2.reshape(d, 5, r)) + self.x_bias
+        rr, w, k, v, g = (x + delta * mus[:, :, i] for i in range(5))
+        w = -torch.exp(F.linear(torch.tanh(F.linear(w, self.w_w1)), self.w_w2) + self.b_w2)
+        o, _ = pt.rwkv6(F.linear(rr, self.w_r).reshape(B, T, H, K), F.linear(k, self.w_k).reshape(B, T, H, K),
+                        F.linear(v, self.w_v).reshape(B, T, H, Vd), w.reshape(B, T, H, K), self.u, scale=1.0,
+                        chunk_size=self.chunk_size)
+        return F.linear(self.g_norm(o.reshape(B, T, -1)) * silu(F.linear(g, self.w_g)), self.w_o)
+
+
 class Mamba2(Mixer):
     def __init__(self, source: pm.Mamba2):
         super().__init__(source)
@@ -390,10 +421,11 @@ class GatedDeltaNet(Mixer):
 # pyattn.nn's class -> its mirror here
 MIRRORS: Dict[type, Type[Module]] = {
     pl.Embedding: Embedding, pl.Linear: Linear, pl.RMSNorm: RMSNorm, pl.SwiGLU: SwiGLU,
-    pl.ShortConv: ShortConv, pmodel.Block: Block,
+    pl.ShortConv: ShortConv, pl.GroupNorm: GroupNorm, pmodel.Block: Block,
     pm.SoftmaxAttention: SoftmaxAttention, pm.LinearAttention: LinearAttention,
     pm.MultiScaleRetention: MultiScaleRetention, pm.LightningAttention: LightningAttention,
     pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.HGRN2: HGRN2, pm.Mamba2: Mamba2,
+    pm.RWKV6Attention: RWKV6Attention,
     pm.DeltaNet: DeltaNet, pm.GatedDeltaNet: GatedDeltaNet, pm.GatedDeltaProduct: GatedDeltaNet,
     pm.MultiHeadLatentAttention: MultiHeadLatentAttention,
     pm.MoBAAttention: MoBAAttention, pm.NativeSparseAttention: NativeSparseAttention,

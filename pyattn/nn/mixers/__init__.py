@@ -12,6 +12,7 @@ from .mla import MultiHeadLatentAttention
 from .moba import MoBAAttention
 from .nsa import NativeSparseAttention
 from .retnet import MultiScaleRetention
+from .rwkv6 import RWKV6Attention
 from .simple_gla import SimpleGLA
 from .softmax import SoftmaxAttention
 
@@ -24,6 +25,7 @@ MIXERS = {
     "gla": GatedLinearAttention,
     "hgrn2": HGRN2,
     "mamba2": Mamba2,
+    "rwkv6": RWKV6Attention,
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
     "gated_deltaproduct": GatedDeltaProduct,

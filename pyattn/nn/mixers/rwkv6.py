@@ -1,0 +1,102 @@
+"""RWKV-6 (Finch; Peng et al. 2024, arXiv 2404.05892) time mixing, after fla's
+``fla/layers/rwkv6.py``."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...rwkv import rwkv6
+from ..layers import (GroupNorm, Mixer, gated_product, gated_product_backward, linear, linear_backward,
+                      normal)
+
+# the five data-dependent interpolations, in fla's order: r, w, k, v, g
+_PARTS = "rwkvg"
+
+
+class RWKV6Attention(Mixer):
+    """Token shift ``delta_t = x_{t-1} - x_t`` (zeros before the first token); five
+    data-dependent interpolation weights ``mu = tanh((x + delta mu_x) w_x1^T) w_x2^T + x_bias``
+    (one low-rank product of rank ``proj_low_rank_dim`` per part); r, k, v, g projections of
+    ``x + delta mu_part``; the decay ``w = -exp(tanh((x + delta mu_w) w_w1^T) w_w2^T + b_w2)``
+    (rank ``gate_low_rank_dim``); ``pyattn.rwkv6(r, k, v, w, u, scale=1)`` with the bonus u
+    ``[H, K]``; the output ``GroupNorm(o) * silu(g)`` (one group per head), then ``w_o``.
+
+    Options: ``expand_k`` (0.5), ``expand_v`` (1), ``proj_low_rank_dim`` (32),
+    ``gate_low_rank_dim`` (64), ``norm_eps`` (1e-5), ``chunk_size`` (64). fla's layer with its
+    defaults; differs from fla in the initialisation (pyattn's normal(0.02) projections and
+    zero mu, x_bias and u, where fla uses Xavier, orthogonal and zero-initialised LoRA weights).
+    """
+
+    def __init__(self, d_model, n_heads, *, dtype, rng, out_std, expand_k=0.5, expand_v=1.0,
+                 proj_low_rank_dim=32, gate_low_rank_dim=64, norm_eps=1e-5, chunk_size=64):
+        super().__init__(dtype)
+        H = n_heads
+        K, Vd = int(d_model * expand_k) // H, int(d_model * expand_v) // H
+        self.H, self.K, self.Vd, self.chunk_size, self.rank = H, K, Vd, chunk_size, proj_low_rank_dim
+        self.add_param("mu_x", np.zeros(d_model))
+        self.add_param("w_x1", normal(rng, (5 * proj_low_rank_dim, d_model)))
+        self.add_param("w_x2", normal(rng, (d_model, 5 * proj_low_rank_dim)))
+        self.add_param("x_bias", np.zeros((5, d_model)))
+        for name, width in (("w_r", H * K), ("w_k", H * K), ("w_v", H * Vd), ("w_g", H * Vd),
+                            ("w_w1", gate_low_rank_dim)):
+            self.add_param(name, normal(rng, (width, d_model)))
+        self.add_param("w_w2", normal(rng, (H * K, gate_low_rank_dim)))
+        self.add_param("b_w2", np.zeros(H * K))
+        self.add_param("u", np.zeros((H, K)))
+        self.add_param("w_o", normal(rng, (d_model, H * Vd), out_std))
+        self.g_norm = self.add_module("g_norm", GroupNorm(H * Vd, H, dtype=dtype, eps=norm_eps))
+
+    def new_cache(self, batch, max_len):
+        """The recurrent state and the last token (the next one's shift)."""
+        return {"state": None, "prev": np.zeros((batch, self.p["mu_x"].shape[0]), self.dtype)}
+
+    def _mix(self, x, cache, pos):
+        B, T, d = x.shape
+        H, K, Vd, r = self.H, self.K, self.Vd, self.rank
+        shifted = np.empty_like(x)
+        shifted[:, 1:] = x[:, :-1]
+        shifted[:, 0] = 0 if cache is None else cache["prev"]
+        if cache is not None:
+            cache["prev"] = x[:, -1].copy()
+        delta = shifted - x
+        xx = x + delta * self.p["mu_x"]
+        t1 = np.tanh(linear(xx, self.p["w_x1"])).reshape(B, T, 5, r)
+        mus = np.einsum("btnr,dnr->btnd", t1, self.p["w_x2"].reshape(d, 5, r)) + self.p["x_bias"]
+        inp = {c: x + delta * mus[:, :, i] for i, c in enumerate(_PARTS)}
+        lw = np.tanh(self.proj(inp["w"], "w_w1"))
+        w = -np.exp(linear(lw, self.p["w_w2"]) + self.p["b_w2"]).reshape(B, T, H, K)
+        rr, k = (self.proj(inp[c], "w_" + c).reshape(B, T, H, K) for c in "rk")
+        v = self.proj(inp["v"], "w_v").reshape(B, T, H, Vd)
+        o = self.run_op(rwkv6, (rr, k, v, w, self.p["u"]), dict(scale=1.0, chunk_size=self.chunk_size), cache)
+        gpre = self.proj(inp["g"], "w_g")
+        normed = self.g_norm.forward(o.reshape(B, T, H * Vd))
+        on, sg = gated_product(gpre, normed)
+        self.saved = (x, delta, xx, t1, mus, inp, lw, w, gpre, normed, sg, on)
+        return linear(on, self.p["w_o"])
+
+    def backward(self, dy):
+        x, delta, xx, t1, mus, inp, lw, w, gpre, normed, sg, on = self.saved
+        B, T, d = x.shape
+        r = self.rank
+        don = self.proj_backward(dy, on, "w_o")
+        dgpre, dnormed = gated_product_backward(don, gpre, normed, sg)
+        gr = self.pullback(self.g_norm.backward(dnormed).reshape(B, T, self.H, self.Vd))
+        self.g["u"] += gr["u"]
+        dinp = {c: self.proj_backward(gr[c].reshape(B, T, -1), inp[c], "w_" + c) for c in "rkv"}
+        dinp["g"] = self.proj_backward(dgpre, inp["g"], "w_g")
+        dwpre = (gr["w"] * w).reshape(B, T, -1)  # d(-exp(a))/da = -exp(a) = w
+        self.g["b_w2"] += dwpre.sum(axis=(0, 1))
+        dlw = linear_backward(dwpre, lw, self.p["w_w2"], self.g["w_w2"]) * (1 - lw * lw)
+        dinp["w"] = self.proj_backward(dlw, inp["w"], "w_w1")
+        dx = sum(dinp.values())
+        dmus = np.stack([dinp[c] * delta for c in _PARTS], axis=2)
+        ddelta = sum(dinp[c] * mus[:, :, i] for i, c in enumerate(_PARTS))
+        self.g["x_bias"] += dmus.sum(axis=(0, 1))
+        self.g["w_x2"] += np.einsum("btnd,btnr->dnr", dmus, t1).reshape(d, 5 * r)
+        dt1 = np.einsum("btnd,dnr->btnr", dmus, self.p["w_x2"].reshape(d, 5, r)) * (1 - t1 * t1)
+        dxx = linear_backward(dt1.reshape(B, T, 5 * r), xx, self.p["w_x1"], self.g["w_x1"])
+        self.g["mu_x"] += np.einsum("btd,btd->d", dxx, delta)
+        dx += dxx
+        ddelta += dxx * self.p["mu_x"]
+        dx -= ddelta  # delta = shift(x) - x
+        dx[:, :-1] += ddelta[:, 1:]
+        return dx
