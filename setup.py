@@ -26,6 +26,7 @@ SOURCES = [
     "csrc/bind/feature_maps.c",
     "csrc/bind/linear.c",
     "csrc/bind/delta.c",
+    "csrc/bind/dplr.c",
     "csrc/bind/nn.c",
     "csrc/bind/runtime.c",
     "csrc/array_cache.c",

@@ -11,6 +11,7 @@
 #include "../ops/linear_engine.h"
 #include "../ops/linear_attn.c"
 #include "../ops/delta_rule.c"
+#include "../ops/dplr.c"
 #include "../ops/pointwise.c"
 
 static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, const void *A,
@@ -46,6 +47,8 @@ const pa_kernels PA_FN(pa_kernels) = {
     .linear_backward = PA_FN(linear_backward),
     .delta_forward = PA_FN(delta_forward),
     .delta_backward = PA_FN(delta_backward),
+    .dplr_forward = PA_FN(dplr_forward),
+    .dplr_backward = PA_FN(dplr_backward),
     .efficient_forward = PA_FN(efficient_forward),
     .efficient_backward = PA_FN(efficient_backward),
     .silu_forward = PA_FN(silu_forward),
