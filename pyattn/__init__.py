@@ -10,6 +10,7 @@ from . import _core, _ops, _runtime, data, kvcache, reference, testing
 from .autodiff import vjp
 from .delta import delta_rule, gated_delta_rule
 from .delta_product import gated_delta_product
+from .dplr import dplr_delta_rule, rwkv7
 from .feature_maps import feature_map
 from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
@@ -36,6 +37,7 @@ __all__ = [
     "build_info",
     "data",
     "delta_rule",
+    "dplr_delta_rule",
     "dsa_attention",
     "dsa_index_scores",
     "dsa_index_target",
@@ -63,6 +65,7 @@ __all__ = [
     "retention",
     "rope",
     "rwkv6",
+    "rwkv7",
     "simple_gla",
     "testing",
     "set_num_threads",

@@ -112,6 +112,27 @@ def _rwkv6_example(rng, dtype=np.float64, tiny=False):
     return (r, k, v, w, u), dict(initial_state=_state(rng, dtype, r, v), output_final_state=True)
 
 
+def _dplr_arrays(rng, dtype, tiny):
+    """q, k, v, a, b, gk of a stable DPLR call: RWKV-7's a = -kappa, b = kappa * lr with kappa a
+    unit vector and lr in (0, 1), so every transition is a contraction."""
+    q, k, v = _qkv(rng, dtype, tiny)
+    kappa = rng.standard_normal(q.shape)
+    kappa /= np.linalg.norm(kappa, axis=-1, keepdims=True)
+    lr = rng.uniform(0.1, 1.0, q.shape)
+    gk = -rng.uniform(0.0, 1.0, q.shape).astype(dtype)
+    return q, k, v, (-kappa).astype(dtype), (kappa * lr).astype(dtype), gk
+
+
+def _dplr_example(rng, dtype=np.float64, tiny=False):
+    q, k, v, a, b, gk = _dplr_arrays(rng, dtype, tiny)
+    return (q, k, v, a, b, gk), dict(initial_state=_state(rng, dtype, q, v), output_final_state=True)
+
+
+def _rwkv7_example(rng, dtype=np.float64, tiny=False):
+    r, k, v, a, b, w = _dplr_arrays(rng, dtype, tiny)
+    return (r, w, k, v, a, b), dict(initial_state=_state(rng, dtype, r, v), output_final_state=True)
+
+
 def _mamba2_example(rng, dtype=np.float64, tiny=False):
     Bsz, T, H, G, P, N = (1, 7, 2, 1, 3, 2) if tiny else (2, 150, 4, 2, 12, 16)
     x = rng.standard_normal((Bsz, T, H, P)).astype(dtype)
@@ -296,7 +317,7 @@ def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tup
 
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, merge_attention_states, softmax_attention
-    from . import delta, delta_product, linear, rwkv
+    from . import delta, delta_product, dplr, linear, rwkv
     from .feature_maps import feature_map
     from .mla import FORMS as MLA_FORMS, mla_attention
     from .rope import rope
@@ -436,6 +457,25 @@ def build_ops() -> Dict[str, OpInfo]:
             description="Gated DeltaProduct: num_householder delta-rule steps per token after one "
                         "decay, on the delta-rule engine",
         ),
+        **{
+            name: OpInfo(
+                name=name,
+                fn=getattr(dplr, name),
+                forms=dplr.FORMS,
+                arrays=arrays,
+                differentiable=arrays + ("initial_state",),
+                has_state=True,
+                chunked=True,
+                example=example,
+                description=description,
+            )
+            for name, arrays, example, description in [
+                ("dplr_delta_rule", ("q", "k", "v", "a", "b", "gk"), _dplr_example,
+                 "the diagonal-plus-low-rank delta rule: a vector decay and a rank-one update"),
+                ("rwkv7", ("r", "w", "k", "v", "a", "b"), _rwkv7_example,
+                 "RWKV-7: the DPLR delta rule with the receptance r and the decay w"),
+            ]
+        },
         "efficient_attention": OpInfo(
             name="efficient_attention",
             fn=linear.efficient_attention,

@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 # ops returning (o, final_state or None)
 STATE_OPS = frozenset({"linear_attention", "retention", "lightning_attention", "simple_gla", "gla", "mamba2",
                        "delta_rule", "gated_delta_rule", "rwkv6",
-                       "gated_delta_product"})
+                       "gated_delta_product", "dplr_delta_rule", "rwkv7"})
 # ops returning o, then each further output its flag asks for (a tuple only when one does)
 FLAGGED = {"softmax_attention": (("lse", "return_lse"),),
            "attention_with_kvcache": (("lse", "return_lse"), ("colsum", "return_colsum"))}

@@ -615,6 +615,35 @@ def delta_rule(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state=None
 # rotary embedding
 
 
+def dplr_delta_rule(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, form=None, chunk_size=None):
+    """The DPLR delta rule: ``S_t = (diag(exp(gk_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``; q, k, a, b, gk ``[B, T, H, K]``, v ``[B, T, H, V]``."""
+    q, k, v, a, b, gk = _f64(q, k, v, a, b, gk)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), H, K, V)
+    o = np.zeros((B, T, H, V))
+    for n, (bi, start, end) in enumerate(seqs):
+        for h in range(H):
+            S = states[n, h]
+            for t in range(start, end):
+                transition = np.diag(np.exp(gk[bi, t, h])) + np.outer(b[bi, t, h], a[bi, t, h])
+                S = transition @ S + np.outer(k[bi, t, h], v[bi, t, h])
+                o[bi, t, h] = S.T @ (scale * q[bi, t, h])
+            states[n, h] = S
+    return o, (states if output_final_state else None)
+
+
+def rwkv7(r, w, k, v, a, b, *, scale=1.0, initial_state=None, output_final_state=False,
+          cu_seqlens=None, form=None, chunk_size=None):
+    """RWKV-7: ``dplr_delta_rule`` with the receptance r as the query and w as the log decay."""
+    return dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
 def rope(x, positions, theta=10000.0):
     """Loop over (batch, time, head, pair): feature i and feature i + D/2 rotated by the angle
     p theta^(-2i/D), p the position of the token."""
