@@ -175,6 +175,23 @@ def delta_backward(
     in place. dht None means a zero cotangent; states what delta_forward kept (FORM_CHUNK), or
     None to recompute them. Other arguments as delta_forward."""
 
+def dplr_forward(
+    q: _Float, k: _Float, v: _Float, a: _Float, b: _Float, gk: _Float, h0: Optional[_Float],
+    o: _Float, ht: Optional[_Float], cu: _Int64, form: int, chunk: int, scale: float, /,
+) -> None:
+    """The DPLR delta rule: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in place.
+    q, k, a, b, gk [B, T, H, K] (gk the log decay per key channel); v [B, T, H, V]; h0 None or
+    [N, H, K, V]; cu the int64 sequence offsets [N + 1]; form FORM_RECURRENT (the only one)."""
+
+def dplr_backward(
+    q: _Float, k: _Float, v: _Float, a: _Float, b: _Float, gk: _Float, h0: Optional[_Float],
+    do: _Float, dht: Optional[_Float], dq: _Float, dk: _Float, dv: _Float, da: _Float,
+    db: _Float, dgk: _Float, dh0: Optional[_Float], cu: _Int64, form: int, chunk: int,
+    scale: float, /,
+) -> None:
+    """Writes dq, dk, dv, da, db, dgk (and dh0 when given) in place. dht None means a zero
+    cotangent. Other arguments as dplr_forward."""
+
 def efficient_forward(q: _Float, k: _Float, v: _Float, o: _Float, cu_q: _Int64,
                       cu_k: _Int64, scale: float, /) -> None:
     """Efficient attention: writes o [B, Tq, H, V] in place; q [B, Tq, H, K], k [B, Tk, H, K],

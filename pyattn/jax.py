@@ -407,6 +407,22 @@ def rwkv6(r: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, u: ArrayLike, 
     return _call("rwkv6", locals())
 
 
+def dplr_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, a: ArrayLike, b: ArrayLike, gk: ArrayLike, *,
+                    scale: Optional[float] = None, initial_state: Optional[ArrayLike] = None,
+                    output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None,
+                    form: Literal["recurrent"] = "recurrent", chunk_size: _ChunkSize = 64) -> _WithState:
+    """``pyattn.dplr_delta_rule`` on jax arrays: (o, final_state or None)."""
+    return _call("dplr_delta_rule", locals())
+
+
+def rwkv7(r: ArrayLike, w: ArrayLike, k: ArrayLike, v: ArrayLike, a: ArrayLike, b: ArrayLike, *,
+          scale: Optional[float] = 1.0, initial_state: Optional[ArrayLike] = None,
+          output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None,
+          form: Literal["recurrent"] = "recurrent", chunk_size: _ChunkSize = 64) -> _WithState:
+    """``pyattn.rwkv7`` on jax arrays: (o, final_state or None)."""
+    return _call("rwkv7", locals())
+
+
 def efficient_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: Optional[float] = None,
                         cu_seqlens: Optional[ArrayLike] = None, form: Literal["parallel"] = "parallel") -> Array:
     """``pyattn.efficient_attention`` on jax arrays."""

@@ -122,6 +122,25 @@ def _w_u(inp):
     return (w, u), {}, (w, u), {}
 
 
+def _a_b_gk(inp):
+    """The DPLR delta rule's a = -kappa, b = kappa lr (kappa a unit vector, lr in (0, 1): a
+    contraction, as RWKV-7 builds them) and gk [B, T, H, K]."""
+    kappa = inp.randn(inp.B, inp.T, H, K)
+    kappa /= np.linalg.norm(kappa, axis=-1, keepdims=True)
+    a, b, gk = -kappa, kappa * inp.sig(H, K), inp.logsig(H, K)
+    return (a, b, gk), {}, (a, b, gk), {}
+
+
+def _rwkv7(inp):
+    """fused_recurrent_rwkv7(r, w, k, v, a, b): the oracle's rwkv7 in fla's argument order."""
+    r, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
+    (a, b, w), _, _, _ = _a_b_gk(inp)
+    expected = ref.rwkv7(r, w, k, v, a, b, scale=K ** -0.5, initial_state=h0, output_final_state=True,
+                         cu_seqlens=inp.cu_np())
+    return ("fused_recurrent_rwkv7", tuple(_t(r, w, k, v, a, b)),
+            dict(initial_state=tensor(h0), cu_seqlens=inp.cu), expected)
+
+
 def _gv_only(inp):
     gv = inp.logsig(H, V)
     return (), {"gv": gv}, (np.zeros((inp.B, inp.T, H, K)),), {"gv": gv}
@@ -309,6 +328,9 @@ CASES = {
     "fused_recurrent_gla-no-gate": _linear_case("fused_recurrent_gla", _no_gate, ref.linear_attention),
     "chunk_rwkv6": _linear_case("chunk_rwkv6", _w_u, ref.rwkv6, {"chunk_size": 16}),
     "fused_recurrent_rwkv6": _linear_case("fused_recurrent_rwkv6", _w_u, ref.rwkv6),
+    "fused_recurrent_dplr_delta_rule": _linear_case("fused_recurrent_dplr_delta_rule", _a_b_gk,
+                                                    ref.dplr_delta_rule),
+    "fused_recurrent_rwkv7": _rwkv7,
     "chunk_retention": _linear_case("chunk_retention", _no_gate, ref.retention, {"chunk_size": 32}),
     "fused_chunk_retention": _linear_case("fused_chunk_retention", _no_gate, ref.retention),
     "fused_recurrent_retention": _linear_case("fused_recurrent_retention", _no_gate, ref.retention),
@@ -660,6 +682,8 @@ FLA_PARAMETERS = {
                                         "use_beta_sigmoid_in_kernel allow_neg_eigval state_v_first cu_seqlens",
     "chunk_rwkv6": "r k v w u scale initial_state output_final_state cu_seqlens cu_seqlens_cpu",
     "fused_recurrent_rwkv6": "r k v w u scale initial_state output_final_state reverse cu_seqlens",
+    "fused_recurrent_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state reverse cu_seqlens",
+    "fused_recurrent_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
     "chunk_gated_delta_product": "q k v g beta num_householder scale initial_state output_final_state "
                                  "use_qk_l2norm_in_kernel cu_seqlens cu_seqlens_cpu",
     "parallel_attn": "q k v g scale window_size cu_seqlens chunk_indices",
@@ -687,7 +711,9 @@ def test_every_entry_point_has_fla_s_parameters():
                 assert defaults[flag] is None, (name, flag)
         for flag in ("output_final_state", "reverse", "state_v_first", "head_first", "use_qk_l2norm_in_kernel"):
             if flag in defaults:
-                assert defaults[flag] is False, (name, flag)
+                # fla's fused_recurrent_rwkv7 returns the final state by default
+                want = name == "fused_recurrent_rwkv7" and flag == "output_final_state"
+                assert defaults[flag] is want, (name, flag)
     assert inspect.signature(fla.chunk_linear_attn).parameters["normalize"].default is True
     assert inspect.signature(fla.fused_recurrent_linear_attn).parameters["normalize"].default is False
     assert inspect.signature(fla.parallel_nsa).parameters["window_size"].default == 0

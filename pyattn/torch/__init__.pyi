@@ -81,6 +81,20 @@ def rwkv6(
     chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
 
+def dplr_delta_rule(
+    q: _TensorLike, k: _TensorLike, v: _TensorLike, a: _TensorLike, b: _TensorLike,
+    gk: _TensorLike, *, scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[_TensorLike] = ...,
+    form: Literal["recurrent"] = ..., chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
+
+def rwkv7(
+    r: _TensorLike, w: _TensorLike, k: _TensorLike, v: _TensorLike, a: _TensorLike,
+    b: _TensorLike, *, scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[_TensorLike] = ...,
+    form: Literal["recurrent"] = ..., chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
+
 def gla(
     q: _TensorLike, k: _TensorLike, v: _TensorLike, g: _TensorLike, *,
     gv: Optional[_TensorLike] = ..., scale: Optional[float] = ...,

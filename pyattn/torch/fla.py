@@ -47,6 +47,7 @@ __all__ = [
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
     "chunk_gated_delta_product",
+    "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7",
     "parallel_attn", "parallel_nsa", "parallel_moba",
 ]
 
@@ -611,6 +612,34 @@ def chunk_gated_delta_product(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tenso
                                     initial_state=_state_in(initial_state, False, dtype),
                                     output_final_state=output_final_state, cu_seqlens=_cu(cu_seqlens))
     return o.to(out_dtype), ht
+
+
+# ------------------------------------------------------------------------------------------
+# the DPLR delta rule and RWKV-7 (pyattn has their recurrent form only, so no chunk_* entries)
+
+
+def fused_recurrent_dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
+                                    scale: Optional[float] = None, initial_state: State = None,
+                                    output_final_state: bool = False, reverse: bool = False,
+                                    cu_seqlens: Optional[torch.LongTensor] = None) -> Tuple[Tensor, State]:
+    """fla.ops.generalized_delta_rule.fused_recurrent_dplr_delta_rule:
+    ``pyattn.torch.dplr_delta_rule(form="recurrent")``, a, b, gk ``[B, T, H, K]`` (gk the log
+    decay per key channel); ``reverse=True`` runs every sequence backwards. Differentiable."""
+    _check_cu_batch("fused_recurrent_dplr_delta_rule", q, cu_seqlens)
+    return _run(_pt.dplr_delta_rule, q, k, v, gates=[("a", a), ("b", b), ("gk", gk)], scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                form="recurrent", chunk_size=None, reverse=reverse)
+
+
+def fused_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
+                          scale: Optional[float] = None, initial_state: State = None,
+                          output_final_state: bool = True,
+                          cu_seqlens: Optional[torch.LongTensor] = None) -> Tuple[Tensor, State]:
+    """fla.ops.rwkv7.fused_recurrent_rwkv7: ``fused_recurrent_dplr_delta_rule`` with q = r and
+    gk = w, as fla defines it (scale None is ``K ** -0.5``; the final state is returned by
+    default)."""
+    return fused_recurrent_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
+                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 # ------------------------------------------------------------------------------------------
