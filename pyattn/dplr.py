@@ -53,9 +53,8 @@ def _engine(fn, names, arrays, scale, initial_state, output_final_state, cu_seql
     V.ndim(fn, qn, q, 4, "[B, T, H, K]")
     V.ndim(fn, vn, v, 4, "[B, T, H, V]")
     B, T, H, K = q.shape
-    for name, x in zip(names[1:], (k, a, b, gk)):
-        if name != vn:
-            V.shape(fn, name, x, q.shape, "[B, T, H, K]")
+    for i, x in ((1, k), (3, a), (4, b), (5, gk)):
+        V.shape(fn, names[i], x, q.shape, "[B, T, H, K]")
     V.shape(fn, vn, v, (B, T, H, v.shape[3]), "[B, T, H, V]")
     if K < 1 or v.shape[3] < 1:
         raise ValueError(f"{fn}(): head dims must be >= 1, got K={K}, V={v.shape[3]}")
