@@ -69,6 +69,17 @@ typedef struct {
     const real *E0;      /* vector, factored: D, e^G_0 */
 } PA_FN(la_side);
 
+/* The buffers of the gated Gram and the triangular products with a side (la_gram, la_apply)
+ * over blocks of up to L rows of D columns, apart from any engine's scratch so that the
+ * delta-rule engine's blocks use the same products. */
+typedef struct {
+    real *Tm, *U;   /* L x D each: rows rescaled to a common row */
+    real *M;        /* L x L: a scalar side's mask applied (la_masked) */
+    real *Bp;       /* one operand packed once for the row-block products: L x max(L, D) */
+    int64_t *rows;  /* L: the non-finite rows of a triangular product's operand */
+    real *work;     /* GEMM packing */
+} PA_FN(la_bufs);
+
 /* Per-thread scratch of the chunk form for blocks of up to L rows. */
 typedef struct {
     int64_t L;
@@ -77,28 +88,26 @@ typedef struct {
     double *Gs;           /* 2 x L: a scalar gate's cumulative sums, hi then lo parts */
     double *acc;          /* 4 x (K + V): the gate gradients' boundary terms (start, end), then
                            * the cumulative gates' running hi, lo sums */
-    int64_t *rows;        /* L: the non-finite rows of a triangular product's operand */
     real *Gk2, *Gv2, *Dm2; /* as Gk, Gv, Dm: the sides of ke, ve */
     double *Gs2;          /* as Gs, for ke */
     int ends;             /* the block has a NaN gate: ke, ve below serve the products that
                            * look forward (la_block) */
     PA_FN(la_side) ke, ve;
-    real *X, *Y, *Tm, *U; /* L x W each */
-    real *A, *B, *M;      /* L x L each */
+    real *X, *Y;          /* L x W each */
+    real *A, *B;          /* L x L each */
+    PA_FN(la_bufs) bufs;  /* the Grams' and triangular products' (Tm, U: L x W; M: L x L) */
     real *S, *dS;         /* K x V each */
     real *deck, *decv;    /* K, V: a block's total decays */
     real *states;         /* backward: the state entering each piece, then the final one */
     real *Vb;             /* L x V: a block's value rows times their scales (la_block) */
     const real *vb;       /* the block's value rows as the products read them: v's, or Vb */
     int64_t ldv;
-    real *Bp;             /* one operand packed once for the row-block products */
-    int vb_packed;        /* Bp holds the block's value rows packed (la_block_output): the
+    int vb_packed;        /* bufs.Bp holds the block's value rows packed (la_block_output): the
                            * state product reads them there */
     real *Kf;             /* L x K: k times a factored key gate's factors to the block's end,
                            * made beside the Gram's copy of k (la_block_output) */
     int kf_ready;         /* Kf holds this block's rows: the state product reads them */
     real *Rc;             /* L x W: rows made contiguous for two products (la_rows_contiguous) */
-    real *work;           /* GEMM packing */
     void *block;
 } PA_FN(la_scratch);
 
@@ -120,11 +129,11 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       L * W * r};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
-                            (void **)&s->Y, (void **)&s->Tm, (void **)&s->U, (void **)&s->A,
-                            (void **)&s->B, (void **)&s->M, (void **)&s->S, (void **)&s->dS,
+                            (void **)&s->Y, (void **)&s->bufs.Tm, (void **)&s->bufs.U, (void **)&s->A,
+                            (void **)&s->B, (void **)&s->bufs.M, (void **)&s->S, (void **)&s->dS,
                             (void **)&s->deck, (void **)&s->decv,
-                            (void **)&s->states, (void **)&s->Bp, (void **)&s->work, (void **)&s->Gs,
-                            (void **)&s->acc, (void **)&s->rows, (void **)&s->Gk2,
+                            (void **)&s->states, (void **)&s->bufs.Bp, (void **)&s->bufs.work, (void **)&s->Gs,
+                            (void **)&s->acc, (void **)&s->bufs.rows, (void **)&s->Gk2,
                             (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2, (void **)&s->Vb,
                             (void **)&s->Kf, (void **)&s->Rc};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
@@ -255,9 +264,9 @@ static void PA_FN(la_rows_times)(const PA_FN(la_side) *in, const PA_FN(la_side) 
         lda = in->D;
     }
     const int staged = out->kind == PA_GATE_VECTOR;
-    real *C = staged ? sc->Tm : Z;
+    real *C = staged ? sc->bufs.Tm : Z;
     const int64_t ldc = staged ? out->D : ldz;
-    PA_FN(gemm)(L, out->D, in->D, alpha, A, lda, 1, M, rsm, csm, 0, C, ldc, sc->work);
+    PA_FN(gemm)(L, out->D, in->D, alpha, A, lda, 1, M, rsm, csm, 0, C, ldc, sc->bufs.work);
     if (!staged && in->kind != PA_GATE_SCALAR && out->kind != PA_GATE_SCALAR) return;
     for (int64_t i = 0; i < L; i++)
         PA_FN(la_side_row)(out, L, to_end, i, Z + i * ldz, C + i * ldc,
@@ -341,7 +350,7 @@ static void PA_FN(la_repack_row)(real *Bp, int64_t L, int64_t D, const real *U, 
 }
 
 /* Z (rows of ldz) = beta Z + alpha W U over the triangle of W: rows i of W up to i
- * (trans = 0, W lower), or W^T, rows j from j (trans = 1); U is L x D, packed here into sc->Bp.
+ * (trans = 0, W lower), or W^T, rows j from j (trans = 1); U is L x D, packed here into bufs->Bp.
  * A row block's GEMM also multiplies the zeros above the diagonal of its diagonal block, and
  * 0 * NaN or 0 * inf would carry a non-finite row of U to the rows that cannot see it. So the
  * packing looks for non-finite rows (one pass over U), and a block that meets one inside its
@@ -350,29 +359,29 @@ static void PA_FN(la_repack_row)(real *Bp, int64_t L, int64_t D, const real *U, 
  * one get the same bits as in a run without it: the zeroed terms are exact zeros either way. */
 static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *W, int trans,
                                   real beta, real *Z, int64_t ldz, const real *U, int64_t ldu,
-                                  PA_FN(la_scratch) *sc)
+                                  PA_FN(la_bufs) *bufs)
 {
-    PA_FN(pack_b)(L, D, U, ldu, 1, sc->Bp);
-    const int64_t nbad = PA_FN(la_nonfinite_rows)(U, ldu, L, D, sc->rows);
+    PA_FN(pack_b)(L, D, U, ldu, 1, bufs->Bp);
+    const int64_t nbad = PA_FN(la_nonfinite_rows)(U, ldu, L, D, bufs->rows);
     int64_t b = 0; /* the first non-finite row not before the block */
     for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
         const int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
-        while (b < nbad && sc->rows[b] < i0) b++;
+        while (b < nbad && bufs->rows[b] < i0) b++;
         /* rows [lo, hi) of U reach rows of the block that cannot see them */
         const int64_t lo = trans ? i0 : i0 + 1, hi = trans ? i1 - 1 : i1;
         int64_t b1 = b;
-        for (; b1 < nbad && sc->rows[b1] < hi; b1++)
-            if (sc->rows[b1] >= lo) PA_FN(la_repack_row)(sc->Bp, L, D, U, ldu, sc->rows[b1], 1);
+        for (; b1 < nbad && bufs->rows[b1] < hi; b1++)
+            if (bufs->rows[b1] >= lo) PA_FN(la_repack_row)(bufs->Bp, L, D, U, ldu, bufs->rows[b1], 1);
         if (trans)
             PA_FN(gemm_packed_b)(i1 - i0, D, L - i0, alpha, W + i0 * L + i0, 1, L,
-                                 sc->Bp + i0 * NR, L * NR, beta, Z + i0 * ldz, ldz, sc->work);
+                                 bufs->Bp + i0 * NR, L * NR, beta, Z + i0 * ldz, ldz, bufs->work);
         else
-            PA_FN(gemm_packed_b)(i1 - i0, D, i1, alpha, W + i0 * L, L, 1, sc->Bp, L * NR, beta,
-                                 Z + i0 * ldz, ldz, sc->work);
+            PA_FN(gemm_packed_b)(i1 - i0, D, i1, alpha, W + i0 * L, L, 1, bufs->Bp, L * NR, beta,
+                                 Z + i0 * ldz, ldz, bufs->work);
         for (int64_t r = b; r < b1; r++) {
-            const int64_t p = sc->rows[r];
+            const int64_t p = bufs->rows[r];
             if (p < lo) continue;
-            PA_FN(la_repack_row)(sc->Bp, L, D, U, ldu, p, 0);
+            PA_FN(la_repack_row)(bufs->Bp, L, D, U, ldu, p, 0);
             /* trans = 0: rows p .. i1-1 see U_p through W_ip; trans = 1: rows i0 .. p through W_pj */
             for (int64_t i = trans ? i0 : p; i < (trans ? p + 1 : i1); i++)
                 PA_FN(axpy)(Z + i * ldz, U + p * ldu, D, alpha * (trans ? W[p * L + i] : W[i * L + p]));
@@ -387,14 +396,14 @@ static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *
  * Y^T is packed once; the row blocks stop at the diagonal. */
 static void PA_FN(la_gram_rows)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
                                 int64_t ldx, const real *Y, int64_t ldy, int strict, real *W,
-                                PA_FN(la_scratch) *sc)
+                                PA_FN(la_bufs) *bufs)
 {
     const int64_t D = s->D;
-    PA_FN(pack_b)(D, L, Y, 1, ldy, sc->Bp);
+    PA_FN(pack_b)(D, L, Y, 1, ldy, bufs->Bp);
     for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
         int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
-        PA_FN(gemm_packed_b)(i1 - i0, i1, D, alpha, X + i0 * ldx, ldx, 1, sc->Bp, D * NR, 0,
-                             W + i0 * L, L, sc->work);
+        PA_FN(gemm_packed_b)(i1 - i0, i1, D, alpha, X + i0 * ldx, ldx, 1, bufs->Bp, D * NR, 0,
+                             W + i0 * L, L, bufs->work);
     }
     for (int64_t i = 0; i < L; i++) {
         real *w = W + i * L;
@@ -406,18 +415,18 @@ static void PA_FN(la_gram_rows)(const PA_FN(la_side) *s, int64_t L, real alpha, 
 
 static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
                            int64_t ldx, const real *Y, int64_t ldy, int strict, real *W,
-                           PA_FN(la_scratch) *sc)
+                           PA_FN(la_bufs) *bufs)
 {
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR || s->Ep) {
         if (s->Ep) {
-            PA_FN(la_rows_mul)(X, ldx, s->Ep, L, D, 0, sc->Tm, D);
-            PA_FN(la_rows_mul)(Y, ldy, s->Em, L, D, 0, sc->U, D);
-            X = sc->Tm;
-            Y = sc->U;
+            PA_FN(la_rows_mul)(X, ldx, s->Ep, L, D, 0, bufs->Tm, D);
+            PA_FN(la_rows_mul)(Y, ldy, s->Em, L, D, 0, bufs->U, D);
+            X = bufs->Tm;
+            Y = bufs->U;
             ldx = ldy = D;
         }
-        PA_FN(la_gram_rows)(s, L, alpha, X, ldx, Y, ldy, strict, W, sc);
+        PA_FN(la_gram_rows)(s, L, alpha, X, ldx, Y, ldy, strict, W, bufs);
         return;
     }
     for (int64_t i0 = 0; i0 < L; i0 += LA_SUB) {
@@ -425,10 +434,10 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
         const real *Gn = s->G + i0 * D;
         if (i0 > 0) { /* rows i0.. against rows ..i0-1, both rescaled to row i0 */
             for (int64_t i = i0; i < i1; i++)
-                PA_FN(la_gated)(sc->Tm + (i - i0) * D, X + i * ldx, s->G + i * D, Gn, s->lo, D, alpha, 0);
+                PA_FN(la_gated)(bufs->Tm + (i - i0) * D, X + i * ldx, s->G + i * D, Gn, s->lo, D, alpha, 0);
             for (int64_t j = 0; j < i0; j++)
-                PA_FN(la_gated)(sc->U + j * D, Y + j * ldy, Gn, s->G + j * D, s->lo, D, 1, 0);
-            PA_FN(gemm)(i1 - i0, i0, D, 1, sc->Tm, D, 1, sc->U, 1, D, 0, W + i0 * L, L, sc->work);
+                PA_FN(la_gated)(bufs->U + j * D, Y + j * ldy, Gn, s->G + j * D, s->lo, D, 1, 0);
+            PA_FN(gemm)(i1 - i0, i0, D, 1, bufs->Tm, D, 1, bufs->U, 1, D, 0, W + i0 * L, L, bufs->work);
         }
         for (int64_t i = i0; i < i1; i++) {
             for (int64_t j = i0; j < i + !strict; j++)
@@ -440,13 +449,13 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
     }
 }
 
-/* The scalar side's mask applied to W (lower triangular), into sc->M; W itself otherwise. */
+/* The scalar side's mask applied to W (lower triangular), into bufs->M; W itself otherwise. */
 static const real *PA_FN(la_masked)(const PA_FN(la_side) *s, int64_t L, const real *W,
-                                    PA_FN(la_scratch) *sc)
+                                    PA_FN(la_bufs) *bufs)
 {
     if (s->kind != PA_GATE_SCALAR) return W;
-    for (int64_t i = 0; i < L * L; i++) sc->M[i] = W[i] * s->Dm[i];
-    return sc->M;
+    for (int64_t i = 0; i < L * L; i++) bufs->M[i] = W[i] * s->Dm[i];
+    return bufs->M;
 }
 
 /* The sub-block form of la_apply for a vector gate that is not factored: across sub-blocks a
@@ -454,7 +463,7 @@ static const real *PA_FN(la_masked)(const PA_FN(la_side) *s, int64_t L, const re
  * 1: its last) sub-block, inside one the sum elementwise. */
 static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
                                 int trans, const real *U, int64_t ldu, real *Z, int64_t ldz,
-                                PA_FN(la_scratch) *sc)
+                                PA_FN(la_bufs) *bufs)
 {
     const int64_t D = s->D, lo = s->lo;
     const real *G = s->G;
@@ -463,20 +472,20 @@ static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, 
         if (!trans && b0 > 0) { /* rows b0.. from rows ..b0-1, both to row b0 */
             const real *Gn = G + b0 * D;
             for (int64_t j = 0; j < b0; j++)
-                PA_FN(la_gated)(sc->U + j * D, U + j * ldu, Gn, G + j * D, lo, D, 1, 0);
-            PA_FN(gemm)(b1 - b0, D, b0, alpha, W + b0 * L, L, 1, sc->U, D, 1, 0, sc->Tm, D,
-                        sc->work);
+                PA_FN(la_gated)(bufs->U + j * D, U + j * ldu, Gn, G + j * D, lo, D, 1, 0);
+            PA_FN(gemm)(b1 - b0, D, b0, alpha, W + b0 * L, L, 1, bufs->U, D, 1, 0, bufs->Tm, D,
+                        bufs->work);
             for (int64_t i = b0; i < b1; i++)
-                PA_FN(la_gated)(Z + i * ldz, sc->Tm + (i - b0) * D, G + i * D, Gn, lo, D, 1, 1);
+                PA_FN(la_gated)(Z + i * ldz, bufs->Tm + (i - b0) * D, G + i * D, Gn, lo, D, 1, 1);
         }
         if (trans && b1 < L) { /* rows b0..b1-1 from rows b1.., both to row b1-1 */
             const real *Gr = G + (b1 - 1) * D;
             for (int64_t i = b1; i < L; i++)
-                PA_FN(la_gated)(sc->U + (i - b1) * D, U + i * ldu, G + i * D, Gr, lo, D, 1, 0);
-            PA_FN(gemm)(b1 - b0, D, L - b1, alpha, W + b1 * L + b0, 1, L, sc->U, D, 1, 0, sc->Tm,
-                        D, sc->work);
+                PA_FN(la_gated)(bufs->U + (i - b1) * D, U + i * ldu, G + i * D, Gr, lo, D, 1, 0);
+            PA_FN(gemm)(b1 - b0, D, L - b1, alpha, W + b1 * L + b0, 1, L, bufs->U, D, 1, 0, bufs->Tm,
+                        D, bufs->work);
             for (int64_t j = b0; j < b1; j++)
-                PA_FN(la_gated)(Z + j * ldz, sc->Tm + (j - b0) * D, Gr, G + j * D, lo, D, 1, 1);
+                PA_FN(la_gated)(Z + j * ldz, bufs->Tm + (j - b0) * D, Gr, G + j * D, lo, D, 1, 1);
         }
         for (int64_t i = b0; i < b1; i++) /* the pairs i >= j inside the sub-block */
             for (int64_t j = b0; j <= i; j++) {
@@ -491,18 +500,18 @@ static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, 
  * Z_j += alpha sum_{i>=j} W_ij e^(G_i - G_j) U_i (trans = 1); Z, U: L x D. */
 static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
                             int trans, const real *U, int64_t ldu, real *Z, int64_t ldz,
-                            PA_FN(la_scratch) *sc)
+                            PA_FN(la_bufs) *bufs)
 {
     const int64_t D = s->D;
     if (s->kind != PA_GATE_VECTOR) {
-        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, sc), trans, 1, Z, ldz, U,
-                              ldu, sc);
+        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, bufs), trans, 1, Z, ldz, U,
+                              ldu, bufs);
     } else if (s->Ep) { /* e^(G_i - G_j) = e^(G_i - G_0) e^(G_0 - G_j): U's side, then Z's */
-        PA_FN(la_rows_mul)(U, ldu, trans ? s->Ep : s->Em, L, D, 0, sc->U, D);
-        PA_FN(la_tri_product)(L, D, alpha, W, trans, 0, sc->Tm, D, sc->U, D, sc);
-        PA_FN(la_rows_mul)(sc->Tm, D, trans ? s->Em : s->Ep, L, D, 1, Z, ldz);
+        PA_FN(la_rows_mul)(U, ldu, trans ? s->Ep : s->Em, L, D, 0, bufs->U, D);
+        PA_FN(la_tri_product)(L, D, alpha, W, trans, 0, bufs->Tm, D, bufs->U, D, bufs);
+        PA_FN(la_rows_mul)(bufs->Tm, D, trans ? s->Em : s->Ep, L, D, 1, Z, ldz);
     } else {
-        PA_FN(la_apply_sub)(s, L, alpha, W, trans, U, ldu, Z, ldz, sc);
+        PA_FN(la_apply_sub)(s, L, alpha, W, trans, U, ldu, Z, ldz, bufs);
     }
 }
 
@@ -723,18 +732,18 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
          * state's (X: q to the block's start; Kf: k to its end, for la_block_state) */
         const int64_t K = ks->D;
         const PA_FN(la_side) none = {.kind = PA_GATE_NONE, .D = K};
-        PA_FN(la_factored_rows)(ks, L, 0, q, sq, sc->Tm, sc->X);
-        PA_FN(la_factored_rows)(ks, L, 1, k, sq, sc->U, sc->Kf);
+        PA_FN(la_factored_rows)(ks, L, 0, q, sq, sc->bufs.Tm, sc->X);
+        PA_FN(la_factored_rows)(ks, L, 1, k, sq, sc->bufs.U, sc->Kf);
         sc->kf_ready = 1;
-        PA_FN(la_gram_rows)(ks, L, scale, sc->Tm, K, sc->U, K, 0, sc->A, sc);
+        PA_FN(la_gram_rows)(ks, L, scale, sc->bufs.Tm, K, sc->bufs.U, K, 0, sc->A, &sc->bufs);
         PA_FN(la_rows_times)(&none, vs, L, 0, scale, sc->X, K, S, V, 1, o, sv, sc);
     } else {
         int64_t ldq = sq;
         if (ks->kind != PA_GATE_VECTOR) q = PA_FN(la_rows_contiguous)(q, &ldq, L, ks->D, sc->Rc);
         PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, ldq, S, V, 1, o, sv, sc);
-        PA_FN(la_gram)(ks, L, scale, q, ldq, k, sq, 0, sc->A, sc);
+        PA_FN(la_gram)(ks, L, scale, q, ldq, k, sq, 0, sc->A, &sc->bufs);
     }
-    PA_FN(la_apply)(vs, L, 1, sc->A, 0, sc->vb, sc->ldv, o, sv, sc);
+    PA_FN(la_apply)(vs, L, 1, sc->A, 0, sc->vb, sc->ldv, o, sv, &sc->bufs);
     sc->vb_packed = vs->kind == PA_GATE_NONE; /* la_tri_product's packing, restored whole */
     if (u->has_skip)
         for (int64_t i = 0; i < L; i++) PA_FN(axpy)(o + i * sv, u->v + (c0 + i) * sv, V, u->skip);
@@ -758,11 +767,11 @@ static void PA_FN(la_state_product)(const PA_FN(la_side) *ks, const PA_FN(la_sid
     if (Xf) lda = K;
     const real *A = Xf ? Xf : PA_FN(la_operand)(ks, L, to_end, X, ldx, sc->X, &lda);
     if (Yp) {
-        PA_FN(gemm_packed_b)(K, V, L, alpha, A, 1, lda, Yp, L * NR, 1, S, V, sc->work);
+        PA_FN(gemm_packed_b)(K, V, L, alpha, A, 1, lda, Yp, L * NR, 1, S, V, sc->bufs.work);
         return;
     }
     const real *B = PA_FN(la_operand)(vs, L, to_end, Y, ldy, sc->Y, &ldb);
-    PA_FN(gemm)(K, V, L, alpha, A, 1, lda, B, ldb, 1, 1, S, V, sc->work);
+    PA_FN(gemm)(K, V, L, alpha, A, 1, lda, B, ldb, 1, 1, S, V, sc->bufs.work);
 }
 
 /* S from the block's start to its end. The block's gates must be in the scratch (la_block). */
@@ -772,7 +781,7 @@ static void PA_FN(la_block_state)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
 {
     PA_FN(la_state_product)(ks, vs, L, 1, 1, u->k + c0 * u->sq, u->sq,
                             sc->kf_ready ? sc->Kf : NULL, sc->vb, sc->ldv,
-                            sc->vb_packed ? sc->Bp : NULL, S, sc);
+                            sc->vb_packed ? sc->bufs.Bp : NULL, S, sc);
 }
 
 /* dS from the block's end to its start: decayed, plus (q~ e^Gk)^T (do e^Gv) */
@@ -798,21 +807,21 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
     const real *dout = u->dout + c0 * sv;
     if (vs->kind != PA_GATE_VECTOR) dout = PA_FN(la_rows_contiguous)(dout, &ldo, L, V, sc->Rc);
     real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
-    PA_FN(la_gram)(vs, L, 1, dout, ldo, v, ldv, 1, sc->B, sc);
+    PA_FN(la_gram)(vs, L, 1, dout, ldo, v, ldv, 1, sc->B, &sc->bufs);
     PA_FN(la_rows_times)(vs, ks, L, 0, scale, dout, ldo, S, 1, V, dq, sk, sc);
-    PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sq, dq, sk, sc);
+    PA_FN(la_apply)(ks, L, scale, sc->B, 0, k, sq, dq, sk, &sc->bufs);
     const PA_FN(la_side) *ke = sc->ends ? &sc->ke : ks, *ve = sc->ends ? &sc->ve : vs;
-    if (sc->ends) PA_FN(la_gram)(ve, L, 1, dout, ldo, v, ldv, 1, sc->B, sc);
-    PA_FN(la_gram)(ke, L, scale, q, sq, k, sq, 1, sc->A, sc);
+    if (sc->ends) PA_FN(la_gram)(ve, L, 1, dout, ldo, v, ldv, 1, sc->B, &sc->bufs);
+    PA_FN(la_gram)(ke, L, scale, q, sq, k, sq, 1, sc->A, &sc->bufs);
     PA_FN(la_rows_times)(ve, ke, L, 1, 1, v, ldv, dS, 1, V, dk, sk, sc);
-    PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, sq, dk, sk, sc);
+    PA_FN(la_apply)(ke, L, scale, sc->B, 1, q, sq, dk, sk, &sc->bufs);
     PA_FN(la_rows_times)(ke, ve, L, 1, 1, k, sq, dS, V, 1, dv, sv, sc);
-    PA_FN(la_apply)(ve, L, 1, sc->A, 1, dout, ldo, dv, sv, sc);
+    PA_FN(la_apply)(ve, L, 1, sc->A, 1, dout, ldo, dv, sv, &sc->bufs);
     if (u->dgv) {
         real *oo = u->dgv + c0 * sv;
-        if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 1, sc->A, sc);
+        if (sc->ends) PA_FN(la_gram)(ks, L, scale, q, sq, k, sq, 1, sc->A, &sc->bufs);
         PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, sq, S, V, 1, oo, sv, sc);
-        PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, ldv, oo, sv, sc);
+        PA_FN(la_apply)(vs, L, 1, sc->A, 0, v, ldv, oo, sv, &sc->bufs);
     }
 }
 
@@ -891,7 +900,7 @@ static void PA_FN(la_recurrent_sweep)(const PA_FN(la_unit) *u, int64_t t0, int64
         const real *q = u->q + t * u->sq, *k = u->k + t * u->sq, *v = u->v + t * u->sv;
         const real *prev = t == t0 ? src : S, bt = PA_FN(la_vscale)(u, t);
         PA_FN(la_step_decay)(u, t, sc->deck, sc->decv);
-        real *acc = sc->Tm;
+        real *acc = sc->bufs.Tm;
         for (int64_t j = 0; j < V; j++) acc[j] = 0;
         for (int64_t i = 0; i < K; i++) {
             real *row = S + i * V, a = sc->deck[i], ki = k[i] * bt, qi = scale * q[i];
@@ -1372,6 +1381,33 @@ static int PA_FN(linear_forward)(const pa_linear_desc *d, const void *q, const v
     return PA_FN(la_run)(&c, 0);
 }
 
+/* With groups (H != Hqk) a backward writes each head's dq and dk into a buffer of H heads
+ * ([rows, H, K] each, dq's then dk's; la_group_heads: NULL without groups, and *nomem set
+ * when it cannot be had), then sums the heads of each group into dq and dk [rows, Hqk, K]
+ * (la_sum_groups: a sum of none, zeros, when there are no value heads). */
+static real *PA_FN(la_group_heads)(const pa_linear_desc *d, int *nomem)
+{
+    *nomem = 0;
+    if (d->H == d->Hqk) return NULL;
+    real *heads = pa_alloc(sizeof(real) * (size_t)(2 * d->cu[d->nseq] * d->H * d->K + 1));
+    *nomem = heads == NULL;
+    return heads;
+}
+
+static void PA_FN(la_sum_groups)(const pa_linear_desc *d, const real *heads, real *dq, real *dk)
+{
+    const int64_t rows = d->cu[d->nseq], G = d->H / d->Hqk, K = d->K, nq = rows * d->Hqk * K;
+    real *dst[2] = {dq, dk};
+    const real *src[2] = {heads, heads + rows * d->H * K};
+#pragma omp parallel for num_threads(pa_threads_for((double)rows * d->H * K, rows)) schedule(static)
+    for (int64_t x = 0; x < nq; x += K) /* x: (row, group) at x / K; its G heads in order */
+        for (int w = 0; w < 2; w++) {
+            const real *from = src[w] + x * G;
+            memset(dst[w] + x, 0, sizeof(real) * K);
+            for (int64_t j = 0; j < G; j++) PA_FN(axpy)(dst[w] + x, from + j * K, K, 1);
+        }
+}
+
 static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
                                   const void *v, const void *gk, const void *gv, const void *h0,
                                   const void *beta, const void *skip, const void *dout,
@@ -1379,30 +1415,17 @@ static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const 
                                   void *dv, void *dgk, void *dgv, void *dh0, void *dbeta,
                                   void *dskip)
 {
-    /* with groups, each head's dq and dk go to a buffer of H heads, then summed per group (a
-     * sum of none, zeros, when there are no value heads) */
-    const int grouped = d->H != d->Hqk;
-    const int64_t rows = d->cu[d->nseq], G = grouped ? d->H / d->Hqk : 1, K = d->K;
-    const int64_t nq = rows * d->Hqk * K;
-    real *heads = grouped ? pa_alloc(sizeof(real) * (size_t)(2 * rows * d->H * K + 1)) : NULL;
-    if (grouped && !heads) return PA_ENOMEM;
+    int nomem;
+    real *heads = PA_FN(la_group_heads)(d, &nomem);
+    if (nomem) return PA_ENOMEM;
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
                         .dout = dout, .dht = dht, .dq = heads ? heads : dq,
-                        .dk = heads ? heads + rows * d->H * K : dk, .dv = dv,
+                        .dk = heads ? heads + d->cu[d->nseq] * d->H * d->K : dk, .dv = dv,
                         .dgk = dgk, .dgv = dgv, .dh0 = dh0, .beta = beta, .skip = skip,
                         .dbeta = dbeta, .dskip = dskip,
                         .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
     int rc = PA_FN(la_run)(&c, 1);
-    if (heads && rc == PA_OK) {
-        real *dst[2] = {dq, dk};
-#pragma omp parallel for num_threads(pa_threads_for((double)rows * d->H * K, rows)) schedule(static)
-        for (int64_t x = 0; x < nq; x += K) /* x: (row, group) at x / K; its G heads in order */
-            for (int w = 0; w < 2; w++) {
-                const real *src = (w ? c.dk : c.dq) + x * G;
-                memset(dst[w] + x, 0, sizeof(real) * K);
-                for (int64_t j = 0; j < G; j++) PA_FN(axpy)(dst[w] + x, src + j * K, K, 1);
-            }
-    }
+    if (heads && rc == PA_OK) PA_FN(la_sum_groups)(d, heads, dq, dk);
     free(heads);
     return rc;
 }
