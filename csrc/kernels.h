@@ -91,7 +91,7 @@ typedef struct {
  * q, k [rows, Hqk, K], v, o [rows, H, V]; head h reads q and k head h / (H / Hqk) (Mamba-2's
  * groups of B and C), and the backward sums the heads of a group into dq and dk; gk is NULL
  * (PA_GATE_NONE), [rows, H] (SCALAR) or [rows, H, K] (VECTOR); gv is NULL or [rows, H, V]
- * (VECTOR); states are [nseq, H, K, V]. The delta-rule engine takes Hqk = H. */
+ * (VECTOR); states are [nseq, H, K, V]. */
 enum { PA_GATE_NONE = 0, PA_GATE_SCALAR = 1, PA_GATE_VECTOR = 2 };
 
 typedef struct {
@@ -225,10 +225,10 @@ typedef struct {
                            const void *beta, const void *skip, const void *dout,
                            const void *dht, const void *states, void *dq, void *dk, void *dv,
                            void *dgk, void *dgv, void *dh0, void *dbeta, void *dskip);
-    /* The delta-rule engine (ops/delta_rule.c) over the linear engine's description (gk
-     * PA_GATE_NONE or PA_GATE_SCALAR, gv PA_GATE_NONE): g NULL or [rows, H], beta [rows, H];
-     * h0, ht may be NULL (zero initial state; final state not wanted); states as the linear
-     * engine's (pa_linear_kept_states) */
+    /* The delta-rule engine (ops/delta_rule.c) over the linear engine's description (gk any
+     * kind, gv PA_GATE_NONE; groups as the linear engine's): g NULL, [rows, H] or [rows, H, K],
+     * beta [rows, H]; h0, ht may be NULL (zero initial state; final state not wanted); states
+     * as the linear engine's (pa_linear_kept_states) */
     int (*delta_forward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
                          const void *g, const void *beta, const void *h0, void *o, void *ht,
                          void *states);

@@ -8,7 +8,7 @@ forward and backward, behind a NumPy API.
 """
 from . import _core, _ops, _runtime, data, kvcache, reference, testing
 from .autodiff import vjp
-from .delta import delta_rule, gated_delta_rule
+from .delta import delta_rule, gated_delta_rule, kda
 from .delta_product import gated_delta_product
 from .dplr import dplr_delta_rule, rwkv7
 from .feature_maps import feature_map
@@ -48,6 +48,7 @@ __all__ = [
     "gated_delta_rule",
     "get_num_threads",
     "gla",
+    "kda",
     "kvcache",
     "lightning_attention",
     "linear_attention",

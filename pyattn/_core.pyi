@@ -161,9 +161,11 @@ def delta_forward(
     """The delta-rule engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in place;
     returns the states kept for delta_backward (keep true and FORM_CHUNK, as linear_forward's),
     else None.
-    q, k [B, T, H, K]; v [B, T, H, V]; g None (DeltaNet) or [B, T, H] (log decay per step);
-    beta [B, T, H]; h0 None or [N, H, K, V]; cu the int64 sequence offsets [N + 1]; form
-    FORM_PARALLEL, FORM_RECURRENT or FORM_CHUNK; chunk the chunk form's rows per block."""
+    q, k [B, T, Hqk, K]; v [B, T, H, V] with H a multiple of Hqk (value head h reads q and k
+    head h // (H // Hqk)); g None (DeltaNet), [B, T, H] (a log decay per step: Gated DeltaNet)
+    or [B, T, H, K] (one per key channel: KDA); beta [B, T, H]; h0 None or [N, H, K, V]; cu the
+    int64 sequence offsets [N + 1]; form FORM_PARALLEL, FORM_RECURRENT or FORM_CHUNK; chunk the
+    chunk form's rows per block."""
 
 def delta_backward(
     q: _Float, k: _Float, v: _Float, g: Optional[_Float], beta: _Float, h0: Optional[_Float],
@@ -171,9 +173,10 @@ def delta_backward(
     dg: Optional[_Float], dbeta: _Float, dh0: Optional[_Float], cu: _Int64, form: int,
     chunk: int, scale: float, /,
 ) -> None:
-    """Writes dq, dk, dv, dbeta (and dg, dh0 when given; dg must be None exactly when g is)
-    in place. dht None means a zero cotangent; states what delta_forward kept (FORM_CHUNK), or
-    None to recompute them. Other arguments as delta_forward."""
+    """Writes dq, dk, dv, dbeta (and dg, dh0 when given; dg must be None exactly when g is,
+    and of g's shape) in place. dht None means a zero cotangent; states what delta_forward kept
+    (FORM_CHUNK), or None to recompute them. dq and dk have q's and k's shapes: with groups,
+    the sums over each group's heads. Other arguments as delta_forward."""
 
 def dplr_forward(
     q: _Float, k: _Float, v: _Float, a: _Float, b: _Float, gk: _Float, h0: Optional[_Float],

@@ -407,16 +407,21 @@ class LinearEngine:
         return g
 
 
-def engine_qkv(fn, q, k, v, optional=(), **more):
-    """float arrays of one dtype; q, k [B, T, H, K] and v [B, T, H, V] checked."""
+def engine_qkv(fn, q, k, v, optional=(), groups=False, **more):
+    """float arrays of one dtype; q, k [B, T, H, K] and v [B, T, H, V] checked; with groups v
+    is [B, T, HV, V], HV a multiple of H (value head h reads q and k head h // (HV // H))."""
     arrs, dtype = V.float_arrays(fn, ("initial_state",) + tuple(optional), q=q, k=k, v=v, **more)
     q, k, v = arrs["q"], arrs["k"], arrs["v"]
     V.ndim(fn, "q", q, 4, "[B, T, H, K]")
     V.ndim(fn, "k", k, 4, "[B, T, H, K]")
-    V.ndim(fn, "v", v, 4, "[B, T, H, V]")
+    V.ndim(fn, "v", v, 4, "[B, T, HV, V]" if groups else "[B, T, H, V]")
     if k.shape != q.shape:
         raise ValueError(f"{fn}(): 'k' must have the shape of q {q.shape}, got {k.shape}")
-    if v.shape[:3] != q.shape[:3]:
+    if groups and v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"{fn}(): 'v' must be [B, T, HV, V] = {q.shape[:2] + ('HV', 'V')}, got {v.shape}")
+    if groups:
+        V.divides(fn, "q", q.shape[2], "heads", "v", v.shape[2], "H", "HV")
+    elif v.shape[:3] != q.shape[:3]:
         raise ValueError(f"{fn}(): 'v' must be [B, T, H, V] = {q.shape[:3] + ('V',)}, got {v.shape}")
     if q.shape[3] < 1 or v.shape[3] < 1:
         raise ValueError(f"{fn}(): head dims must be >= 1, got K={q.shape[3]}, V={v.shape[3]}")

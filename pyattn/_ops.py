@@ -170,6 +170,18 @@ def _delta_product_example(rng, dtype=np.float64, tiny=False):
                                     output_final_state=True)
 
 
+def _kda_example(rng, dtype=np.float64, tiny=False):
+    """Two value heads per q/k head (groups) and a decay per key channel."""
+    B, T, H, Kd, Vd = (1, 7, 1, 3, 2) if tiny else (2, 150, 2, 16, 12)
+    HV = 2 * H
+    q, k = (rng.standard_normal((B, T, H, Kd)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((B, T, HV, Vd)).astype(dtype)
+    g = -rng.uniform(0.0, 1.0, (B, T, HV, Kd)).astype(dtype)
+    beta = rng.uniform(0.1, 1.0, (B, T, HV)).astype(dtype)
+    h0 = rng.standard_normal((B, HV, Kd, Vd)).astype(dtype)
+    return (q, k, v, g, beta), dict(qk_l2norm=True, initial_state=h0, output_final_state=True)
+
+
 def _efficient_example(rng, dtype=np.float64, tiny=False):
     B, Tq, Tk, H, K, Vd = (1, 5, 6, 2, 3, 2) if tiny else (2, 120, 150, 3, 16, 12)
     q = rng.standard_normal((B, Tq, H, K)).astype(dtype)
@@ -443,6 +455,8 @@ def build_ops() -> Dict[str, OpInfo]:
                  "DeltaNet: the delta rule, WY/UT chunk form"),
                 ("gated_delta_rule", ("q", "k", "v", "g", "beta"), _delta_example,
                  "Gated DeltaNet: the delta rule with a scalar decay per step"),
+                ("kda", ("q", "k", "v", "g", "beta"), _kda_example,
+                 "Kimi Delta Attention: the delta rule with a decay per key channel, grouped value heads"),
             ]
         },
         "gated_delta_product": OpInfo(

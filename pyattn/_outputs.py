@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 # ops returning (o, final_state or None)
 STATE_OPS = frozenset({"linear_attention", "retention", "lightning_attention", "simple_gla", "gla", "mamba2",
                        "delta_rule", "gated_delta_rule", "rwkv6",
-                       "gated_delta_product", "dplr_delta_rule", "rwkv7"})
+                       "gated_delta_product", "dplr_delta_rule", "rwkv7", "kda"})
 # ops returning o, then each further output its flag asks for (a tuple only when one does)
 FLAGGED = {"softmax_attention": (("lse", "return_lse"),),
            "attention_with_kvcache": (("lse", "return_lse"), ("colsum", "return_colsum"))}
@@ -84,8 +84,9 @@ def shapes(op: str, shape: Callable[[str], Shape], option: Callable[[str], Any])
             x = shape("x")
             o, B, H, K, V = x, _axis(x, 0), _axis(x, 2), _axis(shape("B"), 3), _axis(x, 3)
         else:
-            # o has q's rows (gated_delta_product's v has num_householder rows per token)
-            o, B, H, K, V = q[:3] + v[3:4], _axis(q, 0), _axis(q, 2), _axis(q, 3), _axis(v, 3)
+            # o has q's rows (gated_delta_product's v has num_householder rows per token) and
+            # v's heads, as the state (kda's q and k may have fewer)
+            o, B, H, K, V = q[:2] + v[2:4], _axis(q, 0), _axis(v, 2), _axis(q, 3), _axis(v, 3)
             if op == "linear_attention":
                 K = feature_dim(option("feature_map"), K, _axis(shape("projection"), 0))
                 V += bool(option("normalize"))

@@ -1,10 +1,11 @@
-"""The delta-rule engine and its ops: DeltaNet and Gated DeltaNet.
+"""The delta-rule engine and its ops: DeltaNet, Gated DeltaNet and Kimi Delta Attention.
 
-One C engine computes, per (sequence, head), with S_0 = initial_state (zeros if None):
-``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T (scale q_t)``
-(``g = 0`` for ``delta_rule``). The wrappers here check arguments, apply the optional L2
-normalisation of q and k (and its backward, one threaded C pass each), and call the engine's
-forward and backward; they never loop over time.
+One C engine computes, per (sequence, value head), with S_0 = initial_state (zeros if None):
+``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
+``o_t = S_t^T (scale q_t)``, the gate g_t a K-vector (``kda``), a scalar (``gated_delta_rule``)
+or 0 (``delta_rule``). The wrappers here check arguments, apply the optional L2 normalisation
+of q and k (and its backward, one threaded C pass each), and call the engine's forward and
+backward; they never loop over time.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ L2_EPS = 1e-6  # qk_l2norm: x / sqrt(sum x^2 + L2_EPS) over the head dimension
 
 class _DeltaEngine(LinearEngine):
     """One call of the delta-rule engine: the linear engine's checked call with the gate g as
-    its scalar key gate, plus beta."""
+    its key gate (scalar [B, T, H] or vector [B, T, H, K]), plus beta."""
 
     def __init__(self, fn, q, k, v, g, beta, h0, want_state, cu, N, form, chunk_size, scale):
         super().__init__(fn, q, k, v, g, None, h0, want_state, cu, N, form, chunk_size, scale)
@@ -30,9 +31,8 @@ class _DeltaEngine(LinearEngine):
 
     def forward(self, keep=False):
         q, v = self.q, self.v
-        B, T, H, K = q.shape
-        self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
-        self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
+        self.o = np.empty(v.shape, dtype=q.dtype)
+        self.ht = np.empty((self.N, v.shape[2], q.shape[3], v.shape[3]), dtype=q.dtype) if self.want_state else None
         self.states = _core.delta_forward(q, self.k, v, self.gk, self.beta, self.h0, self.o, self.ht,
                                           keep, *self.opts)
         return self.o, self.ht
@@ -51,13 +51,20 @@ class _DeltaEngine(LinearEngine):
 def _delta(fn, q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_state, cu_seqlens,
            form, chunk_size):
     """(engine, the normalisation's (q, rq, k, rk) or None: normalised q and k and their
-    1 / norms), arguments checked under the op's names."""
-    optional = () if fn == "gated_delta_rule" else ("g",)
-    arrs, _ = engine_qkv(fn, q, k, v, optional, g=g, beta=beta, initial_state=initial_state)
+    1 / norms), arguments checked under the op's names. kda's v may have more heads than q
+    and k (groups), and its gate is a K-vector per step and value head."""
+    vector = fn == "kda"
+    optional = ("g",) if fn == "delta_rule" else ()
+    arrs, _ = engine_qkv(fn, q, k, v, optional, groups=vector, g=g, beta=beta, initial_state=initial_state)
     q, k, v, g, beta = arrs["q"], arrs["k"], arrs["v"], arrs["g"], arrs["beta"]
     B, T, H, K = q.shape
-    V.shape(fn, "g", g, (B, T, H), "[B, T, H]")
-    V.shape(fn, "beta", beta, (B, T, H), "[B, T, H]")
+    if vector:
+        HV = v.shape[2]
+        V.shape(fn, "g", g, (B, T, HV, K), "[B, T, HV, K]")
+        V.shape(fn, "beta", beta, (B, T, HV), "[B, T, HV]")
+    else:
+        V.shape(fn, "g", g, (B, T, H), "[B, T, H]")
+        V.shape(fn, "beta", beta, (B, T, H), "[B, T, H]")
     V.log_gate(fn, "g", g)
     cu, N = sequences(fn, B, T, cu_seqlens)
     scale = V.scale(fn, scale, K ** -0.5, q.dtype)
@@ -127,4 +134,37 @@ def _delta_rule_vjp(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state
                     output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     eng, norm = _delta("delta_rule", q, k, v, None, beta, qk_l2norm, scale, initial_state,
                        output_final_state, cu_seqlens, form, chunk_size)
+    return eng.forward(keep=True), _delta_vjp(eng, norm)
+
+
+def kda(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, form="chunk", chunk_size=64):
+    """Kimi Delta Attention: the gated delta rule with a decay per key channel,
+    ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = S_t^T (scale q_t)``.
+
+    Each step first decays the state row by row (key channel c by ``exp(g_tc)``), then makes
+    the delta-rule correction: the decayed state's value for k_t is moved a fraction beta_t
+    of the way to v_t. q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` with HV a multiple of H
+    (grouped value heads: value head h reads q and k head ``h // (HV // H)``, and the
+    gradients of q and k sum over a group); g ``[B, T, HV, K]`` the log decay of each key
+    channel per step and value head (``g <= 0``; ``-inf`` resets the channel); beta
+    ``[B, T, HV]``. g equal in every channel is ``gated_delta_rule``. The chunk form is the
+    WY / UT form of ``gated_delta_rule`` with the chunk's gated Grams (of k with k, and of q
+    with k) taken as ``gla``'s are: every factor an exponent <= 0 inside the chunk, or bounded
+    by e^20 where a chunk is rescaled to one of its rows, so strong gates (-20 per step and
+    beyond) neither overflow nor lose digits. ``qk_l2norm``, ``scale``, ``initial_state``
+    ``[N, HV, K, V]``, ``cu_seqlens``, the forms and chunk sizes as ``gated_delta_rule``.
+    Returns ``(o [B, T, HV, V], final_state or None)``.
+    """
+    eng, _ = _delta("kda", q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_state,
+                    cu_seqlens, form, chunk_size)
+    return eng.forward()
+
+
+@register_vjp(kda)
+def _kda_vjp(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None, output_final_state=False,
+             cu_seqlens=None, form="chunk", chunk_size=64):
+    eng, norm = _delta("kda", q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_state,
+                       cu_seqlens, form, chunk_size)
     return eng.forward(keep=True), _delta_vjp(eng, norm)

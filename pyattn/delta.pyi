@@ -25,3 +25,9 @@ def delta_rule(
     output_final_state: bool = ..., cu_seqlens: Optional[npt.ArrayLike] = ..., form: _Form = ...,
     chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
+def kda(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, g: npt.ArrayLike, beta: npt.ArrayLike, *,
+    qk_l2norm: bool = ..., scale: Optional[float] = ..., initial_state: Optional[npt.ArrayLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[npt.ArrayLike] = ..., form: _Form = ...,
+    chunk_size: _ChunkSize = ...,
+) -> _WithState: ...

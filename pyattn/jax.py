@@ -423,6 +423,14 @@ def rwkv7(r: ArrayLike, w: ArrayLike, k: ArrayLike, v: ArrayLike, a: ArrayLike, 
     return _call("rwkv7", locals())
 
 
+def kda(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, beta: ArrayLike, *, qk_l2norm: bool = False,
+        scale: Optional[float] = None, initial_state: Optional[ArrayLike] = None,
+        output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None, form: _Form = "chunk",
+        chunk_size: _ChunkSize = 64) -> _WithState:
+    """``pyattn.kda`` on jax arrays: (o, final_state or None)."""
+    return _call("kda", locals())
+
+
 def efficient_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: Optional[float] = None,
                         cu_seqlens: Optional[ArrayLike] = None, form: Literal["parallel"] = "parallel") -> Array:
     """``pyattn.efficient_attention`` on jax arrays."""

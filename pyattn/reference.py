@@ -148,6 +148,7 @@ __all__ = [
     "efficient_attention",
     "delta_rule",
     "gated_delta_rule",
+    "kda",
 ]
 
 FEATURE_MAPS = ("identity", "elu1", "relu", "softmax", "focused", "taylor", "performer",
@@ -607,6 +608,35 @@ def delta_rule(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state=None
                 kt, bt = k[b, t, h], beta[b, t, h]
                 S = (eye - bt * np.outer(kt, kt)) @ S + bt * np.outer(kt, v[b, t, h])
                 o[b, t, h] = S.T @ (scale * q[b, t, h])
+            states[n, h] = S
+    return o, (states if output_final_state else None)
+
+
+def kda(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, form=None, chunk_size=None):
+    """Kimi Delta Attention: per step, the state's key channel c decays by ``exp(g_tc)``, then
+    ``S_t = S - beta_t k_t (k_t^T S - v_t^T)`` with S the decayed state, and
+    ``o_t = S_t^T (scale q_t)``; q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` (value head h reads
+    q and k head ``h // (HV // H)``), ``g [B, T, HV, K]``, ``beta [B, T, HV]``; ``qk_l2norm``
+    as in gated_delta_rule."""
+    q, k, v, g, beta = _f64(q, k, v, g, beta)
+    if qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    group = HV // H
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    states = _states(initial_state, len(seqs), HV, K, V)
+    o = np.zeros((B, T, HV, V))
+    for n, (b, start, end) in enumerate(seqs):
+        for h in range(HV):
+            S = states[n, h]
+            for t in range(start, end):
+                qt, kt = q[b, t, h // group], k[b, t, h // group]
+                S = np.exp(g[b, t, h])[:, None] * S
+                S = S - beta[b, t, h] * np.outer(kt, kt @ S - v[b, t, h])
+                o[b, t, h] = S.T @ (scale * qt)
             states[n, h] = S
     return o, (states if output_final_state else None)
 

@@ -1099,8 +1099,9 @@ def _core_bad_cases(names, make, outputs):
             (f"{name}-noncontig", i, np.asfortranarray(a) if a.ndim > 1 and a.shape[0] > 1
              else np.repeat(a, 2, axis=-1)[..., ::2], ValueError, (own, "C-contiguous")),
             (f"{name}-short", i, a[:1].copy(), ValueError, (shown, "shape")),
-            # csrc/bind/delta.c checks g's ndim itself, under g's own name
-            (f"{name}-ndim", i, a[None].copy(), ValueError, ("'g'" if name == "g" else own,)),
+            # csrc/bind/delta.c checks g's ndim itself (3-D or 4-D, a vector gate), under g's own name
+            (f"{name}-ndim", i, a[(None,) * (2 if name == "g" else 1)].copy(), ValueError,
+             ("'g'" if name == "g" else own,)),
             (f"{name}-last-dim", i, a[..., :-1].copy() if a.shape[-1] > 1 else np.concatenate([a, a], -1),
              ValueError, (last, "shape")),
         ]
@@ -1121,7 +1122,7 @@ def _core_bad_cases(names, make, outputs):
         ("chunk-0", idx["chunk"], 0, ValueError, ("'chunk_size'", "0")),
         ("chunk-negative", idx["chunk"], -16, ValueError, ("'chunk_size'",)),
         ("scale-nan", idx["scale"], float("nan"), ValueError, ("'scale'",)),
-        ("g-4d", idx["g"], np.zeros((CB, CT, CH, CK)), ValueError, ("'g'",)),
+        ("g-vector-K", idx["g"], np.zeros((CB, CT, CH, CK + 1)), ValueError, ("'gk'", "shape")),
     ]
     return cases
 

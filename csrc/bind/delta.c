@@ -1,5 +1,6 @@
 /* pyattn._core's delta-rule engine (ops/delta_rule.c), forward and backward: the linear
- * engine's description (args.c) with the gate g as its scalar key gate, plus beta. */
+ * engine's description (args.c) with the gate g as its key gate, scalar [B, T, H] or vector
+ * [B, T, H, K] (KDA), H the value heads (q and k may have fewer: groups), plus beta. */
 #include "args.h"
 #include "bind.h"
 
@@ -14,16 +15,14 @@ static int delta_desc(const char *fn, PyObject *const *a, PyObject *const *opt, 
                                        [ENG_V] = a[DELTA_V], [ENG_GK] = a[DELTA_G],
                                        [ENG_GV] = Py_None,   [ENG_H0] = a[DELTA_H0]};
     PyObject *g = a[DELTA_G];
-    if (g != Py_None && PyArray_Check(g) && PyArray_NDIM((PyArrayObject *)g) != 3) {
-        PyErr_Format(PyExc_ValueError, "%s(): argument 'g' must be 3-D [B, T, H]", fn);
+    if (g != Py_None && PyArray_Check(g) && PyArray_NDIM((PyArrayObject *)g) != 3 &&
+        PyArray_NDIM((PyArrayObject *)g) != 4) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): argument 'g' must be 3-D [B, T, H] or 4-D [B, T, H, K], got %d-D", fn,
+                     PyArray_NDIM((PyArrayObject *)g));
         return -1;
     }
     if (linear_desc(fn, lin, opt, typenum, arr, d)) return -1;
-    if (d->Hqk != d->H) {
-        PyErr_Format(PyExc_ValueError, "%s(): v must have q's %lld heads, got %lld", fn,
-                     (long long)d->Hqk, (long long)d->H);
-        return -1;
-    }
     npy_intp bshape[3] = {PyArray_DIM(arr[ENG_Q], 0), PyArray_DIM(arr[ENG_Q], 1), d->H};
     return (*beta = get_array(fn, "beta", a[DELTA_BETA], *typenum, 3, bshape, 0)) ? 0 : -1;
 }
@@ -76,7 +75,8 @@ static PyObject *py_delta_backward(PyObject *self, PyObject *const *args, Py_ssi
         PyErr_Format(PyExc_ValueError, "%s(): argument 'dg' must be given exactly when 'g' is", fn);
         return NULL;
     }
-    if (in[ENG_GK] && !(dg = get_array(fn, "dg", args[DB_DG], t, 3, PyArray_DIMS(beta), 1)))
+    if (in[ENG_GK] && !(dg = get_array(fn, "dg", args[DB_DG], t, PyArray_NDIM(in[ENG_GK]),
+                                        PyArray_DIMS(in[ENG_GK]), 1)))
         return NULL;
     const pa_kernels *K = kernels_for(t);
     int rc;
@@ -94,11 +94,12 @@ static PyObject *py_delta_backward(PyObject *self, PyObject *const *args, Py_ssi
 PyMethodDef pyattn_delta_methods[] = {
     {"delta_forward", (PyCFunction)(void (*)(void))py_delta_forward, METH_FASTCALL,
      "delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale): the delta-rule "
-     "engine; g None or [B, T, H]; beta [B, T, H]; h0, ht None or [N, H, K, V]; o written; "
+     "engine; q, k [B, T, Hqk, K], v [B, T, H, V] (H a multiple of Hqk); g None, [B, T, H] or "
+     "[B, T, H, K]; beta [B, T, H]; h0, ht None or [N, H, K, V]; o written; "
      "returns the states kept for delta_backward (keep true, chunk form) or None"},
     {"delta_backward", (PyCFunction)(void (*)(void))py_delta_backward, METH_FASTCALL,
      "delta_backward(q, k, v, g, beta, h0, do, dht, states, dq, dk, dv, dg, dbeta, dh0, cu, "
-     "form, chunk, scale): gradients written in place; dg None exactly when g is; states: what "
-     "delta_forward kept, or None"},
+     "form, chunk, scale): gradients written in place; dg None exactly when g is, and of its "
+     "shape; states: what delta_forward kept, or None"},
     {NULL, NULL, 0, NULL},
 };

@@ -1,33 +1,50 @@
-/* The delta-rule engine (DeltaNet, Gated DeltaNet), forward and backward. Template body (see
- * core/dtype.h); needs core/vmath.h, core/gemm.c, ops/rows.h, ops/decay.h and
- * ops/linear_engine.h before it.
+/* The delta-rule engine (DeltaNet, Gated DeltaNet, Kimi Delta Attention), forward and
+ * backward. Template body (see core/dtype.h); needs core/vmath.h, core/gemm.c, ops/rows.h,
+ * ops/decay.h, ops/linear_engine.h and ops/linear_attn.c (its gate sides: cumulative gates,
+ * the gated Gram and triangular products, row factors) before it.
  *
- * Per (sequence, head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a scalar log
- * gate g per step (absent: 0):
- *   S_t = e^g_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q~_t,
- * i.e. with the decayed state D_t = e^g_t S_{t-1} and the step's new value
- * u_t = beta_t (v_t - D_t^T k_t):  S_t = D_t + k_t u_t^T.
+ * Per (sequence, value head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a log
+ * gate g per step, absent (0), a scalar, or a K-vector (one decay per key channel, KDA):
+ *   S_t = (I - beta_t k_t k_t^T) diag(e^g_t) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q~_t,
+ * i.e. with the decayed state D_t = diag(e^g_t) S_{t-1} and the step's new value
+ * u_t = beta_t (v_t - D_t^T k_t):  S_t = D_t + k_t u_t^T. (A scalar gate commutes with
+ * I - beta k k^T: Gated DeltaNet's e^g_t (I - beta_t k_t k_t^T) S_{t-1}.) q and k may have
+ * fewer heads than v (groups): value head h reads head h / (H / Hqk), and the backward sums a
+ * group's heads into dq and dk (la_group_heads).
  *
  * Forms. recurrent: that step, one pass over S per step (the pass that writes S_t also forms
- * S_t^T k_{t+1} for the next step). chunk (the WY / UT form): blocks of l rows, G the inclusive
- * cumulative gate inside the block (every exponent below is <= 0), Dm_ij = e^(G_i - G_j):
- *   A = strictly-lower(diag(beta) K K^T * Dm),
- *   Z = [W | U] = (I + A)^-1 [diag(beta e^G) K | diag(beta) V]   (forward substitution by
+ * D_{t+1}^T k_{t+1} = S_t^T (e^g_{t+1} k_{t+1}) for the next step). chunk (the WY / UT form):
+ * blocks of l rows, G the inclusive cumulative gate inside the block (per channel; every
+ * exponent below is <= 0), f_i = e^G_i and f'_i = e^(G_last - G_i) the rows' factors to the
+ * block's start and end, E_ij = e^(G_i - G_j) (j <= i) inside the sums over channels:
+ *   A' = strictly-lower(sum_c k_ic k_jc E_ijc)   (the key side's gated Gram, la_gram),
+ *   A  = diag(beta) A',
+ *   Z = [W | U] = (I + A)^-1 [diag(beta) (K f) | diag(beta) V]   (forward substitution by
  *       DR_SUB-row diagonal blocks, GEMMs below them; the inverse is never formed),
  *   V' = U - W S  (the rows' u_t, from the state S entering the block),
- *   O  = diag(e^G) Q~ S + (Q~ K^T * Dm, j <= i) V',
- *   S' = e^G_last S + K^T diag(e^(G_last - G)) V'.
+ *   O  = (Q~ f) S + P V',   P = lower(sum_c q~_ic k_jc E_ijc) (diagonal included),
+ *   S' = diag(e^G_last) S + (K f')^T V'.
+ * The gate side (la_side) gives every product for each kind: without a gate E = 1; a scalar
+ * gate's E is a mask; a vector gate's Grams and triangular products take the linear engine's
+ * factored or sub-block forms, so every factor stays bounded however strong the gate.
  * parallel: the chunk algorithm with one block per sequence.
  *
  * Backward. chunk and parallel: a forward pass keeps the state entering each block (one K x V
  * state per block of the unit in progress); blocks in reverse then recompute A, Z, V' and,
- * with dS' the gradient reaching S' and lam = e^(G_last - G):
- *   dV' = P^T dO + diag(lam) K dS'   (P = Q~ K^T * Dm, lower),   dW = -dV' S^T,
+ * with dS' the gradient reaching S':
+ *   dV' = P^T dO + (K f') dS',   dW = -dV' S^T,
  *   dR = [dX | dY] = (I + A)^-T [dW | dV'],   dA = -strictly-lower(dR Z^T),
- *   dS = e^G_last dS' + (diag(e^G) Q~)^T dO - W^T dV',
- * and q, k, v, beta take the products' derivatives. The gate's gradient is the derivative of
- * every factor with respect to G (each exponent's two ends), summed in reverse inside the
- * block: only bounded factors appear, so strong gates neither overflow nor cancel.
+ *   dS = diag(e^G_last) dS' + (Q~ f)^T dO - W^T dV',
+ * and q, k, v, beta take the products' derivatives: dP = dO V'^T and dA' = diag(beta) dA
+ * reach q and k through the gated triangular products (la_apply) from both ends. The gate's
+ * gradient dG_i is the derivative of every factor with respect to G_i, per channel (summed
+ * over channels for a scalar gate): a factor x e^(+G_i) adds x dx, one x e^(-G_i) subtracts
+ * it, i.e. q~_i dq_i - k_i dk_i over the off-diagonal pairs of P, k_i (dk_i - dk_i') over
+ * those of A', beta_i (k_i f_i) dX_i, q~_i f_i (S dO_i), -(k_i f'_i)(V'_i dS'^T) and, for the
+ * last row, those terms summed plus e^G_last rowsum(S * dS'); dg is dG summed in reverse
+ * inside the block. Only bounded factors appear, and a row's pair with itself (E = 1 in both
+ * of its ends, whose terms cancel) is added to dq and dk after the gate's terms are taken:
+ * strong gates neither overflow nor leave the rounding of large cancelling terms.
  * recurrent: states kept every DR_PIECE steps; each piece's states recomputed, then stepped
  * back one row at a time.
  *
@@ -39,8 +56,9 @@
 #define DR_PIECE 64 /* recurrent backward: steps between kept states */
 
 typedef struct {
-    int64_t T;          /* rows of the sequence */
-    int64_t sk, sv, sg; /* row strides: q/k, v/o, g/beta */
+    int64_t T;              /* rows of the sequence */
+    int gate;               /* PA_GATE_* */
+    int64_t sq, sk, sv, sg, sb; /* row strides: q/k, dq/dk, v/o, g/dg, beta */
     const real *q, *k, *v, *g, *beta, *dout;
     real *o, *dq, *dk, *dv, *dg, *dbeta;
 } PA_FN(dr_unit);
@@ -57,41 +75,53 @@ static void PA_FN(dr_unit_of)(const PA_FN(dr_call) *c, int64_t unit, PA_FN(dr_un
 {
     const pa_linear_desc *d = c->d;
     const pa_linear_unit_at at = pa_linear_unit(d, unit);
+    const int vec = d->gk == PA_GATE_VECTOR;
     u->T = at.T;
+    u->gate = d->gk;
+    u->sq = d->Hqk * d->K;
     u->sk = d->H * d->K;
     u->sv = d->H * d->V;
-    u->sg = d->H;
-    const int64_t ok = at.k, ov = at.v, og = at.row;
-    u->q = c->q + ok;
-    u->k = c->k + ok;
+    u->sg = vec ? d->H * d->K : d->H;
+    u->sb = d->H;
+    /* q and k have Hqk heads: value head h reads head h / (H / Hqk) */
+    const int64_t oq = at.r0 * u->sq + at.h / (d->H / d->Hqk) * d->K;
+    const int64_t ok = at.k, ov = at.v, og = vec ? at.k : at.row, ob = at.row;
+    u->q = c->q + oq;
+    u->k = c->k + oq;
     u->v = c->v + ov;
     u->g = c->g ? c->g + og : NULL;
-    u->beta = c->beta + og;
+    u->beta = c->beta + ob;
     u->dout = c->dout ? c->dout + ov : NULL;
     u->o = c->o ? c->o + ov : NULL;
     u->dq = c->dq ? c->dq + ok : NULL;
     u->dk = c->dk ? c->dk + ok : NULL;
     u->dv = c->dv ? c->dv + ov : NULL;
     u->dg = c->dg ? c->dg + og : NULL;
-    u->dbeta = c->dbeta ? c->dbeta + og : NULL;
+    u->dbeta = c->dbeta ? c->dbeta + ob : NULL;
 }
 
 /* Per-thread scratch for blocks of up to L rows (L = 0: the recurrent form's). */
 typedef struct {
     int64_t L, K, V;
-    double *G, *Gl, *dG;   /* L each: the cumulative gate (hi and lo parts), its gradient */
-    real *gam, *lam, *bet; /* L each: e^G_i, e^(G_last - G_i), beta_i */
-    real *Dm, *M, *A, *P, *E; /* L x L each */
+    PA_FN(la_side) ks;     /* the block's key side: its gate as the products take it */
+    double *Gs;            /* 2 L: a scalar gate's cumulative sums, hi then lo parts */
+    real *Gk, *Ek;         /* 2 L K, (2 L + 1) K: a vector gate's (hi, lo), its factors */
+    double *acc;           /* 2 K: the vector gate's running sums */
+    double *dG;            /* L K: the gate's gradient per row (and channel, for a vector) */
+    real *bet, *dp;        /* L each: beta_i, the diagonal of dP */
+    real *Dm, *M, *A, *P, *E; /* L x L each: a scalar gate's mask, A', A, P, dP or dA */
     real *Z, *R;           /* L x (K + V) each: [W | U], then [dW | dV'] and [dX | dY] */
-    real *Vn, *Tv;         /* L x V each: V', a scratch */
-    real *Tk;              /* L x K */
-    real *w, *uv, *du;     /* V each: a recurrent step's S^T k, u, du */
+    real *Vn;              /* L x V: V' */
+    real *Tk, *Tq, *Tr;    /* L x K each */
+    real *dec, *kd, *f;    /* 2 K, K, K: a recurrent step's decays (this step's, the next's),
+                            * the next key times its decays; a block's total decay */
+    real *w, *uv, *du;     /* V each: a recurrent step's D^T k, u, du */
     real *S, *dS;          /* K x V each */
     real *states;          /* backward: the kept states */
-    real *Bk;              /* K^T packed once per block (pack_b), for the Grams with K */
     real *Bp;              /* one operand packed once for the products below */
     int64_t *rows;         /* L: the non-finite rows of a triangular product's operand */
     real *work;            /* GEMM packing of the other operand */
+    PA_FN(la_bufs) bufs;   /* the gated products' (Tm, U: L x K, M: L x L; Bp, rows, work above) */
     void *block;
 } PA_FN(dr_scratch);
 
@@ -102,23 +132,28 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
     const size_t r = sizeof(real), dbl = sizeof(double);
     const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
     const size_t packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * r : 0;
-    const size_t packed_k = L ? (size_t)PA_FN(packed_b_elems)(K, L) * r : 0;
-    size_t bytes[] = {L * dbl,   L * dbl,   L * dbl,   L * r,     L * r,     L * r,     L * L * r,
-                      L * L * r, L * L * r, L * L * r, L * L * r, L * W * r, L * W * r,
-                      L * V * r, L * V * r, L * K * r, V * r,     V * r,     V * r,
-                      K * V * r, K * V * r, nstates * K * V * r, packed_k, packed,
-                      L * sizeof(int64_t), work};
-    void **const parts[] = {(void **)&s->G,  (void **)&s->Gl, (void **)&s->dG, (void **)&s->gam, (void **)&s->lam,
-                            (void **)&s->bet, (void **)&s->Dm, (void **)&s->M,  (void **)&s->A,
-                            (void **)&s->P,  (void **)&s->E,  (void **)&s->Z,   (void **)&s->R,
-                            (void **)&s->Vn, (void **)&s->Tv, (void **)&s->Tk,  (void **)&s->w,
-                            (void **)&s->uv, (void **)&s->du, (void **)&s->S,   (void **)&s->dS,
-                            (void **)&s->states, (void **)&s->Bk, (void **)&s->Bp,
-                            (void **)&s->rows, (void **)&s->work};
+    const size_t LL = L * L * r, LK = L * K * r;
+    size_t bytes[] = {2 * L * dbl, 2 * LK, (2 * L + 1) * K * r, 2 * K * dbl, L * K * dbl,
+                      L * r, L * r, LL, LL, LL, LL, LL, L * W * r, L * W * r, L * V * r,
+                      LK, LK, LK, 2 * K * r, K * r, K * r, V * r, V * r, V * r,
+                      K * V * r, K * V * r, nstates * K * V * r, packed, L * sizeof(int64_t),
+                      work, LK, LK, LL};
+    void **const parts[] = {(void **)&s->Gs, (void **)&s->Gk, (void **)&s->Ek, (void **)&s->acc,
+                            (void **)&s->dG, (void **)&s->bet, (void **)&s->dp, (void **)&s->Dm,
+                            (void **)&s->M, (void **)&s->A, (void **)&s->P, (void **)&s->E,
+                            (void **)&s->Z, (void **)&s->R, (void **)&s->Vn, (void **)&s->Tk,
+                            (void **)&s->Tq, (void **)&s->Tr, (void **)&s->dec, (void **)&s->kd,
+                            (void **)&s->f, (void **)&s->w, (void **)&s->uv, (void **)&s->du,
+                            (void **)&s->S, (void **)&s->dS, (void **)&s->states, (void **)&s->Bp,
+                            (void **)&s->rows, (void **)&s->work, (void **)&s->bufs.Tm,
+                            (void **)&s->bufs.U, (void **)&s->bufs.M};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     s->K = K;
     s->V = V;
+    s->bufs.Bp = s->Bp;
+    s->bufs.rows = s->rows;
+    s->bufs.work = s->work;
     return s->block != NULL;
 }
 
@@ -131,11 +166,18 @@ static void PA_FN(dr_copy_state)(const real *src, real *dst, int64_t KV)
         memset(dst, 0, sizeof(real) * KV);
 }
 
-/* e^g of one step (1 without a gate), clamped as the block's cumulative sums are */
-static inline real PA_FN(dr_step_decay)(const PA_FN(dr_unit) *u, int64_t t)
+/* a[0..K) = the decays e^g of step t per channel: a vector gate's own, a scalar gate's
+ * repeated, ones without a gate; clamped (gate_step) as the block's cumulative sums are */
+static void PA_FN(dr_step_decays)(const PA_FN(dr_unit) *u, int64_t t, int64_t K, real *a)
 {
-    if (!u->g) return 1;
-    return (real)exp(PA_FN(gate_step)(u->g[t * u->sg]));
+    const real *g = u->g ? u->g + t * u->sg : NULL;
+    if (u->gate == PA_GATE_VECTOR) {
+        for (int64_t c = 0; c < K; c++) a[c] = (real)PA_FN(gate_step)(g[c]);
+        PA_FN(exp_array)(a, a, K);
+        return;
+    }
+    const real e = g ? (real)exp(PA_FN(gate_step)(g[0])) : 1;
+    for (int64_t c = 0; c < K; c++) a[c] = e;
 }
 
 /* ---- the recurrent form ---- */
@@ -143,53 +185,61 @@ static inline real PA_FN(dr_step_decay)(const PA_FN(dr_unit) *u, int64_t t)
 /* Steps t0 .. t0+n-1 from the entering state S0 (NULL: zeros; may be S) into S; o rows
  * written when u->o; with trail, the state after each step goes to trail + i K V. The state
  * is swept by columns of one vector: the new rows are written while the output and the next
- * step's S^T k accumulate in registers, so S is read once and written once per step. */
+ * step's D^T k accumulate in registers, so S is read once and written once per step. */
 static void PA_FN(dr_recurrent)(const PA_FN(dr_unit) *u, int64_t t0, int64_t n, double scale,
                                 const real *S0, real *S, real *trail, PA_FN(dr_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V;
-    real *restrict w = sc->w, *restrict uv = sc->uv;
+    real *restrict w = sc->w, *restrict uv = sc->uv, *restrict kd = sc->kd;
+    real *a = sc->dec, *an = sc->dec + K; /* this step's decays, the next one's */
     if (n == 0) {
         if (S0 != S) PA_FN(dr_copy_state)(S0, S, K * V);
         return;
     }
-    for (int64_t j = 0; j < V; j += VL) { /* w = S0^T k_t0 */
+    PA_FN(dr_step_decays)(u, t0, K, a);
+    for (int64_t r = 0; r < K; r++) kd[r] = a[r] * u->k[t0 * u->sq + r];
+    for (int64_t j = 0; j < V; j += VL) { /* w = D^T k = S0^T (e^g k) */
         vreal a0 = PA_FN(vset)(0), a1 = a0;
-        const real *kt = u->k + t0 * u->sk;
         for (int64_t r = 0; S0 && r + 1 < K; r += 2) {
-            a0 += kt[r] * PA_FN(row_ld)(S0 + r * V + j, V - j);
-            a1 += kt[r + 1] * PA_FN(row_ld)(S0 + (r + 1) * V + j, V - j);
+            a0 += kd[r] * PA_FN(row_ld)(S0 + r * V + j, V - j);
+            a1 += kd[r + 1] * PA_FN(row_ld)(S0 + (r + 1) * V + j, V - j);
         }
-        if (S0 && K % 2) a0 += kt[K - 1] * PA_FN(row_ld)(S0 + (K - 1) * V + j, V - j);
+        if (S0 && K % 2) a0 += kd[K - 1] * PA_FN(row_ld)(S0 + (K - 1) * V + j, V - j);
         PA_FN(row_st)(w + j, a0 + a1, V - j);
     }
     for (int64_t t = t0; t < t0 + n; t++) {
-        const real e = PA_FN(dr_step_decay)(u, t), b = u->beta[t * u->sg], sq = (real)scale;
-        const real *restrict kt = u->k + t * u->sk, *restrict qt = u->q + t * u->sk;
+        const real b = u->beta[t * u->sb], sq = (real)scale;
+        const real *restrict kt = u->k + t * u->sq, *restrict qt = u->q + t * u->sq;
         const real *restrict vt = u->v + t * u->sv;
-        const real *restrict kn = t + 1 < t0 + n ? u->k + (t + 1) * u->sk : kt;
         const real *src = t == t0 ? S0 : S;
         real *ot = u->o ? u->o + t * u->sv : NULL;
-        for (int64_t j = 0; j < V; j++) uv[j] = b * (vt[j] - e * w[j]);
+        for (int64_t j = 0; j < V; j++) uv[j] = b * (vt[j] - w[j]);
+        if (t + 1 < t0 + n) { /* the next step's decayed key, for its D^T k */
+            PA_FN(dr_step_decays)(u, t + 1, K, an);
+            for (int64_t r = 0; r < K; r++) kd[r] = an[r] * kt[u->sq + r];
+        }
         for (int64_t j = 0; j < V; j += VL) {
             const int64_t left = V - j;
             const vreal vu = PA_FN(row_ld)(uv + j, left);
             vreal o0 = PA_FN(vset)(0), o1 = o0, w0 = o0, w1 = o0;
             for (int64_t r = 0; r < K; r++) {
-                const vreal x = (src ? e * PA_FN(row_ld)(src + r * V + j, left) : PA_FN(vset)(0)) +
+                const vreal x = (src ? a[r] * PA_FN(row_ld)(src + r * V + j, left) : PA_FN(vset)(0)) +
                                 kt[r] * vu;
                 PA_FN(row_st)(S + r * V + j, x, left);
                 if (r % 2) {
                     o1 += (sq * qt[r]) * x;
-                    w1 += kn[r] * x;
+                    w1 += kd[r] * x;
                 } else {
                     o0 += (sq * qt[r]) * x;
-                    w0 += kn[r] * x;
+                    w0 += kd[r] * x;
                 }
             }
             if (ot) PA_FN(row_st)(ot + j, o0 + o1, left);
             PA_FN(row_st)(w + j, w0 + w1, left);
         }
+        real *swap = a;
+        a = an;
+        an = swap;
         if (trail) memcpy(trail + (t - t0) * K * V, S, sizeof(real) * K * V);
     }
 }
@@ -203,47 +253,54 @@ static void PA_FN(dr_recurrent_reverse)(const PA_FN(dr_unit) *u, int64_t t0, int
 {
     const int64_t K = sc->K, V = sc->V, KV = K * V;
     real *restrict w = sc->w, *restrict uv = sc->uv, *restrict du = sc->du;
+    real *restrict a = sc->dec;
     const real sc_ = (real)scale;
+    const int vec = u->gate == PA_GATE_VECTOR;
     for (int64_t t = t0 + n - 1; t >= t0; t--) {
         const real *restrict Sp = trail + (t - t0) * KV, *restrict Sc = Sp + KV;
-        const real e = PA_FN(dr_step_decay)(u, t), b = u->beta[t * u->sg];
-        const real *restrict kt = u->k + t * u->sk, *restrict qt = u->q + t * u->sk;
+        const real b = u->beta[t * u->sb];
+        const real *restrict kt = u->k + t * u->sq, *restrict qt = u->q + t * u->sq;
         const real *restrict vt = u->v + t * u->sv, *restrict dot_ = u->dout + t * u->sv;
         real *restrict dqt = u->dq + t * u->sk, *restrict dkt = u->dk + t * u->sk;
         real *restrict dvt = u->dv + t * u->sv;
+        PA_FN(dr_step_decays)(u, t, K, a);
         for (int64_t j = 0; j < V; j++) w[j] = du[j] = 0;
-        for (int64_t r = 0; r < K; r++) { /* dS += q~ do^T; du = dS^T k; S_{t-1}^T k */
+        for (int64_t r = 0; r < K; r++) { /* dS += q~ do^T; du = dS^T k; D^T k = S_{t-1}^T (a k) */
             real *restrict row = dS + r * V;
-            const real qr = sc_ * qt[r], kr = kt[r];
+            const real qr = sc_ * qt[r], kr = kt[r], kar = a[r] * kt[r];
             dqt[r] = sc_ * PA_FN(dot)(Sc + r * V, dot_, V);
             for (int64_t j = 0; j < V; j++) {
                 row[j] += qr * dot_[j];
                 du[j] += kr * row[j];
-                w[j] += kr * Sp[r * V + j];
+                w[j] += kar * Sp[r * V + j];
             }
         }
         double db = 0;
         for (int64_t j = 0; j < V; j++) {
-            const real res = vt[j] - e * w[j]; /* v - D^T k */
+            const real res = vt[j] - w[j]; /* v - D^T k */
             uv[j] = b * res;
             db += (double)du[j] * res;
             dvt[j] = b * du[j];
         }
-        u->dbeta[t * u->sg] = (real)db;
+        u->dbeta[t * u->sb] = (real)db;
+        /* dD = dS - beta k du^T; dS_{t-1} = diag(a) dD; dg = a * rowsum(S_{t-1} * dD) per
+         * channel (summed for a scalar gate): a product, so strong gates keep their digits */
         double dg = 0;
-        for (int64_t r = 0; r < K; r++) { /* dD = dS - beta k du^T; dS_{t-1} = e dD */
+        real *dgt = u->dg ? u->dg + t * u->sg : NULL;
+        const real *gt = u->g ? u->g + t * u->sg : NULL;
+        for (int64_t r = 0; r < K; r++) {
             real *restrict row = dS + r * V;
             const real *restrict sp = Sp + r * V;
             const real kr = b * kt[r];
-            dkt[r] = PA_FN(dot)(row, uv, V) - b * e * PA_FN(dot)(sp, du, V);
+            dkt[r] = PA_FN(dot)(row, uv, V) - b * a[r] * PA_FN(dot)(sp, du, V);
             for (int64_t j = 0; j < V; j++) row[j] -= kr * du[j];
-            if (u->dg) dg += (double)PA_FN(dot)(sp, row, V);
-            for (int64_t j = 0; j < V; j++) row[j] *= e;
+            if (dgt && vec)
+                dgt[r] = gt[r] < -PA_GATE_RESET ? 0 : a[r] * PA_FN(dot)(sp, row, V);
+            else if (dgt)
+                dg += (double)PA_FN(dot)(sp, row, V);
+            for (int64_t j = 0; j < V; j++) row[j] *= a[r];
         }
-        if (u->dg) {
-            const double x = u->g[t * u->sg];
-            u->dg[t * u->sg] = x < -PA_GATE_RESET ? 0 : (real)(e * dg);
-        }
+        if (dgt && !vec) dgt[0] = gt[0] < -PA_GATE_RESET ? 0 : (real)(a[0] * dg);
     }
 }
 
@@ -354,30 +411,61 @@ static void PA_FN(dr_lower_gram)(int64_t l, int64_t D, real alpha, const real *X
     }
 }
 
-/* The block of rows c0 .. c0+l-1: G and its factors, beta, the decay mask Dm, the Gram
- * M = K K^T, A, and Z = [W | U]. */
+/* The block's key side over rows c0 .. c0+l-1 (sc->ks): a scalar gate's cumulative sums and
+ * mask, or a vector gate's cumulative sums and, when they span little enough, its factors. */
+static void PA_FN(dr_side)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K;
+    PA_FN(la_side) *s = &sc->ks;
+    *s = (PA_FN(la_side)){.kind = u->gate, .D = K, .G = sc->Gk, .lo = sc->L * K};
+    if (u->gate == PA_GATE_SCALAR) {
+        PA_FN(la_scalar_side)(s, u->g + c0 * u->sg, u->sg, l, 0, sc->Gs, sc->L, sc->Dm);
+    } else if (u->gate == PA_GATE_VECTOR) {
+        PA_FN(la_cumsum_hilo)(u->g + c0 * u->sg, u->sg, l, K, 0, sc->Gk, s->lo, sc->acc);
+        PA_FN(la_factor)(s, l, sc->Ek);
+    }
+}
+
+/* Y_i = alpha X_i f_i for the block's l rows (K each; X rows of ldx, Y rows of K), f_i the
+ * row's factor from the block's start (to_end = 0) or to its end (to_end = 1) */
+static void PA_FN(dr_gate_rows)(const PA_FN(dr_scratch) *sc, int64_t l, int to_end, real alpha,
+                                const real *X, int64_t ldx, real *Y)
+{
+    for (int64_t i = 0; i < l; i++)
+        PA_FN(la_side_row)(&sc->ks, l, to_end, i, Y + i * sc->K, X + i * ldx, alpha, 0);
+}
+
+/* dG_i += alpha x * y over the K channels: each channel's own with a vector gate, their sum
+ * with a scalar one */
+static void PA_FN(dr_gate_terms)(PA_FN(dr_scratch) *sc, int64_t i, const real *x, const real *y,
+                                 double alpha)
+{
+    const int64_t K = sc->K;
+    if (sc->ks.kind == PA_GATE_VECTOR) {
+        double *dG = sc->dG + i * K;
+        for (int64_t c = 0; c < K; c++) dG[c] += alpha * ((double)x[c] * y[c]);
+    } else {
+        sc->dG[i] += alpha * PA_FN(dot)(x, y, K);
+    }
+}
+
+/* The block of rows c0 .. c0+l-1: its key side, beta, the gated Gram A' (in M), A and
+ * Z = [W | U]. */
 static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_FN(dr_scratch) *sc)
 {
-    const int64_t K = sc->K, V = sc->V, W = K + V, sk = u->sk, sv = u->sv;
-    const real *k = u->k + c0 * sk, *v = u->v + c0 * sv;
-    if (u->g) PA_FN(gate_cumsum)(u->g + c0 * u->sg, u->sg, l, 0, sc->G, sc->Gl);
+    const int64_t K = sc->K, V = sc->V, W = K + V, sq = u->sq, sv = u->sv;
+    const real *k = u->k + c0 * sq, *v = u->v + c0 * sv;
+    PA_FN(dr_side)(u, c0, l, sc);
+    PA_FN(la_gram)(&sc->ks, l, 1, k, sq, k, sq, 1, sc->M, &sc->bufs);
     for (int64_t i = 0; i < l; i++) {
-        sc->gam[i] = u->g ? (real)exp(PA_FN(gate_diff)(sc->G, sc->Gl, i, -1)) : 1;
-        sc->lam[i] = u->g ? (real)exp(PA_FN(gate_diff)(sc->G, sc->Gl, l - 1, i)) : 1;
-        sc->bet[i] = u->beta[(c0 + i) * u->sg];
-    }
-    PA_FN(decay_mask)(u->g ? sc->G : NULL, sc->Gl, l, sc->Dm);
-    PA_FN(dr_pack_t)(l, K, k, sk, sc->Bk);
-    PA_FN(dr_lower_gram)(l, K, 1, k, sk, sc->Bk, sc->M, sc->work);
-    for (int64_t i = 0; i < l; i++) {
-        real *a = sc->A + i * l;
-        const real *m = sc->M + i * l, *dm = sc->Dm + i * l;
-        for (int64_t j = 0; j < i; j++) a[j] = sc->bet[i] * dm[j] * m[j];
+        const real b = u->beta[(c0 + i) * u->sb];
+        real *a = sc->A + i * l, *z = sc->Z + i * W;
+        const real *m = sc->M + i * l;
+        sc->bet[i] = b;
+        for (int64_t j = 0; j < i; j++) a[j] = b * m[j];
         for (int64_t j = i; j < l; j++) a[j] = 0;
-        real *z = sc->Z + i * W;
-        const real bg = sc->bet[i] * sc->gam[i];
-        for (int64_t c = 0; c < K; c++) z[c] = bg * k[i * sk + c];
-        for (int64_t c = 0; c < V; c++) z[K + c] = sc->bet[i] * v[i * sv + c];
+        PA_FN(la_side_row)(&sc->ks, l, 0, i, z, k + i * sq, b, 0);
+        for (int64_t c = 0; c < V; c++) z[K + c] = b * v[i * sv + c];
     }
     PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->Bp, sc->work);
 }
@@ -390,18 +478,12 @@ static void PA_FN(dr_values)(int64_t l, const real *S, PA_FN(dr_scratch) *sc)
     PA_FN(gemm)(l, V, K, -1, sc->Z, W, 1, S, V, 1, 1, sc->Vn, V, sc->work);
 }
 
-/* P = scale Q K^T * Dm (lower, diagonal included; 0 above), with the block's K^T packed by
- * dr_block */
+/* P = the gated Gram of scale Q with K (lower, diagonal included; 0 above) */
 static void PA_FN(dr_scores)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
                              PA_FN(dr_scratch) *sc)
 {
-    PA_FN(dr_lower_gram)(l, sc->K, (real)scale, u->q + c0 * u->sk, u->sk, sc->Bk, sc->P, sc->work);
-    for (int64_t i = 0; i < l; i++) { /* by selection above: a later row's NaN stays there */
-        real *p = sc->P + i * l;
-        const real *dm = sc->Dm + i * l;
-        for (int64_t j = 0; j <= i; j++) p[j] *= dm[j];
-        for (int64_t j = i + 1; j < l; j++) p[j] = 0;
-    }
+    const real *q = u->q + c0 * u->sq, *k = u->k + c0 * u->sq;
+    PA_FN(la_gram)(&sc->ks, l, (real)scale, q, u->sq, k, u->sq, 0, sc->P, &sc->bufs);
 }
 
 /* The block's o rows from its entering state S (dr_block and dr_values done) */
@@ -410,22 +492,42 @@ static void PA_FN(dr_output)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, dou
 {
     const int64_t K = sc->K, V = sc->V, sv = u->sv;
     real *o = u->o + c0 * sv;
-    PA_FN(gemm)(l, V, K, (real)scale, u->q + c0 * u->sk, u->sk, 1, S, V, 1, 0, o, sv, sc->work);
-    if (u->g)
-        for (int64_t i = 0; i < l; i++) PA_FN(row_scale)(o + i * sv, V, sc->gam[i]);
+    PA_FN(dr_gate_rows)(sc, l, 0, (real)scale, u->q + c0 * u->sq, u->sq, sc->Tk);
+    PA_FN(gemm)(l, V, K, 1, sc->Tk, K, 1, S, V, 1, 0, o, sv, sc->work);
     PA_FN(dr_scores)(u, c0, l, scale, sc);
     PA_FN(dr_lower_product)(l, V, 1, sc->P, sc->Vn, V, 1, o, sv, sc->Bp, sc->rows, sc->work);
 }
 
-/* S <- e^G_last S + K^T diag(lam) V' */
+/* rows c of S (K x V) times f[c], the block's total decay per channel (in sc->f) */
+static void PA_FN(dr_decay_state)(PA_FN(dr_scratch) *sc, int64_t l, real *S)
+{
+    const int64_t K = sc->K, V = sc->V;
+    PA_FN(la_total_decay)(&sc->ks, l, sc->f);
+    for (int64_t c = 0; sc->ks.kind != PA_GATE_NONE && c < K; c++)
+        PA_FN(row_scale)(S + c * V, V, sc->f[c]);
+}
+
+/* S <- diag(e^G_last) S + (K f')^T V' */
 static void PA_FN(dr_state)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, real *S,
                             PA_FN(dr_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V;
-    if (u->g) PA_FN(row_scale)(S, K * V, sc->gam[l - 1]);
-    for (int64_t i = 0; i < l; i++)
-        for (int64_t j = 0; j < V; j++) sc->Tv[i * V + j] = sc->lam[i] * sc->Vn[i * V + j];
-    PA_FN(gemm)(K, V, l, 1, u->k + c0 * u->sk, 1, u->sk, sc->Tv, V, 1, 1, S, V, sc->work);
+    PA_FN(dr_decay_state)(sc, l, S);
+    PA_FN(dr_gate_rows)(sc, l, 1, 1, u->k + c0 * u->sq, u->sq, sc->Tk);
+    PA_FN(gemm)(K, V, l, 1, sc->Tk, 1, K, sc->Vn, V, 1, 1, S, V, sc->work);
+}
+
+/* Z_i += alpha sum_{j<i} Wm_ij E_ij X_j into Tq and Z_j += alpha sum_{i>j} Wm_ij E_ij Y_i
+ * into Tr (both zeroed first; Wm strictly lower, l x l): a Gram's gradient reaching the rows
+ * of its two ends, kept apart for the gate's terms */
+static void PA_FN(dr_gram_grads)(PA_FN(dr_scratch) *sc, int64_t l, real alpha, const real *Wm,
+                                 const real *X, const real *Y, int64_t ld)
+{
+    const int64_t K = sc->K;
+    memset(sc->Tq, 0, sizeof(real) * l * K);
+    memset(sc->Tr, 0, sizeof(real) * l * K);
+    PA_FN(la_apply)(&sc->ks, l, alpha, Wm, 0, X, ld, sc->Tq, K, &sc->bufs);
+    PA_FN(la_apply)(&sc->ks, l, alpha, Wm, 1, Y, ld, sc->Tr, K, &sc->bufs);
 }
 
 /* The block's gradients: dq, dk, dv, dbeta, dg of its rows from its entering state S and dS,
@@ -433,106 +535,120 @@ static void PA_FN(dr_state)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, real
 static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
                                   const real *S, real *dS, PA_FN(dr_scratch) *sc)
 {
-    const int64_t K = sc->K, V = sc->V, W = K + V, KV = K * V, sk = u->sk, sv = u->sv;
-    const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
+    const int64_t K = sc->K, V = sc->V, W = K + V, sq = u->sq, sk = u->sk, sv = u->sv;
+    const real *q = u->q + c0 * sq, *k = u->k + c0 * sq, *v = u->v + c0 * sv;
     const real *dO = u->dout + c0 * sv;
     real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
-    real *work = sc->work, *dVn = sc->R + K;
+    real *work = sc->work, *dVn = sc->R + K, *Tk = sc->Tk, *Tq = sc->Tq, *Tr = sc->Tr;
+    const real sc_ = (real)scale;
+    const int gated = u->gate != PA_GATE_NONE, vec = u->gate == PA_GATE_VECTOR;
+    const int64_t nc = vec ? K : 1; /* the gate's channels */
     double *dG = sc->dG;
-    const int gated = u->g != NULL;
     PA_FN(dr_block)(u, c0, l, sc);
     PA_FN(dr_values)(l, S, sc);
     PA_FN(dr_scores)(u, c0, l, scale, sc);
-    for (int64_t i = 0; i < l; i++) dG[i] = 0;
+    if (gated) memset(dG, 0, sizeof(double) * l * nc);
 
-    /* dV' = P^T dO + diag(lam) K dS' */
+    /* dV' = P^T dO + (K f') dS' */
     PA_FN(dr_lower_t_product)(l, V, 1, sc->P, dO, sv, 0, dVn, W, sc->Bp, work);
-    PA_FN(gemm)(l, V, K, 1, k, sk, 1, dS, V, 1, 0, sc->Tv, V, work);
-    for (int64_t i = 0; i < l; i++) PA_FN(axpy)(dVn + i * W, sc->Tv + i * V, V, sc->lam[i]);
+    PA_FN(dr_gate_rows)(sc, l, 1, 1, k, sq, Tk);
+    PA_FN(gemm)(l, V, K, 1, Tk, K, 1, dS, V, 1, 1, dVn, W, work);
 
-    /* dq = scale diag(e^G) dO S^T + scale (dP * Dm) K, dP = dO V'^T; dk from dP */
-    PA_FN(gemm)(l, K, V, (real)scale, dO, sv, 1, S, 1, V, 0, dq, sk, work);
-    for (int64_t i = 0; gated && i < l; i++) {
-        PA_FN(row_scale)(dq + i * sk, K, sc->gam[i]);
-        dG[i] += PA_FN(dot)(q + i * sk, dq + i * sk, K);
+    /* the end state's terms: dk = f' (V' dS'^T); the gate's through f' (both ends) and
+     * through e^G_last */
+    PA_FN(gemm)(l, K, V, 1, sc->Vn, V, 1, dS, 1, V, 0, Tq, K, work);
+    for (int64_t i = 0; i < l; i++) {
+        const real *tq = Tq + i * K, *kf = Tk + i * K;
+        PA_FN(la_side_row)(&sc->ks, l, 1, i, dk + i * sk, tq, 1, 0);
+        if (gated && i < l - 1) { /* the last row's f' is e^0: its two terms cancel */
+            PA_FN(dr_gate_terms)(sc, l - 1, kf, tq, 1);
+            PA_FN(dr_gate_terms)(sc, i, kf, tq, -1);
+        }
     }
+    if (gated) {
+        PA_FN(la_total_decay)(&sc->ks, l, sc->f);
+        for (int64_t c = 0; c < K; c++)
+            dG[(l - 1) * nc + (vec ? c : 0)] += sc->f[c] * PA_FN(dot)(S + c * V, dS + c * V, V);
+    }
+
+    /* dq = scale f (dO S^T), and the gate's term through f */
+    PA_FN(gemm)(l, K, V, sc_, dO, sv, 1, S, 1, V, 0, dq, sk, work);
+    for (int64_t i = 0; gated && i < l; i++) {
+        PA_FN(la_side_row)(&sc->ks, l, 0, i, dq + i * sk, dq + i * sk, 1, 0);
+        PA_FN(dr_gate_terms)(sc, i, q + i * sq, dq + i * sk, 1);
+    }
+
+    /* dP = dO V'^T: its pairs below the diagonal through the gated products (the gate's terms
+     * from their two ends), then its diagonal, whose gate factor is 1 */
     PA_FN(dr_pack_t)(l, V, sc->Vn, V, sc->Bp);
     PA_FN(dr_lower_gram)(l, V, 1, dO, sv, sc->Bp, sc->E, work);
     for (int64_t i = 0; i < l; i++) {
         real *e = sc->E + i * l;
-        const real *p = sc->P + i * l, *dm = sc->Dm + i * l;
-        for (int64_t j = 0; gated && j < i; j++) {
-            const double x = (double)e[j] * p[j];
-            dG[i] += x;
-            dG[j] -= x;
-        }
-        for (int64_t j = 0; j <= i; j++) e[j] *= dm[j];
-        for (int64_t j = i + 1; j < l; j++) e[j] = 0;
+        sc->dp[i] = e[i];
+        for (int64_t j = i; j < l; j++) e[j] = 0;
     }
-    PA_FN(dr_lower_product)(l, K, (real)scale, sc->E, k, sk, 1, dq, sk, sc->Bp, sc->rows, work);
-    PA_FN(dr_lower_t_product)(l, K, (real)scale, sc->E, q, sk, 0, dk, sk, sc->Bp, work);
-
-    /* the end state's terms: dk += diag(lam) V' dS'^T, and the gate's through lam and e^G_last */
-    PA_FN(gemm)(l, K, V, 1, sc->Vn, V, 1, dS, 1, V, 0, sc->Tk, K, work);
+    PA_FN(dr_gram_grads)(sc, l, sc_, sc->E, k, q, sq);
     for (int64_t i = 0; i < l; i++) {
-        const real *tk = sc->Tk + i * K;
-        if (gated && i < l - 1) { /* the last row's lam is e^0: its two terms cancel */
-            const double x = (double)sc->lam[i] * PA_FN(dot)(k + i * sk, tk, K);
-            dG[l - 1] += x;
-            dG[i] -= x;
+        const real *qi = q + i * sq, *ki = k + i * sq;
+        if (gated) {
+            PA_FN(dr_gate_terms)(sc, i, qi, Tq + i * K, 1);
+            PA_FN(dr_gate_terms)(sc, i, ki, Tr + i * K, -1);
         }
-        PA_FN(axpy)(dk + i * sk, tk, K, sc->lam[i]);
-    }
-    if (gated) {
-        double s = 0;
-        for (int64_t i = 0; i < KV; i++) s += (double)S[i] * dS[i];
-        dG[l - 1] += sc->gam[l - 1] * s;
+        PA_FN(axpy)(dq + i * sk, Tq + i * K, K, 1);
+        PA_FN(axpy)(dq + i * sk, ki, K, sc_ * sc->dp[i]);
+        PA_FN(axpy)(dk + i * sk, Tr + i * K, K, 1);
+        PA_FN(axpy)(dk + i * sk, qi, K, sc_ * sc->dp[i]);
     }
 
-    /* dW = -dV' S^T, then dS = e^G_last dS' + Q~^T diag(e^G) dO - W^T dV' */
+    /* dW = -dV' S^T, then dS = diag(e^G_last) dS' + (Q~ f)^T dO - W^T dV' */
     PA_FN(gemm)(l, K, V, -1, dVn, W, 1, S, 1, V, 0, sc->R, W, work);
-    if (gated) PA_FN(row_scale)(dS, KV, sc->gam[l - 1]);
-    for (int64_t i = 0; i < l; i++)
-        for (int64_t j = 0; j < V; j++) sc->Tv[i * V + j] = sc->gam[i] * dO[i * sv + j];
-    PA_FN(gemm)(K, V, l, (real)scale, q, 1, sk, sc->Tv, V, 1, 1, dS, V, work);
+    PA_FN(dr_decay_state)(sc, l, dS);
+    PA_FN(dr_gate_rows)(sc, l, 0, sc_, q, sq, Tk);
+    PA_FN(gemm)(K, V, l, 1, Tk, 1, K, dO, sv, 1, 1, dS, V, work);
     PA_FN(gemm)(K, V, l, -1, sc->Z, 1, W, dVn, W, 1, 1, dS, V, work);
 
     /* [dX | dY] = (I + A)^-T [dW | dV'];  dA = -strictly-lower([dX | dY] Z^T) */
     PA_FN(dr_solve_upper)(sc->A, l, sc->R, W, sc->Bp, work);
     PA_FN(dr_pack_t)(l, W, sc->Z, W, sc->Bp);
     PA_FN(dr_lower_gram)(l, W, -1, sc->R, W, sc->Bp, sc->E, work);
-    /* A_ij = beta_i Dm_ij M_ij: beta's and the gate's terms, and dM (symmetrised, in P) */
+    /* A = diag(beta) A': beta's term, and dA' = diag(beta) dA (in E); Z's right-hand side
+     * beta_i [k_i f_i | v_i]: beta's, k's, v's and the gate's terms */
+    PA_FN(dr_gate_rows)(sc, l, 0, 1, k, sq, Tk);
     for (int64_t i = 0; i < l; i++) {
-        const real *da = sc->E + i * l, *a = sc->A + i * l, *dm = sc->Dm + i * l, *m = sc->M + i * l;
+        real *da = sc->E + i * l;
+        const real *m = sc->M + i * l, b = sc->bet[i];
         double db = 0;
         for (int64_t j = 0; j < i; j++) {
-            const real x = da[j] * dm[j];
-            db += (double)x * m[j];
-            if (gated) {
-                dG[i] += (double)da[j] * a[j];
-                dG[j] -= (double)da[j] * a[j];
-            }
-            sc->P[i * l + j] = sc->P[j * l + i] = sc->bet[i] * x;
+            db += (double)da[j] * m[j];
+            da[j] *= b;
         }
-        sc->P[i * l + i] = 0;
-        const real *dx = sc->R + i * W, *dy = dx + K;
-        const real xk = PA_FN(dot)(dx, k + i * sk, K);
-        /* fused explicitly: whether the compiler fuses it depends on what it inlines here */
-        db += fma((double)sc->gam[i], xk, PA_FN(dot)(dy, v + i * sv, V));
-        u->dbeta[(c0 + i) * u->sg] = (real)db;
-        if (gated) dG[i] += (double)sc->bet[i] * sc->gam[i] * xk;
-        PA_FN(axpy)(dk + i * sk, dx, K, sc->bet[i] * sc->gam[i]);
-        for (int64_t j = 0; j < V; j++) dv[i * sv + j] = sc->bet[i] * dy[j];
+        for (int64_t j = i; j < l; j++) da[j] = 0;
+        const real *dx = sc->R + i * W, *dy = dx + K, *kf = Tk + i * K;
+        db += (double)PA_FN(dot)(dx, kf, K) + PA_FN(dot)(dy, v + i * sv, V);
+        u->dbeta[(c0 + i) * u->sb] = (real)db;
+        if (gated) PA_FN(dr_gate_terms)(sc, i, kf, dx, b);
+        PA_FN(la_side_row)(&sc->ks, l, 0, i, dk + i * sk, dx, b, 1);
+        for (int64_t j = 0; j < V; j++) dv[i * sv + j] = b * dy[j];
     }
-    PA_FN(gemm)(l, K, l, 1, sc->P, l, 1, k, sk, 1, 1, dk, sk, work);
+    /* A'_ij = sum_c k_ic k_jc E_ijc: k's terms from both ends, and the gate's */
+    PA_FN(dr_gram_grads)(sc, l, 1, sc->E, k, k, sq);
+    for (int64_t i = 0; i < l; i++) {
+        const real *ki = k + i * sq;
+        if (gated) {
+            PA_FN(dr_gate_terms)(sc, i, ki, Tq + i * K, 1);
+            PA_FN(dr_gate_terms)(sc, i, ki, Tr + i * K, -1);
+        }
+        PA_FN(axpy)(dk + i * sk, Tq + i * K, K, 1);
+        PA_FN(axpy)(dk + i * sk, Tr + i * K, K, 1);
+    }
 
-    /* g_s enters G_i for every i >= s of the block */
-    if (gated) {
+    /* g_s enters G_i for every i >= s of the block (per channel) */
+    for (int64_t c = 0; gated && c < nc; c++) {
         double acc = 0;
         for (int64_t i = l - 1; i >= 0; i--) {
-            acc += dG[i];
-            const double x = u->g[(c0 + i) * u->sg];
-            u->dg[(c0 + i) * u->sg] = x < -PA_GATE_RESET ? 0 : (real)acc;
+            acc += dG[i * nc + c];
+            const int64_t at = (c0 + i) * u->sg + c;
+            u->dg[at] = u->g[at] < -PA_GATE_RESET ? 0 : (real)acc;
         }
     }
 }
@@ -660,9 +776,16 @@ static int PA_FN(delta_backward)(const pa_linear_desc *d, const void *q, const v
                                  const void *dout, const void *dht, const void *states, void *dq,
                                  void *dk, void *dv, void *dg, void *dbeta, void *dh0)
 {
+    int nomem;
+    real *heads = PA_FN(la_group_heads)(d, &nomem);
+    if (nomem) return PA_ENOMEM;
     PA_FN(dr_call) c = {.d = d, .q = q, .k = k, .v = v, .g = g, .beta = beta, .h0 = h0,
-                        .dout = dout, .dht = dht, .dq = dq, .dk = dk, .dv = dv, .dg = dg,
-                        .dbeta = dbeta, .dh0 = dh0,
+                        .dout = dout, .dht = dht, .dq = heads ? heads : dq,
+                        .dk = heads ? heads + d->cu[d->nseq] * d->H * d->K : dk, .dv = dv,
+                        .dg = dg, .dbeta = dbeta, .dh0 = dh0,
                         .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
-    return PA_FN(dr_run)(&c, 1);
+    int rc = PA_FN(dr_run)(&c, 1);
+    if (heads && rc == PA_OK) PA_FN(la_sum_groups)(d, heads, dq, dk);
+    free(heads);
+    return rc;
 }

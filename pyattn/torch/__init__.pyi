@@ -102,6 +102,13 @@ def gla(
     cu_seqlens: Optional[_TensorLike] = ..., form: _Form = ..., chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
 
+def kda(
+    q: _TensorLike, k: _TensorLike, v: _TensorLike, g: _TensorLike, beta: _TensorLike, *,
+    qk_l2norm: bool = ..., scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[_TensorLike] = ..., form: _Form = ...,
+    chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
+
 def lightning_attention(
     q: _TensorLike, k: _TensorLike, v: _TensorLike, *, slopes: Optional[_TensorLike] = ...,
     scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,
