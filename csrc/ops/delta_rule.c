@@ -52,7 +52,6 @@
  */
 
 #define DR_SUB 16   /* rows of a diagonal block of the triangular solves */
-#define DR_TRI (2 * MR) /* row block of the triangular products: whole micro-tiles */
 #define DR_PIECE 64 /* recurrent backward: steps between kept states */
 
 typedef struct {
@@ -348,69 +347,6 @@ static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, 
     }
 }
 
-/* ---- products with a triangle, by DR_TRI-row blocks: about half a full GEMM's work, and a
- * row reads no operand row its triangle does not reach, beyond its own block ---- */
-
-/* C = alpha L B + beta C for the l x l lower triangular L (leading dimension l, diagonal
- * included); B and C rows of ldb and ldc; B is packed once into Bp. A row block's GEMM also
- * multiplies the zeros above its diagonal with later rows of B, and 0 * NaN would carry a
- * non-finite later row to rows that cannot see it: when B has one, every row sums only the
- * rows it sees. */
-static void PA_FN(dr_lower_product)(int64_t l, int64_t N, real alpha, const real *Lm,
-                                    const real *B, int64_t ldb, real beta, real *C, int64_t ldc,
-                                    real *Bp, int64_t *rows, real *work)
-{
-    if (PA_FN(la_nonfinite_rows)(B, ldb, l, N, rows)) {
-        for (int64_t i = 0; i < l; i++) {
-            real *c = C + i * ldc;
-            if (beta == 0)
-                memset(c, 0, sizeof(real) * N);
-            else
-                PA_FN(row_scale)(c, N, beta);
-            for (int64_t j = 0; j <= i; j++) PA_FN(axpy)(c, B + j * ldb, N, alpha * Lm[i * l + j]);
-        }
-        return;
-    }
-    PA_FN(dr_pack_rows)(0, l, l, N, B, ldb, Bp);
-    for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
-        const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
-        PA_FN(gemm_packed_b)(r1 - r0, N, r1, alpha, Lm + r0 * l, l, 1, Bp, l * NR, beta,
-                             C + r0 * ldc, ldc, work);
-    }
-}
-
-/* C = alpha L^T B + beta C, L and the packing as in dr_lower_product */
-static void PA_FN(dr_lower_t_product)(int64_t l, int64_t N, real alpha, const real *Lm,
-                                      const real *B, int64_t ldb, real beta, real *C,
-                                      int64_t ldc, real *Bp, real *work)
-{
-    PA_FN(dr_pack_rows)(0, l, l, N, B, ldb, Bp);
-    for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
-        const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
-        PA_FN(gemm_packed_b)(r1 - r0, N, l - r0, alpha, Lm + r0 * l + r0, 1, l, Bp + r0 * NR,
-                             l * NR, beta, C + r0 * ldc, ldc, work);
-    }
-}
-
-/* Y^T packed for dr_lower_gram: Y l x D (rows of ldy) as the D x l operand B = Y^T */
-static void PA_FN(dr_pack_t)(int64_t l, int64_t D, const real *Y, int64_t ldy, real *Bp)
-{
-    PA_FN(pack_b)(D, l, Y, 1, ldy, Bp);
-}
-
-/* The lower triangle (and the diagonal blocks whole) of C = alpha X Y^T, l x l of leading
- * dimension l, X l x D with rows of ldx and Y^T packed in Bp (dr_pack_t); above the diagonal
- * blocks C is not written. */
-static void PA_FN(dr_lower_gram)(int64_t l, int64_t D, real alpha, const real *X, int64_t ldx,
-                                 const real *Bp, real *C, real *work)
-{
-    for (int64_t r0 = 0; r0 < l; r0 += DR_TRI) {
-        const int64_t r1 = r0 + DR_TRI < l ? r0 + DR_TRI : l;
-        PA_FN(gemm_packed_b)(r1 - r0, r1, D, alpha, X + r0 * ldx, ldx, 1, Bp, D * NR, 0,
-                             C + r0 * l, l, work);
-    }
-}
-
 /* The block's key side over rows c0 .. c0+l-1 (sc->ks): a scalar gate's cumulative sums and
  * mask, or a vector gate's cumulative sums and, when they span little enough, its factors. */
 static void PA_FN(dr_side)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_FN(dr_scratch) *sc)
@@ -495,7 +431,7 @@ static void PA_FN(dr_output)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, dou
     PA_FN(dr_gate_rows)(sc, l, 0, (real)scale, u->q + c0 * u->sq, u->sq, sc->Tk);
     PA_FN(gemm)(l, V, K, 1, sc->Tk, K, 1, S, V, 1, 0, o, sv, sc->work);
     PA_FN(dr_scores)(u, c0, l, scale, sc);
-    PA_FN(dr_lower_product)(l, V, 1, sc->P, sc->Vn, V, 1, o, sv, sc->Bp, sc->rows, sc->work);
+    PA_FN(la_tri_product)(l, V, 1, sc->P, 0, 1, o, sv, sc->Vn, V, &sc->bufs);
 }
 
 /* rows c of S (K x V) times f[c], the block's total decay per channel (in sc->f) */
@@ -544,13 +480,15 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     const int gated = u->gate != PA_GATE_NONE, vec = u->gate == PA_GATE_VECTOR;
     const int64_t nc = vec ? K : 1; /* the gate's channels */
     double *dG = sc->dG;
+    /* the Grams of ungated rows: dP (width V) and dA (width K + V) */
+    const PA_FN(la_side) plain_v = {.kind = PA_GATE_NONE, .D = V}, plain_w = {.kind = PA_GATE_NONE, .D = W};
     PA_FN(dr_block)(u, c0, l, sc);
     PA_FN(dr_values)(l, S, sc);
     PA_FN(dr_scores)(u, c0, l, scale, sc);
     if (gated) memset(dG, 0, sizeof(double) * l * nc);
 
     /* dV' = P^T dO + (K f') dS' */
-    PA_FN(dr_lower_t_product)(l, V, 1, sc->P, dO, sv, 0, dVn, W, sc->Bp, work);
+    PA_FN(la_tri_product)(l, V, 1, sc->P, 1, 0, dVn, W, dO, sv, &sc->bufs);
     PA_FN(dr_gate_rows)(sc, l, 1, 1, k, sq, Tk);
     PA_FN(gemm)(l, V, K, 1, Tk, K, 1, dS, V, 1, 1, dVn, W, work);
 
@@ -580,12 +518,10 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
 
     /* dP = dO V'^T: its pairs below the diagonal through the gated products (the gate's terms
      * from their two ends), then its diagonal, whose gate factor is 1 */
-    PA_FN(dr_pack_t)(l, V, sc->Vn, V, sc->Bp);
-    PA_FN(dr_lower_gram)(l, V, 1, dO, sv, sc->Bp, sc->E, work);
+    PA_FN(la_gram_rows)(&plain_v, l, 1, dO, sv, sc->Vn, V, 0, sc->E, &sc->bufs);
     for (int64_t i = 0; i < l; i++) {
-        real *e = sc->E + i * l;
-        sc->dp[i] = e[i];
-        for (int64_t j = i; j < l; j++) e[j] = 0;
+        sc->dp[i] = sc->E[i * l + i];
+        sc->E[i * l + i] = 0;
     }
     PA_FN(dr_gram_grads)(sc, l, sc_, sc->E, k, q, sq);
     for (int64_t i = 0; i < l; i++) {
@@ -609,8 +545,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
 
     /* [dX | dY] = (I + A)^-T [dW | dV'];  dA = -strictly-lower([dX | dY] Z^T) */
     PA_FN(dr_solve_upper)(sc->A, l, sc->R, W, sc->Bp, work);
-    PA_FN(dr_pack_t)(l, W, sc->Z, W, sc->Bp);
-    PA_FN(dr_lower_gram)(l, W, -1, sc->R, W, sc->Bp, sc->E, work);
+    PA_FN(la_gram_rows)(&plain_w, l, -1, sc->R, W, sc->Z, W, 1, sc->E, &sc->bufs);
     /* A = diag(beta) A': beta's term, and dA' = diag(beta) dA (in E); Z's right-hand side
      * beta_i [k_i f_i | v_i]: beta's, k's, v's and the gate's terms */
     PA_FN(dr_gate_rows)(sc, l, 0, 1, k, sq, Tk);
@@ -622,7 +557,6 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
             db += (double)da[j] * m[j];
             da[j] *= b;
         }
-        for (int64_t j = i; j < l; j++) da[j] = 0;
         const real *dx = sc->R + i * W, *dy = dx + K, *kf = Tk + i * K;
         db += (double)PA_FN(dot)(dx, kf, K) + PA_FN(dot)(dy, v + i * sv, V);
         u->dbeta[(c0 + i) * u->sb] = (real)db;
