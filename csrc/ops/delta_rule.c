@@ -39,12 +39,13 @@
  * reach q and k through the gated triangular products (la_apply) from both ends. The gate's
  * gradient dG_i is the derivative of every factor with respect to G_i, per channel (summed
  * over channels for a scalar gate): a factor x e^(+G_i) adds x dx, one x e^(-G_i) subtracts
- * it, i.e. q~_i dq_i - k_i dk_i over the off-diagonal pairs of P, k_i (dk_i - dk_i') over
- * those of A', beta_i (k_i f_i) dX_i, q~_i f_i (S dO_i), -(k_i f'_i)(V'_i dS'^T) and, for the
- * last row, those terms summed plus e^G_last rowsum(S * dS'); dg is dG summed in reverse
- * inside the block. Only bounded factors appear, and a row's pair with itself (E = 1 in both
- * of its ends, whose terms cancel) is added to dq and dk after the gate's terms are taken:
- * strong gates neither overflow nor leave the rounding of large cancelling terms.
+ * it. So over the off-diagonal pairs of P, q~_i times the gradient q_i gets from row i's
+ * pairs, minus k_i times the one k_i gets from column i's; over those of A' the same with k
+ * at both ends; beta_i (k_i f_i) dX_i; q~_i f_i (S dO_i); -(k_i f'_i)(V'_i dS'^T); and, for
+ * the last row, those f' terms summed plus e^G_last rowsum(S * dS'). dg is dG summed in
+ * reverse inside the block. Only bounded factors appear, and a row's pair with itself in P
+ * (E = 1, the same term at both ends) is added to dq and dk after the gate's terms are
+ * taken: strong gates neither overflow nor leave the rounding of large cancelling terms.
  * recurrent: states kept every DR_PIECE steps; each piece's states recomputed, then stepped
  * back one row at a time.
  *
