@@ -690,6 +690,8 @@ SIGNATURES = {
     "gated_delta_rule": (["q", "k", "v", "g", "beta"], ["qk_l2norm", "scale", "initial_state",
                                                         "output_final_state", "cu_seqlens",
                                                         "form", "chunk_size"]),
+    "kda": (["q", "k", "v", "g", "beta"], ["qk_l2norm", "scale", "initial_state", "output_final_state",
+                                           "cu_seqlens", "form", "chunk_size"]),
 }
 
 
