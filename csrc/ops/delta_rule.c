@@ -1,7 +1,7 @@
 /* The delta-rule engine (DeltaNet, Gated DeltaNet, Kimi Delta Attention), forward and
  * backward. Template body (see core/dtype.h); needs core/vmath.h, core/gemm.c, ops/rows.h,
- * ops/decay.h, ops/linear_engine.h and ops/linear_attn.c (its gate sides: cumulative gates,
- * the gated Gram and triangular products, row factors) before it.
+ * ops/decay.h and ops/linear_engine.h (the gate sides it shares with the linear engine:
+ * cumulative gates, the gated Gram and triangular products, row factors) before it.
  *
  * Per (sequence, value head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a log
  * gate g per step, absent (0), a scalar, or a K-vector (one decay per key channel, KDA):

@@ -52,33 +52,7 @@
  * items, with the states passed by a scan over chunks (the only sequential part).
  */
 
-#define LA_SUB 16     /* rows of a vector-gate sub-block: e^(gate sums over 16 steps) */
-#define LA_TRI (2 * MR) /* row block of the triangular products */
 #define LA_PIECE 64   /* rows of a backward piece in the recurrent and parallel forms */
-#define LA_FACTOR 20  /* the most log decay (per channel) a block's vector gate is factored over */
-
-typedef struct {
-    int kind;         /* PA_GATE_* */
-    int64_t D;        /* K or V */
-    const real *G;    /* vector: L x D inclusive cumulative gate of the block, as hi + lo */
-    int64_t lo;       /* vector: G + lo holds the lo parts (the sum is kept in double) */
-    const double *Gs, *Gl; /* scalar: L of them as hi + lo doubles (gate_sum2), so G_i - G_j
-                            * keeps its digits */
-    const real *Dm;   /* scalar: L x L, e^(G_i - G_j) on and below the diagonal, 0 above */
-    const real *Ep, *Em; /* vector, factored: L x D, e^(G_i - G_0) and e^(G_0 - G_i); else NULL */
-    const real *E0;      /* vector, factored: D, e^G_0 */
-} PA_FN(la_side);
-
-/* The buffers of the gated Gram and the triangular products with a side (la_gram, la_apply)
- * over blocks of up to L rows of D columns, apart from any engine's scratch so that the
- * delta-rule engine's blocks use the same products. */
-typedef struct {
-    real *Tm, *U;   /* L x D each: rows rescaled to a common row */
-    real *M;        /* L x L: a scalar side's mask applied (la_masked) */
-    real *Bp;       /* one operand packed once for the row-block products: L x max(L, D) */
-    int64_t *rows;  /* L: the non-finite rows of a triangular product's operand */
-    real *work;     /* GEMM packing */
-} PA_FN(la_bufs);
 
 /* Per-thread scratch of the chunk form for blocks of up to L rows. */
 typedef struct {
@@ -141,92 +115,6 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
     return s->block != NULL;
 }
 
-/* ---- vector helpers: y = beta y + alpha x e^(ga - gb), a NULL exponent counting as 0 ---- */
-
-/* e^(ga - gb) from hi/lo pairs (lo parts `lo` further on): (hi_a - hi_b) + (lo_a - lo_b) keeps
- * the digits of a small difference between two large cumulative gates. */
-static inline vreal PA_FN(la_decay)(const real *ga, const real *gb, int64_t lo, int64_t d,
-                                    int64_t left)
-{
-    vreal e = ga ? PA_FN(row_ld)(ga + d, left) : PA_FN(vset)(0);
-    vreal f = ga ? PA_FN(row_ld)(ga + lo + d, left) : PA_FN(vset)(0);
-    if (gb) {
-        e -= PA_FN(row_ld)(gb + d, left);
-        f -= PA_FN(row_ld)(gb + lo + d, left);
-    }
-    return PA_FN(vexp)(e + f);
-}
-
-static inline void PA_FN(la_gated)(real *y, const real *x, const real *ga, const real *gb,
-                                   int64_t lo, int64_t D, real alpha, real beta)
-{
-    for (int64_t d = 0; d < D; d += VL) {
-        vreal r = alpha * PA_FN(row_ld)(x + d, D - d);
-        if (ga || gb) r *= PA_FN(la_decay)(ga, gb, lo, d, D - d);
-        if (beta != 0) r += beta * PA_FN(row_ld)(y + d, D - d);
-        PA_FN(row_st)(y + d, r, D - d);
-    }
-}
-
-static inline real PA_FN(la_dot_gated)(const real *x, const real *y, const real *ga,
-                                       const real *gb, int64_t lo, int64_t D)
-{
-    vreal s = PA_FN(vset)(0);
-    for (int64_t d = 0; d < D; d += VL)
-        s += PA_FN(row_ld)(x + d, D - d) * PA_FN(row_ld)(y + d, D - d) *
-             PA_FN(la_decay)(ga, gb, lo, d, D - d);
-    return PA_FN(hsum)(s);
-}
-
-/* The factor f_i of row i of a block: e^G_i (to_end = 0) or e^(G_{L-1} - G_i) (to_end = 1).
- * la_row_scalar is it for a scalar gate (1 otherwise); la_row_exps the exponent pair of a
- * vector gate (NULL, NULL otherwise). */
-/* G_i - G_j of a scalar side from its hi and lo parts; j < 0: G_i */
-static inline double PA_FN(la_gs)(const PA_FN(la_side) *s, int64_t i, int64_t j)
-{
-    return PA_FN(gate_diff)(s->Gs, s->Gl, i, j);
-}
-
-/* A row's decay to itself is e^0 = 1 exactly: here and in the diagonals below it is never
- * formed as e^(G_i - G_i), which a NaN gate earlier in the block would make NaN. */
-static inline real PA_FN(la_row_scalar)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i)
-{
-    if (s->kind != PA_GATE_SCALAR || (to_end && i == L - 1)) return 1;
-    return (real)exp(to_end ? PA_FN(la_gs)(s, L - 1, i) : PA_FN(la_gs)(s, i, -1));
-}
-
-static inline void PA_FN(la_row_exps)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i,
-                                      const real **ga, const real **gb)
-{
-    *ga = *gb = NULL;
-    if (s->kind != PA_GATE_VECTOR || (to_end && i == L - 1)) return;
-    *ga = to_end ? s->G + (L - 1) * s->D : s->G + i * s->D;
-    *gb = to_end ? s->G + i * s->D : NULL;
-}
-
-/* y = beta y + alpha x f_i, f_i the factor of row i of a block (a row of the side's width). A
- * factored vector gate takes it from its factors, without an exp: e^G_i = e^(G_i - G_0) e^G_0
- * and e^(G_{L-1} - G_i) = e^(G_0 - G_i) e^(G_{L-1} - G_0). */
-static inline void PA_FN(la_side_row)(const PA_FN(la_side) *s, int64_t L, int to_end, int64_t i,
-                                      real *y, const real *x, real alpha, real beta)
-{
-    const real *ga, *gb;
-    PA_FN(la_row_exps)(s, L, to_end, i, &ga, &gb);
-    alpha *= PA_FN(la_row_scalar)(s, L, to_end, i);
-    if (!ga || !s->Ep) {
-        PA_FN(la_gated)(y, x, ga, gb, s->lo, s->D, alpha, beta);
-        return;
-    }
-    const int64_t D = s->D;
-    const real *f = (to_end ? s->Em : s->Ep) + i * D, *c = to_end ? s->Ep + (L - 1) * D : s->E0;
-    for (int64_t d = 0; d < D; d += VL) {
-        vreal r = alpha * PA_FN(row_ld)(x + d, D - d) * PA_FN(row_ld)(f + d, D - d) *
-                  PA_FN(row_ld)(c + d, D - d);
-        if (beta != 0) r += beta * PA_FN(row_ld)(y + d, D - d);
-        PA_FN(row_st)(y + d, r, D - d);
-    }
-}
-
 /* Y_i = beta Y_i + alpha X_i f_i for the L rows of a block (rows of the side's width). */
 static void PA_FN(la_gate_rows)(const PA_FN(la_side) *s, int64_t L, int to_end, real alpha,
                                 const real *X, int64_t ldx, real beta, real *Y, int64_t ldy)
@@ -273,16 +161,6 @@ static void PA_FN(la_rows_times)(const PA_FN(la_side) *in, const PA_FN(la_side) 
                            PA_FN(la_row_scalar)(in, L, to_end, i), 0);
 }
 
-/* f[0..D) = e^(G_{L-1}): the block's total decay on this side */
-static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
-{
-    for (int64_t d = 0; d < s->D; d++)
-        f[d] = s->kind == PA_GATE_VECTOR   ? (real)exp((double)s->G[(L - 1) * s->D + d] +
-                                                   s->G[s->lo + (L - 1) * s->D + d])
-               : s->kind == PA_GATE_SCALAR ? (real)exp(PA_FN(la_gs)(s, L - 1, -1))
-                                           : 1;
-}
-
 /* row = a prev b + c x over V entries: a state row decayed (prev NULL: zeros) plus, with x,
  * a row of k v^T. prev may be row itself: each vector is read before it is written. */
 static inline __attribute__((always_inline)) void PA_FN(la_decay_row)(
@@ -306,20 +184,6 @@ static void PA_FN(la_state_decay)(real *S, const real *a, const real *b, int64_t
     for (int64_t i = 0; i < K; i++) PA_FN(la_decay_row)(S + i * V, S + i * V, a[i], b, NULL, 0, V);
 }
 
-/* ---- the three block products, for any gate on their side ---- */
-
-/* Y_i = X_i * E_i (beta = 0) or Y_i += X_i * E_i (beta = 1) for L rows of D */
-static void PA_FN(la_rows_mul)(const real *X, int64_t ldx, const real *E, int64_t L, int64_t D,
-                               real beta, real *Y, int64_t ldy)
-{
-    for (int64_t i = 0; i < L; i++)
-        for (int64_t d = 0; d < D; d += VL) {
-            vreal r = PA_FN(row_ld)(X + i * ldx + d, D - d) * PA_FN(row_ld)(E + i * D + d, D - d);
-            if (beta != 0) r += PA_FN(row_ld)(Y + i * ldy + d, D - d);
-            PA_FN(row_st)(Y + i * ldy + d, r, D - d);
-        }
-}
-
 /* A factored vector side's two copies of the rows X (L x D) for one read of X: Y1_i = X_i f_i
  * with f_i = e^(G_i - G_0) (to_end = 0) or e^(G_0 - G_i) (to_end = 1), the Gram's operand,
  * and Y2_i = Y1_i c with c = e^G_0 or e^(G_{L-1} - G_0): X_i times its factor from the start
@@ -338,180 +202,6 @@ static void PA_FN(la_factored_rows)(const PA_FN(la_side) *s, int64_t L, int to_e
             PA_FN(row_st)(Y1 + i * D + d, y, D - d);
             PA_FN(row_st)(Y2 + i * D + d, one ? x : y * PA_FN(row_ld)(c + d, D - d), D - d);
         }
-    }
-}
-
-/* Row p of pack_b(L, D, U, ldu, 1, Bp): U's (zero = 0) or zeros (zero = 1) */
-static void PA_FN(la_repack_row)(real *Bp, int64_t L, int64_t D, const real *U, int64_t ldu,
-                                 int64_t p, int zero)
-{
-    for (int64_t c = 0; c < D; c++)
-        Bp[c / NR * L * NR + p * NR + c % NR] = zero ? 0 : U[p * ldu + c];
-}
-
-/* Z (rows of ldz) = beta Z + alpha W U over the triangle of W: rows i of W up to i
- * (trans = 0, W lower), or W^T, rows j from j (trans = 1); U is L x D, packed here into bufs->Bp.
- * A row block's GEMM also multiplies the zeros above the diagonal of its diagonal block, and
- * 0 * NaN or 0 * inf would carry a non-finite row of U to the rows that cannot see it. So the
- * packing looks for non-finite rows (one pass over U), and a block that meets one inside its
- * diagonal block runs with those rows zeroed in the packing, then adds them to the rows that
- * see them. Finite rows take the one GEMM per block, and the rows that cannot see a non-finite
- * one get the same bits as in a run without it: the zeroed terms are exact zeros either way. */
-static void PA_FN(la_tri_product)(int64_t L, int64_t D, real alpha, const real *W, int trans,
-                                  real beta, real *Z, int64_t ldz, const real *U, int64_t ldu,
-                                  PA_FN(la_bufs) *bufs)
-{
-    PA_FN(pack_b)(L, D, U, ldu, 1, bufs->Bp);
-    const int64_t nbad = PA_FN(la_nonfinite_rows)(U, ldu, L, D, bufs->rows);
-    int64_t b = 0; /* the first non-finite row not before the block */
-    for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
-        const int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
-        while (b < nbad && bufs->rows[b] < i0) b++;
-        /* rows [lo, hi) of U reach rows of the block that cannot see them */
-        const int64_t lo = trans ? i0 : i0 + 1, hi = trans ? i1 - 1 : i1;
-        int64_t b1 = b;
-        for (; b1 < nbad && bufs->rows[b1] < hi; b1++)
-            if (bufs->rows[b1] >= lo) PA_FN(la_repack_row)(bufs->Bp, L, D, U, ldu, bufs->rows[b1], 1);
-        if (trans)
-            PA_FN(gemm_packed_b)(i1 - i0, D, L - i0, alpha, W + i0 * L + i0, 1, L,
-                                 bufs->Bp + i0 * NR, L * NR, beta, Z + i0 * ldz, ldz, bufs->work);
-        else
-            PA_FN(gemm_packed_b)(i1 - i0, D, i1, alpha, W + i0 * L, L, 1, bufs->Bp, L * NR, beta,
-                                 Z + i0 * ldz, ldz, bufs->work);
-        for (int64_t r = b; r < b1; r++) {
-            const int64_t p = bufs->rows[r];
-            if (p < lo) continue;
-            PA_FN(la_repack_row)(bufs->Bp, L, D, U, ldu, p, 0);
-            /* trans = 0: rows p .. i1-1 see U_p through W_ip; trans = 1: rows i0 .. p through W_pj */
-            for (int64_t i = trans ? i0 : p; i < (trans ? p + 1 : i1); i++)
-                PA_FN(axpy)(Z + i * ldz, U + p * ldu, D, alpha * (trans ? W[p * L + i] : W[i * L + p]));
-        }
-    }
-}
-
-/* W (L x L, ld L) = lower triangle of alpha sum_d X_id Y_jd e^(G_id - G_jd); 0 above, and on
- * the diagonal too when strict. */
-/* la_gram's products where no gate is left inside the sum: X and Y are the rows as they
- * multiply (a factored vector gate's factors already applied), a scalar gate's mask follows.
- * Y^T is packed once; the row blocks stop at the diagonal. */
-static void PA_FN(la_gram_rows)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
-                                int64_t ldx, const real *Y, int64_t ldy, int strict, real *W,
-                                PA_FN(la_bufs) *bufs)
-{
-    const int64_t D = s->D;
-    PA_FN(pack_b)(D, L, Y, 1, ldy, bufs->Bp);
-    for (int64_t i0 = 0; i0 < L; i0 += LA_TRI) {
-        int64_t i1 = i0 + LA_TRI < L ? i0 + LA_TRI : L;
-        PA_FN(gemm_packed_b)(i1 - i0, i1, D, alpha, X + i0 * ldx, ldx, 1, bufs->Bp, D * NR, 0,
-                             W + i0 * L, L, bufs->work);
-    }
-    for (int64_t i = 0; i < L; i++) {
-        real *w = W + i * L;
-        if (s->kind == PA_GATE_SCALAR)
-            for (int64_t j = 0; j <= i; j++) w[j] *= s->Dm[i * L + j];
-        for (int64_t j = strict ? i : i + 1; j < L; j++) w[j] = 0;
-    }
-}
-
-static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *X,
-                           int64_t ldx, const real *Y, int64_t ldy, int strict, real *W,
-                           PA_FN(la_bufs) *bufs)
-{
-    const int64_t D = s->D;
-    if (s->kind != PA_GATE_VECTOR || s->Ep) {
-        if (s->Ep) {
-            PA_FN(la_rows_mul)(X, ldx, s->Ep, L, D, 0, bufs->Tm, D);
-            PA_FN(la_rows_mul)(Y, ldy, s->Em, L, D, 0, bufs->U, D);
-            X = bufs->Tm;
-            Y = bufs->U;
-            ldx = ldy = D;
-        }
-        PA_FN(la_gram_rows)(s, L, alpha, X, ldx, Y, ldy, strict, W, bufs);
-        return;
-    }
-    for (int64_t i0 = 0; i0 < L; i0 += LA_SUB) {
-        int64_t i1 = i0 + LA_SUB < L ? i0 + LA_SUB : L;
-        const real *Gn = s->G + i0 * D;
-        if (i0 > 0) { /* rows i0.. against rows ..i0-1, both rescaled to row i0 */
-            for (int64_t i = i0; i < i1; i++)
-                PA_FN(la_gated)(bufs->Tm + (i - i0) * D, X + i * ldx, s->G + i * D, Gn, s->lo, D, alpha, 0);
-            for (int64_t j = 0; j < i0; j++)
-                PA_FN(la_gated)(bufs->U + j * D, Y + j * ldy, Gn, s->G + j * D, s->lo, D, 1, 0);
-            PA_FN(gemm)(i1 - i0, i0, D, 1, bufs->Tm, D, 1, bufs->U, 1, D, 0, W + i0 * L, L, bufs->work);
-        }
-        for (int64_t i = i0; i < i1; i++) {
-            for (int64_t j = i0; j < i + !strict; j++)
-                W[i * L + j] = alpha * PA_FN(la_dot_gated)(X + i * ldx, Y + j * ldy,
-                                                           j < i ? s->G + i * D : NULL,
-                                                           j < i ? s->G + j * D : NULL, s->lo, D);
-            for (int64_t j = strict ? i : i + 1; j < L; j++) W[i * L + j] = 0;
-        }
-    }
-}
-
-/* The scalar side's mask applied to W (lower triangular), into bufs->M; W itself otherwise. */
-static const real *PA_FN(la_masked)(const PA_FN(la_side) *s, int64_t L, const real *W,
-                                    PA_FN(la_bufs) *bufs)
-{
-    if (s->kind != PA_GATE_SCALAR) return W;
-    for (int64_t i = 0; i < L * L; i++) bufs->M[i] = W[i] * s->Dm[i];
-    return bufs->M;
-}
-
-/* The sub-block form of la_apply for a vector gate that is not factored: across sub-blocks a
- * GEMM of rows rescaled to a row of the later (trans = 0: its first) or the earlier (trans =
- * 1: its last) sub-block, inside one the sum elementwise. */
-static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
-                                int trans, const real *U, int64_t ldu, real *Z, int64_t ldz,
-                                PA_FN(la_bufs) *bufs)
-{
-    const int64_t D = s->D, lo = s->lo;
-    const real *G = s->G;
-    for (int64_t b0 = 0; b0 < L; b0 += LA_SUB) {
-        int64_t b1 = b0 + LA_SUB < L ? b0 + LA_SUB : L;
-        if (!trans && b0 > 0) { /* rows b0.. from rows ..b0-1, both to row b0 */
-            const real *Gn = G + b0 * D;
-            for (int64_t j = 0; j < b0; j++)
-                PA_FN(la_gated)(bufs->U + j * D, U + j * ldu, Gn, G + j * D, lo, D, 1, 0);
-            PA_FN(gemm)(b1 - b0, D, b0, alpha, W + b0 * L, L, 1, bufs->U, D, 1, 0, bufs->Tm, D,
-                        bufs->work);
-            for (int64_t i = b0; i < b1; i++)
-                PA_FN(la_gated)(Z + i * ldz, bufs->Tm + (i - b0) * D, G + i * D, Gn, lo, D, 1, 1);
-        }
-        if (trans && b1 < L) { /* rows b0..b1-1 from rows b1.., both to row b1-1 */
-            const real *Gr = G + (b1 - 1) * D;
-            for (int64_t i = b1; i < L; i++)
-                PA_FN(la_gated)(bufs->U + (i - b1) * D, U + i * ldu, G + i * D, Gr, lo, D, 1, 0);
-            PA_FN(gemm)(b1 - b0, D, L - b1, alpha, W + b1 * L + b0, 1, L, bufs->U, D, 1, 0, bufs->Tm,
-                        D, bufs->work);
-            for (int64_t j = b0; j < b1; j++)
-                PA_FN(la_gated)(Z + j * ldz, bufs->Tm + (j - b0) * D, Gr, G + j * D, lo, D, 1, 1);
-        }
-        for (int64_t i = b0; i < b1; i++) /* the pairs i >= j inside the sub-block */
-            for (int64_t j = b0; j <= i; j++) {
-                const int64_t out = trans ? j : i, in = trans ? i : j;
-                PA_FN(la_gated)(Z + out * ldz, U + in * ldu, j < i ? G + i * D : NULL,
-                                j < i ? G + j * D : NULL, lo, D, alpha * W[i * L + j], 1);
-            }
-    }
-}
-
-/* Z_i += alpha sum_{j<=i} W_ij e^(G_i - G_j) U_j (trans = 0), or the transposed product
- * Z_j += alpha sum_{i>=j} W_ij e^(G_i - G_j) U_i (trans = 1); Z, U: L x D. */
-static void PA_FN(la_apply)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
-                            int trans, const real *U, int64_t ldu, real *Z, int64_t ldz,
-                            PA_FN(la_bufs) *bufs)
-{
-    const int64_t D = s->D;
-    if (s->kind != PA_GATE_VECTOR) {
-        PA_FN(la_tri_product)(L, D, alpha, PA_FN(la_masked)(s, L, W, bufs), trans, 1, Z, ldz, U,
-                              ldu, bufs);
-    } else if (s->Ep) { /* e^(G_i - G_j) = e^(G_i - G_0) e^(G_0 - G_j): U's side, then Z's */
-        PA_FN(la_rows_mul)(U, ldu, trans ? s->Ep : s->Em, L, D, 0, bufs->U, D);
-        PA_FN(la_tri_product)(L, D, alpha, W, trans, 0, bufs->Tm, D, bufs->U, D, bufs);
-        PA_FN(la_rows_mul)(bufs->Tm, D, trans ? s->Em : s->Ep, L, D, 1, Z, ldz);
-    } else {
-        PA_FN(la_apply_sub)(s, L, alpha, W, trans, U, ldu, Z, ldz, bufs);
     }
 }
 
@@ -572,51 +262,6 @@ static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_un
     u->dskip = c->dskip ? c->dskip + orow : NULL;
 }
 
-/* G (L x D) = the inclusive cumulative sum of g's clamped rows (gate_step), summed as
- * double hi + lo pairs (gate_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
- * doubles of scratch. suffix: G_i = -(the sum over the rows after i) instead, the same
- * differences G_i - G_j, but NaN only before a NaN gate rather than from it on. */
-static void PA_FN(la_cumsum_hilo)(const real *restrict g, int64_t ldg, int64_t L, int64_t D,
-                                  int suffix, real *restrict G, int64_t lo, double *acc)
-{
-    double *restrict hs = acc, *restrict ls = acc + D;
-    for (int64_t j = 0; j < D; j++) hs[j] = ls[j] = 0;
-    if (!suffix) { /* the common case as its own loop, vectorised across channels */
-        for (int64_t i = 0; i < L; i++) {
-            const real *restrict gi = g + i * ldg;
-            real *restrict Gh = G + i * D, *restrict Gl = G + lo + i * D;
-            if (i + 4 < L) PA_FN(prefetch_span)(gi + 4 * ldg, D, 1); /* they came to L2 only */
-            for (int64_t j = 0; j < D; j++) {
-                PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(gi[j]));
-                const real hi = (real)hs[j];
-                Gh[j] = hi;
-                Gl[j] = (real)((hs[j] - hi) + ls[j]);
-            }
-        }
-        return;
-    }
-    for (int64_t i = L - 1; i >= 0; i--)
-        for (int64_t j = 0; j < D; j++) {
-            const real hi = (real)-hs[j];
-            G[i * D + j] = hi;
-            G[lo + i * D + j] = (real)((-hs[j] - hi) - ls[j]);
-            PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(g[i * ldg + j]));
-        }
-}
-
-/* A scalar side over L rows of g (stride ldg): its cumulative gates as la_cumsum_hilo's (hi in
- * Gs, lo at Gs + Lmax, as doubles) and, with Dm, its mask e^(G_i - G_j) on and below the
- * diagonal, 0 above. */
-static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg, int64_t L,
-                                  int suffix, double *Gs, int64_t Lmax, real *Dm)
-{
-    s->Gs = Gs;
-    s->Gl = Gs + Lmax;
-    s->Dm = Dm;
-    PA_FN(gate_cumsum)(g, ldg, L, suffix, Gs, Gs + Lmax);
-    if (Dm) PA_FN(decay_mask)(Gs, Gs + Lmax, L, Dm);
-}
-
 /* whether a side's gates over the block's L rows hold a NaN (it reaches the last cumulative row) */
 static int PA_FN(la_has_nan)(const PA_FN(la_side) *s, int64_t L)
 {
@@ -624,36 +269,6 @@ static int PA_FN(la_has_nan)(const PA_FN(la_side) *s, int64_t L)
     for (int64_t d = 0; s->kind == PA_GATE_VECTOR && d < s->D; d++)
         if (s->G[(L - 1) * s->D + d] != s->G[(L - 1) * s->D + d]) return 1;
     return 0;
-}
-
-/* A vector side's factors e^(G_i - G_0), e^(G_0 - G_i) and e^G_0 into E ((2 L + 1) x D) when
- * the block's gate spans at most LA_FACTOR in every channel (then s->Ep, s->Em, s->E0 point
- * there). The second is the reciprocal of the first, a division being cheaper than an exp. */
-static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
-{
-    const int64_t D = s->D;
-    const real *G = s->G, *Gl = s->G + s->lo;
-    const vreal lim = PA_FN(vset)(LA_FACTOR);
-    for (int64_t i = 0; i < L; i++) { /* each row's factors, once its exponents are in range */
-        vint out = (vint){0};
-        for (int64_t d = 0; d < D; d += VL) {
-            /* G_i - G_0 as la_decay takes it; its hi part bounds both factors, whatever the
-             * signs, and a NaN gate counts as in range (a block factors as it would without it) */
-            const vreal hi = PA_FN(row_ld)(G + i * D + d, D - d) - PA_FN(row_ld)(G + d, D - d);
-            const vreal x = hi + (PA_FN(row_ld)(Gl + i * D + d, D - d) - PA_FN(row_ld)(Gl + d, D - d));
-            out |= (hi > lim) | (-hi > lim);
-            const vreal e = PA_FN(vexp)(x);
-            PA_FN(row_st)(E + i * D + d, e, D - d);
-            PA_FN(row_st)(E + (L + i) * D + d, 1 / e, D - d);
-        }
-        for (int l = 0; l < VL; l++)
-            if (out[l]) return;
-    }
-    for (int64_t d = 0; d < D; d += VL)
-        PA_FN(row_st)(E + 2 * L * D + d, PA_FN(la_decay)(G, NULL, s->lo, d, D - d), D - d);
-    s->Ep = E;
-    s->Em = E + L * D;
-    s->E0 = E + 2 * L * D;
 }
 
 /* The block of rows c0 .. c0+L-1: cumulative gates into the scratch, a vector gate's factors
@@ -1379,33 +994,6 @@ static int PA_FN(linear_forward)(const pa_linear_desc *d, const void *q, const v
     PA_FN(la_call) c = {.d = d, .q = q, .k = k, .v = v, .gk = gk, .gv = gv, .h0 = h0,
                         .beta = beta, .skip = skip, .o = o, .ht = ht, .states = d->form == PA_FORM_CHUNK ? states : NULL};
     return PA_FN(la_run)(&c, 0);
-}
-
-/* With groups (H != Hqk) a backward writes each head's dq and dk into a buffer of H heads
- * ([rows, H, K] each, dq's then dk's; la_group_heads: NULL without groups, and *nomem set
- * when it cannot be had), then sums the heads of each group into dq and dk [rows, Hqk, K]
- * (la_sum_groups: a sum of none, zeros, when there are no value heads). */
-static real *PA_FN(la_group_heads)(const pa_linear_desc *d, int *nomem)
-{
-    *nomem = 0;
-    if (d->H == d->Hqk) return NULL;
-    real *heads = pa_alloc(sizeof(real) * (size_t)(2 * d->cu[d->nseq] * d->H * d->K + 1));
-    *nomem = heads == NULL;
-    return heads;
-}
-
-static void PA_FN(la_sum_groups)(const pa_linear_desc *d, const real *heads, real *dq, real *dk)
-{
-    const int64_t rows = d->cu[d->nseq], G = d->H / d->Hqk, K = d->K, nq = rows * d->Hqk * K;
-    real *dst[2] = {dq, dk};
-    const real *src[2] = {heads, heads + rows * d->H * K};
-#pragma omp parallel for num_threads(pa_threads_for((double)rows * d->H * K, rows)) schedule(static)
-    for (int64_t x = 0; x < nq; x += K) /* x: (row, group) at x / K; its G heads in order */
-        for (int w = 0; w < 2; w++) {
-            const real *from = src[w] + x * G;
-            memset(dst[w] + x, 0, sizeof(real) * K);
-            for (int64_t j = 0; j < G; j++) PA_FN(axpy)(dst[w] + x, from + j * K, K, 1);
-        }
 }
 
 static int PA_FN(linear_backward)(const pa_linear_desc *d, const void *q, const void *k,
