@@ -16,7 +16,8 @@
  * e^(Gk_0 - Gk_j) with no factor above e^LA_FACTOR: A is then one GEMM of rescaled operands.
  * A stronger one splits the block into LA_SUB-row sub-blocks: off-diagonal ones are GEMMs of
  * operands rescaled to the sub-block's first row (bounded exponents both sides), diagonal
- * ones are summed elementwise.
+ * ones join that GEMM when their own gate spans at most LA_FACTOR, and are summed
+ * elementwise otherwise.
  * parallel: the chunk algorithm with one block per sequence, i.e. the masked decay matrix.
  *
  * Backward. With dS_t the gradient reaching S_t: dq_t = scale S_t do_t needs the states

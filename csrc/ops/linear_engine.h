@@ -176,6 +176,38 @@ static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg,
     if (Dm) PA_FN(decay_mask)(Gs, Gs + Lmax, L, Dm);
 }
 
+/* Whether rows r0 .. r1-1 of a vector side's gate stay within LA_FACTOR of row r0 in every
+ * channel, so that the factors e^(G_i - G_r0) and e^(G_r0 - G_i) are at most e^LA_FACTOR: the
+ * hi part of G_i - G_r0 (as la_decay takes it) bounds both, whatever the signs. A NaN gate
+ * counts as in range (a block factors as it would without it). */
+static int PA_FN(la_in_range)(const PA_FN(la_side) *s, int64_t r0, int64_t r1)
+{
+    const int64_t D = s->D;
+    const real *G = s->G, *Gr = s->G + r0 * D;
+    const vreal lim = PA_FN(vset)(LA_FACTOR);
+    for (int64_t i = r0 + 1; i < r1; i++) {
+        vint out = (vint){0};
+        for (int64_t d = 0; d < D; d += VL) {
+            const vreal hi = PA_FN(row_ld)(G + i * D + d, D - d) - PA_FN(row_ld)(Gr + d, D - d);
+            out |= (hi > lim) | (-hi > lim);
+        }
+        for (int l = 0; l < VL; l++)
+            if (out[l]) return 0;
+    }
+    return 1;
+}
+
+/* Whether rows r0 .. r1-1 of a vector side's block (a sub-block) can be rescaled to row r,
+ * one of them: in range of it (la_in_range), and row r's gate a number in every channel (the
+ * side summed from the block's end is NaN before a NaN gate: rescaled to such a row, the pairs
+ * after the NaN would be NaN too). */
+static int PA_FN(la_rescalable)(const PA_FN(la_side) *s, int64_t r0, int64_t r1, int64_t r)
+{
+    for (int64_t d = 0; d < s->D; d++)
+        if (s->G[r * s->D + d] != s->G[r * s->D + d]) return 0;
+    return PA_FN(la_in_range)(s, r0, r1);
+}
+
 /* A vector side's factors e^(G_i - G_0), e^(G_0 - G_i) and e^G_0 into E ((2 L + 1) x D) when
  * the block's gate spans at most LA_FACTOR in every channel (then s->Ep, s->Em, s->E0 point
  * there). The second is the reciprocal of the first, a division being cheaper than an exp. */
@@ -183,22 +215,15 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
 {
     const int64_t D = s->D;
     const real *G = s->G, *Gl = s->G + s->lo;
-    const vreal lim = PA_FN(vset)(LA_FACTOR);
-    for (int64_t i = 0; i < L; i++) { /* each row's factors, once its exponents are in range */
-        vint out = (vint){0};
-        for (int64_t d = 0; d < D; d += VL) {
-            /* G_i - G_0 as la_decay takes it; its hi part bounds both factors, whatever the
-             * signs, and a NaN gate counts as in range (a block factors as it would without it) */
-            const vreal hi = PA_FN(row_ld)(G + i * D + d, D - d) - PA_FN(row_ld)(G + d, D - d);
-            const vreal x = hi + (PA_FN(row_ld)(Gl + i * D + d, D - d) - PA_FN(row_ld)(Gl + d, D - d));
-            out |= (hi > lim) | (-hi > lim);
+    if (!PA_FN(la_in_range)(s, 0, L)) return;
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t d = 0; d < D; d += VL) { /* G_i - G_0 as la_decay takes it */
+            const vreal x = (PA_FN(row_ld)(G + i * D + d, D - d) - PA_FN(row_ld)(G + d, D - d)) +
+                            (PA_FN(row_ld)(Gl + i * D + d, D - d) - PA_FN(row_ld)(Gl + d, D - d));
             const vreal e = PA_FN(vexp)(x);
             PA_FN(row_st)(E + i * D + d, e, D - d);
             PA_FN(row_st)(E + (L + i) * D + d, 1 / e, D - d);
         }
-        for (int l = 0; l < VL; l++)
-            if (out[l]) return;
-    }
     for (int64_t d = 0; d < D; d += VL)
         PA_FN(row_st)(E + 2 * L * D + d, PA_FN(la_decay)(G, NULL, s->lo, d, D - d), D - d);
     s->Ep = E;
@@ -325,15 +350,19 @@ static void PA_FN(la_gram)(const PA_FN(la_side) *s, int64_t L, real alpha, const
     for (int64_t i0 = 0; i0 < L; i0 += LA_SUB) {
         int64_t i1 = i0 + LA_SUB < L ? i0 + LA_SUB : L;
         const real *Gn = s->G + i0 * D;
-        if (i0 > 0) { /* rows i0.. against rows ..i0-1, both rescaled to row i0 */
+        /* rows i0.. against rows ..n-1, both rescaled to row i0: the earlier sub-blocks' rows,
+         * and the sub-block's own when its gate spans at most LA_FACTOR (its factors to row i0
+         * are then bounded both ways; each entry is its own sum, so a NaN stays in its own) */
+        const int64_t n = PA_FN(la_rescalable)(s, i0, i1, i0) ? i1 : i0;
+        if (n > 0) {
             for (int64_t i = i0; i < i1; i++)
                 PA_FN(la_gated)(bufs->Tm + (i - i0) * D, X + i * ldx, s->G + i * D, Gn, s->lo, D, alpha, 0);
-            for (int64_t j = 0; j < i0; j++)
+            for (int64_t j = 0; j < n; j++)
                 PA_FN(la_gated)(bufs->U + j * D, Y + j * ldy, Gn, s->G + j * D, s->lo, D, 1, 0);
-            PA_FN(gemm)(i1 - i0, i0, D, 1, bufs->Tm, D, 1, bufs->U, 1, D, 0, W + i0 * L, L, bufs->work);
+            PA_FN(gemm)(i1 - i0, n, D, 1, bufs->Tm, D, 1, bufs->U, 1, D, 0, W + i0 * L, L, bufs->work);
         }
         for (int64_t i = i0; i < i1; i++) {
-            for (int64_t j = i0; j < i + !strict; j++)
+            for (int64_t j = n; j < i + !strict; j++)
                 W[i * L + j] = alpha * PA_FN(la_dot_gated)(X + i * ldx, Y + j * ldy,
                                                            j < i ? s->G + i * D : NULL,
                                                            j < i ? s->G + j * D : NULL, s->lo, D);
@@ -351,9 +380,28 @@ static const real *PA_FN(la_masked)(const PA_FN(la_side) *s, int64_t L, const re
     return bufs->M;
 }
 
+/* Z_out += alpha W_ij e^(G_i - G_j) U_in elementwise, (out, in) = (i, j) (trans = 0) or
+ * (j, i) (trans = 1), for the pairs i >= j of rows i0 .. i1-1 and j0 .. j1-1 */
+static void PA_FN(la_apply_pairs)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
+                                  int trans, const real *U, int64_t ldu, real *Z, int64_t ldz,
+                                  int64_t i0, int64_t i1, int64_t j0, int64_t j1)
+{
+    const int64_t D = s->D;
+    const real *G = s->G;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1 && j <= i; j++) {
+            const int64_t out = trans ? j : i, in = trans ? i : j;
+            PA_FN(la_gated)(Z + out * ldz, U + in * ldu, j < i ? G + i * D : NULL,
+                            j < i ? G + j * D : NULL, s->lo, D, alpha * W[i * L + j], 1);
+        }
+}
+
 /* The sub-block form of la_apply for a vector gate that is not factored: across sub-blocks a
  * GEMM of rows rescaled to a row of the later (trans = 0: its first) or the earlier (trans =
- * 1: its last) sub-block, inside one the sum elementwise. */
+ * 1: its last) sub-block; inside one the same GEMM when its gate spans at most LA_FACTOR,
+ * else the sum elementwise. The GEMM multiplies the zeros above W's diagonal with the
+ * sub-block's own rows, so a non-finite one is zeroed there and added elementwise to the rows
+ * that see it, as la_tri_product does: the others get the bits of a run without it. */
 static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, const real *W,
                                 int trans, const real *U, int64_t ldu, real *Z, int64_t ldz,
                                 PA_FN(la_bufs) *bufs)
@@ -361,31 +409,49 @@ static void PA_FN(la_apply_sub)(const PA_FN(la_side) *s, int64_t L, real alpha, 
     const int64_t D = s->D, lo = s->lo;
     const real *G = s->G;
     for (int64_t b0 = 0; b0 < L; b0 += LA_SUB) {
-        int64_t b1 = b0 + LA_SUB < L ? b0 + LA_SUB : L;
-        if (!trans && b0 > 0) { /* rows b0.. from rows ..b0-1, both to row b0 */
-            const real *Gn = G + b0 * D;
-            for (int64_t j = 0; j < b0; j++)
-                PA_FN(la_gated)(bufs->U + j * D, U + j * ldu, Gn, G + j * D, lo, D, 1, 0);
-            PA_FN(gemm)(b1 - b0, D, b0, alpha, W + b0 * L, L, 1, bufs->U, D, 1, 0, bufs->Tm, D,
-                        bufs->work);
-            for (int64_t i = b0; i < b1; i++)
-                PA_FN(la_gated)(Z + i * ldz, bufs->Tm + (i - b0) * D, G + i * D, Gn, lo, D, 1, 1);
+        int64_t b1 = b0 + LA_SUB < L ? b0 + LA_SUB : L, nbad = 0;
+        /* the sub-block's own pairs in the GEMM */
+        const int own = PA_FN(la_rescalable)(s, b0, b1, trans ? b1 - 1 : b0);
+        /* the rows rescaled, from `first` on: to row b0 the rows before the sub-block (and its
+         * own last), to row b1-1 its own rows (first) and those after */
+        const int64_t first = trans ? (own ? b0 : b1) : 0, last = trans ? L : (own ? b1 : b0);
+        const real *Gs = G + (trans ? b1 - 1 : b0) * D;
+        for (int64_t r = first; r < last; r++) {
+            real *u = bufs->U + (r - first) * D;
+            if (trans)
+                PA_FN(la_gated)(u, U + r * ldu, G + r * D, Gs, lo, D, 1, 0);
+            else
+                PA_FN(la_gated)(u, U + r * ldu, Gs, G + r * D, lo, D, 1, 0);
         }
-        if (trans && b1 < L) { /* rows b0..b1-1 from rows b1.., both to row b1-1 */
-            const real *Gr = G + (b1 - 1) * D;
-            for (int64_t i = b1; i < L; i++)
-                PA_FN(la_gated)(bufs->U + (i - b1) * D, U + i * ldu, G + i * D, Gr, lo, D, 1, 0);
-            PA_FN(gemm)(b1 - b0, D, L - b1, alpha, W + b1 * L + b0, 1, L, bufs->U, D, 1, 0, bufs->Tm,
-                        D, bufs->work);
-            for (int64_t j = b0; j < b1; j++)
-                PA_FN(la_gated)(Z + j * ldz, bufs->Tm + (j - b0) * D, Gr, G + j * D, lo, D, 1, 1);
+        real *ownrows = bufs->U + (b0 - first) * D;
+        if (own) {
+            nbad = PA_FN(la_nonfinite_rows)(ownrows, D, b1 - b0, D, bufs->rows);
+            for (int64_t r = 0; r < nbad; r++) memset(ownrows + bufs->rows[r] * D, 0, sizeof(real) * D);
         }
-        for (int64_t i = b0; i < b1; i++) /* the pairs i >= j inside the sub-block */
-            for (int64_t j = b0; j <= i; j++) {
-                const int64_t out = trans ? j : i, in = trans ? i : j;
-                PA_FN(la_gated)(Z + out * ldz, U + in * ldu, j < i ? G + i * D : NULL,
-                                j < i ? G + j * D : NULL, lo, D, alpha * W[i * L + j], 1);
+        if (last > first) {
+            if (trans)
+                PA_FN(gemm)(b1 - b0, D, L - first, alpha, W + first * L + b0, 1, L, bufs->U, D, 1,
+                            0, bufs->Tm, D, bufs->work);
+            else
+                PA_FN(gemm)(b1 - b0, D, last, alpha, W + b0 * L, L, 1, bufs->U, D, 1, 0, bufs->Tm,
+                            D, bufs->work);
+            for (int64_t r = b0; r < b1; r++) {
+                const real *t = bufs->Tm + (r - b0) * D;
+                if (trans)
+                    PA_FN(la_gated)(Z + r * ldz, t, Gs, G + r * D, lo, D, 1, 1);
+                else
+                    PA_FN(la_gated)(Z + r * ldz, t, G + r * D, Gs, lo, D, 1, 1);
             }
+        }
+        if (!own) /* the pairs i >= j inside the sub-block */
+            PA_FN(la_apply_pairs)(s, L, alpha, W, trans, U, ldu, Z, ldz, b0, b1, b0, b1);
+        for (int64_t r = 0; r < nbad; r++) { /* a non-finite row's pairs: its column (trans = 0) or row */
+            const int64_t p = b0 + bufs->rows[r];
+            if (trans)
+                PA_FN(la_apply_pairs)(s, L, alpha, W, 1, U, ldu, Z, ldz, p, p + 1, b0, b1);
+            else
+                PA_FN(la_apply_pairs)(s, L, alpha, W, 0, U, ldu, Z, ldz, b0, b1, p, p + 1);
+        }
     }
 }
 
