@@ -828,12 +828,15 @@ def check_nan_grads(grads, g_ref, dtype, may_add=(), rows=None):
         assert_close(x[ok], g_ref[n][ok], tol_grad(dtype), name=f"d{n}")
 
 
+NAN_RUNS = [("chunk", 16), ("chunk", 64), ("parallel", 64), ("recurrent", 64)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form,cs", NAN_RUNS, ids=[f"{f}{c}" for f, c in NAN_RUNS])
 @pytest.mark.parametrize("name", ARRAYS + ("initial_state",))
-def test_nan_input(name, form, dtype):
-    """A NaN in one input of batch entry 1 (row 40 of a per-step input, inside a chunk of 16;
-    one channel of g; one entry of the initial state): the outputs are NaN exactly where the
+def test_nan_input(name, form, cs, dtype):
+    """A NaN in one input of batch entry 1 (row 40 of a per-step input, inside a chunk; one
+    channel of g; one entry of the initial state): the outputs are NaN exactly where the
     oracle's are, the others within tolerance of a clean run's (batch entry 0's bitwise); the
     gradients are NaN wherever the adjoint oracle's are, and exactly there in the recurrent
     form, their finite entries within tolerance of it; batch entry 0's gradients are a clean
@@ -844,10 +847,11 @@ def test_nan_input(name, form, dtype):
     gate's gradient there is a reverse sum of per-row terms, in which those of the rows the
     NaN reaches (which cancel in exact arithmetic) meet the rows before it; and a NaN gate
     makes the block's cumulative gate NaN from its row on, whose differences the later rows'
-    factors to the block's end take (dv)."""
+    factors to the block's end take (dv). Gates of -1 .. 0 per step: a chunk of 16 takes its
+    gate's factors whole, one of 64 (and the parallel form's block) by sub-blocks of 16."""
     args, kw = build(5, B=2, T=70, H=1, G=2, K=8, V=6)
     a, k = cast(args, kw, dtype)
-    (o0, ht0), pb0 = vjp(a, k, form=form, chunk_size=16)
+    (o0, ht0), pb0 = vjp(a, k, form=form, chunk_size=cs)
     do, dht = (x.astype(dtype) for x in cotangents(6, o0, ht0))
     clean = pb0(do, dht)
     named = dict(zip(ARRAYS, a), initial_state=k["initial_state"])
@@ -857,7 +861,7 @@ def test_nan_input(name, form, dtype):
     named[name] = bad
     a = tuple(named[n] for n in ARRAYS)
     k = dict(k, initial_state=named["initial_state"])
-    (o, ht), pb = vjp(a, k, form=form, chunk_size=16)
+    (o, ht), pb = vjp(a, k, form=form, chunk_size=cs)
     with np.errstate(invalid="ignore"):
         ro, rht = oracle(a, k)
         g_ref = adjoint(a, k, do, dht)
@@ -873,7 +877,8 @@ def test_nan_input(name, form, dtype):
         np.testing.assert_array_equal(x[0], clean[n][0], err_msg=f"d{n} of the other sequence")
     may_add = () if form == "recurrent" or name not in ("v", "g", "initial_state") else \
         ("g", "v") if name == "g" else ("g",)
-    block = (0, 70) if form == "parallel" else (0, 16) if name == "initial_state" else (32, 48)
+    row = 0 if name == "initial_state" else 40
+    block = (0, 70) if form == "parallel" else (row // cs * cs, row // cs * cs + cs)
     check_nan_grads(grads, g_ref, dtype, may_add, block)
 
 
