@@ -13,7 +13,8 @@ value heads, every form x dtype (the conventions and tolerances of docs/ops.md).
 * Central finite differences (pyattn.testing.gradcheck, float64, tiny shapes) of q, k, v, g,
   beta and initial_state; the forms against each other (pyattn.testing.check_forms).
 * Relations: g equal in every channel is gated_delta_rule (forward and gradients; dg summed
-  over channels); qk_l2norm is the op on normalised q and k; two calls carrying the state are
+  over channels); KDA is dplr_delta_rule with a rank-one term built from k, beta and g (another
+  kernel; forward and gradients by the chain rule); qk_l2norm is the op on normalised q and k; two calls carrying the state are
   one call; cu_seqlens is separate calls; decode steps are one call; the kept states.
 * Threads (bitwise), non-contiguous inputs, cotangent structures, NaN in -> NaN out, empty
   shapes, bad arguments.
@@ -523,6 +524,29 @@ def test_equal_channels_is_gated_delta_rule(form, gates, dtype):
         for n in gd:
             got = gk[n].sum(axis=-1) if n == "g" else gk[n]
             assert_close(got, gd[n], tol, name=f"d{n}")
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_is_dplr_delta_rule(form):
+    """KDA is the DPLR delta rule (pyattn.dplr_delta_rule, its recurrent form: another kernel)
+    with b = k, a = -beta exp(g) k, the write beta k and gk = g, since
+    (I - beta k k^T) diag(exp(g)) = diag(exp(g)) + k (-beta exp(g) k)^T: outputs and final state,
+    and the gradients through that map by the chain rule, float64 within 1e-12."""
+    args, kw = build(66, B=2, T=70, H=2, G=1, K=8, V=6, gates="mixed")
+    q, k, v, g, beta = args
+    bk, e = beta[..., None], np.exp(g)
+    (o, ht), pb = vjp(args, kw, form=form, chunk_size=16)
+    (o2, ht2), pb2 = pyattn.vjp(pyattn.dplr_delta_rule, q, bk * k, v, -bk * e * k, k, g, **kw)
+    assert_close(o, o2, 1e-12, name="o")
+    assert_close(ht, ht2, 1e-12, name="final state")
+    do, dht = cotangents(67, o, ht)
+    got, d = pb(do, dht), pb2((do, dht))
+    want = {"q": d["q"], "v": d["v"], "initial_state": d["initial_state"],
+            "k": bk * d["k"] + d["b"] - bk * e * d["a"],
+            "beta": np.sum(k * d["k"] - e * k * d["a"], axis=-1),
+            "g": d["gk"] - bk * e * k * d["a"]}
+    for name, x in want.items():
+        assert_close(got[name], x, 1e-12, name=f"d{name}")
 
 
 def test_qk_l2norm_is_normalised_inputs():
