@@ -14,8 +14,9 @@ value heads, every form x dtype (the conventions and tolerances of docs/ops.md).
   beta and initial_state; the forms against each other (pyattn.testing.check_forms).
 * Relations: g equal in every channel is gated_delta_rule (forward and gradients; dg summed
   over channels); KDA is dplr_delta_rule with a rank-one term built from k, beta and g (another
-  kernel; forward and gradients by the chain rule); qk_l2norm is the op on normalised q and k; two calls carrying the state are
-  one call; cu_seqlens is separate calls; decode steps are one call; the kept states.
+  kernel; forward and gradients by the chain rule); qk_l2norm is the op on normalised q and k;
+  two calls carrying the state are one call; cu_seqlens is separate calls; decode steps are
+  one call; the kept states.
 * Threads (bitwise), non-contiguous inputs, cotangent structures, NaN in -> NaN out, empty
   shapes, bad arguments.
 
