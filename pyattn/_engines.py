@@ -417,9 +417,9 @@ def engine_qkv(fn, q, k, v, optional=(), groups=False, **more):
     V.ndim(fn, "v", v, 4, "[B, T, HV, V]" if groups else "[B, T, H, V]")
     if k.shape != q.shape:
         raise ValueError(f"{fn}(): 'k' must have the shape of q {q.shape}, got {k.shape}")
-    if groups and v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"{fn}(): 'v' must be [B, T, HV, V] = {q.shape[:2] + ('HV', 'V')}, got {v.shape}")
     if groups:
+        if v.shape[:2] != q.shape[:2]:
+            raise ValueError(f"{fn}(): 'v' must be [B, T, HV, V] = {q.shape[:2] + ('HV', 'V')}, got {v.shape}")
         V.divides(fn, "q", q.shape[2], "heads", "v", v.shape[2], "H", "HV")
     elif v.shape[:3] != q.shape[:3]:
         raise ValueError(f"{fn}(): 'v' must be [B, T, H, V] = {q.shape[:3] + ('V',)}, got {v.shape}")
