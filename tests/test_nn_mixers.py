@@ -94,6 +94,13 @@ def literal(name, p, x):
         beta = (2 * sigmoid(proj["b"])).reshape(B, T * n, H)
         o, _ = ref.gated_delta_product(q, k, v, g, beta, num_householder=n, qk_l2norm=True)
         return flat(rmsnorm(o, p["o_norm.w"]) * silu(heads(proj["g"], H))) @ p["w_o"].T
+    if name == "kda":  # per-channel gate -exp(A_log) softplus(f + dt_bias), sigmoid output gate
+        q, k, v = (heads(short_conv(proj[n], p[f"conv_{n}.w"]), H) for n in "qkv")
+        f = proj["f1"] @ p["w_f2"].T + p["dt_bias"]
+        g = -np.exp(p["A_log"])[:, None] * heads(np.logaddexp(0, f), H)
+        o, _ = ref.kda(q, k, v, g, sigmoid(proj["b"]), qk_l2norm=True)
+        gate = sigmoid(proj["g1"] @ p["w_g2"].T + p["b_g2"])
+        return flat(rmsnorm(o, p["o_norm.w"]) * heads(gate, H)) @ p["w_o"].T
     if name == "gla":
         gk = (proj["gk1"] @ p["w_gk2"].T) + p["b_gk"]
         o, _ = ref.gla(heads(proj["q"], H), heads(proj["k"], H), heads(proj["v"], H),
@@ -148,7 +155,7 @@ def test_mixer_is_its_published_layer(rng, name):
     assert_close(mixer.forward(x), literal(name, dict(mixer.params), x))
 
 
-@pytest.mark.parametrize("name", ["rwkv6", "hgrn2", "gated_deltaproduct"])
+@pytest.mark.parametrize("name", ["rwkv6", "hgrn2", "gated_deltaproduct", "kda"])
 def test_mixer_backward_away_from_its_initialisation(rng, name):
     """dx and every parameter's gradient against central differences (float64) with every
     parameter moved away from its initial value (zero interpolation weights, bonus and

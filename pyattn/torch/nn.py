@@ -334,6 +334,24 @@ class HGRN2(Mixer):
         return F.linear(self.o_norm(o.reshape(B, T, -1)), self.w_o)
 
 
+class KimiDeltaAttention(Mixer):
+    def __init__(self, source: pm.KimiDeltaAttention):
+        super().__init__(source)
+        self.H, self.K, self.Vd, self.chunk_size = source.H, source.K, source.Vd, source.chunk_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K, Vd = self.H, self.K, self.Vd
+        q, k, v = self.project_qkv(x)
+        f = F.linear(F.linear(x, self.w_f1), self.w_f2) + self.dt_bias
+        g = -torch.exp(self.A_log)[:, None] * softplus(f.reshape(B, T, H, K))
+        beta = torch.sigmoid(F.linear(x, self.w_b))
+        o, _ = pt.kda(q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, Vd), g, beta,
+                      qk_l2norm=True, chunk_size=self.chunk_size)
+        gate = torch.sigmoid(F.linear(F.linear(x, self.w_g1), self.w_g2, self.b_g2)).reshape(B, T, H, Vd)
+        return F.linear((self.o_norm(o) * gate).reshape(B, T, -1), self.w_o)
+
+
 class GroupNorm(Module):
     def __init__(self, source: pl.GroupNorm):
         super().__init__(source)
@@ -425,7 +443,7 @@ MIRRORS: Dict[type, Type[Module]] = {
     pm.SoftmaxAttention: SoftmaxAttention, pm.LinearAttention: LinearAttention,
     pm.MultiScaleRetention: MultiScaleRetention, pm.LightningAttention: LightningAttention,
     pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.HGRN2: HGRN2, pm.Mamba2: Mamba2,
-    pm.RWKV6Attention: RWKV6Attention,
+    pm.RWKV6Attention: RWKV6Attention, pm.KimiDeltaAttention: KimiDeltaAttention,
     pm.DeltaNet: DeltaNet, pm.GatedDeltaNet: GatedDeltaNet, pm.GatedDeltaProduct: GatedDeltaNet,
     pm.MultiHeadLatentAttention: MultiHeadLatentAttention,
     pm.MoBAAttention: MoBAAttention, pm.NativeSparseAttention: NativeSparseAttention,

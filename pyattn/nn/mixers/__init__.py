@@ -4,6 +4,7 @@ from .deltanet import DeltaNet
 from .dsa import DeepSeekSparseAttention
 from .gated_deltanet import GatedDeltaNet, GatedDeltaProduct
 from .gla import GatedLinearAttention
+from .kda import KimiDeltaAttention
 from .hgrn2 import HGRN2
 from .lightning import LightningAttention
 from .linear import LinearAttention
@@ -29,6 +30,7 @@ MIXERS = {
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
     "gated_deltaproduct": GatedDeltaProduct,
+    "kda": KimiDeltaAttention,
     "mla": MultiHeadLatentAttention,
     "moba": MoBAAttention,
     "nsa": NativeSparseAttention,
