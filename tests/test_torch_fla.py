@@ -228,6 +228,42 @@ def _delta(fn, gated, gva=1, **flags):
     return build
 
 
+def _kda(fn, gva=1, in_kernel=False, lower_bound=None, via_gk=False):
+    """KDA: a gate per key channel [B, T, HV, K]; in_kernel: fla's gate and beta sigmoid
+    computed from raw inputs (A_log [HV], dt_bias [HV K], lower_bound's sigmoid form);
+    via_gk: fused_recurrent_gated_delta_rule's gk, with g added to every channel."""
+    def build(inp):
+        HV = H * gva
+        q, k, v, h0 = inp.x(), inp.x(), inp.x(heads=HV, dim=V), inp.state(heads=HV)
+        braw, graw = inp.randn(inp.B, inp.T, HV), inp.randn(inp.B, inp.T, HV, K)
+        beta, g = 1 / (1 + np.exp(-braw)), -np.log1p(np.exp(-graw))
+        kwargs = dict(initial_state=tensor(h0), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=inp.cu)
+        args = (q, k, v, g)
+        if in_kernel:
+            A_log, dt_bias = inp.randn(HV) * 0.3, inp.randn(HV * K) * 0.3
+            pre = graw + dt_bias.reshape(HV, K)
+            if lower_bound is None:
+                g = -np.exp(A_log)[:, None] * np.log1p(np.exp(pre))
+            else:
+                g = lower_bound / (1 + np.exp(-np.exp(A_log)[:, None] * pre))
+            kwargs.update(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=tensor(A_log),
+                          dt_bias=tensor(dt_bias), lower_bound=lower_bound, beta=tensor(braw))
+            args = (q, k, v, graw)
+        else:
+            kwargs["beta"] = tensor(beta)
+        if via_gk:
+            gs = inp.logsig(HV)
+            kwargs["gk"] = tensor(g)
+            args = (q, k, v, gs)
+            g = g + gs[..., None]
+        qr, kr = (np.repeat(x, gva, axis=2) for x in (q, k))
+        expected = ref.kda(qr, kr, v, g, beta, qk_l2norm=True, initial_state=h0, output_final_state=True,
+                           cu_seqlens=inp.cu_np())
+        return fn, tuple(_t(*args)), kwargs, expected
+    return build
+
+
 def _delta_product(gated):
     """Two delta steps per token: k, v, beta carry 2 T rows, q and g T."""
     def build(inp):
@@ -349,6 +385,13 @@ CASES = {
     "fused_recurrent_delta_rule": _delta("fused_recurrent_delta_rule", False),
     "chunk_gated_delta_rule": _delta("chunk_gated_delta_rule", True),
     "chunk_gated_delta_product": _delta_product(True),
+    "chunk_kda": _kda("chunk_kda"),
+    "chunk_kda-gva": _kda("chunk_kda", gva=2),
+    "chunk_kda-gate-in-kernel": _kda("chunk_kda", in_kernel=True),
+    "chunk_kda-lower-bound": _kda("chunk_kda", in_kernel=True, lower_bound=-5.0),
+    "fused_recurrent_kda": _kda("fused_recurrent_kda", gva=2),
+    "fused_recurrent_kda-gate-in-kernel": _kda("fused_recurrent_kda", in_kernel=True),
+    "fused_recurrent_gated_delta_rule-gk": _kda("fused_recurrent_gated_delta_rule", via_gk=True),
     "chunk_gated_delta_product-no-gate": _delta_product(False),
     "chunk_gated_delta_rule-gva": _delta("chunk_gated_delta_rule", True, gva=2),
     "chunk_gated_delta_rule-gates-in-kernel": _delta("chunk_gated_delta_rule", True, gate=True, beta_sigmoid=True),
@@ -611,7 +654,9 @@ def _unsupported_calls():
         ("beta of shape [B, T, H, V]",
          lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, beta=torch.rand(v.shape))),
         ("beta of shape [B, T, H, V]", lambda: fla.chunk_gated_delta_rule(q, k, v, g, torch.rand(v.shape))),
-        ("gk", lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, gk=torch.zeros(q.shape), beta=beta)),
+        ("return_intermediate_states",
+         lambda: fla.chunk_kda(q, k, v, torch.zeros(q.shape), beta, return_intermediate_states=True)),
+        ("cp_context", lambda: fla.chunk_kda(q, k, v, torch.zeros(q.shape), beta, cp_context=object())),
         ("gv", lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, gv=torch.zeros(v.shape), beta=beta)),
         ("cp_context", lambda: fla.chunk_gated_delta_rule(q, k, v, g, beta, cp_context=object())),
         ("block_indices", lambda: fla.parallel_nsa(q4, k2, v2, g4, g4, g4,
@@ -686,6 +731,12 @@ FLA_PARAMETERS = {
     "fused_recurrent_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
     "chunk_gated_delta_product": "q k v g beta num_householder scale initial_state output_final_state "
                                  "use_qk_l2norm_in_kernel cu_seqlens cu_seqlens_cpu",
+    "chunk_kda": "q k v g beta scale initial_state output_final_state use_qk_l2norm_in_kernel use_gate_in_kernel "
+                 "use_beta_sigmoid_in_kernel allow_neg_eigval safe_gate lower_bound disable_recompute "
+                 "return_intermediate_states state_v_first cu_seqlens cu_seqlens_cpu cp_context",
+    "fused_recurrent_kda": "q k v g beta A_log dt_bias scale initial_state output_final_state "
+                           "use_qk_l2norm_in_kernel use_gate_in_kernel use_beta_sigmoid_in_kernel allow_neg_eigval "
+                           "lower_bound state_v_first cu_seqlens",
     "parallel_attn": "q k v g scale window_size cu_seqlens chunk_indices",
     "parallel_nsa": "q k v g_cmp g_slc g_swa block_indices block_counts block_size window_size scale cu_seqlens",
     "parallel_moba": "q k v cu_seqlens max_seqlen chunk_size topk",
@@ -700,9 +751,9 @@ def test_every_entry_point_has_fla_s_parameters():
         sig = inspect.signature(getattr(fla, name)).parameters.values()
         positional = [p.name for p in sig if p.kind == p.POSITIONAL_OR_KEYWORD]
         assert positional == params.split(), name
-        # fla's rwkv6 entry points end in **kwargs (chunk_size, head_first's refusal)
+        # fla's rwkv6 and KDA entry points end in **kwargs (chunk_size, A_log, head_first's refusal)
         kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
-        if "rwkv6" in name:
+        if "rwkv6" in name or name.endswith("_kda"):
             kinds.add(inspect.Parameter.VAR_KEYWORD)
         assert all(p.kind in kinds for p in sig), name
         defaults = {p.name: p.default for p in sig}

@@ -46,7 +46,7 @@ __all__ = [
     "chunk_rwkv6", "fused_recurrent_rwkv6",
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
-    "chunk_gated_delta_product",
+    "chunk_gated_delta_product", "chunk_kda", "fused_recurrent_kda",
     "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7",
     "parallel_attn", "parallel_nsa", "parallel_moba",
 ]
@@ -484,10 +484,28 @@ def fused_recurrent_rwkv6(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
 # the delta rule and the gated delta rule
 
 
+def _gate_in_kernel(fn, g, A_log, dt_bias, lower_bound, dtype):
+    """fla's gate computed before the kernel, differentiated: ``-exp(A_log) softplus(g +
+    dt_bias)`` (GDN's per head; KDA's per key channel, dt_bias ``[HV * K]``), or with
+    ``lower_bound`` KDA's ``lower_bound sigmoid(exp(A_log) (g + dt_bias))`` (A_log None: 1)."""
+    if g is None or (A_log is None and lower_bound is None):
+        raise ValueError(f"pyattn.torch.fla.{fn}(): `use_gate_in_kernel=True` needs `g` and `A_log`")
+    g = g.to(dtype)
+    if dt_bias is not None:
+        g = g + dt_bias.to(dtype).reshape(g.shape[2:])
+    A = None if A_log is None else A_log.to(dtype).exp().reshape(A_log.shape + (1,) * (g.ndim - 3))
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(g if A is None else A * g)
+    return -A * F.softplus(g)
+
+
 def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
            form, chunk_size, state_v_first=False, head_first=False, use_gate_in_kernel=False, A_log=None,
-           dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
-    q, k, v, g, beta = (_time_major(x, head_first) for x in (q, k, v, g, beta))
+           dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, gk=None, lower_bound=None):
+    """The delta rule, the gated delta rule (g [B, T, HV]) or KDA (a gate per key channel:
+    g [B, T, HV, K], or gk, with g added to every channel when both are given) in fla's
+    conventions."""
+    q, k, v, g, beta, gk = (_time_major(x, head_first) for x in (q, k, v, g, beta, gk))
     _check_cu_batch(fn, q, cu_seqlens)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError(f"pyattn.torch.fla.{fn}(): `allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
@@ -498,12 +516,10 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
         raise _unsupported(fn, "beta of shape [B, T, H, V] (one beta per value channel)",
                            "pyattn's delta rule takes one beta per head and step, [B, T, H]")
     if use_gate_in_kernel:
-        if A_log is None or g is None:
-            raise ValueError(f"pyattn.torch.fla.{fn}(): `use_gate_in_kernel=True` needs `g` and `A_log`")
-        # fla's GDN gate, computed before the kernel: g = -exp(A_log) softplus(g + dt_bias)
-        dtype = _compute_dtype(q, k, v, g, beta, A_log, dt_bias, initial_state)
-        g = g.to(dtype) if dt_bias is None else g.to(dtype) + dt_bias.to(dtype)
-        g = -A_log.to(dtype).exp() * F.softplus(g)
+        g = _gate_in_kernel(fn, g, A_log, dt_bias, lower_bound,
+                            _compute_dtype(q, k, v, g, beta, A_log, dt_bias, initial_state))
+    if gk is not None:
+        g = gk if g is None else gk + g.unsqueeze(-1).to(gk.dtype)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta) * (2 if allow_neg_eigval else 1)
     if HV != H:
@@ -511,7 +527,10 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
         if HV % H:
             raise ValueError(f"pyattn.torch.fla.{fn}(): v has HV={HV} heads; it must be a multiple of q's H={H}")
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-    op, gates = (_pt.delta_rule, [("beta", beta)]) if g is None else (_pt.gated_delta_rule, [("g", g), ("beta", beta)])
+    if g is None:
+        op, gates = _pt.delta_rule, [("beta", beta)]
+    else:
+        op, gates = (_pt.kda if g.ndim == 4 else _pt.gated_delta_rule), [("g", g), ("beta", beta)]
     o, ht = _run(op, q, k, v, gates=gates, scale=scale, initial_state=initial_state,
                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=chunk_size,
                  state_v_first=state_v_first, options={"qk_l2norm": use_qk_l2norm_in_kernel})
@@ -579,16 +598,82 @@ def fused_recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optiona
                                      transpose_state_layout: Optional[bool] = None) -> Tuple[Tensor, State]:
     """fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule:
     ``pyattn.torch.gated_delta_rule(form="recurrent")`` (g None: ``delta_rule``), the arguments
-    as ``chunk_gated_delta_rule``; beta None is 1. The vector gates gk and gv raise
-    NotImplementedError. Differentiable (fla's forward-only kernel is not)."""
+    as ``chunk_gated_delta_rule``; beta None is 1. The key-side vector gate gk ``[B, T, HV, K]``
+    (added to g when both are given) makes it ``pyattn.torch.kda``; the value-side gate gv
+    raises NotImplementedError. Differentiable (fla's forward-only kernel is not)."""
     state_v_first = _v_first("fused_recurrent_gated_delta_rule", state_v_first, transpose_state_layout)
-    for name, gate in (("gk", gk), ("gv", gv)):
-        if gate is not None:
-            raise _unsupported("fused_recurrent_gated_delta_rule", name,
-                               "pyattn's delta rule has one scalar gate g per head and step")
+    if gv is not None:
+        raise _unsupported("fused_recurrent_gated_delta_rule", "gv",
+                           "pyattn's delta rule decays the state's key side only")
     return _delta("fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, cu_seqlens, "recurrent", 64, state_v_first, head_first,
-                  use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+                  use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, gk=gk)
+
+
+def _kda_kwargs(fn, kwargs, chunked):
+    """fla's KDA entry points take **kwargs: A_log and dt_bias, chunk_size (the chunk form's),
+    the deprecated transpose_state_layout; anything else is refused rather than ignored."""
+    found = {"A_log": kwargs.pop("A_log", None), "dt_bias": kwargs.pop("dt_bias", None),
+             "chunk_size": kwargs.pop("chunk_size", 64) if chunked else 64,
+             "transpose_state_layout": kwargs.pop("transpose_state_layout", None)}
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    if kwargs:
+        raise TypeError(f"pyattn.torch.fla.{fn}(): unexpected keyword arguments {sorted(kwargs)}")
+    return found
+
+
+def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
+              initial_state: State = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+              use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+              allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: Optional[float] = None,
+              disable_recompute: bool = False, return_intermediate_states: bool = False,
+              state_v_first: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
+              cu_seqlens_cpu: Optional[torch.LongTensor] = None, cp_context=None,
+              **kwargs) -> Tuple[Tensor, State]:
+    """fla.ops.kda.chunk_kda: ``pyattn.torch.kda(form="chunk")``; q, k ``[B, T, H, K]``, v
+    ``[B, T, HV, V]`` (GVA), g ``[B, T, HV, K]`` a log decay per key channel, beta ``[B, T,
+    HV]``. ``use_gate_in_kernel`` takes ``g = -exp(A_log) softplus(g + dt_bias)`` (A_log
+    ``[HV]`` and dt_bias ``[HV * K]`` as keywords; with ``lower_bound``, ``lower_bound
+    sigmoid(exp(A_log) (g + dt_bias))``), ``use_beta_sigmoid_in_kernel`` and
+    ``allow_neg_eigval`` as ``chunk_gated_delta_rule``, all differentiated. ``safe_gate``
+    checks ``lower_bound`` as fla does (its gate already lies in ``[lower_bound, 0)``);
+    ``disable_recompute`` changes no result. ``return_intermediate_states`` and ``cp_context``
+    raise NotImplementedError."""
+    fn = "chunk_kda"
+    extra = _kda_kwargs(fn, kwargs, True)
+    if cp_context is not None:
+        raise _unsupported(fn, "cp_context", "pyattn runs on one machine")
+    if return_intermediate_states:
+        raise _unsupported(fn, "return_intermediate_states", "pyattn does not return its chunk states")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be specified when `safe_gate=True` and "
+                             f"`use_gate_in_kernel=True`")
+        if not -5 <= lower_bound < 0:
+            raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be in the safe range [-5, 0), got "
+                             f"{lower_bound}")
+    return _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  cu_seqlens, "chunk", extra["chunk_size"], _v_first(fn, state_v_first, extra["transpose_state_layout"]),
+                  False, use_gate_in_kernel, extra["A_log"], extra["dt_bias"], use_beta_sigmoid_in_kernel,
+                  allow_neg_eigval, lower_bound=lower_bound)
+
+
+def fused_recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor] = None,
+                        dt_bias: Optional[Tensor] = None, scale: Optional[float] = None, initial_state: State = None,
+                        output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                        use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                        allow_neg_eigval: bool = False, lower_bound: Optional[float] = None,
+                        state_v_first: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
+                        **kwargs) -> Tuple[Tensor, State]:
+    """fla.ops.kda.fused_recurrent_kda: ``pyattn.torch.kda(form="recurrent")``, the arguments as
+    ``chunk_kda`` (A_log and dt_bias positional here, as fla). Differentiable."""
+    fn = "fused_recurrent_kda"
+    extra = _kda_kwargs(fn, kwargs, False)
+    return _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  cu_seqlens, "recurrent", 64, _v_first(fn, state_v_first, extra["transpose_state_layout"]),
+                  False, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                  lower_bound=lower_bound)
 
 
 chunk_gdn = chunk_gated_delta_rule
