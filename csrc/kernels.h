@@ -13,9 +13,10 @@ enum { PA_FORM_PARALLEL = 0, PA_FORM_FLASH = 1, PA_FORM_RECURRENT = 2, PA_FORM_C
  * key rows cu_k[n] .. cu_k[n+1]-1 of q [rows_q, H, Dk], k [rows_k, Hk, Dk], v [rows_k, Hk,
  * Dv] (a batch of B equal sequences is cu = b * T). Masking as docs/ops.md (bottom-right
  * causal, window (-1 = unbounded), sinks); alibi is [H] of the call's dtype or NULL. gate,
- * NULL or g [rows_k, H] of the call's dtype (the Forgetting Transformer's log forget gate per
- * key position and query head): adds G_i' - G_j to the score of the query at position i' and
- * key j, G the running sum of g along each sequence (flash and parallel forms only). */
+ * NULL or g [rows, H] of the call's dtype (the Forgetting Transformer's log forget gate per
+ * position and query head): adds G_i - G_j to the score of query i and key j, G the running
+ * sum of g along each sequence; it needs the queries at the keys' positions (cu_q = cu_k), a
+ * causal mask with at most a left window, and the flash or parallel form. */
 typedef struct {
     int64_t nseq;
     const int64_t *cu_q, *cu_k;

@@ -82,22 +82,36 @@ static inline int PA_FN(sm_block_keys)(const pa_softmax_desc *d, int64_t ip0, in
 }
 
 /* FoX's forget gate: the score of the query at position i and key j (of one sequence and
- * query head) gains G_i - G_j, G_x = g_0 + ... + g_x the running sum of the log gate. G runs
- * to -1e4 and beyond on long sequences, where a float G_i - G_j would keep only the leading
- * digits of the difference; so each G is summed in double (gate_sum2, each step clamped by
- * gate_step, so that a -inf gate is a full reset rather than -inf - -inf) and kept as real hi
- * + lo parts, and the bias is (hi_i - hi_j) + (lo_i - lo_j): the first difference is exact
- * for the nearby keys that carry the weight (Sterbenz), the second small, so the bias is good
- * to about its own rounding however large G grows. A NaN gate makes G NaN from its step on,
- * so every later query of its head is NaN (its window may not even reach back that far).
+ * query head) gains G_i - G_j, G_x = g_0 + ... + g_x the running sum of the log gate. The
+ * queries are the keys' own positions (cu_q = cu_k), the mask causal with at most a left
+ * window, so every query sees its own key. G runs to -1e4 and beyond on long sequences, where
+ * a float G_i - G_j would keep only the leading digits of the difference; so each G is summed
+ * in double (gate_sum2, each step clamped by gate_step, so that a -inf gate is a full reset
+ * rather than -inf - -inf) and kept as real hi + lo parts, and the bias is (hi_i - hi_j) +
+ * (lo_i - lo_j): the first difference is exact for the nearby keys that carry the weight
+ * (Sterbenz), the second small, so the bias is good to about its own rounding however large G
+ * grows. A NaN gate makes G NaN from its step on, so every later query of its head is NaN (its
+ * window may not even reach back that far).
  *
- * Backward: dG_i gets the row sum of dS and dG_j minus its column sum, and g_t enters every G
- * x >= t of its sequence, so dg_t = sum over x >= t of dG_x (sm_gate_grad). The column sums
- * are taken in the key-block passes (which own their keys, so no two threads add into one
- * entry) a tile at a time, into double. */
+ * Backward (no lse cotangent): a gate that forgets fast makes P nearly one-hot on the
+ * diagonal, o_i ~ v_i, and there dS_ii = P_ii (dP_ii - D_i) is the difference of two O(1)
+ * numbers, do_i.v_i - do_i.o_i, whose rounding would swamp the small gradients of q, k and g.
+ * But each row of dS sums to 0 (sum_j P_ij dP_ij = do_i.o_i = D_i), so dS_ii = -(the row's
+ * other entries), each of them accurate. So the tiles leave the diagonal out (sm_backward_tile
+ * zeroes it before the products with K and Q) and sum each row's other entries, and
+ * sm_gate_finish adds the diagonal's terms to dq and dk from those sums. Then g_t: the pairs
+ * whose bias holds it are those with j < t <= i, and their dS sum is
+ *   dg_t = sum_{x < t} (colsum_x - rowsum_x),
+ * colsum_x the dS of key x over the later queries and rowsum_x that of query x over the
+ * earlier keys (the pairs with both ends before t cancel), summed in double; both sums leave
+ * the diagonal out, which enters no difference G_i - G_j. The column sums are taken in the
+ * key-block passes and the row sums in the query-block passes (each owns its keys or its
+ * queries: no two threads add into one entry, and the order is the same for any thread
+ * count). A sequence's first step gets 0, and so does a clamped step (gate_step). */
 typedef struct {
     real *G;      /* [2][H][rows_k]: the hi parts, then the lo parts (NULL without a gate) */
-    double *dcol; /* backward: [H][rows_k], each key's column sum of dS over its queries */
+    double *dcol; /* backward: [H][rows_k] each key's column sum of dS (the diagonal left out) */
+    double *drow; /* backward: [H][rows_k] each query's row sum of dS (the diagonal left out) */
     int64_t rows; /* rows_k */
 } PA_FN(sm_gate);
 
@@ -115,21 +129,22 @@ static int PA_FN(sm_gate_alloc)(PA_FN(sm_gate) * gt, const pa_softmax_desc *d, i
     gt->rows = d->cu_k[d->nseq];
     const size_t n = (size_t)(d->H * gt->rows);
     gt->G = pa_alloc(sizeof(real) * (2 * n + 1));
-    gt->dcol = backward ? pa_alloc(sizeof(double) * (n + 1)) : NULL;
+    gt->dcol = backward ? pa_alloc(sizeof(double) * (2 * n + 1)) : NULL;
     if (!gt->G || (backward && !gt->dcol)) {
         PA_FN(sm_gate_free)(gt);
         return 0;
     }
+    gt->drow = backward ? gt->dcol + n : NULL;
     return 1;
 }
 
-/* The hi and lo parts of head h from key row r0 on */
+/* The hi parts of head h from key row r0 on (the lo parts H * rows further) */
 static inline const real *PA_FN(sm_gate_at)(const PA_FN(sm_gate) * gt, int64_t h, int64_t r0)
 {
     return gt->G + h * gt->rows + r0;
 }
 
-/* G of every (sequence, head), and the backward's column sums zeroed: one (sequence, head) per
+/* G of every (sequence, head), and the backward's sums zeroed: one (sequence, head) per
  * iteration of a work-shared loop, called by every thread of the kernel's parallel region;
  * ends with its barrier. */
 static void PA_FN(sm_gate_fill)(const PA_FN(sm_gate) * gt, const pa_softmax_desc *d)
@@ -147,7 +162,7 @@ static void PA_FN(sm_gate_fill)(const PA_FN(sm_gate) * gt, const pa_softmax_desc
             const real hi = (real)hs;
             Gh[r] = hi;
             Gh[lo + r] = (real)((hs - hi) + ls);
-            if (gt->dcol) gt->dcol[h * gt->rows + r] = 0;
+            if (gt->dcol) gt->dcol[h * gt->rows + r] = gt->drow[h * gt->rows + r] = 0;
         }
     }
 }
@@ -178,28 +193,30 @@ static void PA_FN(sm_gate_bias)(real *S, int64_t ld, int64_t rows, int64_t cols,
     }
 }
 
-/* dg [rows_k, H] from the column sums, after every tile: dG_x = -dcol_x, and dg_t the sum of
- * dG_x over x >= t (in double). The row sums of dS, which dG_i would also get, are left out:
- * sum_j dS_ij = sum_j P_ij dP_ij - D_i = dO_i . O_i - D_i is 0 in exact arithmetic without
- * an lse cotangent (the gated backward takes none), so adding them would add only their
- * rounding, for one more pass over every tile. A sequence's first step enters no difference
- * G_i - G_j (both sums hold it): its gradient is 0; a clamped step's (gate_step) is 0 too.
- * One (sequence, head) per iteration of a work-shared loop. */
-static void PA_FN(sm_gate_grad)(const PA_FN(sm_gate) * gt, const pa_softmax_desc *d, real *dg)
+/* After every tile: the diagonal pairs' terms of dq and dk (dS_ii = -rowsum_i, times scale),
+ * then dg_t = sum_{x < t} (colsum_x - rowsum_x) along each sequence (see sm_gate). One
+ * (sequence, KV head) per iteration of a work-shared loop: it owns its dk rows and the dq
+ * rows of its heads. */
+static void PA_FN(sm_gate_finish)(const PA_FN(sm_gate) * gt, const pa_softmax_desc *d,
+                                  const real *q, const real *k, real *dq, real *dk, real *dg)
 {
     if (!gt->G) return;
-    const int64_t H = d->H;
-    const real *g = d->gate;
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, group = H / Hk;
+    const real scale = (real)d->scale, *g = d->gate;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < d->nseq * H; u++) {
-        const int64_t n = u / H, h = u % H, r0 = d->cu_k[n];
-        const double *dc = gt->dcol + h * gt->rows;
-        double acc = 0;
-        for (int64_t r = d->cu_k[n + 1] - 1; r > r0; r--) {
-            acc -= dc[r];
-            dg[r * H + h] = __builtin_isless(g[r * H + h], -PA_GATE_RESET) ? 0 : (real)acc;
+    for (int64_t u = 0; u < d->nseq * Hk; u++) {
+        const int64_t n = u / Hk, kh = u % Hk, r0 = d->cu_k[n], r1 = d->cu_k[n + 1];
+        for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+            const double *dc = gt->dcol + h * gt->rows, *dr = gt->drow + h * gt->rows;
+            double acc = 0;
+            for (int64_t r = r0; r < r1; r++) {
+                const real ds = (real)-dr[r] * scale;
+                PA_FN(axpy)(dq + (r * H + h) * Dk, k + (r * Hk + kh) * Dk, Dk, ds);
+                PA_FN(axpy)(dk + (r * Hk + kh) * Dk, q + (r * H + h) * Dk, Dk, ds);
+                dg[r * H + h] = __builtin_isless(g[r * H + h], -PA_GATE_RESET) ? 0 : (real)acc;
+                acc += dc[r] - dr[r];
+            }
         }
-        if (d->cu_k[n + 1] > r0) dg[r0 * H + h] = 0;
     }
 }
 
@@ -957,7 +974,8 @@ static void PA_FN(sm_bwd_packs_free)(PA_FN(sm_bwd_packs) * pk)
 
 /* One backward tile: queries i0..i0+bq-1 of head h against the key block [j0, j0+bk) of
  * sequence n. With dK/dV (not NULL: the block's accumulators, row 0 = key j0) adds the tile's
- * dK and dV, and with a gate the column sums of dS into gt->dcol; with_dq adds its dQ into dq. In a partially masked tile P and dS are 0 at the
+ * dK and dV, and with a gate its column sums of dS; with_dq adds its dQ into dq, and with a
+ * gate its row sums of dS (sm_gate: a gated tile leaves out its diagonal pairs). In a partially masked tile P and dS are 0 at the
  * pairs a query cannot see by selection (a NaN LSE, dP or D would reach them otherwise), and
  * the products with non-finite rows of dO, K or Q go as sm_add_nonfinite_rows explains. */
 static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd_packs) * pk,
@@ -1020,8 +1038,12 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
             PA_FN(sm_row_ranges)(d, ip0 + r, tk, ja, jb, rg);
             PA_FN(sm_fill_hidden)(dpr, 1, w, rg, 0);
         }
+        if (gt->G) { /* the diagonal pair leaves the tile (sm_gate_finish), the rest is summed */
+            if (ip0 + r >= ja && ip0 + r < jb) dpr[ip0 + r - ja] = 0;
+            if (with_dq) gt->drow[h * gt->rows + d->cu_k[n] + ip0 + r] += PA_FN(row_sum)(dpr, w);
+        }
     }
-    if (dK && gt->dcol) { /* the tile's column sums in the working dtype, then into double */
+    if (dK && gt->G) { /* the tile's column sums in the working dtype, then into double */
         real *cs = s->colsum;
         double *dcol = gt->dcol + h * gt->rows + d->cu_k[n] + ja;
         memset(cs, 0, sizeof(real) * w);
@@ -1213,7 +1235,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
                                             j0, tk - j0 < bkmax ? tk - j0 : bkmax, &s);
             }
         }
-        PA_FN(sm_gate_grad)(&gt, d, dg);
+        PA_FN(sm_gate_finish)(&gt, d, q, k, dq, dk, dg);
         if (ok && tiled) PA_FN(sm_scratch_free)(&s);
     }
     free(Drow);
