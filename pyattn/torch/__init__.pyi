@@ -136,6 +136,13 @@ def retention(
     chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
 
+def rwkv6(
+    r: _TensorLike, k: _TensorLike, v: _TensorLike, w: _TensorLike, u: _TensorLike, *,
+    scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[_TensorLike] = ..., form: _Form = ...,
+    chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
+
 def rope(x: _TensorLike, positions: _TensorLike, theta: float = ...) -> Tensor: ...
 
 def simple_gla(
