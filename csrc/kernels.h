@@ -12,7 +12,11 @@ enum { PA_FORM_PARALLEL = 0, PA_FORM_FLASH = 1, PA_FORM_RECURRENT = 2, PA_FORM_C
 /* Softmax attention over packed rows. Sequence n owns query rows cu_q[n] .. cu_q[n+1]-1 and
  * key rows cu_k[n] .. cu_k[n+1]-1 of q [rows_q, H, Dk], k [rows_k, Hk, Dk], v [rows_k, Hk,
  * Dv] (a batch of B equal sequences is cu = b * T). Masking as docs/ops.md (bottom-right
- * causal, window (-1 = unbounded), sinks); alibi is [H] of the call's dtype or NULL. */
+ * causal, window (-1 = unbounded), sinks); alibi is [H] of the call's dtype or NULL. gate,
+ * NULL or g [rows, H] of the call's dtype (the Forgetting Transformer's log forget gate per
+ * position and query head): adds G_i - G_j to the score of query i and key j, G the running
+ * sum of g along each sequence; it needs the queries at the keys' positions (cu_q = cu_k), a
+ * causal mask with at most a left window, and the flash or parallel form. */
 typedef struct {
     int64_t nseq;
     const int64_t *cu_q, *cu_k;
@@ -22,6 +26,7 @@ typedef struct {
     const void *alibi;
     double softcap, scale;
     int form;
+    const void *gate;
 } pa_softmax_desc;
 
 /* Where the keys of a decode live (softmax_decode): sequence n has the end[n] - start[n] keys
@@ -171,10 +176,11 @@ typedef struct {
     double (*read_bandwidth)(double seconds, int threads, int64_t bytes);
     int (*softmax_forward)(const pa_softmax_desc *d, const void *q, const void *k,
                            const void *v, void *o, void *lse);
-    /* dlse may be NULL (zero cotangent of the log-sum-exp) */
+    /* dlse may be NULL (zero cotangent of the log-sum-exp); with d->gate, dg [rows_k, H]
+     * receives the gate's gradient, and dlse must be NULL */
     int (*softmax_backward)(const pa_softmax_desc *d, const void *q, const void *k,
                             const void *v, const void *o, const void *lse, const void *dout,
-                            const void *dlse, void *dq, void *dk, void *dv);
+                            const void *dlse, void *dq, void *dk, void *dv, void *dg);
     /* Few queries against keys wherever they lie (a KV cache, paged or not): d places the
      * queries by cu_q (cu_k is unused), rows the keys. Each query's visible keys split into
      * num_splits parts (0: chosen from the threads and key counts) merged by their

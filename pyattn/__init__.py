@@ -17,7 +17,7 @@ from .linear import (efficient_attention, gla, lightning_attention, linear_atten
                      retention, simple_gla)
 from .rope import rope
 from .rwkv import rwkv6
-from .softmax import attention_with_kvcache, merge_attention_states, softmax_attention
+from .softmax import attention_with_kvcache, forgetting_attention, merge_attention_states, softmax_attention
 from .sparse import (dsa_attention, dsa_index_scores, dsa_index_target, dsa_select, linformer_attention,
                      moba_attention, nsa_attention)
 from .training import plot_history, train
@@ -44,6 +44,7 @@ __all__ = [
     "dsa_select",
     "efficient_attention",
     "feature_map",
+    "forgetting_attention",
     "gated_delta_product",
     "gated_delta_rule",
     "get_num_threads",

@@ -39,6 +39,14 @@ def softmax_forward(
 ) -> None:
     """Writes o [B, Tq, H, Dv] and lse [B, Tq, H] in place."""
 
+def forgetting_forward(
+    q: _Float, k: _Float, v: _Float, g: _Float, o: _Float, lse: _Float,
+    cu_seqlens: _Int64, form: int, window_left: int, scale: float, /,
+) -> None:
+    """Writes o [B, T, H, Dv] and lse [B, T, H] in place: causal softmax attention with the
+    scores biased by G_i - G_j, G the running sum of g [B, T, H] per sequence (FORM_FLASH or
+    FORM_PARALLEL)."""
+
 def softmax_decode(
     q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, cu_q: _Int64,
     start: _Int64, end: _Int64, block_table: Optional[npt.NDArray[np.int32]], num_splits: int,
@@ -103,6 +111,13 @@ def softmax_backward(
     alibi_slopes: Optional[_Float], softcap: float, scale: float, /,
 ) -> None:
     """Writes dq, dk, dv in place from the forward's o and lse."""
+
+def forgetting_backward(
+    q: _Float, k: _Float, v: _Float, g: _Float, o: _Float, lse: _Float, do: _Float,
+    dq: _Float, dk: _Float, dv: _Float, dg: _Float,
+    cu_seqlens: _Int64, form: int, window_left: int, scale: float, /,
+) -> None:
+    """Writes dq, dk, dv, dg in place from forgetting_forward's o and lse."""
 
 def feature_map_forward(
     x: _Float, y: _Float, kind: int, p: int, max_len: float,

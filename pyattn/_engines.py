@@ -333,6 +333,57 @@ def _same_array(a, b):
 
 
 # ---------------------------------------------------------------------------------------------
+# forgetting attention (pyattn.softmax.forgetting_attention: the softmax kernels with FoX's gate)
+
+FORGETTING_FORMS = ("flash", "parallel")
+
+
+def forgetting_prepare(q, k, v, g, window, scale, cu_seqlens, form):
+    """forgetting_attention's arguments checked: (q, k, v, g, the options of
+    _core.forgetting_forward after its arrays: cu_seqlens, form, window_left, scale)."""
+    fn = "forgetting_attention"
+    arrs, dtype = V.float_arrays(fn, q=q, k=k, v=v, g=g)
+    q, k, v, g = arrs["q"], arrs["k"], arrs["v"], arrs["g"]
+    V.ndim(fn, "q", q, 4, "[B, T, H, K]")
+    V.ndim(fn, "k", k, 4, "[B, T, Hk, K]")
+    V.ndim(fn, "v", v, 4, "[B, T, Hk, V]")
+    B, T, H, K = q.shape
+    V.same(fn, "batch sizes", {"q": B, "k": k.shape[0], "v": v.shape[0]})
+    V.same(fn, "lengths", {"q": T, "k": k.shape[1], "v": v.shape[1]})
+    V.same(fn, "KV head counts", {"k": k.shape[2], "v": v.shape[2]})
+    V.same(fn, "key head dims", {"q": K, "k": k.shape[3]})
+    V.divides(fn, "k", k.shape[2], "heads", "q", H)
+    if K < 1 or v.shape[3] < 1:
+        raise ValueError(f"{fn}(): head dims must be >= 1, got K={K}, V={v.shape[3]}")
+    V.shape(fn, "g", g, (B, T, H), "[B, T, H]")
+    V.log_gate(fn, "g", g)
+    # beyond any sequence length a window is no window; keep it within int64 for the kernel
+    window_left = -1 if window is None else min(V.integer(fn, "window", window, 1), 2 ** 62) - 1
+    scale = V.scale(fn, scale, K ** -0.5, dtype)
+    V.form(fn, form, FORGETTING_FORMS)
+    cu = V.batch_offsets(B, T) if cu_seqlens is None else V.cu_seqlens(fn, "cu_seqlens", cu_seqlens, T, B)
+    return q, k, v, g, (cu, _SOFTMAX_FORM_CODE[form], window_left, scale)
+
+
+def forgetting_forward(q, k, v, g, opts):
+    """(o, lse) of forgetting attention, opts as forgetting_prepare gives them (lse for the
+    backward: the op itself returns o alone)."""
+    B, T, H, _ = q.shape
+    o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
+    lse = np.empty((B, T, H), dtype=q.dtype)
+    _core.forgetting_forward(q, k, v, g, o, lse, *opts)
+    return o, lse
+
+
+def forgetting_backward(q, k, v, g, o, lse, do, opts):
+    """(dq, dk, dv, dg) of the flash backward for the call forgetting_forward(q, k, v, g, opts)
+    made."""
+    dq, dk, dv, dg = np.empty_like(q), np.empty_like(k), np.empty_like(v), np.empty_like(g)
+    _core.forgetting_backward(q, k, v, g, o, lse, do, dq, dk, dv, dg, *opts)
+    return dq, dk, dv, dg
+
+
+# ---------------------------------------------------------------------------------------------
 # the gated linear engine (pyattn.linear; pyattn.delta's engine runs on its checked call)
 
 LINEAR_FORMS = ("chunk", "parallel", "recurrent")

@@ -62,6 +62,17 @@ def _softmax_example(rng: np.random.Generator, dtype=np.float64, tiny=False):
     return (q, k, v), dict(causal=True, window=window, sinks=2, softcap=5.0, return_lse=True)
 
 
+def _forgetting_example(rng: np.random.Generator, dtype=np.float64, tiny=False):
+    """GQA, Dk != Dv, a window shorter than the sequence, FoX's gates (logsigmoid, mostly near
+    0: long memory)."""
+    B, T, H, Hk, Dk, Dv, window = (1, 7, 2, 1, 3, 2, 4) if tiny else (2, 150, 4, 2, 16, 12, 100)
+    q = rng.standard_normal((B, T, H, Dk)).astype(dtype)
+    k = rng.standard_normal((B, T, Hk, Dk)).astype(dtype)
+    v = rng.standard_normal((B, T, Hk, Dv)).astype(dtype)
+    g = -np.logaddexp(0.0, -2.0 - rng.standard_normal((B, T, H))).astype(dtype)
+    return (q, k, v, g), dict(window=window)
+
+
 def _qkv(rng, dtype, tiny, K=None):
     B, T, H, Kd, Vd = (1, 7, 2, 3, 2) if tiny else (2, 150, 3, 16, 12)
     K = Kd if K is None else K
@@ -328,7 +339,8 @@ def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tup
 
 
 def build_ops() -> Dict[str, OpInfo]:
-    from .softmax import FORMS as SOFTMAX_FORMS, attention_with_kvcache, merge_attention_states, softmax_attention
+    from .softmax import (FORMS as SOFTMAX_FORMS, attention_with_kvcache, forgetting_attention,
+                          merge_attention_states, softmax_attention)
     from . import delta, delta_product, dplr, linear, rwkv
     from .feature_maps import feature_map
     from .mla import FORMS as MLA_FORMS, mla_attention
@@ -341,6 +353,11 @@ def build_ops() -> Dict[str, OpInfo]:
             softmax_attention, _softmax_example,
             "softmax attention: causal/window/sinks/ALiBi/softcap, GQA, varlen",
             arrays=("q", "k", "v"), forms=("flash",) + tuple(f for f in SOFTMAX_FORMS if f != "flash")),
+        "forgetting_attention": _attention_op(
+            forgetting_attention, _forgetting_example,
+            "Forgetting Transformer (FoX): causal softmax attention, scores plus G_i - G_j of a "
+            "per-head forget gate; GQA, window, varlen",
+            arrays=("q", "k", "v", "g"), forms=("flash", "parallel")),
         "attention_with_kvcache": _attention_op(
             attention_with_kvcache, _kvcache_example,
             "decode over a KV cache (contiguous or paged), new keys written in place, "

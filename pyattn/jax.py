@@ -266,6 +266,14 @@ def softmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool 
     return _call("softmax_attention", locals())
 
 
+def forgetting_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
+                         window: Optional[int] = None, scale: Optional[float] = None,
+                         cu_seqlens: Optional[ArrayLike] = None,
+                         form: Literal["flash", "parallel"] = "flash") -> Array:
+    """``pyattn.forgetting_attention`` on jax arrays."""
+    return _call("forgetting_attention", locals())
+
+
 def moba_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, block_size: int, top_k: int,
                    causal: bool = True, scale: Optional[float] = None,
                    cu_seqlens: Optional[ArrayLike] = None) -> Array:

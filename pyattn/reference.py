@@ -71,6 +71,28 @@ def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0
     return (o, lse) if return_lse else o
 
 
+def forgetting_attention(q, k, v, g, *, window=None, scale=None, cu_seqlens=None, form=None):
+    """Loop over (sequence, head, query i): the scores of the keys j = i-w+1 .. i (all j <= i
+    without a window), each plus the sum of the log gates g of steps j+1 .. i (summed from i
+    backwards, so a -inf gate makes the earlier keys' scores -inf), then softmax."""
+    q, k, v, g = _f64(q, k, v, g)
+    B, T, H, K = q.shape
+    Hk = k.shape[2]
+    scale = K ** -0.5 if scale is None else scale
+    o = np.zeros((B, T, H, v.shape[3]))
+    for b, start, end in _sequences(B, T, cu_seqlens):
+        for h in range(H):
+            kh = h // (H // Hk)
+            for i in range(start, end):
+                lo = start if window is None else max(start, i - window + 1)
+                between = np.append(np.cumsum(g[b, i:lo:-1, h])[::-1], 0.0)  # key j: g[j+1 .. i]
+                s = scale * (k[b, lo:i + 1, kh] @ q[b, i, h]) + between
+                with np.errstate(invalid="ignore"):
+                    p = np.exp(s - s.max())
+                o[b, i, h] = p @ v[b, lo:i + 1, kh] / p.sum()
+    return o
+
+
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
                            scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
                            block_table=None, num_splits=None, return_lse=False, return_colsum=False,

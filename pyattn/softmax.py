@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validate as V
-from ._engines import SOFTMAX_FORMS, KVCall, softmax_backward, softmax_forward, softmax_prepare
+from ._engines import (SOFTMAX_FORMS, KVCall, forgetting_backward, forgetting_forward, forgetting_prepare,
+                       softmax_backward, softmax_forward, softmax_prepare)
 from .autodiff import register_vjp, split_cotangent
 
 FORMS = SOFTMAX_FORMS
@@ -69,6 +70,43 @@ def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
         return {"q": dq, "k": dk, "v": dv}
 
     return ((o, lse) if return_lse else o), pullback
+
+
+def forgetting_attention(q, k, v, g, *, window=None, scale=None, cu_seqlens=None, form="flash"):
+    """The Forgetting Transformer's attention (FoX): causal softmax attention whose scores
+    decay with the forget gates between query and key, ``s_ij = scale q_i.k_j + G_i - G_j``
+    for ``j <= i``, ``G_i = g_0 + ... + g_i`` summed along each sequence.
+
+    q ``[B, T, H, K]``, k ``[B, T, Hk, K]``, v ``[B, T, Hk, V]`` with ``H % Hk == 0`` (GQA:
+    query head h reads KV head ``h // (H // Hk)``), and the log forget gate ``g [B, T, H]``,
+    one per query head (``g <= 0``, say ``logsigmoid`` of a projection; ``-inf`` forgets every
+    earlier key), float32 or float64, one dtype. ``G_i - G_j`` is the sum of the gates of
+    steps ``j+1 .. i``; the kernel keeps G in two parts, so the bias stays exact to its own
+    rounding however large G grows on long sequences. ``scale`` defaults to ``K ** -0.5``.
+    ``window=w`` (an int >= 1) keeps only the keys ``i-w+1 .. i`` (fla's ``window_size``).
+    ``cu_seqlens`` (B must be 1) packs sequences: G restarts at each one. Forms: ``"flash"``
+    (tiled online softmax, never T x T memory) and ``"parallel"`` (materialised scores).
+    With ``g = 0`` it is ``softmax_attention(q, k, v, causal=True)``. Returns ``o [B, T, H,
+    V]``; differentiable in q, k, v and g through ``pyattn.vjp``. A NaN in q, k or v reaches
+    what depends on it, as in softmax_attention; a NaN gate makes every later query of its
+    head NaN (through G).
+    """
+    q, k, v, g, opts = forgetting_prepare(q, k, v, g, window, scale, cu_seqlens, form)
+    return forgetting_forward(q, k, v, g, opts)[0]
+
+
+@register_vjp(forgetting_attention)
+def _forgetting_attention_vjp(q, k, v, g, *, window=None, scale=None, cu_seqlens=None, form="flash"):
+    q, k, v, g, opts = forgetting_prepare(q, k, v, g, window, scale, cu_seqlens, form)
+    o, lse = forgetting_forward(q, k, v, g, opts)
+
+    def pullback(do):
+        arrs, _ = V.float_arrays("forgetting_attention pullback", q=q, do=do)
+        V.shape("forgetting_attention pullback", "do", arrs["do"], o.shape, "[B, T, H, V]")
+        dq, dk, dv, dg = forgetting_backward(q, k, v, g, o, lse, arrs["do"], opts)
+        return {"q": dq, "k": dk, "v": dv, "g": dg}
+
+    return o, pullback
 
 
 def _merge_parts(os, lses):

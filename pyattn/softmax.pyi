@@ -27,6 +27,12 @@ def softmax_attention(
     form: Literal["flash", "parallel", "recurrent"] = ..., return_lse: Literal[True],
 ) -> Tuple[_Array, _Array]: ...
 
+def forgetting_attention(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, g: npt.ArrayLike, *,
+    window: Optional[int] = ..., scale: Optional[float] = ...,
+    cu_seqlens: Optional[npt.ArrayLike] = ..., form: Literal["flash", "parallel"] = ...,
+) -> _Array: ...
+
 def merge_attention_states(
     os: Sequence[npt.ArrayLike], lses: Sequence[npt.ArrayLike]
 ) -> Tuple[_Array, _Array]: ...

@@ -304,7 +304,7 @@ def _attn(window=None, sink=False, gate=False):
     def build(inp):
         q, k, v = inp.x(heads=4), inp.x(heads=2), inp.x(heads=2, dim=V)
         sink_bias = inp.randn(4) if sink else None
-        g = inp.randn(inp.B, inp.T, 4) if gate else None
+        g = inp.logsig(4) if gate else None  # FoX's log forget gate, <= 0
         if inp.varlen:
             parts = [_dense_causal(q[:, a:b], k[:, a:b], v[:, a:b], K ** -0.5, window, sink_bias,
                                    None if g is None else g[:, a:b])
@@ -316,6 +316,14 @@ def _attn(window=None, sink=False, gate=False):
         if sink:
             kwargs["sink_bias"] = tensor(sink_bias)
         return "parallel_attn", tuple(_t(q, k, v, g)), kwargs, o
+    return build
+
+
+def _fox(window=None):
+    def build(inp):
+        q, k, v, g = inp.x(heads=4), inp.x(heads=2), inp.x(heads=2, dim=V), inp.logsig(4)
+        o = ref.forgetting_attention(q, k, v, g, window=window, cu_seqlens=inp.cu_np())
+        return "parallel_forgetting_attn", tuple(_t(q, k, v, g)), dict(window_size=window, cu_seqlens=inp.cu), o
     return build
 
 
@@ -406,6 +414,8 @@ CASES = {
     "parallel_attn-sink": _attn(window=7, sink=True),
     "parallel_attn-g": _attn(gate=True),
     "parallel_attn-g-window-sink": _attn(window=6, sink=True, gate=True),
+    "parallel_forgetting_attn": _fox(),
+    "parallel_forgetting_attn-window": _fox(window=5),
     "parallel_nsa": _nsa,
     "parallel_nsa-defaults": _nsa_defaults,
     "parallel_moba": _moba(3),
@@ -509,6 +519,34 @@ def test_equals_the_pyattn_torch_op_bit_for_bit(name):
     g1 = torch.autograd.grad(o1.sum() + s1.square().sum(), leaves)
     g2 = torch.autograd.grad(o2.sum() + s2.square().sum(), leaves)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_forgetting_gate_is_pyattn_s_forgetting_attention_bit_for_bit():
+    """parallel_forgetting_attn and parallel_attn's g (without sink_bias) are
+    pyattn.torch.forgetting_attention itself: outputs and gradients, same bits."""
+    inp = Inputs(2, True)
+    q, k, v, g = _t(inp.x(heads=4), inp.x(heads=2), inp.x(heads=2, dim=V), inp.logsig(4))
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g)]
+    want = pt.forgetting_attention(q, k, v, g, window=6, cu_seqlens=inp.cu)
+    want_grads = torch.autograd.grad(want.square().sum(), leaves)
+    for fn in (fla.parallel_forgetting_attn, fla.parallel_attn):
+        o = fn(q, k, v, g, window_size=6, cu_seqlens=inp.cu)
+        assert torch.equal(o, want)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(o.square().sum(), leaves), want_grads))
+
+
+def test_forgetting_attn_keeps_float32_digits_on_long_sequences():
+    """T = 4096, g ~ -1 a step (G near -4000): float32 within 1e-5 of the float64 oracle (the
+    one-more-key-dimension form parallel_attn used before gives 4e-5 there: see
+    tests/test_forgetting_attention.py)."""
+    rng = np.random.default_rng(3)
+    T = 4096
+    q, k, v = (np.asarray(rng.standard_normal((1, T, 2, 8)), np.float32) for _ in range(3))
+    g = np.asarray(-rng.uniform(0.5, 1.5, (1, T, 2)), np.float32)
+    want = ref.forgetting_attention(q, k, v, g)
+    o = fla.parallel_forgetting_attn(*_t(q, k, v, g))
+    assert o.dtype == torch.float32
+    assert np.sqrt(np.mean((array(o) - want) ** 2) / np.mean(want ** 2)) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------
@@ -738,6 +776,7 @@ FLA_PARAMETERS = {
                            "use_qk_l2norm_in_kernel use_gate_in_kernel use_beta_sigmoid_in_kernel allow_neg_eigval "
                            "lower_bound state_v_first cu_seqlens",
     "parallel_attn": "q k v g scale window_size cu_seqlens chunk_indices",
+    "parallel_forgetting_attn": "q k v g scale window_size cu_seqlens",
     "parallel_nsa": "q k v g_cmp g_slc g_swa block_indices block_counts block_size window_size scale cu_seqlens",
     "parallel_moba": "q k v cu_seqlens max_seqlen chunk_size topk",
 }

@@ -1,6 +1,7 @@
 /* pyattn._core's softmax attention: the flash/parallel/recurrent forward and backward over
- * packed sequences, and the decode over keys in place in a cache (ops/softmax_attn.c; the
- * decode's backward is in ops/sparse_attn.c). */
+ * packed sequences, the Forgetting Transformer's (the same kernels with a forget gate), and the
+ * decode over keys in place in a cache (ops/softmax_attn.c; the decode's backward is in
+ * ops/sparse_attn.c). */
 #include "args.h"
 #include "bind.h"
 
@@ -140,7 +141,99 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
     rc = K->softmax_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
                              PyArray_DATA(g.o), PyArray_DATA(g.lse), PyArray_DATA(g.dout),
                              data_or_null(g.dlse), PyArray_DATA(g.dq), PyArray_DATA(g.dk),
-                             PyArray_DATA(g.dv));
+                             PyArray_DATA(g.dv), NULL);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* The gate and options of the forgetting entry points: g, then cu_seqlens, form, window_left,
+ * scale */
+enum { FOX_G, FOX_CU, FOX_FORM, FOX_WINDOW_LEFT, FOX_SCALE };
+
+/* Shared by forgetting_forward and its backward: q [B, T, H, Dk], k [B, T, Hk, Dk], v [B, T,
+ * Hk, Dv] from a; from opt, g [B, T, H] (the log forget gate per query head) and the options
+ * (one cu_seqlens for queries and keys, the flash or parallel form, a causal mask with a left
+ * window). */
+static int forgetting_desc(const char *fn, PyObject *const *a, PyObject *const *opt, int *t,
+                           PyArrayObject **q, PyArrayObject **k, PyArrayObject **v,
+                           pa_softmax_desc *d)
+{
+    if (softmax_qkv(fn, a, 1, t, q, k, v, d)) return -1;
+    const npy_intp B = PyArray_DIM(*q, 0), T = PyArray_DIM(*q, 1);
+    if (PyArray_DIM(*k, 1) != T) {
+        PyErr_Format(PyExc_ValueError, "%s(): q and k must have the same length T, got %lld and %lld",
+                     fn, (long long)T, (long long)PyArray_DIM(*k, 1));
+        return -1;
+    }
+    npy_intp gshape[3] = {B, T, d->H};
+    PyArrayObject *g = get_array(fn, "g", opt[FOX_G], *t, 3, gshape, 0);
+    if (!g || !(d->cu_q = d->cu_k = get_cu(fn, "cu_seqlens", opt[FOX_CU], B * T, &d->nseq)))
+        return -1;
+    long long form, wl;
+    if (get_int(fn, "form", opt[FOX_FORM], PA_FORM_PARALLEL, PA_FORM_FLASH, &form) ||
+        get_int(fn, "window_left", opt[FOX_WINDOW_LEFT], -1, INT64_MAX, &wl) ||
+        get_double(fn, "scale", opt[FOX_SCALE], -INFINITY, &d->scale))
+        return -1;
+    d->gate = PyArray_DATA(g);
+    d->form = (int)form;
+    d->causal = 1;
+    d->window_left = wl;
+    d->window_right = -1;
+    return 0;
+}
+
+/* forgetting_forward(q, k, v, g, o, lse, cu_seqlens, form, window_left, scale) */
+enum { FF_Q, FF_K, FF_V, FF_G, FF_O, FF_LSE, FF_CU, FF_FORM, FF_WINDOW_LEFT, FF_SCALE, FF_NARGS };
+
+static PyObject *py_forgetting_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "forgetting_forward";
+    if (expect_nargs(fn, nargs, FF_NARGS)) return NULL;
+    int t;
+    PyArrayObject *q, *k, *v, *o, *lse;
+    pa_softmax_desc d;
+    PyObject *const opt[] = {args[FF_G], args[FF_CU], args[FF_FORM], args[FF_WINDOW_LEFT],
+                             args[FF_SCALE]};
+    if (forgetting_desc(fn, args + FF_Q, opt, &t, &q, &k, &v, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
+    if (attn_outputs(fn, args[FF_O], args[FF_LSE], t, 4, oshape, &o, &lse)) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->softmax_forward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                            PyArray_DATA(o), PyArray_DATA(lse));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* forgetting_backward(q, k, v, g, o, lse, do, dq, dk, dv, dg, cu_seqlens, form, window_left,
+ *                     scale): no lse cotangent (the op returns o alone) */
+enum { FB_Q, FB_K, FB_V, FB_G, FB_O, FB_LSE, FB_DO, FB_DQ, FB_DK, FB_DV, FB_DG, FB_CU, FB_FORM,
+       FB_WINDOW_LEFT, FB_SCALE, FB_NARGS };
+
+static PyObject *py_forgetting_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "forgetting_backward";
+    if (expect_nargs(fn, nargs, FB_NARGS)) return NULL;
+    int t;
+    PyArrayObject *q, *k, *v, *dg;
+    pa_softmax_desc d;
+    PyObject *const opt[] = {args[FB_G], args[FB_CU], args[FB_FORM], args[FB_WINDOW_LEFT],
+                             args[FB_SCALE]};
+    if (forgetting_desc(fn, args + FB_Q, opt, &t, &q, &k, &v, &d)) return NULL;
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
+    PyObject *const grad_in[] = {args[FB_O], args[FB_LSE], args[FB_DO], Py_None};
+    attn_grads g;
+    if (attn_grad_arrays(fn, grad_in, args + FB_DQ, t, 4, oshape, q, k, v, &g) ||
+        !(dg = get_array(fn, "dg", args[FB_DG], t, 3, oshape, 1)))
+        return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->softmax_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                             PyArray_DATA(g.o), PyArray_DATA(g.lse), PyArray_DATA(g.dout), NULL,
+                             PyArray_DATA(g.dq), PyArray_DATA(g.dk), PyArray_DATA(g.dv),
+                             PyArray_DATA(dg));
     Py_END_ALLOW_THREADS
     return finish(rc);
 }
@@ -294,6 +387,13 @@ PyMethodDef pyattn_softmax_methods[] = {
     {"softmax_backward", (PyCFunction)(void (*)(void))py_softmax_backward, METH_FASTCALL,
      "softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu_q, cu_k, form, causal, "
      "window_left, window_right, sinks, alibi_slopes, softcap, scale)"},
+    {"forgetting_forward", (PyCFunction)(void (*)(void))py_forgetting_forward, METH_FASTCALL,
+     "forgetting_forward(q, k, v, g, o, lse, cu_seqlens, form, window_left, scale): causal softmax "
+     "attention with the scores biased by G_i - G_j, G the running sum of the log forget gate g "
+     "(the Forgetting Transformer)"},
+    {"forgetting_backward", (PyCFunction)(void (*)(void))py_forgetting_backward, METH_FASTCALL,
+     "forgetting_backward(q, k, v, g, o, lse, do, dq, dk, dv, dg, cu_seqlens, form, window_left, "
+     "scale)"},
     {"softmax_decode", (PyCFunction)(void (*)(void))py_softmax_decode, METH_FASTCALL,
      "softmax_decode(q, k, v, o, lse, cu_q, start, end, block_table, num_splits, colsum, causal, "
      "window_left, window_right, sinks, alibi_slopes, softcap, scale): few queries against keys "

@@ -232,6 +232,16 @@ static inline void PA_FN(row_scale)(real *x, int64_t n, real a)
     for (; i < n; i++) x[i] *= a;
 }
 
+static inline real PA_FN(row_sum)(const real *x, int64_t n)
+{
+    vreal s = PA_FN(vset)(0);
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) s += PA_FN(vload)(x + i);
+    real r = PA_FN(hsum)(s);
+    for (; i < n; i++) r += x[i];
+    return r;
+}
+
 static inline real PA_FN(dot)(const real *x, const real *y, int64_t n)
 {
     vreal s = PA_FN(vset)(0);

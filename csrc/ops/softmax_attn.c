@@ -34,6 +34,10 @@
  * score (or visible scores all -inf) makes the row NaN, and a key the query cannot see never
  * reaches it. Masks are therefore applied by selection (never by adding -inf or multiplying
  * by 0), and the GEMMs of partially masked tiles keep 0 * NaN out (sm_add_nonfinite_rows).
+ *
+ * The Forgetting Transformer's gate (d->gate, flash and parallel forms) is one more score
+ * option: the tiles' transform pass adds G_i - G_j (sm_gate_bias), and the backward adds the
+ * column sums of dS into dG (sm_gate: the gate's layout, its precision and its gradient).
  */
 
 #define SM_BQ 96     /* forward query block: a multiple of every NR and MR */
@@ -77,27 +81,178 @@ static inline int PA_FN(sm_block_keys)(const pa_softmax_desc *d, int64_t ip0, in
     return SM_PARTIAL;
 }
 
-/* In-place score transform of a tile of bq queries (at ip0..) by bk keys (at j0..), the
- * score of query r and key c at S[r * rs + c * cs]: masked scores become -inf, by selection
- * (a NaN score of a key the query cannot see is replaced, not carried); with softcap, dcap
- * (if not NULL, same layout) receives the derivative of the cap at the visible scores. */
-static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, int64_t h, real *S, int64_t rs,
-                                     int64_t cs, int64_t bq, int64_t bk, int64_t ip0,
-                                     int64_t j0, int64_t tk, int visibility, real *dcap)
+/* FoX's forget gate: the score of the query at position i and key j (of one sequence and
+ * query head) gains G_i - G_j, G_x = g_0 + ... + g_x the running sum of the log gate. The
+ * queries are the keys' own positions (cu_q = cu_k), the mask causal with at most a left
+ * window, so every query sees its own key. G runs to -1e4 and beyond on long sequences, where
+ * a float G_i - G_j would keep only the leading digits of the difference; so each G is summed
+ * in double (gate_sum2, each step clamped by gate_step, so that a -inf gate is a full reset
+ * rather than -inf - -inf) and kept as real hi + lo parts, and the bias is (hi_i - hi_j) +
+ * (lo_i - lo_j): the first difference is exact for the nearby keys that carry the weight
+ * (Sterbenz), the second small, so the bias is good to about its own rounding however large G
+ * grows. A NaN gate makes G NaN from its step on, so every later query of its head is NaN (its
+ * window may not even reach back that far).
+ *
+ * Backward (no lse cotangent): a gate that forgets fast makes P nearly one-hot on the
+ * diagonal, o_i ~ v_i, and there dS_ii = P_ii (dP_ii - D_i) is the difference of two O(1)
+ * numbers, do_i.v_i - do_i.o_i, whose rounding would swamp the small gradients of q, k and g.
+ * But each row of dS sums to 0 (sum_j P_ij dP_ij = do_i.o_i = D_i), so dS_ii = -(the row's
+ * other entries), each of them accurate. So the tiles leave the diagonal out (sm_backward_tile
+ * zeroes it before the products with K and Q) and sum each row's other entries, and
+ * sm_gate_finish adds the diagonal's terms to dq and dk from those sums. Then g_t: the pairs
+ * whose bias holds it are those with j < t <= i, and their dS sum is
+ *   dg_t = sum_{x < t} (colsum_x - rowsum_x),
+ * colsum_x the dS of key x over the later queries and rowsum_x that of query x over the
+ * earlier keys (the pairs with both ends before t cancel), summed in double; both sums leave
+ * the diagonal out, which enters no difference G_i - G_j. The column sums are taken in the
+ * key-block passes and the row sums in the query-block passes (each owns its keys or its
+ * queries: no two threads add into one entry, and the order is the same for any thread
+ * count). A sequence's first step gets 0, and so does a clamped step (gate_step). */
+typedef struct {
+    real *G;      /* [2][H][rows_k]: the hi parts, then the lo parts (NULL without a gate) */
+    double *dcol; /* backward: [H][rows_k] each key's column sum of dS (the diagonal left out) */
+    double *drow; /* backward: [H][rows_k] each query's row sum of dS (the diagonal left out) */
+    int64_t rows; /* rows_k */
+} PA_FN(sm_gate);
+
+static void PA_FN(sm_gate_free)(PA_FN(sm_gate) * gt)
+{
+    free(gt->G);
+    free(gt->dcol);
+}
+
+/* gt for d (nothing to do without a gate); 0 if out of memory */
+static int PA_FN(sm_gate_alloc)(PA_FN(sm_gate) * gt, const pa_softmax_desc *d, int backward)
+{
+    memset(gt, 0, sizeof *gt);
+    if (!d->gate) return 1;
+    gt->rows = d->cu_k[d->nseq];
+    const size_t n = (size_t)(d->H * gt->rows);
+    gt->G = pa_alloc(sizeof(real) * (2 * n + 1));
+    gt->dcol = backward ? pa_alloc(sizeof(double) * (2 * n + 1)) : NULL;
+    if (!gt->G || (backward && !gt->dcol)) {
+        PA_FN(sm_gate_free)(gt);
+        return 0;
+    }
+    gt->drow = backward ? gt->dcol + n : NULL;
+    return 1;
+}
+
+/* The hi parts of head h from key row r0 on (the lo parts H * rows further) */
+static inline const real *PA_FN(sm_gate_at)(const PA_FN(sm_gate) * gt, int64_t h, int64_t r0)
+{
+    return gt->G + h * gt->rows + r0;
+}
+
+/* G of every (sequence, head), and the backward's sums zeroed: one (sequence, head) per
+ * iteration of a work-shared loop, called by every thread of the kernel's parallel region;
+ * ends with its barrier. */
+static void PA_FN(sm_gate_fill)(const PA_FN(sm_gate) * gt, const pa_softmax_desc *d)
+{
+    if (!gt->G) return;
+    const int64_t H = d->H, lo = H * gt->rows;
+    const real *g = d->gate;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < d->nseq * H; u++) {
+        const int64_t n = u / H, h = u % H;
+        real *Gh = gt->G + h * gt->rows;
+        double hs = 0, ls = 0;
+        for (int64_t r = d->cu_k[n]; r < d->cu_k[n + 1]; r++) {
+            PA_FN(gate_sum2)(&hs, &ls, PA_FN(gate_step)(g[r * H + h]));
+            const real hi = (real)hs;
+            Gh[r] = hi;
+            Gh[lo + r] = (real)((hs - hi) + ls);
+            if (gt->dcol) gt->dcol[h * gt->rows + r] = gt->drow[h * gt->rows + r] = 0;
+        }
+    }
+}
+
+/* S[x * ld + c] += the gate's bias over a tile of `rows` x `cols`: Gr and Gc the hi parts of
+ * the rows' and the columns' positions (sm_gate_at; lo parts lo further), the rows the queries
+ * (the backward's S) or the keys (the forward's S^T). Either way query i and key j get
+ * (hi_i - hi_j) + (lo_i - lo_j), so the backward recomputes the forward's bits. */
+static void PA_FN(sm_gate_bias)(real *S, int64_t ld, int64_t rows, int64_t cols, const real *Gr,
+                                const real *Gc, int64_t lo, int rows_are_queries)
+{
+    for (int64_t x = 0; x < rows; x++) {
+        real *s = S + x * ld;
+        const real rh = Gr[x], rl = Gr[lo + x];
+        const vreal vh = PA_FN(vset)(rh), vl = PA_FN(vset)(rl);
+        int64_t c = 0;
+        if (rows_are_queries) {
+            for (; c + VL <= cols; c += VL)
+                PA_FN(vstore)(s + c, PA_FN(vload)(s + c) + ((vh - PA_FN(vload)(Gc + c)) +
+                                                            (vl - PA_FN(vload)(Gc + lo + c))));
+            for (; c < cols; c++) s[c] += (rh - Gc[c]) + (rl - Gc[lo + c]);
+        } else {
+            for (; c + VL <= cols; c += VL)
+                PA_FN(vstore)(s + c, PA_FN(vload)(s + c) + ((PA_FN(vload)(Gc + c) - vh) +
+                                                            (PA_FN(vload)(Gc + lo + c) - vl)));
+            for (; c < cols; c++) s[c] += (Gc[c] - rh) + (Gc[lo + c] - rl);
+        }
+    }
+}
+
+/* After every tile: the diagonal pairs' terms of dq and dk (dS_ii = -rowsum_i, times scale),
+ * then dg_t = sum_{x < t} (colsum_x - rowsum_x) along each sequence (see sm_gate). One
+ * (sequence, KV head) per iteration of a work-shared loop: it owns its dk rows and the dq
+ * rows of its heads. */
+static void PA_FN(sm_gate_finish)(const PA_FN(sm_gate) * gt, const pa_softmax_desc *d,
+                                  const real *q, const real *k, real *dq, real *dk, real *dg)
+{
+    if (!gt->G) return;
+    const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, group = H / Hk;
+    const real scale = (real)d->scale, *g = d->gate;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < d->nseq * Hk; u++) {
+        const int64_t n = u / Hk, kh = u % Hk, r0 = d->cu_k[n], r1 = d->cu_k[n + 1];
+        for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+            const double *dc = gt->dcol + h * gt->rows, *dr = gt->drow + h * gt->rows;
+            double acc = 0;
+            for (int64_t r = r0; r < r1; r++) {
+                const real ds = (real)-dr[r] * scale;
+                PA_FN(axpy)(dq + (r * H + h) * Dk, k + (r * Hk + kh) * Dk, Dk, ds);
+                PA_FN(axpy)(dk + (r * Hk + kh) * Dk, q + (r * H + h) * Dk, Dk, ds);
+                dg[r * H + h] = __builtin_isless(g[r * H + h], -PA_GATE_RESET) ? 0 : (real)acc;
+                acc += dc[r] - dr[r];
+            }
+        }
+    }
+}
+
+/* In-place score transform of a tile of bq queries (at ip0..) by bk keys (at j0..) of head h,
+ * the score of query r and key c at S[r * rs + c * cs] (S^T, keys down, has rs = 1; S, queries
+ * down, cs = 1), k0 the sequence's first key row: softcap and ALiBi at the visible scores
+ * (with softcap, dcap, if not NULL and in the same layout, receives the derivative of the cap
+ * there), then the gate's bias (gt), then masked scores become -inf, by selection (a NaN
+ * score of a key the query cannot see is replaced, not carried). */
+static void PA_FN(sm_transform_tile)(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
+                                     int64_t h, real *S, int64_t rs, int64_t cs, int64_t bq,
+                                     int64_t bk, int64_t ip0, int64_t j0, int64_t tk, int64_t k0,
+                                     int visibility, real *dcap)
 {
     real slope = PA_FN(sm_slope)(d, h);
-    int plain = d->softcap <= 0 && !d->alibi;
-    for (int64_t r = 0; r < bq; r++) {
+    for (int64_t r = 0; r < bq && (d->softcap > 0 || d->alibi); r++) {
         int64_t ip = ip0 + r, rg[2][2] = {{0, 0}, {0, bk}};
-        if (visibility != SM_VISIBLE) {
-            PA_FN(sm_row_ranges)(d, ip, tk, j0, j0 + bk, rg);
-            PA_FN(sm_fill_hidden)(S + r * rs, cs, bk, rg, -(real)INFINITY);
-        }
-        for (int s = 0; s < 2 && !plain; s++)
+        if (visibility != SM_VISIBLE) PA_FN(sm_row_ranges)(d, ip, tk, j0, j0 + bk, rg);
+        for (int s = 0; s < 2; s++)
             for (int64_t c = rg[s][0]; c < rg[s][1]; c++)
                 S[r * rs + c * cs] = PA_FN(sm_score)(S[r * rs + c * cs], d->softcap, slope,
                                                      ip - j0 - c,
                                                      dcap ? dcap + r * rs + c * cs : NULL);
+    }
+    if (gt->G) {
+        const real *Gq = PA_FN(sm_gate_at)(gt, h, k0 + ip0), *Gk = PA_FN(sm_gate_at)(gt, h, k0 + j0);
+        const int64_t lo = d->H * gt->rows;
+        if (rs == 1)
+            PA_FN(sm_gate_bias)(S, cs, bk, bq, Gk, Gq, lo, 0);
+        else
+            PA_FN(sm_gate_bias)(S, rs, bq, bk, Gq, Gk, lo, 1);
+    }
+    for (int64_t r = 0; r < bq && visibility != SM_VISIBLE; r++) {
+        int64_t rg[2][2];
+        PA_FN(sm_row_ranges)(d, ip0 + r, tk, j0, j0 + bk, rg);
+        PA_FN(sm_fill_hidden)(S + r * rs, cs, bk, rg, -(real)INFINITY);
     }
 }
 
@@ -253,11 +408,11 @@ static inline const real *PA_FN(sm_packed_at)(const PA_FN(sm_packed) * pk,
     return base + j0 * pk->D;
 }
 
-/* The scores of query rows i0.. (head h) against keys j0.., transformed. transposed = 0:
- * S = scale Q K^T [bq x bk] from Q (SM_A_ROWS) and K (SM_B_COLUMNS); transposed = 1:
- * S = scale K Q^T [bk x bq] from K (SM_A_ROWS) and Q (SM_B_COLUMNS). */
-static void PA_FN(sm_scores)(const pa_softmax_desc *d, int64_t n, int64_t h,
-                             const PA_FN(sm_packed) * Qp, const PA_FN(sm_packed) * Kp,
+/* The scores of query rows i0.. (head h) against keys j0.., transformed (with gt's gate).
+ * transposed = 0: S = scale Q K^T [bq x bk] from Q (SM_A_ROWS) and K (SM_B_COLUMNS);
+ * transposed = 1: S = scale K Q^T [bk x bq] from K (SM_A_ROWS) and Q (SM_B_COLUMNS). */
+static void PA_FN(sm_scores)(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt, int64_t n,
+                             int64_t h, const PA_FN(sm_packed) * Qp, const PA_FN(sm_packed) * Kp,
                              int transposed, real *S, int64_t lds, int64_t i0, int64_t bq,
                              int64_t j0, int64_t bk, int64_t off, int64_t tk, int visibility,
                              real *dcap)
@@ -269,13 +424,14 @@ static void PA_FN(sm_scores)(const pa_softmax_desc *d, int64_t n, int64_t h,
         PA_FN(gemm_packed_ab)(bk, bq, d->Dk, (real)d->scale, Kb, ks, MR, Qb, qs, 0, S, lds);
     else
         PA_FN(gemm_packed_ab)(bq, bk, d->Dk, (real)d->scale, Qb, qs, MR, Kb, ks, 0, S, lds);
-    if (visibility != SM_VISIBLE || d->softcap > 0 || d->alibi)
-        PA_FN(sm_transform_tile)(d, h, S, transposed ? 1 : lds, transposed ? lds : 1, bq, bk,
-                                 i0 + off, j0, tk, visibility, dcap);
+    if (visibility != SM_VISIBLE || d->softcap > 0 || d->alibi || gt->G)
+        PA_FN(sm_transform_tile)(d, gt, h, S, transposed ? 1 : lds, transposed ? lds : 1, bq, bk,
+                                 i0 + off, j0, tk, d->cu_k[n], visibility, dcap);
 }
 
 typedef struct {
     real *S, *O, *m, *l, *dP, *dcap, *dK, *dV, *work;
+    real *colsum;   /* a backward tile's column sums of dS (with a gate) */
     real *finite_b; /* a tile's B operand without its non-finite rows (sm_pack_finite_rows) */
     int64_t lds;    /* leading dimension of S */
 } PA_FN(sm_scratch);
@@ -292,11 +448,13 @@ static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
     free(s->dV);
     free(s->work);
     free(s->finite_b);
+    free(s->colsum);
 }
 
 /* Per-thread buffers for tiles of bq queries x bk keys: forward S^T [bk x lds] (lds = bq
  * rounded up to MR), O, m, l; backward S and dP [bq x lds] (lds = bk rounded up to MR), dK,
- * dV (and dcap with softcap); both a B operand of the tile's keys or queries. S (and the
+ * dV (and dcap with softcap, colsum with a gate); both a B operand of the tile's keys or
+ * queries. S (and the
  * backward's dP) are zeroed: the GEMMs that read them in place read whole panels. Returns 0
  * when an allocation failed (all freed then). */
 static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc *d, int64_t bq,
@@ -330,6 +488,10 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
         if (d->softcap > 0) {
             s->dcap = pa_alloc(tile);
             ok = ok && s->dcap;
+        }
+        if (d->gate) {
+            s->colsum = pa_alloc(sizeof(real) * bk);
+            ok = ok && s->colsum;
         }
     }
     if (!ok) PA_FN(sm_scratch_free)(s);
@@ -396,10 +558,11 @@ static void PA_FN(sm_add_nonfinite_rows)(const pa_softmax_desc *d, int64_t ip0, 
 
 /* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax,
  * from Q (SM_B_COLUMNS), K (SM_A_ROWS) and V (SM_B_ROWS). */
-static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_packed) * Qp,
-                                    const PA_FN(sm_packed) * Kp, const PA_FN(sm_packed) * Vp,
-                                    real *o, real *lse, int64_t n, int64_t h, int64_t i0,
-                                    int64_t bq, int64_t bkmax, PA_FN(sm_scratch) * s)
+static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
+                                    const PA_FN(sm_packed) * Qp, const PA_FN(sm_packed) * Kp,
+                                    const PA_FN(sm_packed) * Vp, real *o, real *lse, int64_t n,
+                                    int64_t h, int64_t i0, int64_t bq, int64_t bkmax,
+                                    PA_FN(sm_scratch) * s)
 {
     const int64_t H = d->H, Hk = d->Hk, Dv = d->Dv, lds = s->lds;
     const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
@@ -417,7 +580,7 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_pac
                                        tk - jblk < bkmax ? tk : jblk + bkmax, tk, MR, &j0, &j1);
         if (vis == SM_HIDDEN) continue;
         const int64_t bk = j1 - j0;
-        PA_FN(sm_scores)(d, n, h, Qp, Kp, 1, ST, lds, i0, bq, j0, bk, off, tk, vis, NULL);
+        PA_FN(sm_scores)(d, gt, n, h, Qp, Kp, 1, ST, lds, i0, bq, j0, bk, off, tk, vis, NULL);
         PA_FN(sm_softmax_columns)(ST, lds, bk, bq, m, l, O, NULL, Dv, s->dP, s->dP + lds);
         int64_t bps, lo, hi;
         const real *Vb = PA_FN(sm_packed_at)(Vp, d, n, kh, j0, &bps);
@@ -729,7 +892,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t nseq = d->nseq, H = d->H;
     const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
     const int form = d->form;
-    if (form == PA_FORM_FLASH && maxq <= SM_DECODE_MAXQ) {
+    if (form == PA_FORM_FLASH && maxq <= SM_DECODE_MAXQ && !d->gate) {
         const pa_key_rows rows = {d->cu_k, d->cu_k + 1, NULL, 0, 1};
         return PA_FN(softmax_decode)(d, &rows, 0, qv, kv, vv, ov, lsev, NULL, 0);
     }
@@ -742,11 +905,14 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     PA_FN(sm_packed) Qp = {0}, Kp = {0}, Vp = {0};
     PA_FN(sm_packed) *const packs[] = {&Qp, &Kp, &Vp};
     const int npacks = tiled ? 3 : 0;
+    PA_FN(sm_gate) gt;
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
-    if (!first || (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS, 0) &&
-                               PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS, 0) &&
-                               PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, 0, SM_B_ROWS, 1)))) {
+    if (!PA_FN(sm_gate_alloc)(&gt, d, 0) || !first ||
+        (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS, 0) &&
+                     PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS, 0) &&
+                     PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, 0, SM_B_ROWS, 1)))) {
         free(first);
+        PA_FN(sm_gate_free)(&gt);
         PA_FN(sm_packed_free)(&Qp);
         PA_FN(sm_packed_free)(&Kp);
         PA_FN(sm_packed_free)(&Vp);
@@ -757,6 +923,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
 #pragma omp parallel num_threads(PA_FN(sm_threads)(d, items))
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
+        PA_FN(sm_gate_fill)(&gt, d);
         PA_FN(sm_scratch) s;
         real *acc = NULL; /* the recurrent form's scratch */
         int ok = pa_scratch_ok(tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0)
@@ -773,7 +940,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
             else
-                PA_FN(sm_forward_block)(d, &Qp, &Kp, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
+                PA_FN(sm_forward_block)(d, &gt, &Qp, &Kp, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
         }
         if (!tiled)
             free(acc);
@@ -781,6 +948,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             PA_FN(sm_scratch_free)(&s);
     }
     free(first);
+    PA_FN(sm_gate_free)(&gt);
     PA_FN(sm_packed_free)(&Qp);
     PA_FN(sm_packed_free)(&Kp);
     PA_FN(sm_packed_free)(&Vp);
@@ -806,13 +974,15 @@ static void PA_FN(sm_bwd_packs_free)(PA_FN(sm_bwd_packs) * pk)
 
 /* One backward tile: queries i0..i0+bq-1 of head h against the key block [j0, j0+bk) of
  * sequence n. With dK/dV (not NULL: the block's accumulators, row 0 = key j0) adds the tile's
- * dK and dV; with_dq adds its dQ into dq. In a partially masked tile P and dS are 0 at the
+ * dK and dV, and with a gate its column sums of dS; with_dq adds its dQ into dq, and with a
+ * gate its row sums of dS (sm_gate: a gated tile leaves out its diagonal pairs). In a partially masked tile P and dS are 0 at the
  * pairs a query cannot see by selection (a NaN LSE, dP or D would reach them otherwise), and
  * the products with non-finite rows of dO, K or Q go as sm_add_nonfinite_rows explains. */
 static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd_packs) * pk,
-                                    const real *lse, const real *Drow, real *dq, int with_dq,
-                                    real *dK, real *dV, int64_t n, int64_t h, int64_t i0,
-                                    int64_t bq, int64_t j0, int64_t bk, PA_FN(sm_scratch) * s)
+                                    const PA_FN(sm_gate) * gt, const real *lse, const real *Drow,
+                                    real *dq, int with_dq, real *dK, real *dV, int64_t n,
+                                    int64_t h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
+                                    PA_FN(sm_scratch) * s)
 {
     const int64_t H = d->H, Dk = d->Dk, Dv = d->Dv, kh = h / (H / d->Hk), lds = s->lds;
     const int64_t q0 = d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
@@ -828,7 +998,7 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
     const real *dOp = PA_FN(sm_packed_at)(&pk->dO, d, n, h, i0, &do_ars);
     const real *Q = PA_FN(sm_raw_row)(&pk->Q, d, n, h, i0);
     const real *dO = PA_FN(sm_raw_row)(&pk->dO, d, n, h, i0);
-    PA_FN(sm_scores)(d, n, h, &pk->Q, &pk->KT, 0, S, lds, i0, bq, ja, w, off, tk, vis, s->dcap);
+    PA_FN(sm_scores)(d, gt, n, h, &pk->Q, &pk->KT, 0, S, lds, i0, bq, ja, w, off, tk, vis, s->dcap);
     for (int64_t r = 0; r < bq; r++) {
         real L = lse[(q0 + i0 + r) * H + h];
         if (L == -(real)INFINITY) {
@@ -868,6 +1038,17 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
             PA_FN(sm_row_ranges)(d, ip0 + r, tk, ja, jb, rg);
             PA_FN(sm_fill_hidden)(dpr, 1, w, rg, 0);
         }
+        if (gt->G) { /* the diagonal pair leaves the tile (sm_gate_finish), the rest is summed */
+            if (ip0 + r >= ja && ip0 + r < jb) dpr[ip0 + r - ja] = 0;
+            if (with_dq) gt->drow[h * gt->rows + d->cu_k[n] + ip0 + r] += PA_FN(row_sum)(dpr, w);
+        }
+    }
+    if (dK && gt->G) { /* the tile's column sums in the working dtype, then into double */
+        real *cs = s->colsum;
+        double *dcol = gt->dcol + h * gt->rows + d->cu_k[n] + ja;
+        memset(cs, 0, sizeof(real) * w);
+        for (int64_t r = 0; r < bq; r++) PA_FN(axpy)(cs, dP + r * lds, w, 1);
+        for (int64_t c = 0; c < w; c++) dcol[c] += cs[c];
     }
     if (with_dq) {
         real *dQ = dq + ((q0 + i0) * H + h) * Dk;
@@ -897,11 +1078,13 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
 }
 
 /* dK and dV of the key block [j0, j0+bk) of (sequence n, KV head kh), over every query of its
- * heads; with_dq also adds the block's share of dQ. */
+ * heads (with a gate, its keys' column sums of dS too); with_dq also adds the block's share of
+ * dQ. */
 static void PA_FN(sm_backward_keys)(const pa_softmax_desc *d, const PA_FN(sm_bwd_packs) * pk,
-                                    const real *lse, const real *Drow, real *dq, int with_dq,
-                                    real *dk, real *dv, int64_t n, int64_t kh, int64_t j0,
-                                    int64_t bk, int64_t bqmax, PA_FN(sm_scratch) * s)
+                                    const PA_FN(sm_gate) * gt, const real *lse, const real *Drow,
+                                    real *dq, int with_dq, real *dk, real *dv, int64_t n,
+                                    int64_t kh, int64_t j0, int64_t bk, int64_t bqmax,
+                                    PA_FN(sm_scratch) * s)
 {
     const int64_t H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, group = H / Hk;
     const int64_t tq = d->cu_q[n + 1] - d->cu_q[n], k0 = d->cu_k[n];
@@ -909,7 +1092,7 @@ static void PA_FN(sm_backward_keys)(const pa_softmax_desc *d, const PA_FN(sm_bwd
     memset(s->dV, 0, sizeof(real) * bk * Dv);
     for (int64_t h = kh * group; h < (kh + 1) * group; h++)
         for (int64_t i0 = 0; i0 < tq; i0 += bqmax)
-            PA_FN(sm_backward_tile)(d, pk, lse, Drow, dq, with_dq, s->dK, s->dV, n, h, i0,
+            PA_FN(sm_backward_tile)(d, pk, gt, lse, Drow, dq, with_dq, s->dK, s->dV, n, h, i0,
                                     tq - i0 < bqmax ? tq - i0 : bqmax, j0, bk, s);
     for (int64_t c = 0; c < bk; c++) {
         memcpy(dk + ((k0 + j0 + c) * Hk + kh) * Dk, s->dK + c * Dk, sizeof(real) * Dk);
@@ -957,10 +1140,10 @@ static void PA_FN(sm_backward_unit_recurrent)(const pa_softmax_desc *d, const re
 static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, const void *kv,
                                    const void *vv, const void *ov, const void *lsev,
                                    const void *doutv, const void *dlsev, void *dqv, void *dkv,
-                                   void *dvv)
+                                   void *dvv, void *dgv)
 {
     const real *q = qv, *k = kv, *v = vv, *o = ov, *lse = lsev, *dout = doutv, *dlse = dlsev;
-    real *dq = dqv, *dk = dkv, *dv = dvv;
+    real *dq = dqv, *dk = dkv, *dv = dvv, *dg = dgv;
     const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
     const int64_t rows_q = d->cu_q[nseq], rows_k = d->cu_k[nseq];
     const int64_t maxq = PA_FN(sm_max_len)(d->cu_q, nseq), maxk = PA_FN(sm_max_len)(d->cu_k, nseq);
@@ -977,7 +1160,8 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
      * the same bits either way. */
     int64_t *first_k = malloc(sizeof(int64_t) * (nseq + 1)), *first_q = malloc(sizeof(int64_t) * (nseq + 1));
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
-    if (!Drow || !first_k || !first_q ||
+    PA_FN(sm_gate) gt;
+    if (!PA_FN(sm_gate_alloc)(&gt, d, 1) || !Drow || !first_k || !first_q ||
         (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS, 1) &&
                     PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS, 0) &&
                     PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS, 1) &&
@@ -988,6 +1172,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
         free(Drow);
         free(first_k);
         free(first_q);
+        PA_FN(sm_gate_free)(&gt);
         PA_FN(sm_bwd_packs_free)(&pk);
         return PA_ENOMEM;
     }
@@ -1005,6 +1190,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
 #pragma omp parallel num_threads(nthreads)
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
+        PA_FN(sm_gate_fill)(&gt, d);
         /* D = rowsum(dO * O) - dlse; dq is accumulated */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows_q * H; r++) {
@@ -1023,7 +1209,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
             for (int64_t u = 0; u < nseq * Hk; u++) {
                 int64_t n = u / Hk, tk = d->cu_k[n + 1] - d->cu_k[n];
                 for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
-                    PA_FN(sm_backward_keys)(d, &pk, lse, Drow, dq, 1, dk, dv, n, u % Hk, j0,
+                    PA_FN(sm_backward_keys)(d, &pk, &gt, lse, Drow, dq, 1, dk, dv, n, u % Hk, j0,
                                             tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
             }
         } else if (tiled) {
@@ -1034,7 +1220,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
                 PA_FN(sm_item)(first_k, t, Hk, 0, &n, &kh, &b);
                 int64_t tk = d->cu_k[n + 1] - d->cu_k[n], j0 = b * bkmax;
                 if (ok)
-                    PA_FN(sm_backward_keys)(d, &pk, lse, Drow, dq, 0, dk, dv, n, kh, j0,
+                    PA_FN(sm_backward_keys)(d, &pk, &gt, lse, Drow, dq, 0, dk, dv, n, kh, j0,
                                             tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
             }
             n = 0;
@@ -1045,15 +1231,17 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
                 int64_t tq = d->cu_q[n + 1] - d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
                 int64_t i0 = b * bqmax, bq = tq - i0 < bqmax ? tq - i0 : bqmax;
                 for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
-                    PA_FN(sm_backward_tile)(d, &pk, lse, Drow, dq, 1, NULL, NULL, n, h, i0, bq, j0,
-                                            tk - j0 < bkmax ? tk - j0 : bkmax, &s);
+                    PA_FN(sm_backward_tile)(d, &pk, &gt, lse, Drow, dq, 1, NULL, NULL, n, h, i0, bq,
+                                            j0, tk - j0 < bkmax ? tk - j0 : bkmax, &s);
             }
         }
+        PA_FN(sm_gate_finish)(&gt, d, q, k, dq, dk, dg);
         if (ok && tiled) PA_FN(sm_scratch_free)(&s);
     }
     free(Drow);
     free(first_k);
     free(first_q);
+    PA_FN(sm_gate_free)(&gt);
     PA_FN(sm_bwd_packs_free)(&pk);
     return failed ? PA_ENOMEM : PA_OK;
 }

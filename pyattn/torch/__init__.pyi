@@ -60,6 +60,12 @@ def efficient_attention(
 def feature_map(x: _TensorLike, kind: Kind, *, p: int = ..., projection: _TensorLike = ...,
                 max_len: float = ...) -> Tensor: ...
 
+def forgetting_attention(
+    q: _TensorLike, k: _TensorLike, v: _TensorLike, g: _TensorLike, *, window: Optional[int] = ...,
+    scale: Optional[float] = ..., cu_seqlens: Optional[_TensorLike] = ...,
+    form: Literal["flash", "parallel"] = ...,
+) -> Tensor: ...
+
 def gated_delta_rule(
     q: _TensorLike, k: _TensorLike, v: _TensorLike, g: _TensorLike, beta: _TensorLike, *,
     qk_l2norm: bool = ..., scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,

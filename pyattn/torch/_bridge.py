@@ -40,8 +40,8 @@ _SCALARS = {
     "scale": "float?", "softcap": "float", "eps": "float", "theta": "float",
     "form": "str", "kind": "str", "feature_map": "str?",
 }
-# softmax's window is (left, right); NSA's is one int
-_WINDOW = {"nsa_attention": "int"}
+# softmax's window is (left, right); NSA's is one int, FoX's one int or None
+_WINDOW = {"nsa_attention": "int", "forgetting_attention": "int?"}
 # feature-map parameters travel as schema arguments of their own (a schema has no dict)
 _MAP_PARAMS = (("projection", "Tensor?"), ("p", "int?"), ("max_len", "int?"))
 _MAP_NAMES = frozenset(n for n, _ in _MAP_PARAMS)

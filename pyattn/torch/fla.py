@@ -18,9 +18,9 @@ its ``"recurrent"`` form, ``parallel_*`` its ``"parallel"`` form.
   per sequence), ``state_v_first=True`` (states ``[N, H, V, K]``, transposed), fla's
   in-kernel beta sigmoid and GDN gate (computed in torch first), GVA of the gated delta rule
   (v with more heads than q and k: q and k repeated per group), ``sink_bias`` of
-  ``parallel_attn`` (``o * sigmoid(lse - sink_bias)``) and its forgetting gate ``g`` (one
-  more key dimension); ``output_attentions`` of the parallel forms is fla's score matrix,
-  computed in torch beside pyattn's op.
+  ``parallel_attn`` (``o * sigmoid(lse - sink_bias)``; with the forgetting gate ``g`` too, one
+  more key dimension carries ``-G``); ``output_attentions`` of the parallel forms is fla's
+  score matrix, computed in torch beside pyattn's op.
 - A flag pyattn does not compute raises ``NotImplementedError`` naming it; none is ignored.
   ``cu_seqlens_cpu`` and ``chunk_indices`` are accepted and unused: fla's precomputed copies
   of what pyattn derives from ``cu_seqlens``.
@@ -48,7 +48,7 @@ __all__ = [
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
     "chunk_gated_delta_product", "chunk_kda", "fused_recurrent_kda",
     "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7",
-    "parallel_attn", "parallel_nsa", "parallel_moba",
+    "parallel_attn", "parallel_forgetting_attn", "parallel_nsa", "parallel_moba",
 ]
 
 State = Optional[Tensor]
@@ -752,15 +752,21 @@ def parallel_attn(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, s
     """fla.ops.attn.parallel_attn: causal softmax attention, ``pyattn.torch.softmax_attention``
     (flash form), GQA as fla (q ``[B, T, HQ, K]``, k, v ``[B, T, H, *]``). ``window_size=w``
     keeps keys ``i-w+1 .. i``; ``sink_bias [HQ]`` adds one learned logit per head to every
-    softmax denominator (``o * sigmoid(lse - sink_bias)``). ``g [B, T, HQ]`` is FoX's
-    forgetting gate, scores ``scale q_i.k_j + G_i - G_j`` (G its running sum per sequence):
-    ``G_i`` is constant along the softmax's row and cancels, ``-G_j`` rides in one more key
-    dimension (q's is 1), so it is softmax attention of head dimension K + 1. Returns ``o``."""
+    softmax denominator (``o * sigmoid(lse - sink_bias)``). ``g [B, T, HQ]`` is FoX's log
+    forgetting gate (``<= 0``), scores ``scale q_i.k_j + G_i - G_j`` (G its running sum per
+    sequence): ``pyattn.torch.forgetting_attention``, whose kernel keeps G's digits however
+    long the sequence. With both ``g`` and ``sink_bias`` the LSE is needed, which
+    forgetting_attention does not return: then ``G_i`` (constant along the softmax's row)
+    cancels and ``-G_j`` rides in one more key dimension (q's is 1), softmax attention of head
+    dimension K + 1, which rounds the bias at the size of G in float32. Returns ``o``."""
     _check_cu_batch("parallel_attn", _time_major(q, head_first), cu_seqlens)
     out_dtype = q.dtype
     g = _time_major(g, head_first)
     q, k, v = _softmax_prep(q, k, v, head_first, g, sink_bias)
     cu = _cu(cu_seqlens)
+    if g is not None and sink_bias is None:
+        o = _pt.forgetting_attention(q, k, v, g.to(q.dtype), window=window_size, scale=scale, cu_seqlens=cu)
+        return _time_major(o, head_first).to(out_dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if g is not None:
         G = _seq_cumsum(g.to(q.dtype), cu)
@@ -778,6 +784,23 @@ def parallel_attn(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, s
             lse = lse + G  # the row term G_i that cancelled inside the softmax
         o = o * torch.sigmoid(lse - sink_bias.to(lse.dtype)).unsqueeze(-1)
     return _time_major(o, head_first).to(out_dtype)
+
+
+def parallel_forgetting_attn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None,
+                             window_size: Optional[int] = None,
+                             cu_seqlens: Optional[torch.LongTensor] = None) -> Tensor:
+    """fla.ops.forgetting_attn.parallel_forgetting_attn: the Forgetting Transformer's attention,
+    ``pyattn.torch.forgetting_attention`` (flash form). q ``[B, T, HQ, K]``, k ``[B, T, H, K]``,
+    v ``[B, T, H, V]`` (GQA when HQ is a multiple of H), g ``[B, T, HQ]`` the log forget gate
+    (``<= 0``); scores ``scale q_i.k_j + G_i - G_j``, G the running sum of g per sequence;
+    ``window_size=w`` keeps keys ``i-w+1 .. i``; ``cu_seqlens`` needs B = 1, as fla. Computed in
+    the compute dtype of q, k, v and g (fla takes a float32 g beside bfloat16 q, k, v); returns
+    ``o`` in q's dtype."""
+    _check_cu_batch("parallel_forgetting_attn", q, cu_seqlens)
+    out_dtype = q.dtype
+    q, k, v = _softmax_prep(q, k, v, False, g)
+    o = _pt.forgetting_attention(q, k, v, g.to(q.dtype), window=window_size, scale=scale, cu_seqlens=_cu(cu_seqlens))
+    return o.to(out_dtype)
 
 
 def parallel_nsa(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = None, g_slc: Optional[Tensor] = None,
