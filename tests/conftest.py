@@ -247,8 +247,9 @@ TINY_MODEL = (23, 16, 2, 2, 20)
 def _tiny_mixer_options():
     from pyattn.nn import MIXERS
 
-    options = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "mla", "moba", "nsa", "dsa")}
+    options = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "fox", "mla", "moba", "nsa", "dsa")}
     options.update(softmax={}, mla={}, mamba2={"chunk_size": 16, "d_state": 8},
+                   fox={"window": 7, "n_kv_heads": 1},  # decoding drops keys from the window
                    moba={"block_size": 4, "top_k": 2},  # T = 20: five blocks, two past ones chosen
                    nsa={"block_size": 4, "block_count": 2, "window": 3, "n_kv_heads": 1},
                    dsa={"top_k": 5, "index_heads": 2, "index_dim": 4})

@@ -61,6 +61,10 @@ def literal(name, p, x):
         else:
             o = ref.softmax_attention(q, k, heads(proj["v"], H), causal=True)
         return flat(o) @ p["w_o"].T
+    if name == "fox":  # no rotary; scores plus the forget gates' running sums
+        f = -np.logaddexp(0, -(proj["f"] + p["b_f"]))
+        o = ref.forgetting_attention(heads(proj["q"], H), heads(proj["k"], H), heads(proj["v"], H), f)
+        return flat(o) @ p["w_o"].T
     if name == "linear":
         o, _ = ref.linear_attention(heads(proj["q"], H), heads(proj["k"], H), heads(proj["v"], H),
                                     feature_map="elu1")
@@ -155,7 +159,7 @@ def test_mixer_is_its_published_layer(rng, name):
     assert_close(mixer.forward(x), literal(name, dict(mixer.params), x))
 
 
-@pytest.mark.parametrize("name", ["rwkv6", "hgrn2", "gated_deltaproduct", "kda"])
+@pytest.mark.parametrize("name", ["rwkv6", "hgrn2", "gated_deltaproduct", "kda", "fox"])
 def test_mixer_backward_away_from_its_initialisation(rng, name):
     """dx and every parameter's gradient against central differences (float64) with every
     parameter moved away from its initial value (zero interpolation weights, bonus and

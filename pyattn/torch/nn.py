@@ -158,6 +158,20 @@ class SoftmaxAttention(Mixer):
         return pt.softmax_attention(q, k, v, **self.mask)
 
 
+class ForgettingAttention(Mixer):
+    def __init__(self, source: pm.ForgettingAttention):
+        super().__init__(source)
+        self.H, self.Hk, self.D, self.window = source.H, source.Hk, source.D, source.window
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x)
+        f = F.logsigmoid(F.linear(x, self.w_f) + self.b_f)
+        o = pt.forgetting_attention(q.reshape(B, T, self.H, self.D), k.reshape(B, T, self.Hk, self.D),
+                                    v.reshape(B, T, self.Hk, self.D), f, window=self.window)
+        return F.linear(o.reshape(B, T, -1), self.w_o)
+
+
 class MoBAAttention(SoftmaxAttention):
     def __init__(self, source: pm.MoBAAttention):
         super().__init__(source)
@@ -440,7 +454,8 @@ class GatedDeltaNet(Mixer):
 MIRRORS: Dict[type, Type[Module]] = {
     pl.Embedding: Embedding, pl.Linear: Linear, pl.RMSNorm: RMSNorm, pl.SwiGLU: SwiGLU,
     pl.ShortConv: ShortConv, pl.GroupNorm: GroupNorm, pmodel.Block: Block,
-    pm.SoftmaxAttention: SoftmaxAttention, pm.LinearAttention: LinearAttention,
+    pm.SoftmaxAttention: SoftmaxAttention, pm.ForgettingAttention: ForgettingAttention,
+    pm.LinearAttention: LinearAttention,
     pm.MultiScaleRetention: MultiScaleRetention, pm.LightningAttention: LightningAttention,
     pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.HGRN2: HGRN2, pm.Mamba2: Mamba2,
     pm.RWKV6Attention: RWKV6Attention, pm.KimiDeltaAttention: KimiDeltaAttention,

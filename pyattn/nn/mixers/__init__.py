@@ -2,6 +2,7 @@
 ``MIXERS`` maps the names HybridLM takes to the classes."""
 from .deltanet import DeltaNet
 from .dsa import DeepSeekSparseAttention
+from .fox import ForgettingAttention
 from .gated_deltanet import GatedDeltaNet, GatedDeltaProduct
 from .gla import GatedLinearAttention
 from .kda import KimiDeltaAttention
@@ -19,6 +20,7 @@ from .softmax import SoftmaxAttention
 
 MIXERS = {
     "softmax": SoftmaxAttention,
+    "fox": ForgettingAttention,
     "linear": LinearAttention,
     "retnet": MultiScaleRetention,
     "lightning": LightningAttention,
