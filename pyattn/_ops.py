@@ -331,6 +331,15 @@ def _op(fn: Callable, example: Callable, description: str, arrays: Tuple[str, ..
                   has_state=False, chunked=False, example=example, description=description)
 
 
+def _state_op(fn: Callable, forms: Tuple[str, ...], arrays: Tuple[str, ...],
+              differentiable: Optional[Tuple[str, ...]], example: Callable, description: str) -> OpInfo:
+    """An op with a recurrent state and a chunk size: differentiable in initial_state and in
+    ``differentiable`` (default: its arrays)."""
+    return OpInfo(name=fn.__name__, fn=fn, forms=forms, arrays=arrays,
+                  differentiable=(differentiable or arrays) + ("initial_state",), has_state=True,
+                  chunked=True, example=example, description=description)
+
+
 def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tuple[str, ...],
                   differentiable: Tuple[str, ...] = (), forms: Tuple[str, ...] = ()) -> OpInfo:
     """An op of the softmax family: no state, no chunk size; differentiable in its arrays and
@@ -416,94 +425,36 @@ def build_ops() -> Dict[str, OpInfo]:
             "taylor, performer, cosformer)",
             arrays=("x",), differentiable=("x", "projection")),
         **{
-            name: OpInfo(
-                name=name,
-                fn=getattr(linear, name),
-                forms=linear.FORMS,
-                arrays=arrays,
-                differentiable=differentiable,
-                has_state=True,
-                chunked=True,
-                example=example,
-                description=description,
-            )
-            for name, arrays, differentiable, example, description in [
-                ("linear_attention", ("q", "k", "v"), ("q", "k", "v", "initial_state"),
+            fn.__name__: _state_op(fn, forms, arrays, differentiable, example, description)
+            for fn, forms, arrays, differentiable, example, description in [
+                (linear.linear_attention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v"),
                  _linear_attention_example, "linear attention with feature maps, optionally normalised"),
-                ("retention", ("q", "k", "v"), ("q", "k", "v", "gamma", "initial_state"),
+                (linear.retention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v", "gamma"),
                  _retention_example, "RetNet retention: a constant decay per head"),
-                ("lightning_attention", ("q", "k", "v"), ("q", "k", "v", "slopes", "initial_state"),
+                (linear.lightning_attention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v", "slopes"),
                  _lightning_example, "Lightning attention: decay exp(-slope) per head"),
-                ("simple_gla", ("q", "k", "v", "g"), ("q", "k", "v", "g", "initial_state"),
+                (linear.simple_gla, linear.FORMS, ("q", "k", "v", "g"), None,
                  _simple_gla_example, "scalar-gated linear attention"),
-                ("gla", ("q", "k", "v", "g"), ("q", "k", "v", "g", "gv", "initial_state"),
+                (linear.gla, linear.FORMS, ("q", "k", "v", "g"), ("q", "k", "v", "g", "gv"),
                  _gla_example, "gated linear attention: vector key gate, optional value gate"),
-                ("mamba2", ("x", "dt", "A", "B", "C"),
-                 ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state"),
+                (linear.mamba2, linear.FORMS, ("x", "dt", "A", "B", "C"),
+                 ("x", "dt", "A", "B", "C", "D", "dt_bias"),
                  _mamba2_example, "Mamba-2 SSD: groups, D skip, dt_bias, softplus"),
-            ]
-        },
-        "rwkv6": OpInfo(
-            name="rwkv6",
-            fn=rwkv.rwkv6,
-            forms=linear.FORMS,
-            arrays=("r", "k", "v", "w", "u"),
-            differentiable=("r", "k", "v", "w", "u", "initial_state"),
-            has_state=True,
-            chunked=True,
-            example=_rwkv6_example,
-            description="RWKV-6: a vector decay and the bonus u of each token's own write, on the "
-                        "gated linear engine",
-        ),
-        **{
-            name: OpInfo(
-                name=name,
-                fn=getattr(delta, name),
-                forms=delta.FORMS,
-                arrays=arrays,
-                differentiable=arrays + ("initial_state",),
-                has_state=True,
-                chunked=True,
-                example=example,
-                description=description,
-            )
-            for name, arrays, example, description in [
-                ("delta_rule", ("q", "k", "v", "beta"), _delta_rule_example,
+                (rwkv.rwkv6, linear.FORMS, ("r", "k", "v", "w", "u"), None, _rwkv6_example,
+                 "RWKV-6: a vector decay and the bonus u of each token's own write, on the gated "
+                 "linear engine"),
+                (delta.delta_rule, delta.FORMS, ("q", "k", "v", "beta"), None, _delta_rule_example,
                  "DeltaNet: the delta rule, WY/UT chunk form"),
-                ("gated_delta_rule", ("q", "k", "v", "g", "beta"), _delta_example,
+                (delta.gated_delta_rule, delta.FORMS, ("q", "k", "v", "g", "beta"), None, _delta_example,
                  "Gated DeltaNet: the delta rule with a scalar decay per step"),
-                ("kda", ("q", "k", "v", "g", "beta"), _kda_example,
+                (delta.kda, delta.FORMS, ("q", "k", "v", "g", "beta"), None, _kda_example,
                  "Kimi Delta Attention: the delta rule with a decay per key channel, grouped value heads"),
-            ]
-        },
-        "gated_delta_product": OpInfo(
-            name="gated_delta_product",
-            fn=delta_product.gated_delta_product,
-            forms=delta.FORMS,
-            arrays=("q", "k", "v", "g", "beta"),
-            differentiable=("q", "k", "v", "g", "beta", "initial_state"),
-            has_state=True,
-            chunked=True,
-            example=_delta_product_example,
-            description="Gated DeltaProduct: num_householder delta-rule steps per token after one "
-                        "decay, on the delta-rule engine",
-        ),
-        **{
-            name: OpInfo(
-                name=name,
-                fn=getattr(dplr, name),
-                forms=dplr.FORMS,
-                arrays=arrays,
-                differentiable=arrays + ("initial_state",),
-                has_state=True,
-                chunked=True,
-                example=example,
-                description=description,
-            )
-            for name, arrays, example, description in [
-                ("dplr_delta_rule", ("q", "k", "v", "a", "b", "gk"), _dplr_example,
+                (delta_product.gated_delta_product, delta.FORMS, ("q", "k", "v", "g", "beta"), None,
+                 _delta_product_example, "Gated DeltaProduct: num_householder delta-rule steps per token "
+                 "after one decay, on the delta-rule engine"),
+                (dplr.dplr_delta_rule, dplr.FORMS, ("q", "k", "v", "a", "b", "gk"), None, _dplr_example,
                  "the diagonal-plus-low-rank delta rule: a vector decay and a rank-one update"),
-                ("rwkv7", ("r", "w", "k", "v", "a", "b"), _rwkv7_example,
+                (dplr.rwkv7, dplr.FORMS, ("r", "w", "k", "v", "a", "b"), None, _rwkv7_example,
                  "RWKV-7: the DPLR delta rule with the receptance r and the decay w"),
             ]
         },

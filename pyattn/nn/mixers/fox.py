@@ -38,10 +38,7 @@ class ForgettingAttention(SoftmaxAttention):
 
     def _mix(self, x, cache, pos):
         B, T, _ = x.shape
-        q, k, v = self.project_qkv(x, cache)
-        q = q.reshape(B, T, self.H, self.D)
-        k = k.reshape(B, T, self.Hk, self.D)
-        v = v.reshape(B, T, self.Hk, self.D)
+        q, k, v = self.head_qkv(x, cache)
         fpre = self.proj(x, "w_f") + self.p["b_f"]
         f = logsigmoid(fpre)
         if cache is None:

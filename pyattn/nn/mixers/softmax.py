@@ -46,12 +46,16 @@ class SoftmaxAttention(Mixer):
         return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0,
                 "conv": None}
 
-    def _mix(self, x, cache, pos):
+    def head_qkv(self, x, cache):
+        """q ``[B, T, H, D]``, k and v ``[B, T, Hk, D]`` of x (before any rotation)."""
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cache)
-        q = q.reshape(B, T, self.H, self.D)
-        k = k.reshape(B, T, self.Hk, self.D)
-        v = v.reshape(B, T, self.Hk, self.D)
+        return (q.reshape(B, T, self.H, self.D), k.reshape(B, T, self.Hk, self.D),
+                v.reshape(B, T, self.Hk, self.D))
+
+    def _mix(self, x, cache, pos):
+        B, T, _ = x.shape
+        q, k, v = self.head_qkv(x, cache)
         q, k = self.rotary.forward(np.arange(pos, pos + T), q, k)
         if cache is None:
             o, self.pullback = self.attention_vjp(q, k, v)
