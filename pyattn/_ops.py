@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -357,6 +357,39 @@ def build_ops() -> Dict[str, OpInfo]:
     from .sparse import (dsa_attention, dsa_index_scores, dsa_index_target, dsa_select, linformer_attention,
                          moba_attention, nsa_attention)
 
+    # the stateful ops: (fn, forms, arrays, differentiable or None for arrays, example, description)
+    stateful: List[Tuple[Callable[..., Any], Tuple[str, ...], Tuple[str, ...], Optional[Tuple[str, ...]],
+                         Callable[..., Any], str]] = [
+        (linear.linear_attention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v"),
+         _linear_attention_example, "linear attention with feature maps, optionally normalised"),
+        (linear.retention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v", "gamma"),
+         _retention_example, "RetNet retention: a constant decay per head"),
+        (linear.lightning_attention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v", "slopes"),
+         _lightning_example, "Lightning attention: decay exp(-slope) per head"),
+        (linear.simple_gla, linear.FORMS, ("q", "k", "v", "g"), None,
+         _simple_gla_example, "scalar-gated linear attention"),
+        (linear.gla, linear.FORMS, ("q", "k", "v", "g"), ("q", "k", "v", "g", "gv"),
+         _gla_example, "gated linear attention: vector key gate, optional value gate"),
+        (linear.mamba2, linear.FORMS, ("x", "dt", "A", "B", "C"),
+         ("x", "dt", "A", "B", "C", "D", "dt_bias"),
+         _mamba2_example, "Mamba-2 SSD: groups, D skip, dt_bias, softplus"),
+        (rwkv.rwkv6, linear.FORMS, ("r", "k", "v", "w", "u"), None, _rwkv6_example,
+         "RWKV-6: a vector decay and the bonus u of each token's own write, on the gated "
+         "linear engine"),
+        (delta.delta_rule, delta.FORMS, ("q", "k", "v", "beta"), None, _delta_rule_example,
+         "DeltaNet: the delta rule, WY/UT chunk form"),
+        (delta.gated_delta_rule, delta.FORMS, ("q", "k", "v", "g", "beta"), None, _delta_example,
+         "Gated DeltaNet: the delta rule with a scalar decay per step"),
+        (delta.kda, delta.FORMS, ("q", "k", "v", "g", "beta"), None, _kda_example,
+         "Kimi Delta Attention: the delta rule with a decay per key channel, grouped value heads"),
+        (delta_product.gated_delta_product, delta.FORMS, ("q", "k", "v", "g", "beta"), None,
+         _delta_product_example, "Gated DeltaProduct: num_householder delta-rule steps per token "
+         "after one decay, on the delta-rule engine"),
+        (dplr.dplr_delta_rule, dplr.FORMS, ("q", "k", "v", "a", "b", "gk"), None, _dplr_example,
+         "the diagonal-plus-low-rank delta rule: a vector decay and a rank-one update"),
+        (dplr.rwkv7, dplr.FORMS, ("r", "w", "k", "v", "a", "b"), None, _rwkv7_example,
+         "RWKV-7: the DPLR delta rule with the receptance r and the decay w"),
+    ]
     return {
         "softmax_attention": _attention_op(
             softmax_attention, _softmax_example,
@@ -424,40 +457,7 @@ def build_ops() -> Dict[str, OpInfo]:
             "the feature maps of linear attention alone (identity, elu1, relu, softmax, focused, "
             "taylor, performer, cosformer)",
             arrays=("x",), differentiable=("x", "projection")),
-        **{
-            fn.__name__: _state_op(fn, forms, arrays, differentiable, example, description)
-            for fn, forms, arrays, differentiable, example, description in [
-                (linear.linear_attention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v"),
-                 _linear_attention_example, "linear attention with feature maps, optionally normalised"),
-                (linear.retention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v", "gamma"),
-                 _retention_example, "RetNet retention: a constant decay per head"),
-                (linear.lightning_attention, linear.FORMS, ("q", "k", "v"), ("q", "k", "v", "slopes"),
-                 _lightning_example, "Lightning attention: decay exp(-slope) per head"),
-                (linear.simple_gla, linear.FORMS, ("q", "k", "v", "g"), None,
-                 _simple_gla_example, "scalar-gated linear attention"),
-                (linear.gla, linear.FORMS, ("q", "k", "v", "g"), ("q", "k", "v", "g", "gv"),
-                 _gla_example, "gated linear attention: vector key gate, optional value gate"),
-                (linear.mamba2, linear.FORMS, ("x", "dt", "A", "B", "C"),
-                 ("x", "dt", "A", "B", "C", "D", "dt_bias"),
-                 _mamba2_example, "Mamba-2 SSD: groups, D skip, dt_bias, softplus"),
-                (rwkv.rwkv6, linear.FORMS, ("r", "k", "v", "w", "u"), None, _rwkv6_example,
-                 "RWKV-6: a vector decay and the bonus u of each token's own write, on the gated "
-                 "linear engine"),
-                (delta.delta_rule, delta.FORMS, ("q", "k", "v", "beta"), None, _delta_rule_example,
-                 "DeltaNet: the delta rule, WY/UT chunk form"),
-                (delta.gated_delta_rule, delta.FORMS, ("q", "k", "v", "g", "beta"), None, _delta_example,
-                 "Gated DeltaNet: the delta rule with a scalar decay per step"),
-                (delta.kda, delta.FORMS, ("q", "k", "v", "g", "beta"), None, _kda_example,
-                 "Kimi Delta Attention: the delta rule with a decay per key channel, grouped value heads"),
-                (delta_product.gated_delta_product, delta.FORMS, ("q", "k", "v", "g", "beta"), None,
-                 _delta_product_example, "Gated DeltaProduct: num_householder delta-rule steps per token "
-                 "after one decay, on the delta-rule engine"),
-                (dplr.dplr_delta_rule, dplr.FORMS, ("q", "k", "v", "a", "b", "gk"), None, _dplr_example,
-                 "the diagonal-plus-low-rank delta rule: a vector decay and a rank-one update"),
-                (dplr.rwkv7, dplr.FORMS, ("r", "w", "k", "v", "a", "b"), None, _rwkv7_example,
-                 "RWKV-7: the DPLR delta rule with the receptance r and the decay w"),
-            ]
-        },
+        **{spec[0].__name__: _state_op(*spec) for spec in stateful},
         "efficient_attention": OpInfo(
             name="efficient_attention",
             fn=linear.efficient_attention,

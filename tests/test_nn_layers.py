@@ -181,7 +181,8 @@ def test_mixer_gradient(rng, name):
     """Each mixer on its own: the input's and every parameter's gradient."""
     options = {"softmax": {"n_kv_heads": 1, "window": 4, "sinks": 1}, "mamba2": {"d_state": 4, "chunk_size": 16},
                "mla": {"form": "absorbed"}, "moba": {"block_size": 3, "top_k": 2},
-               "nsa": {"block_size": 3, "block_count": 2, "window": 5, "n_kv_heads": 1}, "dsa": {"top_k": 6}}
+               "nsa": {"block_size": 3, "block_count": 2, "window": 5, "n_kv_heads": 1}, "dsa": {"top_k": 6},
+               "fox": {"window": 4, "n_kv_heads": 1}}
     mixer = MIXERS[name](8, 2, dtype=F64, rng=rng, out_std=0.5, **options.get(name, {"chunk_size": 16}))
     for p in mixer.params.values():  # away from the initial values (norm weights 1, zero biases)
         p += rng.standard_normal(p.shape) * 0.1

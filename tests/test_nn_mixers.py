@@ -157,36 +157,3 @@ def test_mixer_is_its_published_layer(rng, name):
         p += rng.standard_normal(p.shape) * 0.1
     x = rng.standard_normal((B, T, D))
     assert_close(mixer.forward(x), literal(name, dict(mixer.params), x))
-
-
-@pytest.mark.parametrize("name", ["rwkv6", "hgrn2", "gated_deltaproduct", "kda", "fox"])
-def test_mixer_backward_away_from_its_initialisation(rng, name):
-    """dx and every parameter's gradient against central differences (float64) with every
-    parameter moved away from its initial value (zero interpolation weights, bonus and
-    biases would hide the terms they multiply)."""
-    mixer = MIXERS[name](D, H, dtype=np.float64, rng=rng, out_std=0.5)
-    for p in mixer.params.values():
-        p += rng.standard_normal(p.shape) * 0.3
-    x = rng.standard_normal((B, T, D))
-    cot = rng.standard_normal((B, T, D))
-    mixer.forward(x)
-    mixer.zero_grad()
-    dx = mixer.backward(cot)
-    grads = mixer.grads
-    eps = 1e-6
-
-    def loss():
-        return float(np.sum(mixer.forward(x) * cot))
-
-    targets = [("x", x, dx)] + [(n, p, grads[n]) for n, p in mixer.params.items()]
-    for label, arr, g in targets:
-        for _ in range(4):
-            i = tuple(int(rng.integers(0, s)) for s in arr.shape)
-            old = arr[i]
-            arr[i] = old + eps
-            up = loss()
-            arr[i] = old - eps
-            down = loss()
-            arr[i] = old
-            fd = (up - down) / (2 * eps)
-            assert abs(fd - g[i]) <= 1e-8 + 1e-5 * abs(fd), (label, i, fd, g[i])
