@@ -493,7 +493,8 @@ def _gate_in_kernel(fn, g, A_log, dt_bias, lower_bound, dtype):
     g = g.to(dtype)
     if dt_bias is not None:
         g = g + dt_bias.to(dtype).reshape(g.shape[2:])
-    A = None if A_log is None else A_log.to(dtype).exp().reshape(A_log.shape + (1,) * (g.ndim - 3))
+    # A_log has one entry per value head, in whatever shape fla's callers give it
+    A = None if A_log is None else A_log.to(dtype).exp().reshape((-1,) + (1,) * (g.ndim - 3))
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(g if A is None else A * g)
     return -A * F.softplus(g)
@@ -521,7 +522,8 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     if gk is not None:
         g = gk if g is None else gk + g.unsqueeze(-1).to(gk.dtype)
     if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta) * (2 if allow_neg_eigval else 1)
+        # in the compute dtype, as fla's kernel: a bfloat16 sigmoid would round it
+        beta = torch.sigmoid(beta.to(_compute_dtype(q, k, v, beta))) * (2 if allow_neg_eigval else 1)
     if HV != H:
         # GVA: value head hv reads query/key head hv // (HV // H)
         if HV % H:
@@ -642,6 +644,8 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     raise NotImplementedError."""
     fn = "chunk_kda"
     extra = _kda_kwargs(fn, kwargs, True)
+    if extra["chunk_size"] not in (32, 64):  # fla's own limit for KDA, checked first as fla does
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {extra['chunk_size']}.")
     if cp_context is not None:
         raise _unsupported(fn, "cp_context", "pyattn runs on one machine")
     if return_intermediate_states:
