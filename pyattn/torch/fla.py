@@ -640,8 +640,8 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     sigmoid(exp(A_log) (g + dt_bias))``), ``use_beta_sigmoid_in_kernel`` and
     ``allow_neg_eigval`` as ``chunk_gated_delta_rule``, all differentiated. ``safe_gate``
     checks ``lower_bound`` as fla does (its gate already lies in ``[lower_bound, 0)``);
-    ``disable_recompute`` changes no result. ``return_intermediate_states`` and ``cp_context``
-    raise NotImplementedError."""
+    ``disable_recompute`` changes no result; ``chunk_size`` (a keyword) 32 or 64, as fla.
+    ``return_intermediate_states`` and ``cp_context`` raise NotImplementedError."""
     fn = "chunk_kda"
     extra = _kda_kwargs(fn, kwargs, True)
     if extra["chunk_size"] not in (32, 64):  # fla's own limit for KDA, checked first as fla does
