@@ -36,8 +36,9 @@
  * by 0), and the GEMMs of partially masked tiles keep 0 * NaN out (sm_add_nonfinite_rows).
  *
  * The Forgetting Transformer's gate (d->gate, flash and parallel forms) is one more score
- * option: the tiles' transform pass adds G_i - G_j (sm_gate_bias), and the backward adds the
- * column sums of dS into dG (sm_gate: the gate's layout, its precision and its gradient).
+ * option: the tiles' transform pass adds G_i - G_j (sm_gate_bias); the backward's tiles leave
+ * the diagonal of dS out and sum the rest of its rows and columns, from which sm_gate_finish
+ * makes the diagonal's terms and dg (sm_gate: the gate's layout, precision and gradient).
  */
 
 #define SM_BQ 96     /* forward query block: a multiple of every NR and MR */
