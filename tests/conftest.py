@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -258,3 +259,18 @@ def _tiny_mixer_options():
 
 TINY_MIXER_OPTIONS = _tiny_mixer_options()
 
+
+def sigint_default_in_child():
+    """A child's SIGINT back to the default disposition (preexec_fn): a run started in the
+    background of a non-interactive shell inherits SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process during the test, as in an interactive
+    run, even where the test process inherited SIGINT ignored."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

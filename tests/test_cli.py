@@ -17,6 +17,7 @@ import pytest
 
 from pyattn import selfcheck
 
+from conftest import sigint_default_in_child
 
 
 def test_help_from_the_shell():
@@ -147,7 +148,7 @@ def test_ctrl_c_saves_the_checkpoint_and_exits_130_with_one_line(tmp_path):
     ckpt, out = tmp_path / "c.npz", tmp_path / "m.npz"
     args = ["train", *tiny(100000), "--eval-every", "1", "--checkpoint", ckpt, "--out", out]
     proc = subprocess.Popen([sys.executable, "-m", "pyattn", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default_in_child)
     try:
         deadline = time.monotonic() + 60
         while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:

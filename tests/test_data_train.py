@@ -304,7 +304,7 @@ def test_progress_says_when_the_accuracy_was_measured(monkeypatch, capsys):
     assert lines[-1].endswith(f"acc {h['accuracy'][-1]:.3f} @ step 10")
 
 
-def test_ctrl_c_ends_the_step_saves_a_checkpoint_and_the_run_resumes_with_the_same_bits(tmp_path):
+def test_ctrl_c_ends_the_step_saves_a_checkpoint_and_the_run_resumes_with_the_same_bits(tmp_path, sigint_raises):
     x, y = data.mqar(128, 24, 2, 32, seed=0)
     make = lambda: pyattn.nn.HybridLM(32, 16, 2, ["gated_deltanet", "softmax"], n_heads=2, seed=1)
     kw = dict(steps=12, batch_size=8, lr=3e-3, eval_data=(x[:32], y[:32]), eval_every=4, progress=False)
