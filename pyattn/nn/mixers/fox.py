@@ -50,11 +50,14 @@ class ForgettingAttention(SoftmaxAttention):
 
     def attend_gated_cache(self, q, k, v, f, cache):
         """Appends k, v and the running gate sums to the cache and attends q (the last T
-        positions) over every filled row, causal and windowed as in training."""
+        positions) over every filled row, causal and windowed as in training: a prompt into an
+        empty cache through the flash kernel, later tokens (one per step) over the cache."""
         n, T = cache["len"], q.shape[1]
         start = cache["F"][:, n - 1] if n else np.zeros((f.shape[0], f.shape[2]))
         F = start[:, None] + np.cumsum(f, axis=1, dtype=np.float64)
         K, Vc, Fk = self.append_cache(cache, k=k, v=v, F=F)
+        if n == 0:  # a prompt: the flash kernel, no T x T scores
+            return forgetting_attention(q, k, v, f, window=self.window)
         groups = self.H // self.Hk
         Kh, Vh = np.repeat(K, groups, axis=2), np.repeat(Vc, groups, axis=2)
         s = np.einsum("bthd,bshd->bhts", q, Kh) * self.D ** -0.5
