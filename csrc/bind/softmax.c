@@ -94,6 +94,39 @@ static int softmax_desc(const char *fn, PyObject *const *a, PyObject *const *opt
     return softmax_options(fn, opt + SEQ_MASK, *t, d);
 }
 
+/* The flash kernel's forward into the checked o [B, Tq, H, Dv] and lse arrays: softmax
+ * attention's and FoX's (the gate rides in d). */
+static PyObject *flash_forward(const char *fn, PyObject *o_arg, PyObject *lse_arg, int t,
+                               PyArrayObject *q, PyArrayObject *k, PyArrayObject *v,
+                               const pa_softmax_desc *d)
+{
+    PyArrayObject *o, *lse;
+    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d->H, d->Dv};
+    if (attn_outputs(fn, o_arg, lse_arg, t, 4, oshape, &o, &lse)) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->softmax_forward(d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                            PyArray_DATA(o), PyArray_DATA(lse));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
+/* The flash kernel's backward from checked gradient arrays; dg: FoX's gate gradient or NULL */
+static PyObject *flash_backward(int t, PyArrayObject *q, PyArrayObject *k, PyArrayObject *v,
+                                const pa_softmax_desc *d, const attn_grads *g, PyArrayObject *dg)
+{
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->softmax_backward(d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
+                             PyArray_DATA(g->o), PyArray_DATA(g->lse), PyArray_DATA(g->dout),
+                             data_or_null(g->dlse), PyArray_DATA(g->dq), PyArray_DATA(g->dk),
+                             PyArray_DATA(g->dv), dg ? PyArray_DATA(dg) : NULL);
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
 /* softmax_forward(q, k, v, o, lse, cu_q, cu_k, form, causal, window_left, window_right,
  *                 sinks, alibi_slopes, softcap, scale) */
 enum { SF_Q, SF_K, SF_V, SF_O, SF_LSE, SF_CU_Q, SF_CU_K, SF_FORM, SF_CAUSAL, SF_WINDOW_LEFT,
@@ -104,18 +137,10 @@ static PyObject *py_softmax_forward(PyObject *self, PyObject *const *args, Py_ss
     const char *fn = "softmax_forward";
     if (expect_nargs(fn, nargs, SF_NARGS)) return NULL;
     int t;
-    PyArrayObject *q, *k, *v, *o, *lse;
+    PyArrayObject *q, *k, *v;
     pa_softmax_desc d;
     if (softmax_desc(fn, args + SF_Q, args + SF_CU_Q, &t, &q, &k, &v, &d)) return NULL;
-    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
-    if (attn_outputs(fn, args[SF_O], args[SF_LSE], t, 4, oshape, &o, &lse)) return NULL;
-    const pa_kernels *K = kernels_for(t);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = K->softmax_forward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
-                            PyArray_DATA(o), PyArray_DATA(lse));
-    Py_END_ALLOW_THREADS
-    return finish(rc);
+    return flash_forward(fn, args[SF_O], args[SF_LSE], t, q, k, v, &d);
 }
 
 /* softmax_backward(q, k, v, o, lse, do, dlse_or_None, dq, dk, dv, cu_q, cu_k, form, causal,
@@ -135,15 +160,7 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
     npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
     attn_grads g;
     if (attn_grad_arrays(fn, args + SB_O, args + SB_DQ, t, 4, oshape, q, k, v, &g)) return NULL;
-    const pa_kernels *K = kernels_for(t);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = K->softmax_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
-                             PyArray_DATA(g.o), PyArray_DATA(g.lse), PyArray_DATA(g.dout),
-                             data_or_null(g.dlse), PyArray_DATA(g.dq), PyArray_DATA(g.dk),
-                             PyArray_DATA(g.dv), NULL);
-    Py_END_ALLOW_THREADS
-    return finish(rc);
+    return flash_backward(t, q, k, v, &d, &g, NULL);
 }
 
 /* The gate and options of the forgetting entry points: g, then cu_seqlens, form, window_left,
@@ -190,20 +207,12 @@ static PyObject *py_forgetting_forward(PyObject *self, PyObject *const *args, Py
     const char *fn = "forgetting_forward";
     if (expect_nargs(fn, nargs, FF_NARGS)) return NULL;
     int t;
-    PyArrayObject *q, *k, *v, *o, *lse;
+    PyArrayObject *q, *k, *v;
     pa_softmax_desc d;
     PyObject *const opt[] = {args[FF_G], args[FF_CU], args[FF_FORM], args[FF_WINDOW_LEFT],
                              args[FF_SCALE]};
     if (forgetting_desc(fn, args + FF_Q, opt, &t, &q, &k, &v, &d)) return NULL;
-    npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
-    if (attn_outputs(fn, args[FF_O], args[FF_LSE], t, 4, oshape, &o, &lse)) return NULL;
-    const pa_kernels *K = kernels_for(t);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = K->softmax_forward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
-                            PyArray_DATA(o), PyArray_DATA(lse));
-    Py_END_ALLOW_THREADS
-    return finish(rc);
+    return flash_forward(fn, args[FF_O], args[FF_LSE], t, q, k, v, &d);
 }
 
 /* forgetting_backward(q, k, v, g, o, lse, do, dq, dk, dv, dg, cu_seqlens, form, window_left,
@@ -227,15 +236,7 @@ static PyObject *py_forgetting_backward(PyObject *self, PyObject *const *args, P
     if (attn_grad_arrays(fn, grad_in, args + FB_DQ, t, 4, oshape, q, k, v, &g) ||
         !(dg = get_array(fn, "dg", args[FB_DG], t, 3, oshape, 1)))
         return NULL;
-    const pa_kernels *K = kernels_for(t);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = K->softmax_backward(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(v),
-                             PyArray_DATA(g.o), PyArray_DATA(g.lse), PyArray_DATA(g.dout), NULL,
-                             PyArray_DATA(g.dq), PyArray_DATA(g.dk), PyArray_DATA(g.dv),
-                             PyArray_DATA(dg));
-    Py_END_ALLOW_THREADS
-    return finish(rc);
+    return flash_backward(t, q, k, v, &d, &g, dg);
 }
 
 /* Where the decode's keys lie: cu_q, start, end, block_table */
