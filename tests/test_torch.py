@@ -270,6 +270,20 @@ def test_kvcache_writes_in_place_and_is_differentiable():
     assert torch.equal(kc, before)
 
 
+@pytest.mark.parametrize("cache", ["strided", "float16"])
+def test_kvcache_refuses_a_cache_it_could_only_copy(cache):
+    """New keys written into a copy of the cache would be lost: a strided or half-precision
+    cache is an error, in eager mode too, and the cache is left as it was."""
+    B, Hk, D, cap = 1, 2, 8, 16
+    wide = torch.zeros(B, cap, Hk, 2 * D)
+    kc = wide[..., :D] if cache == "strided" else torch.zeros(B, cap, Hk, D, dtype=torch.float16)
+    vc = torch.zeros(B, cap, Hk, D, dtype=kc.dtype)
+    q, k, v = (torch.ones(B, 1, Hk, D, dtype=kc.dtype) for _ in range(3))
+    with pytest.raises((TypeError, ValueError), match="k_cache"):
+        pt.attention_with_kvcache(q, kc, vc, torch.tensor([3]), k=k, v=v)
+    assert not kc.any()
+
+
 def test_compile_fullgraph_traces_a_model():
     class Hybrid(torch.nn.Module):
         def __init__(self):

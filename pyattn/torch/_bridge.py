@@ -12,7 +12,8 @@ cotangents, and returns one gradient per tensor argument (an empty placeholder f
 argument that gets none). It runs pyattn's C backward through ``pyattn.vjp``: the softmax
 family reuses the forward's output and LSE, the others recompute their forward first. The
 custom ops serve torch.compile, export, functorch transforms and dispatch modes; a plain
-eager call runs pyattn directly (``Op.dispatch``), its gradients through EagerVJP.
+eager call runs pyattn directly (``Op._eager``, else ``Op.dispatch``), its gradients through
+EagerVJP.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ import numpy as np
 import torch
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 
 import pyattn
 from pyattn import _outputs as outputs
@@ -134,6 +138,7 @@ class CallPlan:
         self.maps = [(i, p.name, kind(p)) for i, p in enumerate(params) if p.name in _MAP_NAMES]
         # feature_map takes its parameters as **params, linear_attention as feature_map_params
         self.spread_maps = len(params) > 1 and params[1].name == "kind"
+        self.kinds = [kind(p) for p in params]
 
     def _convert(self, v, kind: int):
         if v is None or kind == self._PLAIN:
@@ -146,10 +151,13 @@ class CallPlan:
 
     def __call__(self, values: Sequence[Any]) -> Tuple[list, dict]:
         """pyattn's (args, kwargs) from the schema arguments."""
-        convert = self._convert
-        args = [convert(values[i], kind) for i, kind in self.positional]
-        kwargs = {name: convert(values[i], kind) for i, name, kind in self.keywords}
-        found = {name: convert(values[i], kind) for i, name, kind in self.maps if values[i] is not None}
+        return self.place([self._convert(v, kind) for v, kind in zip(values, self.kinds)])
+
+    def place(self, values: Sequence[Any]) -> Tuple[list, dict]:
+        """pyattn's (args, kwargs) from schema arguments already converted."""
+        args = [values[i] for i, _ in self.positional]
+        kwargs = {name: values[i] for i, name, _ in self.keywords}
+        found = {name: values[i] for i, name, _ in self.maps if values[i] is not None}
         if found:
             if self.spread_maps:
                 kwargs.update(found)
@@ -339,6 +347,9 @@ class Op:
 
     # -- the public call
     def __call__(self, values: Sequence[Any]):
+        fast = self._eager(values)
+        if fast is not None:
+            return fast
         values = list(values)
         tensors: List[torch.Tensor] = []
         for i in self.tensors:
@@ -366,6 +377,39 @@ class Op:
             if values[i] is not None:
                 values[i] = [int(x) for x in values[i]]
         return self.dispatch(values, tensors)
+
+    def _eager(self, values: Sequence[Any]):
+        """The common call, straight to pyattn: plain contiguous CPU float32/float64 (or
+        integer) tensors, nothing tracing or transforming. None for every other call, which
+        the general path below converts, checks and dispatches. Kept short because it is the
+        whole cost of a small call: run after a kernel has evicted the caches, each Python
+        step here costs several times its warm time."""
+        if torch.compiler.is_compiling() or _functorch_active() or _dispatch_depth():
+            return None
+        arrays = list(values)
+        tensors = []
+        dtype = None
+        for i in self.tensors:
+            t = values[i]
+            if t is None:
+                continue
+            # a strided tensor crosses as a strided view: pyattn copies what it reads
+            if type(t) is not torch.Tensor or not t.is_cpu or t.dtype in _HALF:
+                return None
+            arrays[i] = t.detach().numpy() if t.requires_grad else t.numpy()
+            tensors.append(t)
+            if dtype is None and t.is_floating_point():
+                dtype = t.dtype
+        if dtype is None:
+            return None
+        for i in self.windows:
+            if values[i] is not None:
+                arrays[i] = tuple(int(x) for x in values[i])
+        args, kwargs = self.call_args.place(arrays)
+        if self.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            keys = [(self.names[i], None) for i in self.tensors if values[i] is not None]
+            return EagerVJP.apply(self.fn, args, kwargs, dtype, keys, *tensors)
+        return _as_tensors(self.fn(*args, **kwargs), dtype)
 
     def _ref_dtype(self, values: List[Any]) -> Optional[torch.dtype]:
         """The dtype of the call's first floating-point tensor argument (None: there is none)."""
@@ -396,8 +440,15 @@ class Op:
 def _as_tensors(out, dtype: torch.dtype):
     """pyattn's return value with each array a tensor (floats in dtype, indices int64)."""
     if isinstance(out, tuple):
-        return tuple(None if a is None else to_tensor(a, dtype if a.dtype.kind == "f" else torch.int64) for a in out)
-    return to_tensor(out, dtype if out.dtype.kind == "f" else torch.int64)
+        return tuple(None if a is None else _as_tensor(a, dtype) for a in out)
+    return _as_tensor(out, dtype)
+
+
+def _as_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """One of pyattn's outputs (C-contiguous, as pyattn returns them) as a tensor."""
+    t = torch.from_numpy(a)
+    want = dtype if a.dtype.kind == "f" else torch.int64
+    return t if t.dtype == want else t.to(want)
 
 
 def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
@@ -472,16 +523,21 @@ class KVCacheOp(Op):
         self.append_op.register_fake(lambda *values: None)
 
     def _append(self, *values):
-        for name in ("k_cache", "v_cache"):
-            t = values[self.names.index(name)]
-            if t.dtype in _HALF or not t.is_contiguous():
-                raise TypeError(f"pyattn.torch.attention_with_kvcache(): '{name}' must be a contiguous "
-                                f"float32 or float64 tensor: the new keys are written into it")
+        self._check_caches(values)
         args, kwargs = self.call_args(values)
         # the arrays view the caches' memory, so the write lands in the tensors
         call = KVCall(*args, kwargs["k"], kwargs["v"], *(kwargs[n] for n in _KV_CALL_ARGS))
         with call.written():
             pass
+
+    def _check_caches(self, values):
+        """The caches take the new rows in place: a copy of them (another dtype, or made
+        contiguous) would take them instead."""
+        for name in ("k_cache", "v_cache"):
+            t = values[self.names.index(name)]
+            if t.dtype in _HALF or not t.is_contiguous():
+                raise TypeError(f"pyattn.torch.attention_with_kvcache(): '{name}' must be a contiguous "
+                                f"float32 or float64 tensor: the new keys are written into it")
 
     def _read_call(self, values):
         """pyattn's call over the caches as written: no new keys, every sequence longer by Tnew."""
@@ -518,8 +574,10 @@ class KVCacheOp(Op):
     def dispatch(self, values: List[Any], tensors: List[torch.Tensor]):
         """Traced: the append op, then the functional one. Eager: pyattn's own call, which
         writes the rows itself (EagerVJP's pyattn.vjp, or the plain call)."""
-        if not _plain_eager(tensors) and values[self.names.index("k")] is not None:
-            self.append_op(*values)
+        if values[self.names.index("k")] is not None:
+            self._check_caches(values)
+            if not _plain_eager(tensors):
+                self.append_op(*values)
         return super().dispatch(values, tensors)
 
 
