@@ -1,9 +1,9 @@
-"""The delta rule: pyattn's gated_delta_rule and delta_rule (every form) against the chunk (WY)
+"""The delta rule: pyattn's gated_delta_rule, delta_rule and kda (every form) against the chunk (WY)
 algorithm and a token-by-token loop written in torch, float32, same thread count, one run;
 with --decode, one recurrent decode step against the machine's read bandwidth.
 
     python benchmarks/bench_delta.py [--quick] [--threads N] [--markdown] [--T 1024 4096 ...]
-                                     [--ops gated_delta_rule delta_rule] [--forms ...]
+                                     [--ops gated_delta_rule delta_rule kda] [--forms ...]
                                      [--passes fwd fwd+bwd] [--parallel-max-t 1024]
                                      [--torch-recurrent-max-t 4096] [--no-check]
     python benchmarks/bench_delta.py --decode [--threads N] [--markdown]
@@ -12,7 +12,7 @@ Shapes: B=2, H=8 (--batch, --heads), K=V=128, float32, T in {1024, 4096, 16384} 
 --quick), chunk size C=64 (pyattn's default). Inputs: q, v, do standard normal; k standard
 normal then L2-normalised per head (as the published layers feed the op: unnormalised keys
 make the recurrence diverge); beta = sigmoid(N(0, 1)); g = logsigmoid(N(0, 1)) / 16 (the
-gated op; delta_rule has none).
+gated ops; delta_rule has none; kda's has one per channel, [B, T, H, K], drawn the same way).
 
 What is timed, per row (median of samples, see benchmarks/common.py; the cases of one
 (op, T, pass) are measured interleaved):
@@ -26,6 +26,8 @@ What is timed, per row (median of samples, see benchmarks/common.py; the cases o
                  solve_triangular(I + A, [beta exp(G) K | beta V]) (one batched call); then a
                  Python loop over chunks for the states: V' = U - W S, O = (Q exp(G)) S +
                  (Q K^T * exp(G_i - G_j), causal) V', S = exp(G_last) S + (K exp(G_last - G))^T V'.
+                 kda: the same with the per-channel gate inside the products, A =
+                 strictly-lower(diag(beta) (K exp(G)) (K exp(-G))^T), Q K^T likewise.
                  fwd+bwd: torch autograd's backward of that.
   torch recurrent  the token loop ``S = exp(g_t) S; u = beta_t (v_t - S^T k_t); S += k_t u^T;
                  o_t = S^T q_t`` (batched over B*H), autograd for fwd+bwd. For T >
@@ -43,8 +45,8 @@ measured in this run on the same threads. "vs torch ...": torch time / pyattn ti
 Before timing, each torch baseline is checked against pyattn's chunk form (output and every
 gradient, float32 rel-RMS; above 1e-4 the run stops; --no-check skips).
 
-The bars (issue text), printed with PASS/FAIL: gated_delta_rule chunk fwd+bwd at T=4096 >=
-2.5x torch chunk; chunk forward >= 40% of the FMA peak; chunk faster than recurrent from
+The bars (issue text), printed with PASS/FAIL: chunk fwd+bwd at T=4096 >= 2.5x torch chunk
+(gated_delta_rule), >= 3x (kda); chunk forward >= 40% of the FMA peak; chunk faster than recurrent from
 T = 256 on (every T and pass measured).
 
 --decode: one recurrent step of gated_delta_rule, B=1, H=16, K=V=128 (``form="recurrent"``,
@@ -71,10 +73,13 @@ import pyattn  # noqa: E402
 
 B, H, K, V = 2, 8, 128, 128
 C = 64
-BAR_T, BAR_RATIO, BAR_PEAK, BAR_BW = 4096, 2.5, 0.40, 0.50
+BAR_T, BAR_PEAK, BAR_BW = 4096, 0.40, 0.50
 TOL = 1e-4
 DEC_B, DEC_H = 1, 16
-OPS = ("gated_delta_rule", "delta_rule")
+OPS = ("gated_delta_rule", "delta_rule", "kda")
+# fwd+bwd at T = BAR_T against the torch chunk algorithm, per op (the issues' bars)
+BAR_RATIOS = {"gated_delta_rule": 2.5, "kda": 3.0}
+GATED = ("gated_delta_rule", "kda")
 FORMS = ("chunk", "recurrent", "parallel")
 PASSES = ("fwd", "fwd+bwd")
 
@@ -99,7 +104,10 @@ def inputs(rng, T, b=None, h=None):
     return q, k, v, g, beta, do
 
 
-def op_args(op, q, k, v, g, beta):
+def op_args(rng, op, q, k, v, g, beta):
+    """The op's arrays: kda gets a gate per channel, drawn as g is."""
+    if op == "kda":
+        return q, k, v, (logsigmoid(rng.standard_normal(k.shape)) / 16).astype(np.float32), beta
     return (q, k, v, g, beta) if op == "gated_delta_rule" else (q, k, v, beta)
 
 
@@ -107,26 +115,35 @@ def op_args(op, q, k, v, g, beta):
 
 
 def torch_chunk(q, k, v, g, beta, scale):
-    """The WY chunk algorithm in torch (module docstring), T a multiple of C."""
+    """The WY chunk algorithm in torch (module docstring), T a multiple of C. g [BH, T]: one
+    gate per head; [BH, T, K]: one per channel (kda), its decays inside a chunk as the outer
+    product of exp(G) and exp(-G) rows (exact; in range for the gates here: |G| < 10 within
+    a chunk)."""
     BHn, T, Kd = q.shape
     Vd, N = v.shape[-1], T // C
     q, k, v = (q * scale).view(BHn, N, C, Kd), k.view(BHn, N, C, Kd), v.view(BHn, N, C, Vd)
     beta = beta.view(BHn, N, C, 1)
-    G = g.view(BHn, N, C).cumsum(-1) if g is not None else q.new_zeros(BHn, N, C)
-    tri = torch.ones(C, C, dtype=torch.bool).tril()
-    Dm = (G[..., :, None] - G[..., None, :]).masked_fill(~tri, float("-inf")).exp()
     eye = torch.eye(C)
-    A = (beta * (k @ k.transpose(-1, -2)) * Dm).tril(-1)
-    Z = torch.linalg.solve_triangular(eye + A, torch.cat([beta * G.exp()[..., None] * k, beta * v], -1),
-                                      upper=False, unitriangular=True)
-    Ws, Us = Z[..., :Kd].unbind(1), Z[..., Kd:].unbind(1)
-    Ps = ((q @ k.transpose(-1, -2)) * Dm).unbind(1)
-    qgs = (q * G.exp()[..., None]).unbind(1)
-    kls = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2).unbind(1)
-    ends = G[..., -1].exp()[..., None, None].unbind(1)
+    if g is not None and g.dim() == 3:
+        G = g.view(BHn, N, C, Kd).cumsum(2)
+        kg, kneg = k * G.exp(), k * (-G).exp()
+        A = (beta * (kg @ kneg.transpose(-1, -2))).tril(-1)
+        P = ((q * G.exp()) @ kneg.transpose(-1, -2)).tril()
+        qg, kl, ends = q * G.exp(), k * (G[:, :, -1:] - G).exp(), G[:, :, -1].exp()[..., None]
+    else:
+        G = g.view(BHn, N, C).cumsum(-1) if g is not None else q.new_zeros(BHn, N, C)
+        tri = torch.ones(C, C, dtype=torch.bool).tril()
+        Dm = (G[..., :, None] - G[..., None, :]).masked_fill(~tri, float("-inf")).exp()
+        kg = G.exp()[..., None] * k
+        A = (beta * (k @ k.transpose(-1, -2)) * Dm).tril(-1)
+        P = (q @ k.transpose(-1, -2)) * Dm
+        qg, kl, ends = q * G.exp()[..., None], k * (G[..., -1:] - G).exp()[..., None], G[..., -1].exp()[..., None, None]
+    Z = torch.linalg.solve_triangular(eye + A, torch.cat([beta * kg, beta * v], -1), upper=False,
+                                      unitriangular=True)
     S = q.new_zeros(BHn, Kd, Vd)
     outs = []
-    for W_n, U_n, P_n, qg_n, kl_n, e_n in zip(Ws, Us, Ps, qgs, kls, ends):
+    for W_n, U_n, P_n, qg_n, kl_n, e_n in zip(Z[..., :Kd].unbind(1), Z[..., Kd:].unbind(1), P.unbind(1),
+                                              qg.unbind(1), kl.transpose(-1, -2).unbind(1), ends.unbind(1)):
         Vn = U_n - W_n @ S
         outs.append(qg_n @ S + P_n @ Vn)
         S = S * e_n + kl_n @ Vn
@@ -141,7 +158,7 @@ def torch_recurrent(q, k, v, g, beta, scale):
     ks = k.unsqueeze(3).unbind(1)             # [BH, K, 1]
     vs = v.unsqueeze(2).unbind(1)             # [BH, 1, V]
     bs = beta[..., None, None].unbind(1)
-    es = g.exp()[..., None, None].unbind(1) if g is not None else None
+    es = None if g is None else (g.exp()[..., None] if g.dim() == 3 else g.exp()[..., None, None]).unbind(1)
     S = q.new_zeros(BHn, Kd, Vd)
     outs = []
     for t in range(T):
@@ -155,7 +172,7 @@ def torch_recurrent(q, k, v, g, beta, scale):
 
 def torch_fn(fn, op):
     """fn with the op's argument list (delta_rule: no g)"""
-    if op == "gated_delta_rule":
+    if op in GATED:
         return lambda q, k, v, g, beta, scale: fn(q, k, v, g, beta, scale)
     return lambda q, k, v, beta, scale: fn(q, k, v, None, beta, scale)
 
@@ -186,17 +203,17 @@ def sweep(args, timing):
             notes.append(f"T={T}: torch recurrent timed on the first {rec_T} steps, scaled by "
                          f"{rec_scale:g} (rows marked *)")
         for op in args.ops:
-            arrays = op_args(op, q, k, v, g, beta)
-            names = ("q", "k", "v", "g", "beta") if op == "gated_delta_rule" else ("q", "k", "v", "beta")
+            arrays = op_args(rng, op, q, k, v, g, beta)
+            names = ("q", "k", "v", "g", "beta") if op in GATED else ("q", "k", "v", "beta")
             sweep_op(args, timing, op, T, arrays, names, do, scale, torch_fn(torch_chunk, op),
                      torch_fn(torch_recurrent, op), rec_T, flops, rows, bars, others)
     peak = print_sweep(args, rows, peak0)
     print("bars:")
     for op, T, passes, tc, ttc, trec in bars:
-        if op == "gated_delta_rule" and passes == "fwd+bwd" and T == BAR_T and ttc is not None:
-            r = ttc / tc
-            print(f"  {op} chunk fwd+bwd T={T} = {r:.2f}x torch chunk, need >= {BAR_RATIO}x: "
-                  f"{'PASS' if r >= BAR_RATIO else 'FAIL'}")
+        if op in BAR_RATIOS and passes == "fwd+bwd" and T == BAR_T and ttc is not None:
+            r, need = ttc / tc, BAR_RATIOS[op]
+            print(f"  {op} chunk fwd+bwd T={T} = {r:.2f}x torch chunk, need >= {need}x: "
+                  f"{'PASS' if r >= need else 'FAIL'}")
         if passes == "fwd":
             frac = flops(T, "fwd") / tc / (peak * 1e9)
             print(f"  {op} chunk fwd T={T} = {100 * frac:.1f}% of FMA peak, need >= "
