@@ -127,6 +127,21 @@ def literal(name, p, x):
         oh = flat(o).reshape(B, T, H, -1)
         gn = (oh - oh.mean(-1, keepdims=True)) / np.sqrt(oh.var(-1, keepdims=True) + 1e-5)
         return (flat(gn) * p["g_norm.w"] + p["g_norm.b"]) * silu(g @ p["w_g"].T) @ p["w_o"].T
+    if name == "rwkv7":  # token shift, six interpolations, LoRAs for w, a, g, k_k/k_a/r_k
+        prev = np.concatenate([np.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+        xr, xw, xk, xv, xa, xg = (x + (prev - x) * m for m in p["mu"])
+        r, k, v = xr @ p["w_r"].T, xk @ p["w_k"].T, xv @ p["w_v"].T
+        w = -np.exp(-0.5) * sigmoid(np.tanh(xw @ p["w_w1"].T) @ p["w_w2"].T + p["b_w2"])
+        a = sigmoid(xa @ p["w_a1"].T @ p["w_a2"].T + p["b_a2"])
+        g = sigmoid(xg @ p["w_g1"].T) @ p["w_g2"].T
+        kk = heads(k * p["k_k"], H)
+        kk = kk / np.linalg.norm(kk, axis=-1, keepdims=True)
+        k = k + k * (a - 1) * p["k_a"]
+        o, _ = ref.dplr_delta_rule(heads(r, H), heads(k, H), heads(v, H), -kk, kk * heads(a, H), heads(w, H),
+                                   scale=1.0)
+        gn = (o - o.mean(-1, keepdims=True)) / np.sqrt(o.var(-1, keepdims=True) + (D // H) * 1e-5)
+        bonus = np.sum(heads(r, H) * heads(k, H) * p["r_k"], axis=-1, keepdims=True) * heads(v, H)
+        return ((flat(gn) * p["g_norm.w"] + p["g_norm.b"]) + flat(bonus)) * g @ p["w_o"].T
     if name == "mamba2":
         xs = short_conv(proj["x"], p["conv_x.w"], p["conv_x.b"])
         Bm = short_conv(proj["B"], p["conv_B.w"], p["conv_B.b"])

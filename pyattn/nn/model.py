@@ -61,6 +61,9 @@ def _mixer_specs(mixers, n_layers) -> List[Tuple[str, dict]]:
         name, options = (m, {}) if isinstance(m, str) else (m[0], dict(m[1]))
         if name not in MIXERS:
             raise ValueError(f"HybridLM: unknown mixer {name!r}; pyattn.nn.MIXERS has {sorted(MIXERS)}")
+        if name == "rwkv7" and "value_residual" in options:
+            raise ValueError("HybridLM: rwkv7's 'value_residual' is the model's to set: every rwkv7 mixer "
+                             "after the first takes the first one's values")
         specs.append((name, options))
     return specs
 
@@ -107,8 +110,13 @@ class HybridLM(Module):
         out_std = 0.02 / np.sqrt(2 * n_layers)
         self.embed = self.add_module("embed", Embedding(vocab_size, d_model, dtype=dtype, rng=rng))
         self.blocks = []
+        first_rwkv7 = None
         for i, (name, options) in enumerate(specs):
+            if name == "rwkv7":  # RWKV-7's value residual: the first rwkv7 mixer's values reach the others
+                options = dict(options, value_residual=first_rwkv7 is not None)
             mixer = MIXERS[name](d_model, n_heads, dtype=dtype, rng=rng, out_std=out_std, **options)
+            if name == "rwkv7":
+                first_rwkv7 = mixer.first = first_rwkv7 or mixer
             self.blocks.append(self.add_module(f"blocks.{i}", Block(d_model, mixer, d_ff, dtype=dtype,
                                                                     rng=rng, out_std=out_std)))
         self.norm = self.add_module("norm", RMSNorm(d_model, dtype=dtype))

@@ -23,6 +23,7 @@ without gradient), so ``torch.compile`` traces it whole.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Dict, Type
 
 import torch
@@ -397,6 +398,36 @@ class RWKV6Attention(Mixer):
         return F.linear(self.g_norm(o.reshape(B, T, -1)) * silu(F.linear(g, self.w_g)), self.w_o)
 
 
+class RWKV7Attention(Mixer):
+    def __init__(self, source: pm.RWKV7Attention):
+        super().__init__(source)
+        self.H, self.K, self.chunk_size = source.H, source.K, source.chunk_size
+        self.value_residual = source.value_residual
+        # the model's first rwkv7 mirror (HybridLM links it), kept out of the module tree
+        self.first = [self]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        H, K = self.H, self.K
+        delta = F.pad(x, (0, 0, 1, -1)) - x
+        xr, xw, xk, xv, xa, xg = (x + delta * self.mu[i] for i in range(6))
+        r, k, v = F.linear(xr, self.w_r), F.linear(xk, self.w_k), F.linear(xv, self.w_v)
+        w = -math.exp(-0.5) * torch.sigmoid(F.linear(torch.tanh(F.linear(xw, self.w_w1)), self.w_w2, self.b_w2))
+        a = torch.sigmoid(F.linear(F.linear(xa, self.w_a1), self.w_a2, self.b_a2))
+        g = F.linear(torch.sigmoid(F.linear(xg, self.w_g1)), self.w_g2)
+        if self.value_residual:
+            mix = torch.sigmoid(F.linear(F.linear(xv, self.w_v1), self.w_v2, self.b_v2))
+            v = torch.lerp(v, self.first[0].v_first, mix)
+        else:
+            self.v_first = v
+        kk = F.normalize((k * self.k_k).reshape(B, T, H, K), dim=-1)
+        k = k * (1 + (a - 1) * self.k_a)
+        r, k, v, a = (t.reshape(B, T, H, K) for t in (r, k, v, a))
+        o, _ = pt.rwkv7(r, w.reshape(B, T, H, K), k, v, -kk, kk * a, scale=1.0, chunk_size=self.chunk_size)
+        bonus = (r * k * self.r_k).sum(-1, keepdim=True) * v
+        return F.linear((self.g_norm(o.reshape(B, T, -1)) + bonus.reshape(B, T, -1)) * g, self.w_o)
+
+
 class Mamba2(Mixer):
     def __init__(self, source: pm.Mamba2):
         super().__init__(source)
@@ -458,7 +489,8 @@ MIRRORS: Dict[type, Type[Module]] = {
     pm.LinearAttention: LinearAttention,
     pm.MultiScaleRetention: MultiScaleRetention, pm.LightningAttention: LightningAttention,
     pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.HGRN2: HGRN2, pm.Mamba2: Mamba2,
-    pm.RWKV6Attention: RWKV6Attention, pm.KimiDeltaAttention: KimiDeltaAttention,
+    pm.RWKV6Attention: RWKV6Attention, pm.RWKV7Attention: RWKV7Attention,
+    pm.KimiDeltaAttention: KimiDeltaAttention,
     pm.DeltaNet: DeltaNet, pm.GatedDeltaNet: GatedDeltaNet, pm.GatedDeltaProduct: GatedDeltaNet,
     pm.MultiHeadLatentAttention: MultiHeadLatentAttention,
     pm.MoBAAttention: MoBAAttention, pm.NativeSparseAttention: NativeSparseAttention,
@@ -486,6 +518,9 @@ class HybridLM(torch.nn.Module):
         self.vocab = None if source.vocab is None else list(source.vocab)
         self.embed = mirror(source.embed)
         self.blocks = torch.nn.ModuleList(mirror(block) for block in source.blocks)
+        rwkv7 = [b.mixer for b in self.blocks if isinstance(b.mixer, RWKV7Attention)]
+        for m in rwkv7:  # the value residual: every rwkv7 mixer reads the first one's values
+            m.first = rwkv7[:1]
         self.norm = mirror(source.norm)
         self.lm_head = None if source.lm_head is None else mirror(source.lm_head)
 

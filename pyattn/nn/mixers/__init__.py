@@ -15,6 +15,7 @@ from .moba import MoBAAttention
 from .nsa import NativeSparseAttention
 from .retnet import MultiScaleRetention
 from .rwkv6 import RWKV6Attention
+from .rwkv7 import RWKV7Attention
 from .simple_gla import SimpleGLA
 from .softmax import SoftmaxAttention
 
@@ -29,6 +30,7 @@ MIXERS = {
     "hgrn2": HGRN2,
     "mamba2": Mamba2,
     "rwkv6": RWKV6Attention,
+    "rwkv7": RWKV7Attention,
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
     "gated_deltaproduct": GatedDeltaProduct,
