@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+import pyattn
+
 SCRIPTS = pathlib.Path(__file__).parent / "mpi"
 
 
@@ -24,9 +26,10 @@ def run_mpi(script: str, n: int, *args: str, timeout: float = 240, threads: int 
     """stdout of ``mpiexec -n n python tests/mpi/<script> args...``; fails the test on a non-zero
     exit, a timeout, or a rank that did not print ``OK rank R``."""
     mpi_available()
+    # the ranks import the pyattn this test process imported (an in-place build included)
+    here = str(pathlib.Path(pyattn.__file__).resolve().parents[1])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1])] +
-                                          [p for p in [os.environ.get("PYTHONPATH")] if p]))
+               PYTHONPATH=os.pathsep.join([here] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     cmd = ["mpiexec", "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
