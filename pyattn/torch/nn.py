@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, Type
+from typing import Dict, Optional, Type
 
 import torch
 import torch.nn.functional as F
@@ -405,6 +405,7 @@ class RWKV7Attention(Mixer):
         self.value_residual = source.value_residual
         # the model's first rwkv7 mirror (HybridLM links it), kept out of the module tree
         self.first = [self]
+        self.v_first: Optional[torch.Tensor] = None  # the first mirror's values, each forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape

@@ -1,0 +1,86 @@
+"""Data parallelism for ``pyattn.train``: each rank computes its share of every global batch,
+and the gradients are summed over the ranks while the backward still runs."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from ._agree import agree
+
+
+def world() -> Any:
+    """``MPI.COMM_WORLD`` (for ``python -m pyattn train`` started under mpiexec)."""
+    return MPI.COMM_WORLD
+
+
+class DataParallel:
+    """One training run spread over the ranks of ``comm``: every rank draws the same global
+    batch and computes a contiguous share of its rows; its gradient is weighted by its share
+    of the batch's scored targets, so that the sum over the ranks is the gradient of the mean
+    loss over all of them. The sum runs as non-blocking Allreduces, one per module (the head,
+    each block, the embedding), each started as soon as the backward has finished that
+    module's gradients, so the communication overlaps the backward of the layers below."""
+
+    def __init__(self, comm, model, batch_size: int, settings: Dict[str, Any]):
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        if batch_size % self.size:
+            # every rank reaches this with the same numbers: the same error everywhere, no hang
+            raise ValueError(f"train(): batch_size={batch_size} must be a multiple of the number of "
+                             f"ranks ({self.size}): each rank computes an equal share of every batch")
+        agree(comm, "train()", {"settings": settings, "config": getattr(model, "config", None),
+                                "params": [(n, p.shape, p.dtype.str) for n, p in model.params.items()]})
+        self.share = batch_size // self.size
+        self.pending: List[Tuple[Any, np.ndarray, List[np.ndarray]]] = []
+
+    def my_rows(self, rows: np.ndarray, targets: np.ndarray, ignore_index: int = -100) -> Tuple[np.ndarray, float]:
+        """(this rank's rows of the global batch ``rows``, its weight: its scored targets over
+        the whole batch's). Every rank holds the whole batch's targets: no communication."""
+        mine = rows[self.rank * self.share:(self.rank + 1) * self.share]
+        total = int(np.sum(targets[rows] != ignore_index))
+        return mine, int(np.sum(targets[mine] != ignore_index)) / max(total, 1)
+
+    def total_loss(self, weighted_loss: float) -> float:
+        """The batch's mean loss from each rank's loss times its weight."""
+        return self.comm.allreduce(weighted_loss, op=MPI.SUM)
+
+    def ready(self) -> Callable:
+        """The hook for ``HybridLM.backward(..., ready=)``: starts summing a module's gradients."""
+        def start(module) -> None:
+            grads = [g for _, g in module._named("g")]
+            if not grads:
+                return
+            flat = np.concatenate([g.ravel() for g in grads])
+            self.pending.append((self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM), flat, grads))
+        return start
+
+    def finish(self) -> None:
+        """Waits for every sum started and writes the sums back into the gradients."""
+        MPI.Request.Waitall([req for req, _, _ in self.pending])
+        for _, flat, grads in self.pending:
+            at = 0
+            for g in grads:
+                g.ravel()[...] = flat[at:at + g.size]
+                at += g.size
+        self.pending.clear()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when any rank passes True (Ctrl-C on one rank stops them all)."""
+        return bool(self.comm.allreduce(int(flag), op=MPI.MAX))
+
+    def check_same_params(self, model) -> None:
+        """Raises on every rank unless every rank holds the same parameters, bit for bit."""
+        digest = hashlib.sha256()
+        for name, p in model.params.items():
+            digest.update(name.encode())
+            digest.update(np.ascontiguousarray(p).tobytes())
+        seen = self.comm.allgather(digest.hexdigest())
+        if len(set(seen)) != 1:
+            raise RuntimeError(f"train(): the ranks' parameters differ (digests {seen}): the ranks did not "
+                               "run the same steps")
+
+    def bcast(self, value: Any) -> Any:
+        """Rank 0's value on every rank."""
+        return self.comm.bcast(value, root=0)
