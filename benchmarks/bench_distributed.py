@@ -3,6 +3,7 @@
 in one table.
 
     python benchmarks/bench_distributed.py data [--configs 1x4 4x4] [--rows 8] [--T 512] [--steps 6]
+                                                [--launcher "mpiexec --bind-to none"]
 
 data: data-parallel training of the bench_train hybrid (4 layers gated_deltanet / softmax,
 d_model 256, 4 heads, vocabulary 512, float32; benchmarks/distributed_data.py is one rank's
@@ -15,12 +16,16 @@ one blocking Allreduce of the whole gradient timed apart; "share" = wait / step.
 
 Every job gets OMP_NUM_THREADS = threads and OPENBLAS_NUM_THREADS = 1; the ranks share the
 machine's cores (R x N should not exceed them: the table says how many the machine has).
+--launcher is the mpiexec command line (default "mpiexec", MPICH's); Open MPI binds each rank
+to one core unless told otherwise, so give it "mpiexec --bind-to none" (and
+"--allow-run-as-root" where it runs as root).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -34,9 +39,10 @@ def config(text: str):
     return int(ranks), int(threads)
 
 
-def run(script: str, ranks: int, threads: int, extra) -> dict:
+def run(launcher: str, script: str, ranks: int, threads: int, extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
-    cmd = ["mpiexec", "-n", str(ranks), sys.executable, os.path.join(HERE, script), "--threads", str(threads), *extra]
+    cmd = [*shlex.split(launcher), "-n", str(ranks), sys.executable, os.path.join(HERE, script),
+           "--threads", str(threads), *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
@@ -47,7 +53,7 @@ def data(args) -> int:
     extra = ["--rows", str(args.rows), "--T", str(args.T), "--steps", str(args.steps)]
     rows, base = [], None
     for ranks, threads in args.configs:
-        r = run("distributed_data.py", ranks, threads, extra)
+        r = run(args.launcher, "distributed_data.py", ranks, threads, extra)
         tps = r["ranks"] * r["rows"] * r["T"] / r["step_s"]
         base = base or tps
         rows.append((ranks, threads, r, tps, tps / base))
@@ -77,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--T", type=int, default=512)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--launcher", default="mpiexec")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     status = data(args)
