@@ -18,7 +18,9 @@ Every job gets OMP_NUM_THREADS = threads and OPENBLAS_NUM_THREADS = 1; the ranks
 machine's cores (R x N should not exceed them: the table says how many the machine has).
 --launcher is the mpiexec command line (default "mpiexec", MPICH's); Open MPI binds each rank
 to one core unless told otherwise, so give it "mpiexec --bind-to none" (and
-"--allow-run-as-root" where it runs as root).
+"--allow-run-as-root" where it runs as root); "{threads}" in it becomes the configuration's
+threads per rank, e.g. "mpiexec --map-by slot:PE={threads} --bind-to core" gives each rank
+cores of its own.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def config(text: str):
 
 def run(launcher: str, script: str, ranks: int, threads: int, extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
-    cmd = [*shlex.split(launcher), "-n", str(ranks), sys.executable, os.path.join(HERE, script),
+    cmd = [*shlex.split(launcher.format(threads=threads)), "-n", str(ranks), sys.executable, os.path.join(HERE, script),
            "--threads", str(threads), *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:

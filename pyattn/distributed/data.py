@@ -54,6 +54,8 @@ class DataParallel:
                 return
             flat = np.concatenate([g.ravel() for g in grads])
             self.pending.append((self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM), flat, grads))
+            # MPI moves a non-blocking sum along only inside its own calls: give it one per module
+            MPI.Request.Testall([req for req, _, _ in self.pending])
         return start
 
     def finish(self) -> None:
