@@ -33,7 +33,8 @@ class DataParallel:
         agree(comm, "train()", {"settings": settings, "config": getattr(model, "config", None),
                                 "params": [(n, p.shape, p.dtype.str) for n, p in model.params.items()]})
         self.share = batch_size // self.size
-        self.pending: List[Tuple[Any, np.ndarray, List[np.ndarray]]] = []
+        self.flat = {id(m): _flatten_grads(m) for m in _top_modules(model)}
+        self.pending: List[Any] = []
 
     def my_rows(self, rows: np.ndarray, targets: np.ndarray, ignore_index: int = -100) -> Tuple[np.ndarray, float]:
         """(this rank's rows of the global batch ``rows``, its weight: its scored targets over
@@ -47,25 +48,20 @@ class DataParallel:
         return self.comm.allreduce(weighted_loss, op=MPI.SUM)
 
     def ready(self) -> Callable:
-        """The hook for ``HybridLM.backward(..., ready=)``: starts summing a module's gradients."""
+        """The hook for ``HybridLM.backward(..., ready=)``: starts summing a module's gradients
+        in place."""
         def start(module) -> None:
-            grads = [g for _, g in module._named("g")]
-            if not grads:
+            flat = self.flat.get(id(module))
+            if flat is None or not flat.size:
                 return
-            flat = np.concatenate([g.ravel() for g in grads])
-            self.pending.append((self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM), flat, grads))
+            self.pending.append(self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM))
             # MPI moves a non-blocking sum along only inside its own calls: give it one per module
-            MPI.Request.Testall([req for req, _, _ in self.pending])
+            MPI.Request.Testall(self.pending)
         return start
 
     def finish(self) -> None:
-        """Waits for every sum started and writes the sums back into the gradients."""
-        MPI.Request.Waitall([req for req, _, _ in self.pending])
-        for _, flat, grads in self.pending:
-            at = 0
-            for g in grads:
-                g.ravel()[...] = flat[at:at + g.size]
-                at += g.size
+        """Waits for every sum started."""
+        MPI.Request.Waitall(self.pending)
         self.pending.clear()
 
     def any(self, flag: bool) -> bool:
@@ -86,3 +82,38 @@ class DataParallel:
     def bcast(self, value: Any) -> Any:
         """Rank 0's value on every rank."""
         return self.comm.bcast(value, root=0)
+
+
+def _top_modules(model) -> List[Any]:
+    """The modules HybridLM.backward reports ready: its direct children."""
+    return list(model._children.values())
+
+
+def _flatten_grads(module) -> np.ndarray:
+    """One contiguous buffer holding every gradient of ``module``'s tree, each gradient array
+    replaced by a view of it (values kept), so that one Allreduce sums them in place."""
+    slots = []
+
+    def walk(m):
+        slots.extend((m, name) for name in m.g)
+        for child in m._children.values():
+            walk(child)
+
+    walk(module)
+    if not slots:
+        return np.zeros(0)
+    dtype = slots[0][0].g[slots[0][1]].dtype
+    step = 64 // dtype.itemsize  # each view starts on a cache line, as a fresh array would
+    starts, end = [], 0
+    for m, name in slots:
+        starts.append(end)
+        end += -(-m.g[name].size // step) * step
+    flat = np.zeros(end + step, dtype)
+    base = (-flat.ctypes.data % 64) // dtype.itemsize
+    flat = flat[base:base + end]
+    for (m, name), at in zip(slots, starts):
+        g = m.g[name]
+        view = flat[at:at + g.size].reshape(g.shape)
+        view[...] = g
+        m.g[name] = view
+    return flat
