@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         dlogits *= dlogits.dtype.type(weight)
         model.zero_grad()
         if dp is not None:
-            dp.total_loss(loss * weight)
+            dp.start_loss(loss * weight)
             model.backward(dlogits, ready=dp.ready())
             t1 = time.perf_counter()
             dp.finish()

@@ -177,17 +177,19 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
                 if dp is not None:
                     rows, weight = dp.my_rows(rows, targets)
                 loss, dlogits = cross_entropy(model.forward(inputs[rows]), targets[rows])
-                if dp is not None:
-                    loss = dp.total_loss(loss * weight)
-                    dlogits *= dlogits.dtype.type(weight)
-                if not math.isfinite(loss):
-                    raise diverged(f"the loss is {loss} at step {step}, before its update")
-                model.zero_grad()
                 if dp is None:
+                    if not math.isfinite(loss):
+                        raise diverged(f"the loss is {loss} at step {step}, before its update")
+                    model.zero_grad()
                     model.backward(dlogits)
-                else:
+                else:  # the loss is summed over the ranks during the backward, checked after it
+                    model.zero_grad()
+                    dp.start_loss(loss * weight)
+                    dlogits *= dlogits.dtype.type(weight)
                     model.backward(dlogits, ready=dp.ready())
-                    dp.finish()
+                    loss = dp.finish()
+                    if not math.isfinite(loss):
+                        raise diverged(f"the loss is {loss} at step {step}, before its update")
                 norm = clip_grad_norm(model.grads, clip)
                 if not math.isfinite(norm):
                     raise diverged(f"the gradient norm is {norm} at step {step}, before its update")

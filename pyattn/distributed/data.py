@@ -43,9 +43,11 @@ class DataParallel:
         total = int(np.sum(targets[rows] != ignore_index))
         return mine, int(np.sum(targets[mine] != ignore_index)) / max(total, 1)
 
-    def total_loss(self, weighted_loss: float) -> float:
-        """The batch's mean loss from each rank's loss times its weight."""
-        return self.comm.allreduce(weighted_loss, op=MPI.SUM)
+    def start_loss(self, weighted_loss: float) -> None:
+        """Starts summing the ranks' losses times their weights (the batch's mean loss), read
+        by ``finish``: the sum rides along with the backward instead of holding it up."""
+        self.loss = np.array([weighted_loss], np.float64)
+        self.pending.append(self.comm.Iallreduce(MPI.IN_PLACE, self.loss, op=MPI.SUM))
 
     def ready(self) -> Callable:
         """The hook for ``HybridLM.backward(..., ready=)``: starts summing a module's gradients
@@ -59,10 +61,11 @@ class DataParallel:
             MPI.Request.Testall(self.pending)
         return start
 
-    def finish(self) -> None:
-        """Waits for every sum started."""
+    def finish(self) -> float:
+        """Waits for every sum started; returns the batch's mean loss."""
         MPI.Request.Waitall(self.pending)
         self.pending.clear()
+        return float(self.loss[0])
 
     def any(self, flag: bool) -> bool:
         """True on every rank when any rank passes True (Ctrl-C on one rank stops them all)."""

@@ -102,5 +102,14 @@ if size > 1:
         check(False, "no error for ranks that disagree")
     except ValueError as e:
         check("disagree" in str(e), str(e))
+# a loss that stops being finite: every rank stops at the step one process stops at
+errors = []
+for c in (None, comm):
+    try:
+        pyattn.train(model(), (inputs, targets), **dict(kw, lr=1e6, steps=30, eval_data=None), comm=c)
+        errors.append(None)
+    except FloatingPointError as e:
+        errors.append(str(e))
+check(errors[0] is not None and errors[0] == errors[1], f"divergence: {errors}")
 comm.Barrier()
 print(f"OK rank {rank}", flush=True)
