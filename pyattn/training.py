@@ -146,7 +146,7 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     dp = None
     if comm is not None and comm.Get_size() > 1:
         from .distributed.data import DataParallel
-        dp = DataParallel(comm, model, batch_size, settings)
+        dp = DataParallel(comm, model, batch_size, settings, (inputs, targets))
     lead = dp is None or dp.rank == 0  # the rank that prints, evaluates and saves
     start, saved = 0, None
     if checkpoint is not None:

@@ -24,14 +24,16 @@ class DataParallel:
     each block, the embedding), each started as soon as the backward has finished that
     module's gradients, so the communication overlaps the backward of the layers below."""
 
-    def __init__(self, comm, model, batch_size: int, settings: Dict[str, Any]):
+    def __init__(self, comm, model, batch_size: int, settings: Dict[str, Any], data=()):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
         if batch_size % self.size:
             # every rank reaches this with the same numbers: the same error everywhere, no hang
             raise ValueError(f"train(): batch_size={batch_size} must be a multiple of the number of "
                              f"ranks ({self.size}): each rank computes an equal share of every batch")
         agree(comm, "train()", {"settings": settings, "config": getattr(model, "config", None),
-                                "params": [(n, p.shape, p.dtype.str) for n, p in model.params.items()]})
+                                "params": [(n, p.shape, p.dtype.str) for n, p in model.params.items()],
+                                "data": [_digest([a]) for a in data],
+                                "initial parameters": _digest(model.params.values())})
         self.share = batch_size // self.size
         self.flat = {id(m): _flatten_grads(m) for m in _top_modules(model)}
         self.pending: List[Any] = []
@@ -73,11 +75,7 @@ class DataParallel:
 
     def check_same_params(self, model) -> None:
         """Raises on every rank unless every rank holds the same parameters, bit for bit."""
-        digest = hashlib.sha256()
-        for name, p in model.params.items():
-            digest.update(name.encode())
-            digest.update(np.ascontiguousarray(p).tobytes())
-        seen = self.comm.allgather(digest.hexdigest())
+        seen = self.comm.allgather(_digest(model.params.values()))
         if len(set(seen)) != 1:
             raise RuntimeError(f"train(): the ranks' parameters differ (digests {seen}): the ranks did not "
                                "run the same steps")
@@ -120,3 +118,11 @@ def _flatten_grads(module) -> np.ndarray:
         view[...] = g
         m.g[name] = view
     return flat
+
+
+def _digest(arrays) -> str:
+    """A hash of arrays' bytes: the ranks compare these rather than the arrays."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()

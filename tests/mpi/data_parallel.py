@@ -111,5 +111,14 @@ for c in (None, comm):
     except FloatingPointError as e:
         errors.append(str(e))
 check(errors[0] is not None and errors[0] == errors[1], f"divergence: {errors}")
+# ranks holding different data, or models drawn from different seeds: refused on every rank
+if size > 1:
+    for what, data, seed in (("data", (inputs + (rank == 0), targets), 3), ("initial parameters", (inputs, targets), 3 + rank)):
+        try:
+            pyattn.train(HybridLM(32, 16, 2, ["gated_deltanet", "softmax"], n_heads=2, dtype="float64", seed=seed),
+                         data, steps=1, batch_size=BATCH, progress=False, comm=comm)
+            check(False, f"no error for ranks with different {what}")
+        except ValueError as e:
+            check("disagree" in str(e) and what in str(e), str(e))
 comm.Barrier()
 print(f"OK rank {rank}", flush=True)
