@@ -730,6 +730,8 @@ def log_linear_attention(q, k, v, g, level_scales, *, scale=None, initial_state=
                         o[bi, start + t, h] += (lh[t, max(level, seen)] * np.exp(G[t])
                                                 * h0[n, h, level].T @ (scale * qh[t]))
             end_pos = p0 + n_t
+            if not output_final_state:
+                continue
             for s in range(n_t):
                 level = int(end_pos ^ pos[s]).bit_length()
                 states[n, h, level] += np.exp(G[-1] - G[s]) * np.outer(kh[s], vh[s])
