@@ -120,6 +120,7 @@ typedef struct {
     int64_t H, K, V, L;
     double scale;
     int form;
+    int64_t chunk; /* rows of a chunk-form block, a power of two */
 } pa_loglin_desc;
 
 static inline int64_t pa_linear_max_len(const pa_linear_desc *d)
@@ -268,7 +269,7 @@ typedef struct {
                          const void *a, const void *b, const void *gk, const void *h0,
                          const void *dout, const void *dht, void *dq, void *dk, void *dv,
                          void *da, void *db, void *dgk, void *dh0);
-    /* Log-linear attention (recurrent form): h0, ht may be NULL (zero initial state; final
+    /* Log-linear attention: h0, ht may be NULL (zero initial state; final
      * state not wanted) */
     int (*loglin_forward)(const pa_loglin_desc *d, const void *q, const void *k, const void *v,
                           const void *g, const void *ls, const void *h0, void *o, void *ht);

@@ -442,7 +442,7 @@ def kda(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, beta: ArrayLike,
 def log_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, level_scales: ArrayLike, *,
                          scale: Optional[float] = None, initial_state: Optional[ArrayLike] = None,
                          output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None,
-                         form: Literal["recurrent"] = "recurrent", chunk_size: _ChunkSize = 64) -> _WithState:
+                         form: Literal["chunk", "recurrent", "parallel"] = "chunk", chunk_size: _ChunkSize = 64) -> _WithState:
     """``pyattn.log_linear_attention`` on jax arrays: (o, final_state or None)."""
     return _call("log_linear_attention", locals())
 

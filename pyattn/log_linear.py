@@ -5,7 +5,7 @@ Fenwick tree over positions, each part weighted by its own data-dependent scale:
 ``o_t = sum_{s<=t} level_scales[t, lev(t, s)] exp(G_t - G_s) (scale q_t . k_s) v_s`` with
 ``G`` the cumulative log gate and ``lev(t, s) = bit_length(t XOR s)`` (0 for the token
 itself). The wrappers here check arguments and call the C kernel's forward and backward; they
-never loop over time. Only the recurrent form exists so far.
+never loop over time.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from . import _validate as V
 from ._engines import sequences
 from .autodiff import register_vjp, split_cotangent
 
-FORMS = ("recurrent",)
+FORMS = ("chunk", "recurrent", "parallel")
 _FORM_CODE = {"parallel": 0, "recurrent": 2, "chunk": 3}
 _FN = "log_linear_attention"
 
@@ -90,7 +90,8 @@ class _Engine:
             raise ValueError(f"{_FN}(): level_scales has L={L} levels; at most 62 are supported")
         self.q, self.k, self.v, self.g, self.ls, self.h0 = q, k, v, g, ls, h0
         self.N = N
-        self.opts = (cu, start, _FORM_CODE[self.form], float(V.scale(_FN, scale, K ** -0.5, q.dtype)))
+        self.opts = (cu, start, _FORM_CODE[self.form], int(chunk_size),
+                     float(V.scale(_FN, scale, K ** -0.5, q.dtype)))
         self.o = self.ht = None
 
     def forward(self):
@@ -122,7 +123,7 @@ class _Engine:
 
 
 def log_linear_attention(q, k, v, g, level_scales, *, scale=None, initial_state=None,
-                         output_final_state=False, cu_seqlens=None, form="recurrent", chunk_size=64):
+                         output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     """Log-linear attention (log-linear Mamba-2):
     ``o_t = sum_{s<=t} level_scales[t, lev(t, s)] exp(G_t - G_s) (scale q_t . k_s) v_s``.
 
@@ -145,9 +146,12 @@ def log_linear_attention(q, k, v, g, level_scales, *, scale=None, initial_state=
     ``levels_needed(T, start, final_state=True)``). An initial state's level 0 must hold a whole
     position; its gradient there is 0.
 
-    Forms: ``"recurrent"`` (the O(log T) level states per position, updated per token);
-    ``chunk_size`` is checked and kept for the chunk form to come. Returns
-    ``(o [B, T, H, V], final_state or None)``.
+    Forms: ``"chunk"`` (default; O(T log T): inside a block of ``chunk_size`` aligned
+    positions the low levels are a masked quadratic product, the levels above are one state
+    each, read with one matrix product per level and merged as the tree says when the block
+    ends), ``"recurrent"`` (the O(log T) level states, updated per token) and ``"parallel"``
+    (the masked T x T product: the chunk algorithm with one block as long as the sequence).
+    Returns ``(o [B, T, H, V], final_state or None)``.
     """
     return _Engine(q, k, v, g, level_scales, scale, initial_state, output_final_state,
                    cu_seqlens, form, chunk_size).forward()
@@ -155,7 +159,7 @@ def log_linear_attention(q, k, v, g, level_scales, *, scale=None, initial_state=
 
 @register_vjp(log_linear_attention)
 def _log_linear_attention_vjp(q, k, v, g, level_scales, *, scale=None, initial_state=None,
-                              output_final_state=False, cu_seqlens=None, form="recurrent",
+                              output_final_state=False, cu_seqlens=None, form="chunk",
                               chunk_size=64):
     eng = _Engine(q, k, v, g, level_scales, scale, initial_state, output_final_state,
                   cu_seqlens, form, chunk_size)

@@ -11,5 +11,5 @@ def log_linear_attention(
     q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, level_scales: ArrayLike, *,
     scale: Optional[float] = ..., initial_state: Optional[ArrayLike] = ...,
     output_final_state: bool = ..., cu_seqlens: Optional[ArrayLike] = ...,
-    form: Literal["recurrent"] = ..., chunk_size: Literal[16, 32, 64, 128] = ...,
+    form: Literal["chunk", "recurrent", "parallel"] = ..., chunk_size: Literal[16, 32, 64, 128] = ...,
 ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...

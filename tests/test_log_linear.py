@@ -69,7 +69,7 @@ def test_forward_matches_the_oracle(form, T, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("start", [1, 6, 64, 1000])
+@pytest.mark.parametrize("start", [1, 6, 40, 64, 1000])
 def test_initial_state_matches_the_oracle(form, start, dtype):
     """A state of every level (not only those a real prefix fills) resumed at any position."""
     q, k, v, g, ls, h0 = inputs(start, T=70, start=start)
@@ -124,6 +124,23 @@ def test_gradients_match_finite_differences(form):
     # from position 0, no state; strong gates
     q, k, v, g, ls, _ = inputs(6, B=1, T=9, H=1, K=2, V=3, gate="strong")
     gradcheck(pyattn.log_linear_attention, (q, k, v, g, ls), dict(output_final_state=True, form=form))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64, 128])
+def test_every_chunk_size_equals_the_recurrent_form(chunk_size):
+    q, k, v, g, ls, h0 = inputs(30, T=300, start=13)
+    want = pyattn.log_linear_attention(q, k, v, g, ls, initial_state=h0, output_final_state=True, form="recurrent")
+    got = pyattn.log_linear_attention(q, k, v, g, ls, initial_state=h0, output_final_state=True, form="chunk",
+                                      chunk_size=chunk_size)
+    assert_close(got[0], want[0], 1e-12, name="o")
+    assert_close(got[1], want[1], 1e-12, name="final_state")
+
+
+def test_chunk_gradients_across_blocks():
+    """Several blocks of 16 rows, the first one short (the sequence resumes at position 5)."""
+    q, k, v, g, ls, h0 = inputs(31, B=1, T=40, H=1, K=3, V=2, start=5)
+    gradcheck(pyattn.log_linear_attention, (q, k, v, g, ls),
+              dict(initial_state=h0, output_final_state=True, form="chunk", chunk_size=16))
 
 
 @pytest.mark.parametrize("form", FORMS)

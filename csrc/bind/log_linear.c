@@ -4,7 +4,7 @@
 
 /* The arrays first in both entry points, and the options after the outputs/gradients */
 enum { LL_Q, LL_K, LL_V, LL_G, LL_LS, LL_H0 };
-enum { LL_CU, LL_START, LL_FORM, LL_SCALE };
+enum { LL_CU, LL_START, LL_FORM, LL_CHUNK, LL_SCALE };
 
 static int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
@@ -59,15 +59,22 @@ static int loglin_desc(const char *fn, PyObject *const *a, PyObject *const *opt,
             return -1;
         }
     }
-    long long form;
+    long long form, chunk;
     if (get_int(fn, "form", opt[LL_FORM], 0, 3, &form) ||
+        get_int(fn, "chunk_size", opt[LL_CHUNK], 1, 1 << 20, &chunk) ||
         get_double(fn, "scale", opt[LL_SCALE], -INFINITY, &d->scale))
         return -1;
-    if (form != PA_FORM_RECURRENT) {
-        PyErr_Format(PyExc_ValueError, "%s(): only the recurrent form is implemented", fn);
+    if (form == PA_FORM_FLASH) {
+        PyErr_Format(PyExc_ValueError, "%s(): log-linear attention has no flash form", fn);
+        return -1;
+    }
+    if (chunk & (chunk - 1)) {
+        PyErr_Format(PyExc_ValueError, "%s(): chunk_size must be a power of two, got %lld", fn,
+                     chunk);
         return -1;
     }
     d->form = (int)form;
+    d->chunk = chunk;
     d->H = H;
     d->K = K;
     d->V = V;
@@ -75,8 +82,8 @@ static int loglin_desc(const char *fn, PyObject *const *a, PyObject *const *opt,
     return 0;
 }
 
-/* loglin_forward(q, k, v, g, level_scales, h0, o, ht, cu, start, form, scale) -> None */
-enum { PF_O = LL_H0 + 1, PF_HT, PF_OPT, PF_NARGS = PF_OPT + 4 };
+/* loglin_forward(q, k, v, g, level_scales, h0, o, ht, cu, start, form, chunk, scale) -> None */
+enum { PF_O = LL_H0 + 1, PF_HT, PF_OPT, PF_NARGS = PF_OPT + 5 };
 
 static PyObject *py_loglin_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -103,9 +110,9 @@ static PyObject *py_loglin_forward(PyObject *self, PyObject *const *args, Py_ssi
 }
 
 /* loglin_backward(q, k, v, g, level_scales, h0, do, dht, dq, dk, dv, dg, dlevel_scales, dh0,
- *                 cu, start, form, scale) -> None */
+ *                 cu, start, form, chunk, scale) -> None */
 enum { PB_DO = LL_H0 + 1, PB_DHT, PB_DQ, PB_DK, PB_DV, PB_DG, PB_DLS, PB_DH0, PB_OPT,
-       PB_NARGS = PB_OPT + 4 };
+       PB_NARGS = PB_OPT + 5 };
 
 static PyObject *py_loglin_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -144,12 +151,12 @@ static PyObject *py_loglin_backward(PyObject *self, PyObject *const *args, Py_ss
 
 PyMethodDef pyattn_loglin_methods[] = {
     {"loglin_forward", (PyCFunction)(void (*)(void))py_loglin_forward, METH_FASTCALL,
-     "loglin_forward(q, k, v, g, level_scales, h0, o, ht, cu, start, form, scale): log-linear "
+     "loglin_forward(q, k, v, g, level_scales, h0, o, ht, cu, start, form, chunk, scale): log-linear "
      "attention; g [B, T, H], level_scales [B, T, H, L]; h0, ht None or [N, H, L, K, V]; start "
      "None or int64 [N]; o written"},
     {"loglin_backward", (PyCFunction)(void (*)(void))py_loglin_backward, METH_FASTCALL,
      "loglin_backward(q, k, v, g, level_scales, h0, do, dht, dq, dk, dv, dg, dlevel_scales, "
-     "dh0, cu, start, form, scale): gradients written in place; dht None (zero), dh0 None (not "
+     "dh0, cu, start, form, chunk, scale): gradients written in place; dht None (zero), dh0 None (not "
      "wanted)"},
     {NULL, NULL, 0, NULL},
 };

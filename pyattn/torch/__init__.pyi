@@ -105,7 +105,7 @@ def log_linear_attention(
     q: _TensorLike, k: _TensorLike, v: _TensorLike, g: _TensorLike, level_scales: _TensorLike, *,
     scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,
     output_final_state: bool = ..., cu_seqlens: Optional[_TensorLike] = ...,
-    form: Literal["recurrent"] = ..., chunk_size: _ChunkSize = ...,
+    form: Literal["chunk", "recurrent", "parallel"] = ..., chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
 
 def gla(
