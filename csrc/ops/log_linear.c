@@ -30,7 +30,7 @@
  *   read:   dS_l += ls_l q~ do^T,  dq~ += ls_l S_l do,  dls_l = q~ . S_l do  (l >= 1)
  *   decay:  dg = sum_l <dS_l, S_l>,  dS_l *= exp(g)
  *
- * The chunk backward keeps the levels entering every block and steps the blocks back:
+ * The chunk backward keeps the occupied levels entering every block and steps the blocks back:
  *   leave:  dS_l(in) = e^A dS_{max(l, m)},  dA += <dS_{max(l, m)}, e^A S_l>; row j at level m_j:
  *           dk_j = e^(A-a_j) dS_m_j v_j, dv_j = e^(A-a_j) dS_m_j^T k_j, u_j = k_j . dk_j moves
  *           from a_j to A
@@ -512,11 +512,15 @@ static void PA_FN(ll_unit_backward_chunk)(const PA_FN(ll_call) *c, int64_t unit,
     PA_FN(ll_unit_of)(c, unit, &u);
     PA_FN(ll_levels) lv = {.S = sc->S};
     lv.occ = PA_FN(ll_enter)(c->h0 ? c->h0 + unit * LKV : NULL, lv.S, L, KV);
-    int64_t nb = 0;
+    /* the occupied levels entering each block, packed one after another (about half of
+     * log2(T / C) of them: far less memory than every level) */
+    int64_t nb = 0, kept = 0;
     for (int64_t t0 = 0, n; t0 < u.T; t0 += n, nb++) {
         n = PA_FN(ll_block_rows)(&u, t0, sc->C);
-        memcpy(sc->kept + nb * SKV, lv.S, sizeof(real) * (size_t)SKV);
         sc->occ[nb] = lv.occ;
+        for (int l = 1; l <= L; l++)
+            if (lv.occ >> l & 1)
+                memcpy(sc->kept + KV * kept++, lv.S + l * KV, sizeof(real) * (size_t)KV);
         PA_FN(ll_block_forward)(&u, t0, n, d->scale, &lv, sc, 0);
     }
     memset(sc->dS, 0, sizeof(real) * (size_t)SKV);
@@ -528,7 +532,10 @@ static void PA_FN(ll_unit_backward_chunk)(const PA_FN(ll_call) *c, int64_t unit,
     for (int64_t b = nb - 1; b >= 0; b--) {
         const int64_t t0 = b ? first + (b - 1) * sc->C : 0;
         const int64_t n = PA_FN(ll_block_rows)(&u, t0, sc->C);
-        PA_FN(ll_block_backward)(&u, t0, n, d->scale, sc->kept + b * SKV, sc->occ[b], sc->dS, sc);
+        for (int l = L; l >= 1; l--)
+            if (sc->occ[b] >> l & 1)
+                memcpy(sc->S + l * KV, sc->kept + KV * --kept, sizeof(real) * (size_t)KV);
+        PA_FN(ll_block_backward)(&u, t0, n, d->scale, sc->S, sc->occ[b], sc->dS, sc);
     }
     if (c->dh0) {
         memcpy(c->dh0 + unit * LKV, sc->dS, sizeof(real) * (size_t)LKV);
