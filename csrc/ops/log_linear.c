@@ -1,5 +1,5 @@
 /* Log-linear attention (log-linear Mamba-2), forward and backward. Template body (see
- * core/dtype.h); needs core/vmath.h and ops/decay.h before it.
+ * core/dtype.h); needs core/vmath.h, core/gemm.c and ops/decay.h before it.
  *
  * Per (sequence, head) unit, with positions p = start + t (start: where the sequence resumes,
  * 0 without an initial state) and G the cumulative log gate of the call:
@@ -23,8 +23,9 @@
  * (w_l * Q~) S_l with w_l[i] = ls[i, that level] exp(a_i). Leaving at P1, a level l goes to
  * max(l, lev(P1, P0)) and row j to lev(P1, p_j) (non-increasing in j: a few runs of rows, one
  * product K^T diag(exp(A - a)) V each, A the block's total gate). Work O(T (C + L) K V).
+ * Parallel: the chunk algorithm with blocks of a power of two >= T (the masked T x T product).
  *
- * Backward: states kept every `piece` steps (about sqrt(T)); each piece's states recomputed,
+ * Recurrent backward: states kept every `piece` steps (about sqrt(T)); each piece's states recomputed,
  * then stepped back with dS, the gradients reaching each level:
  *   merge:  every level 1 .. z+1 entering it gets dS_{z+1};  dk = dS_{z+1} v, dv = dS_{z+1}^T k
  *   read:   dS_l += ls_l q~ do^T,  dq~ += ls_l S_l do,  dls_l = q~ . S_l do  (l >= 1)
