@@ -314,3 +314,21 @@ def test_oracle_and_kernel_equal_fla_s_naive(T):
     for form in FORMS:
         o, _ = pyattn.log_linear_attention(q, k, v, g, ls, scale=1.0, form=form)
         assert_close(o, fo, 1e-10, name=form)
+
+
+def test_the_core_entry_points_check_their_buffers():
+    """pyattn._core refuses buffers that do not fit instead of writing past them."""
+    from pyattn import _core
+    q, k, v, g, ls, _ = inputs(32, B=1, T=65, H=2)
+    o = np.empty_like(v)
+    cu = np.array([0, 65], dtype=np.int64)
+    raises(ValueError, _core.loglin_forward, q, k, v, g, ls[..., :7].copy(), None, o, None, cu, None, 3, 64, 1.0,
+           must=("L=7", "needs 8"))
+    raises(ValueError, _core.loglin_forward, q, k, v, g, ls, None, o, np.empty((1, 2, 3, 5, 3)), cu, None, 3, 64,
+           1.0, must=("final_state",))
+    raises(ValueError, _core.loglin_forward, q, k, v, g, ls, None, o, None, cu, np.array([-1]), 3, 64, 1.0,
+           must=("start",))
+    raises(ValueError, _core.loglin_forward, q, k, v, g, ls, None, o, None, cu, None, 3, 48, 1.0,
+           must=("chunk_size", "power of two"))
+    raises(ValueError, _core.loglin_forward, q, k, v, g[:, :3].copy(), ls, None, o, None, cu, None, 3, 64, 1.0,
+           must=("'g'",))
