@@ -13,12 +13,12 @@ from ._agree import agree
 
 class _Layout:
     """Where an op keeps what the scan needs: the positional indices of its per-token arrays
-    (time on axis 1), of its value array (whose last axis is the state's columns) and of the
-    array whose last axis is the state's rows; its per-token keyword arrays; its shared
-    (per-head) keyword arrays."""
+    (time on axis 1), of its value array (whose last axis is the state's columns; its name)
+    and of the array whose last axis is the state's rows; its per-token keyword arrays and its
+    value gate's keyword."""
 
-    def __init__(self, per_token, value, rows, per_token_kw=(), value_gate_kw=None):
-        self.per_token, self.value, self.rows = per_token, value, rows
+    def __init__(self, per_token, value, rows, per_token_kw=(), value_gate_kw=None, value_name="v"):
+        self.per_token, self.value, self.rows, self.value_name = per_token, value, rows, value_name
         self.per_token_kw, self.value_gate_kw = per_token_kw, value_gate_kw
 
 
@@ -26,7 +26,7 @@ _LAYOUTS = {
     _linear.simple_gla: _Layout((0, 1, 2, 3), value=2, rows=1),
     _linear.gla: _Layout((0, 1, 2, 3), value=2, rows=1, per_token_kw=("gv",), value_gate_kw="gv"),
     _linear.retention: _Layout((0, 1, 2), value=2, rows=1),
-    _linear.mamba2: _Layout((0, 1, 3, 4), value=0, rows=3),
+    _linear.mamba2: _Layout((0, 1, 3, 4), value=0, rows=3, value_name="x"),
     _delta.delta_rule: _Layout((0, 1, 2, 3), value=2, rows=1),
     _delta.gated_delta_rule: _Layout((0, 1, 2, 3, 4), value=2, rows=1),
     _delta.kda: _Layout((0, 1, 2, 3, 4), value=2, rows=1),
@@ -93,28 +93,54 @@ class _Transition:
         return out if self.cols is None else out * self.cols[..., None, :]
 
 
-def _local_summary(op, layout, args, kw):
-    """(end state from a zero start, transition) of this rank's slice, from one call of the op:
-    the value array gets K zero columns and the initial state an identity in those columns, so
-    the extra columns of the end state are the slice's K x K row map (the state map is linear
-    and the same for every column; a value gate only scales columns, and is summed here)."""
-    args = list(args)
-    value = np.asarray(args[layout.value])
-    K = np.asarray(args[layout.rows]).shape[-1]
-    Vd = value.shape[-1]
-    args[layout.value] = np.concatenate([value, np.zeros(value.shape[:-1] + (K,), value.dtype)], axis=-1)
-    call = dict(kw, output_final_state=True)
-    call.pop("initial_state", None)
-    cols = None
-    if layout.value_gate_kw is not None and kw.get(layout.value_gate_kw) is not None:
-        gate = np.asarray(kw[layout.value_gate_kw])
-        call[layout.value_gate_kw] = np.concatenate([gate, np.zeros(gate.shape[:-1] + (K,), gate.dtype)], axis=-1)
-        cols = np.exp(gate.sum(axis=1))
-    n_states, n_heads = value.shape[0], value.shape[2]
-    h0 = np.zeros((n_states, n_heads, K, Vd + K), value.dtype)
-    h0[..., Vd:] = np.eye(K, dtype=value.dtype)
-    _, end = op(*args, initial_state=h0, **call)
-    return end[..., :Vd], _Transition(end[..., Vd:], cols)
+def _per_step(x, m):
+    """x_t @ m per step and head: x [B, T, H, K], m [B, H, K, V] -> [B, T, H, V] (BLAS)."""
+    return np.swapaxes(np.swapaxes(x, 1, 2) @ m, 1, 2)
+
+
+def _time_sum(x, y):
+    """sum over t of x_t^T y_t per head: [B, T, H, K], [B, T, H, V] -> [B, H, K, V] (BLAS)."""
+    return np.swapaxes(x, 1, 2).swapaxes(-1, -2) @ np.swapaxes(y, 1, 2)
+
+
+class _Slice:
+    """One call of the op on this rank's slice from a zero state, with K extra zero value
+    columns started at the identity. The state map of a slice is linear in the incoming state
+    and acts on every column alike (a value gate only scales columns), so the extra columns
+    hold the slice's row maps: those of the end state are its K x K transition ``M``, those
+    of the output at step t are ``M_t^T q_t`` (``M_t`` the map up to step t), and the output
+    from an incoming state S is ``o_local + (M_t^T q_t)^T S``, times the value gate's decay
+    so far. The call's vjp serves the backward."""
+
+    def __init__(self, op, layout, args, kw, differentiable):
+        args = list(args)
+        value = np.asarray(args[layout.value])
+        K = np.asarray(args[layout.rows]).shape[-1]
+        self.V = Vd = value.shape[-1]
+        args[layout.value] = np.concatenate([value, np.zeros(value.shape[:-1] + (K,), value.dtype)], axis=-1)
+        call = dict(kw, output_final_state=True)
+        self.col_decay = None  # the value gate's decay up to each step [B, T, H, V]
+        gate = kw.get(layout.value_gate_kw) if layout.value_gate_kw is not None else None
+        if gate is not None:
+            gate = np.asarray(gate)
+            call[layout.value_gate_kw] = np.concatenate([gate, np.zeros(gate.shape[:-1] + (K,), gate.dtype)],
+                                                        axis=-1)
+            self.col_decay = np.exp(np.cumsum(gate, axis=1, dtype=gate.dtype))
+        h0 = np.zeros((value.shape[0], value.shape[2], K, Vd + K), value.dtype)
+        h0[..., Vd:] = np.eye(K, dtype=value.dtype)
+        call["initial_state"] = h0
+        if differentiable:
+            (o, end), self.pullback = vjp(op, *args, **call)
+        else:
+            o, end = op(*args, **call)
+        self.o_local, self.q_maps = o[..., :Vd], o[..., Vd:]
+        self.end_local = end[..., :Vd]
+        cols = None if self.col_decay is None else self.col_decay[:, -1]
+        self.transition = _Transition(end[..., Vd:], cols)
+
+    def output(self, incoming):
+        carried = _per_step(self.q_maps, incoming)
+        return self.o_local + (carried if self.col_decay is None else carried * self.col_decay)
 
 
 def _gathered(comm, what, value):
@@ -126,22 +152,23 @@ def _gathered(comm, what, value):
     return [v for v, _ in seen]
 
 
-def _incoming_states(comm, op, layout, args, kw):
-    """(this rank's incoming state, the global final state, every rank's transition)."""
+def _forward(comm, op, layout, args, kw, differentiable):
+    """(this rank's _Slice, its incoming state, the global final state, every rank's
+    transition)."""
     try:
-        mine, err = _local_summary(op, layout, args, kw), None
+        piece, err = _Slice(op, layout, args, kw, differentiable), None
     except (ValueError, TypeError, MemoryError) as e:
-        mine, err = None, f"{type(e).__name__}: {e}"
-    summaries = _gathered(comm, "the slice's forward", (mine, err))
-    end0, _ = summaries[0]
+        piece, err = None, f"{type(e).__name__}: {e}"
+    summaries = _gathered(comm, "the slice's forward",
+                          (None if piece is None else (piece.end_local, piece.transition), err))
     h0 = kw.get("initial_state")
-    state = np.zeros_like(end0) if h0 is None else np.asarray(h0, dtype=end0.dtype)
+    state = np.zeros_like(piece.end_local) if h0 is None else np.asarray(h0, dtype=piece.end_local.dtype)
     incoming = None
     for r, (end, transition) in enumerate(summaries):
         if r == comm.Get_rank():
             incoming = state
         state = transition.apply(state) + end
-    return incoming, state, [t for _, t in summaries]
+    return piece, incoming, state, [t for _, t in summaries]
 
 
 def context_parallel(op, *args, comm, **kw):
@@ -155,11 +182,12 @@ def context_parallel(op, *args, comm, **kw):
     ``(o_slice, final_state)``: the op's output on this rank's positions, and the state after
     the whole sequence (the same on every rank). Equal to one process on the whole sequence.
 
-    Each rank summarises its slice by its end state from a zero start and its state
-    transition (a K x K map of the state's rows, diagonal for the gated linear ops, times a
-    column decay for gla's value gate), got from one call of the op with K extra zero value
-    columns started at the identity; one allgather of the summaries lets every rank scan them
-    into its incoming state; the op then runs on the slice from that state.
+    Each rank calls the op once on its slice from a zero state, with K extra zero value
+    columns started at the identity: the extra columns give the slice's state transition (a
+    K x K map of the state's rows, diagonal for the gated linear ops, times a column decay for
+    gla's value gate) and, at each step, the map that carries an incoming state into the
+    output. One allgather of (end state, transition) lets every rank scan the earlier ranks'
+    summaries into its incoming state, whose contribution is then added to the output.
 
     Under ``pyattn.vjp`` the per-token gradients are this rank's slice; the gradients of
     ``initial_state`` and the per-head constants are the whole gradient on every rank. The
@@ -168,9 +196,8 @@ def context_parallel(op, *args, comm, **kw):
     the same ValueError, as does an op not listed above; ``cu_seqlens`` is not implemented.
     """
     layout = _check_call(op, args, comm, kw)
-    incoming, final, _ = _incoming_states(comm, op, layout, args, kw)
-    o, _ = op(*args, **dict(kw, initial_state=incoming, output_final_state=True))
-    return o, final
+    piece, incoming, final, _ = _forward(comm, op, layout, args, kw, differentiable=False)
+    return piece.output(incoming), final
 
 
 def _sum_in_rank_order(parts):
@@ -187,36 +214,52 @@ def _sum_in_rank_order(parts):
 @register_vjp(context_parallel)
 def _context_parallel_vjp(op, *args, comm, **kw):
     layout = _check_call(op, args, comm, kw)
-    incoming, final, transitions = _incoming_states(comm, op, layout, args, kw)
-    (o, _), local_pullback = vjp(op, *args, **dict(kw, initial_state=incoming, output_final_state=True))
+    piece, incoming, final, transitions = _forward(comm, op, layout, args, kw, differentiable=True)
     rank, size = comm.Get_rank(), comm.Get_size()
-    has_initial_state = kw.get("initial_state") is not None
+    gate_name = layout.value_gate_kw if piece.col_decay is not None else None
 
     def pullback(cot):
         do, dfinal = cot if isinstance(cot, (tuple, list)) else (cot, None)
-        # the state cotangent entering each slice is linear in (do, the cotangent of its end
-        # state): the do part is local, the rest arrives from later ranks through the
-        # adjoint transitions (a reverse scan)
         dfinal = None if dfinal is None else np.asarray(dfinal)
+        # the cotangent of a slice's incoming state is its output's part (local) plus its end
+        # state's cotangent carried back through the adjoint transition: a reverse scan over
+        # the ranks of the local parts
         try:
-            mine, err = local_pullback((do, None))["initial_state"], None
+            do = np.zeros_like(piece.o_local) if do is None else np.asarray(do, dtype=piece.o_local.dtype)
+            do_carried = do if piece.col_decay is None else do * piece.col_decay
+            mine, err = _time_sum(piece.q_maps, do_carried), None
         except (ValueError, TypeError, MemoryError) as e:
             mine, err = None, f"{type(e).__name__}: {e}"
         parts = _gathered(comm, "the slice's backward", ((mine, dfinal), err))
-        local_parts = [p for p, _ in parts]
-        dend = _sum_in_rank_order([d for _, d in parts])
-        if dend is None:
-            dend = np.zeros_like(final)
-        for s in range(size - 1, rank, -1):
-            dend = transitions[s].adjoint(dend) + local_parts[s]
-        grads = local_pullback((do, dend))
-        dh0 = grads.pop("initial_state")
+        dstate = _sum_in_rank_order([d for _, d in parts])
+        if dstate is None:
+            dstate = np.zeros_like(final)
+        dend = None
+        for s in range(size - 1, -1, -1):
+            if s == rank:
+                dend = dstate
+            dstate = transitions[s].adjoint(dstate) + parts[s][0]
+        # dstate is now the cotangent of initial_state
+        tr = piece.transition
+        dend_scaled = dend if tr.cols is None else dend * tr.cols[..., None, :]
+        dq_maps = _per_step(do_carried, np.swapaxes(incoming, -1, -2))
+        drows = dend_scaled @ np.swapaxes(incoming, -1, -2)
+        grads = piece.pullback((np.concatenate([do, dq_maps], axis=-1), np.concatenate([dend, drows], axis=-1)))
+        grads.pop("initial_state")
+        grads[layout.value_name] = np.ascontiguousarray(grads[layout.value_name][..., :piece.V])
+        if gate_name is not None:
+            # the value gate's decay scales the carried output and the carried end state
+            carried = _per_step(piece.q_maps, incoming)
+            step = do_carried * carried
+            through_output = np.flip(np.cumsum(np.flip(step, axis=1), axis=1), axis=1)
+            through_end = np.einsum("bhkv,bhkv->bhv", dend_scaled, tr.rows @ incoming)[:, None]
+            grads[gate_name] = grads[gate_name][..., :piece.V] + through_output + through_end
         shared = {n: grads[n] for n in _SHARED_GRADIENTS if n in grads}
-        every = comm.allgather((shared, dh0 if rank == 0 else None))
+        every = comm.allgather(shared)
         for n in shared:
-            grads[n] = _sum_in_rank_order([s[n] for s, _ in every])
-        if has_initial_state:
-            grads["initial_state"] = every[0][1]
+            grads[n] = _sum_in_rank_order([s[n] for s in every])
+        if kw.get("initial_state") is not None:
+            grads["initial_state"] = dstate.astype(final.dtype)
         return grads
 
-    return (o, final), pullback
+    return (piece.output(incoming), final), pullback
