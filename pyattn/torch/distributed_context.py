@@ -23,14 +23,13 @@ class _ContextParallel(torch.autograd.Function):
         (o, final), pullback = vjp(_context_parallel, fn, *args, comm=comm, **kw)
         ctx.pullback = pullback
         ctx.names = list(pyattn.OPS[fn.__name__].arrays[:n_positional]) + list(tensor_kw)
-        ctx.dtype = tensors[0].dtype
         return torch.from_numpy(o), torch.from_numpy(final)
 
     @staticmethod
     def backward(ctx, do, dfinal):
         # every rank calls the pullback (it communicates), even with zero cotangents
         grads = ctx.pullback((None if do is None else _array(do), None if dfinal is None else _array(dfinal)))
-        out = [None if grads.get(name) is None else torch.from_numpy(grads[name]).to(ctx.dtype)
+        out = [None if grads.get(name) is None else torch.from_numpy(grads[name])
                for name in ctx.names]
         return (None, None, None, None, None, *out)
 

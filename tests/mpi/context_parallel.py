@@ -1,5 +1,6 @@
 """Per-rank script: context_parallel of every supported op against one process on the whole
-sequence (outputs, final state, every gradient), float64 and float32, unequal slices; bad
+sequence (outputs, final state, every gradient), float64 and float32, every form, with and
+without an initial state, unequal slices; bad
 input raises the same error on every rank; the torch wrapper where torch imports."""
 import sys
 
@@ -40,11 +41,11 @@ def check(what, got, want, tol):
     return err
 
 
-def case(name, dtype, with_initial_state, chunk_size=16):
+def case(name, dtype, with_initial_state, chunk_size=16, form="chunk"):
     info = pyattn.OPS[name]
     rng = np.random.default_rng(7)
     args, kw = info.example(rng, dtype)
-    kw = dict(kw, chunk_size=chunk_size)
+    kw = dict(kw, chunk_size=chunk_size, form=form)
     if not with_initial_state:
         kw.pop("initial_state")
     (o, ht), pull = pyattn.vjp(info.fn, *args, **kw)
@@ -142,6 +143,8 @@ for name in PER_TOKEN:
     for dtype in (np.float64, np.float32):
         for with_h0 in (True, False):
             worst[dtype] = max(worst[dtype], case(name, dtype, with_h0))
+    for form in ("parallel", "recurrent"):
+        worst[np.float64] = max(worst[np.float64], case(name, np.float64, True, form=form))
 worst[np.float64] = max(worst[np.float64], case("gated_delta_rule", np.float64, True, chunk_size=64))
 bad_input()
 note = torch_wrapper()
