@@ -135,7 +135,7 @@ class _Slice:
             o, end = op(*args, **call)
         self.o_local, self.q_maps = o[..., :Vd], o[..., Vd:]
         self.end_local = end[..., :Vd]
-        cols = None if self.col_decay is None else self.col_decay[:, -1]
+        cols = None if gate is None else np.exp(gate.sum(axis=1))
         self.transition = _Transition(end[..., Vd:], cols)
 
     def output(self, incoming):
@@ -157,7 +157,7 @@ def _forward(comm, op, layout, args, kw, differentiable):
     transition)."""
     try:
         piece, err = _Slice(op, layout, args, kw, differentiable), None
-    except (ValueError, TypeError, MemoryError) as e:
+    except Exception as e:  # any failure here must reach the other ranks, or they wait forever
         piece, err = None, f"{type(e).__name__}: {e}"
     summaries = _gathered(comm, "the slice's forward",
                           (None if piece is None else (piece.end_local, piece.transition), err))
@@ -228,7 +228,7 @@ def _context_parallel_vjp(op, *args, comm, **kw):
             do = np.zeros_like(piece.o_local) if do is None else np.asarray(do, dtype=piece.o_local.dtype)
             do_carried = do if piece.col_decay is None else do * piece.col_decay
             mine, err = _time_sum(piece.q_maps, do_carried), None
-        except (ValueError, TypeError, MemoryError) as e:
+        except Exception as e:  # as in the forward: the other ranks must hear of it
             mine, err = None, f"{type(e).__name__}: {e}"
         parts = _gathered(comm, "the slice's backward", ((mine, dfinal), err))
         dstate = _sum_in_rank_order([d for _, d in parts])

@@ -2,8 +2,6 @@
 sequence (outputs, final state, every gradient), float64 and float32, every form, with and
 without an initial state, unequal slices; bad
 input raises the same error on every rank; the torch wrapper where torch imports."""
-import sys
-
 import numpy as np
 from mpi4py import MPI
 
@@ -21,27 +19,35 @@ PER_TOKEN_KW = ("gv",)
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
 
 
-def bounds(T):
-    """Unequal contiguous slices: rank r gets a share proportional to r + 1."""
-    w = np.arange(1, size + 1)
+def bounds(T, empty_first=False):
+    """Unequal contiguous slices: rank r gets a share proportional to r + 1 (to r with
+    empty_first: rank 0 holds no position)."""
+    w = np.arange(0 if empty_first else 1, size + (0 if empty_first else 1))
     cuts = np.concatenate([[0], np.round(np.cumsum(w) / w.sum() * T).astype(int)])
     return cuts[rank], cuts[rank + 1]
 
 
+def fail(message):
+    """Report and end the whole job (the other ranks may be waiting in a collective)."""
+    print(f"FAIL rank {rank}: {message}", flush=True)
+    comm.Abort(1)
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.size == 0 and b.size == 0:
+        return 0.0
     return np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b ** 2)), 1e-300)
 
 
 def check(what, got, want, tol):
     err = rel(got, want)
     if not err <= tol:
-        print(f"FAIL rank {rank}: {what}: relative error {err:.3g} > {tol:g}", flush=True)
-        sys.exit(1)
+        fail(f"{what}: relative error {err:.3g} > {tol:g}")
     return err
 
 
-def case(name, dtype, with_initial_state, chunk_size=16, form="chunk"):
+def case(name, dtype, with_initial_state, chunk_size=16, form="chunk", empty_first=False):
     info = pyattn.OPS[name]
     rng = np.random.default_rng(7)
     args, kw = info.example(rng, dtype)
@@ -56,7 +62,7 @@ def case(name, dtype, with_initial_state, chunk_size=16, form="chunk"):
     dht_parts = [rng.standard_normal(ht.shape).astype(dtype) for _ in range(size - 1)]
     dht_parts.append(dht - sum(dht_parts, np.zeros_like(dht)))
 
-    lo, hi = bounds(o.shape[1])
+    lo, hi = bounds(o.shape[1], empty_first)
     cut = lambda x: np.ascontiguousarray(x[:, lo:hi])
     my_args = [cut(a) if i in PER_TOKEN[name] else a for i, a in enumerate(args)]
     my_kw = {key: cut(val) if key in PER_TOKEN_KW else val for key, val in kw.items()}
@@ -65,12 +71,10 @@ def case(name, dtype, with_initial_state, chunk_size=16, form="chunk"):
     worst = max(check(f"{name} o", o_r, o[:, lo:hi], tol), check(f"{name} final state", ht_r, ht, tol))
     o_plain, ht_plain = context_parallel(info.fn, *my_args, comm=comm, **my_kw)
     if not (np.array_equal(o_plain, o_r) and np.array_equal(ht_plain, ht_r)):
-        print(f"FAIL rank {rank}: {name}: context_parallel and its vjp's forward differ", flush=True)
-        sys.exit(1)
+        fail(f"{name}: context_parallel and its vjp's forward differ")
     got = pull_r((do[:, lo:hi], dht_parts[rank]))
     if sorted(got) != sorted(want):
-        print(f"FAIL rank {rank}: {name}: gradients {sorted(got)} != {sorted(want)}", flush=True)
-        sys.exit(1)
+        fail(f"{name}: gradients {sorted(got)} != {sorted(want)}")
     for key, g in want.items():
         per_token = key in PER_TOKEN_KW or key in [info.arrays[i] for i in PER_TOKEN[name]]
         worst = max(worst, check(f"{name} d{key}", got[key], g[:, lo:hi] if per_token else g, tol))
@@ -82,11 +86,9 @@ def expect_error(kind, fn, words):
         fn()
     except kind as e:
         if words not in str(e):
-            print(f"FAIL rank {rank}: {kind.__name__} without {words!r}: {e}", flush=True)
-            sys.exit(1)
+            fail(f"{kind.__name__} without {words!r}: {e}")
         return
-    print(f"FAIL rank {rank}: no {kind.__name__} ({words})", flush=True)
-    sys.exit(1)
+    fail(f"no {kind.__name__} ({words})")
 
 
 def bad_input():
@@ -146,6 +148,8 @@ for name in PER_TOKEN:
     for form in ("parallel", "recurrent"):
         worst[np.float64] = max(worst[np.float64], case(name, np.float64, True, form=form))
 worst[np.float64] = max(worst[np.float64], case("gated_delta_rule", np.float64, True, chunk_size=64))
+for name in ("gla", "mamba2", "kda"):
+    worst[np.float64] = max(worst[np.float64], case(name, np.float64, True, empty_first=True))
 bad_input()
 note = torch_wrapper()
 if rank == 0:
