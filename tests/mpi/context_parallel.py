@@ -101,6 +101,9 @@ def bad_input():
     k_odd = k[..., :3].copy() if rank == size - 1 else k
     expect_error(ValueError, lambda: context_parallel(pyattn.simple_gla, q, k_odd, v, g, comm=comm),
                  "the ranks disagree")
+    op_odd = pyattn.retention if rank == size - 1 else pyattn.simple_gla
+    expect_error(ValueError, lambda: context_parallel(op_odd, q, k, v, *([] if rank == size - 1 else [g]),
+                                                      comm=comm), "the ranks disagree")
     g_odd = g.astype(np.float32) if rank == 0 else g
     expect_error(ValueError, lambda: context_parallel(pyattn.simple_gla, q, k, v, g_odd, comm=comm),
                  "the ranks disagree")
