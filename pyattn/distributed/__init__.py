@@ -19,5 +19,6 @@ except ImportError as e:  # pragma: no cover - exercised where mpi4py is absent
                       "mpich wheel, which brings mpiexec)") from e
 
 from ._agree import agree
+from .context import context_parallel
 
-__all__ = ["agree"]
+__all__ = ["agree", "context_parallel"]
