@@ -4,6 +4,7 @@ in one table.
 
     python benchmarks/bench_distributed.py data [--configs 1x4 4x4] [--rows 8] [--T 512] [--steps 6]
                                                 [--launcher "mpiexec --bind-to none"]
+    python benchmarks/bench_distributed.py context [--configs 1x4 4x4] [--T 65536] [--launcher ...]
 
 data: data-parallel training of the bench_train hybrid (4 layers gated_deltanet / softmax,
 d_model 256, 4 heads, vocabulary 512, float32; benchmarks/distributed_data.py is one rank's
@@ -13,6 +14,13 @@ configuration's. "wait" = the time a step waits for the gradient Allreduces afte
 backward (the rest of their time overlapped the backward of the layers below); "allreduce" =
 one blocking Allreduce of the whole gradient timed apart; "share" = wait / step. The bar
 (issue 31): 4 ranks at least 3.6x 1 rank at the same threads per rank.
+
+context: context_parallel(gated_delta_rule) forward+backward over T positions split evenly
+over the ranks (B1 H4 K=V=64, float32, qk_l2norm; benchmarks/distributed_context.py is one
+rank's side), the median of 5 calls, each between barriers (the slowest rank's time); the
+first configuration also times one process running pyattn.gated_delta_rule and its pullback
+on the whole sequence ("one process"), the baseline of the speed-ups. The bar (issue 31):
+4 ranks x 4 threads at least 3x 1 rank x 4 threads.
 
 Every job gets OMP_NUM_THREADS = threads and OPENBLAS_NUM_THREADS = 1; the ranks share the
 machine's cores (R x N should not exceed them: the table says how many the machine has).
@@ -77,6 +85,30 @@ def data(args) -> int:
     return 0
 
 
+def context(args) -> int:
+    rows, base = [], None
+    for i, (ranks, threads) in enumerate(args.configs):
+        extra = ["--T", str(args.T), "--json"] + (["--single"] if i == 0 else [])
+        r = run(args.launcher, "distributed_context.py", ranks, threads, extra)
+        if i == 0:
+            base = (r["single_seconds"], threads)
+        rows.append((ranks, threads, r["seconds"]))
+        print(f"  {ranks} x {threads}: {r['seconds'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    one, one_threads = base
+    print(f"context_parallel(gated_delta_rule) fwd+bwd, B1 T {args.T} H4 K=V=64 float32; machine: "
+          f"{os.cpu_count()} CPUs")
+    print(f"one process, {one_threads} threads, pyattn.gated_delta_rule + pullback: {one * 1e3:.1f} ms")
+    print(f"{'ranks x threads':>16} {'ms':>9} {'speed-up':>9}")
+    for ranks, threads, sec in rows:
+        print(f"{f'{ranks} x {threads}':>16} {sec * 1e3:9.1f} {one / sec:8.2f}x")
+    for ranks, threads, sec in rows:
+        if ranks == 4 and threads == one_threads:
+            up = one / sec
+            print(f"bar: 4 ranks x {threads} threads = {up:.2f}x 1 rank x {threads} threads, need >= 3x: "
+                  f"{'PASS' if up >= 3 else 'FAIL'}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = ap.add_subparsers(dest="part", required=True)
@@ -86,9 +118,13 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=512)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--launcher", default="mpiexec")
+    c = parts.add_parser("context")
+    c.add_argument("--configs", type=config, nargs="+", default=[config("1x4"), config("4x4")])
+    c.add_argument("--T", type=int, default=65536)
+    c.add_argument("--launcher", default="mpiexec")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    status = data(args)
+    status = data(args) if args.part == "data" else context(args)
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     return status
 

@@ -15,6 +15,7 @@ as many threads as all ranks together for a fair comparison).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import numpy as np
@@ -49,7 +50,11 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=64, help="K = V")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--single", action="store_true", help="also time one process on the whole sequence")
+    p.add_argument("--threads", type=int, default=None, help="threads per rank (default: OMP_NUM_THREADS)")
+    p.add_argument("--json", action="store_true", help="one JSON line on rank 0 instead of the text")
     a = p.parse_args(argv)
+    if a.threads is not None:
+        pyattn.set_num_threads(a.threads)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     lo, hi = rank * a.T // size, (rank + 1) * a.T // size
@@ -61,9 +66,10 @@ def main(argv=None):
         pullback((do, None))
 
     seconds = _median_seconds(step, comm, a.repeats)
-    if rank == 0:
+    if rank == 0 and not a.json:
         print(f"context_parallel(gated_delta_rule) fwd+bwd: ranks {size} x threads {pyattn.get_num_threads()}, "
               f"B=1 T={a.T} H={a.heads} K=V={a.dim} float32: {seconds * 1e3:.1f} ms (median of {a.repeats})")
+    one_seconds = None
     if a.single and rank == 0:
         whole, do_whole = _inputs(np.random.default_rng(0), a.T, a.heads, a.dim)
 
@@ -72,8 +78,12 @@ def main(argv=None):
             pullback(do_whole)
 
         one_seconds = _median_seconds(one, MPI.COMM_SELF, a.repeats)
-        print(f"one process on the whole sequence: {one_seconds * 1e3:.1f} ms; "
-              f"speed-up {one_seconds / seconds:.2f}x on {size} ranks")
+        if not a.json:
+            print(f"one process on the whole sequence: {one_seconds * 1e3:.1f} ms; "
+                  f"speed-up {one_seconds / seconds:.2f}x on {size} ranks")
+    if rank == 0 and a.json:
+        print(json.dumps({"ranks": size, "threads": pyattn.get_num_threads(), "T": a.T, "seconds": seconds,
+                          "single_seconds": one_seconds}), flush=True)
     comm.Barrier()
 
 
