@@ -19,5 +19,6 @@ except ImportError as e:  # pragma: no cover - exercised where mpi4py is absent
                       "mpich wheel, which brings mpiexec)") from e
 
 from ._agree import agree
+from .ring import ring_attention, zigzag_merge, zigzag_split
 
-__all__ = ["agree"]
+__all__ = ["agree", "ring_attention", "zigzag_split", "zigzag_merge"]
