@@ -9,6 +9,8 @@ ring with the blocks until they reach their owner.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from mpi4py import MPI
 
@@ -17,6 +19,19 @@ from ..autodiff import register_vjp, split_cotangent
 from ._agree import agree
 
 LAYOUTS = ("contiguous", "zigzag")
+_waited_s = [0.0]
+
+
+def comm_wait_seconds() -> float:
+    """Seconds this process has spent waiting for ring transfers to finish (the part of the
+    communication the flash kernel did not hide), summed over all calls so far."""
+    return _waited_s[0]
+
+
+def _wait(requests):
+    start = time.perf_counter()
+    MPI.Request.Waitall(requests)
+    _waited_s[0] += time.perf_counter() - start
 
 
 def _segments(layout, rank, size, lengths):
@@ -139,7 +154,7 @@ def _forward(call):
             o, lse = softmax_forward(qb, kb, vb, opts)
             _merge_into(o_acc[:, qa:qa + lq], lse_acc[:, qa:qa + lq], o, lse)
         if step < call.size - 1:
-            MPI.Request.Waitall(reqs)
+            _wait(reqs)
             k, v = nxt_kv
     return o_acc.astype(q.dtype), lse_acc.astype(q.dtype)
 
@@ -166,15 +181,15 @@ def _backward(call, o, lse, do, dlse):
             dv[:, ka:ka + lk] += dvb
         # this block's dK/dV so far arrive from the previous rank while the kernel above ran
         if dkv_in is not None:
-            MPI.Request.Waitall(dkv_reqs)
+            _wait(dkv_reqs)
             dk += dkv_in[0]
             dv += dkv_in[1]
         # on to the next rank: after the last step that is the block's owner
         dkv_in, dkv_reqs = call.ring_transfer((dk, dv), call.kv_shapes((source - 1) % call.size))
         if step < call.size - 1:
-            MPI.Request.Waitall(kv_reqs)
+            _wait(kv_reqs)
             k, v = nxt_kv
-    MPI.Request.Waitall(dkv_reqs)
+    _wait(dkv_reqs)
     dk, dv = dkv_in
     return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
 
