@@ -54,6 +54,17 @@ def _relation(q_seg, k_seg, causal):
     raise AssertionError(f"segments {q_seg} and {k_seg} overlap partly")  # no layout makes them
 
 
+def _joined(ranges):
+    """Local (start, length) ranges in order, adjacent ones joined."""
+    out = []
+    for start, length in ranges:
+        if out and sum(out[-1]) == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return out
+
+
 class _Call:
     """A ring_attention call checked on every rank: local arrays, layout and block geometry."""
 
@@ -98,27 +109,35 @@ class _Call:
             return ("error", f"{type(e).__name__}: {e}"), e
 
     def blocks(self, rank, source):
-        """(q segment, k segment, causal) for every block pair that rank's queries see among
-        the keys of source; segments as (local start, length)."""
-        out = []
+        """(q range, k range, causal) for the block pairs that rank's queries see among the
+        keys of source; ranges as (local start, length), as few and as large as the segments
+        allow (fewer, larger kernel calls)."""
+        if rank == source:
+            # local order follows global order in both layouts, so one causal call is exact: an
+            # earlier segment's keys are all visible to a later one's queries, and none back
+            n = self.lengths[rank]
+            return [((0, n), (0, n), self.causal)]
+        pairs = []
         for qs in self.segments[rank]:
-            for ks in self.segments[source]:
-                rel = _relation(qs, ks, self.causal)
-                if rel is not None:
-                    out.append(((qs[2], qs[1]), (ks[2], ks[1]), rel == "causal"))
-        return out
+            seen = [ks for ks in self.segments[source] if _relation(qs, ks, self.causal) is not None]
+            for k_range in _joined([(ks[2], ks[1]) for ks in seen]):
+                if pairs and pairs[-1][1] == k_range and sum(pairs[-1][0]) == qs[2]:
+                    pairs[-1] = ((pairs[-1][0][0], pairs[-1][0][1] + qs[1]), k_range, False)
+                else:
+                    pairs.append(((qs[2], qs[1]), k_range, False))
+        return pairs
 
     def opts(self, q, k, v, causal):
         return softmax_prepare(q, k, v, causal, self.scale, None, 0, None, self.softcap, None, None,
                                None, "flash")
 
-    def ring_transfer(self, arrays, shapes):
+    def ring_transfer(self, arrays, shapes, tag=0):
         """Start sending ``arrays`` to the next rank and receiving arrays of ``shapes`` from the
-        previous one: (received arrays, requests)."""
+        previous one, with tags from ``tag`` on: (received arrays, requests)."""
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         got = [np.empty(s, dtype=a.dtype) for a, s in zip(arrays, shapes)]
-        reqs = [self.comm.Isend(np.ascontiguousarray(a), dest=nxt, tag=i) for i, a in enumerate(arrays)]
-        reqs += [self.comm.Irecv(g, source=prv, tag=i) for i, g in enumerate(got)]
+        reqs = [self.comm.Isend(np.ascontiguousarray(a), dest=nxt, tag=tag + i) for i, a in enumerate(arrays)]
+        reqs += [self.comm.Irecv(g, source=prv, tag=tag + i) for i, g in enumerate(got)]
         return got, reqs
 
     def kv_shapes(self, source):
@@ -185,7 +204,8 @@ def _backward(call, o, lse, do, dlse):
             dk += dkv_in[0]
             dv += dkv_in[1]
         # on to the next rank: after the last step that is the block's owner
-        dkv_in, dkv_reqs = call.ring_transfer((dk, dv), call.kv_shapes((source - 1) % call.size))
+        # tags of their own: K/V of the next hop are on the way at the same time
+        dkv_in, dkv_reqs = call.ring_transfer((dk, dv), call.kv_shapes((source - 1) % call.size), tag=2)
         if step < call.size - 1:
             _wait(kv_reqs)
             k, v = nxt_kv
