@@ -54,6 +54,27 @@ def _relation(q_seg, k_seg, causal):
     raise AssertionError(f"segments {q_seg} and {k_seg} overlap partly")  # no layout makes them
 
 
+_UNBOUNDED = 1 << 62
+
+
+def _windowed(q_seg, k_seg, left, right):
+    """(q range, k range, False, kernel window) for queries q_seg under a window (left, right)
+    (-1 unbounded; causal already folded into right = 0) over keys k_seg, or None where no
+    query sees a key. The ranges are trimmed to the queries that see some key and the keys
+    some query sees; then the window shifted by the pair's position offset has both bounds
+    >= 0, so the kernel's bottom-right aligned window is exact."""
+    (qa, lq, q_local), (ka, lk, k_local) = q_seg, k_seg
+    d = qa - ka  # query i sees key j iff lo <= j - i <= hi
+    lo = d - left if left >= 0 else -_UNBOUNDED
+    hi = d + right if right >= 0 else _UNBOUNDED
+    i0, i1 = max(0, -hi), min(lq - 1, lk - 1 - lo)
+    j0, j1 = max(0, lo), min(lk - 1, lq - 1 + hi)
+    if i0 > i1 or j0 > j1:
+        return None
+    window = (j1 - (i1 + lo) if left >= 0 else -1, (i1 + hi) - j1 if right >= 0 else -1)
+    return (q_local + i0, i1 - i0 + 1), (k_local + j0, j1 - j0 + 1), False, window
+
+
 def _joined(ranges):
     """Local (start, length) ranges in order, adjacent ones joined."""
     out = []
@@ -71,19 +92,14 @@ class _Call:
     def __init__(self, q, k, v, comm, causal, scale, window, softcap, layout):
         fn = "ring_attention"
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
-        facts, error = self._local_facts(fn, q, k, v, causal, scale, softcap, layout)
-        agree(comm, fn, facts + (repr(window),))
+        facts, error = self._local_facts(fn, q, k, v, causal, scale, window, softcap, layout)
+        agree(comm, fn, facts)
         if error is not None:  # the same on every rank
             raise error
-        if window is not None and tuple(window) != (-1, -1):
-            # the flash kernel aligns a query block and a key block bottom-right; a block pair
-            # of the ring has its own offset, which the kernel cannot take: a window would be wrong
-            raise NotImplementedError(f"{fn}(): 'window' is not supported (the flash kernel takes "
-                                      "no position offset between a query and a key block)")
         self.lengths = comm.allgather(self.q.shape[1])
         self.segments = [_segments(layout, s, self.size, self.lengths) for s in range(self.size)]
 
-    def _local_facts(self, fn, q, k, v, causal, scale, softcap, layout):
+    def _local_facts(self, fn, q, k, v, causal, scale, window, softcap, layout):
         """(the summary every rank must share, None), or (the local error as text, the error):
         agree then raises on every rank where the ranks differ, and the error where they
         all have it."""
@@ -91,7 +107,7 @@ class _Call:
             if layout not in LAYOUTS:
                 raise ValueError(f"{fn}(): 'layout' must be one of {LAYOUTS}, got {layout!r}")
             self.q, self.k, self.v, opts = softmax_prepare(
-                q, k, v, causal, scale, None, 0, None, 0.0 if softcap is None else softcap, None,
+                q, k, v, causal, scale, window, 0, None, 0.0 if softcap is None else softcap, None,
                 None, None, "flash")
             B, T, H, Dk = self.q.shape
             _, Tk, Hk, Dv = self.v.shape
@@ -102,33 +118,38 @@ class _Call:
                 raise ValueError(f"{fn}(): layout 'zigzag' holds two equal chunks per rank, got an "
                                  f"odd length {T} (the sequence length must divide by 2 x ranks)")
             self.causal, self.softcap, self.layout = bool(causal), opts[-2], layout
-            self.scale = opts[-1]
+            self.scale, self.window = opts[-1], (opts[4], opts[5])
             return ("ok", B, H, Hk, Dk, Dv, str(self.q.dtype), self.causal, float(self.scale),
-                    float(opts[-2]), layout, T if layout == "zigzag" else None), None
+                    float(opts[-2]), self.window, layout, T if layout == "zigzag" else None), None
         except (TypeError, ValueError) as e:
             return ("error", f"{type(e).__name__}: {e}"), e
 
     def blocks(self, rank, source):
-        """(q range, k range, causal) for the block pairs that rank's queries see among the
-        keys of source; ranges as (local start, length), as few and as large as the segments
-        allow (fewer, larger kernel calls)."""
+        """(q range, k range, causal, window) for the block pairs that rank's queries see
+        among the keys of source; ranges as (local start, length), as few and as large as the
+        segments allow (fewer, larger kernel calls); window None where there is none."""
+        if self.window != (-1, -1):
+            left, right = self.window
+            right = 0 if self.causal else right
+            pairs = (_windowed(qs, ks, left, right) for qs in self.segments[rank] for ks in self.segments[source])
+            return [p for p in pairs if p is not None]
         if rank == source:
             # local order follows global order in both layouts, so one causal call is exact: an
             # earlier segment's keys are all visible to a later one's queries, and none back
             n = self.lengths[rank]
-            return [((0, n), (0, n), self.causal)]
+            return [((0, n), (0, n), self.causal, None)]
         pairs = []
         for qs in self.segments[rank]:
             seen = [ks for ks in self.segments[source] if _relation(qs, ks, self.causal) is not None]
             for k_range in _joined([(ks[2], ks[1]) for ks in seen]):
                 if pairs and pairs[-1][1] == k_range and sum(pairs[-1][0]) == qs[2]:
-                    pairs[-1] = ((pairs[-1][0][0], pairs[-1][0][1] + qs[1]), k_range, False)
+                    pairs[-1] = ((pairs[-1][0][0], pairs[-1][0][1] + qs[1]), k_range, False, None)
                 else:
-                    pairs.append(((qs[2], qs[1]), k_range, False))
+                    pairs.append(((qs[2], qs[1]), k_range, False, None))
         return pairs
 
-    def opts(self, q, k, v, causal):
-        return softmax_prepare(q, k, v, causal, self.scale, None, 0, None, self.softcap, None, None,
+    def opts(self, q, k, v, causal, window):
+        return softmax_prepare(q, k, v, causal, self.scale, window, 0, None, self.softcap, None, None,
                                None, "flash")
 
     def ring_transfer(self, arrays, shapes, tag=0):
@@ -168,8 +189,8 @@ def _forward(call):
         source = (call.rank - step) % call.size
         if step < call.size - 1:
             nxt_kv, reqs = call.ring_transfer((k, v), call.kv_shapes((source - 1) % call.size))
-        for (qa, lq), (ka, lk), causal in call.blocks(call.rank, source):
-            qb, kb, vb, opts = call.opts(q[:, qa:qa + lq], k[:, ka:ka + lk], v[:, ka:ka + lk], causal)
+        for (qa, lq), (ka, lk), causal, window in call.blocks(call.rank, source):
+            qb, kb, vb, opts = call.opts(q[:, qa:qa + lq], k[:, ka:ka + lk], v[:, ka:ka + lk], causal, window)
             o, lse = softmax_forward(qb, kb, vb, opts)
             _merge_into(o_acc[:, qa:qa + lq], lse_acc[:, qa:qa + lq], o, lse)
         if step < call.size - 1:
@@ -188,9 +209,9 @@ def _backward(call, o, lse, do, dlse):
         if step < call.size - 1:
             nxt_kv, kv_reqs = call.ring_transfer((k, v), call.kv_shapes((source - 1) % call.size))
         dk, dv = np.zeros(k.shape), np.zeros(v.shape)
-        for (qa, lq), (ka, lk), causal in call.blocks(call.rank, source):
+        for (qa, lq), (ka, lk), causal, window in call.blocks(call.rank, source):
             rows = slice(qa, qa + lq)
-            qb, kb, vb, opts = call.opts(q[:, rows], k[:, ka:ka + lk], v[:, ka:ka + lk], causal)
+            qb, kb, vb, opts = call.opts(q[:, rows], k[:, ka:ka + lk], v[:, ka:ka + lk], causal, window)
             dqb, dkb, dvb = softmax_backward(
                 qb, kb, vb, np.ascontiguousarray(o[:, rows]), np.ascontiguousarray(lse[:, rows]),
                 np.ascontiguousarray(do[:, rows]),
@@ -224,7 +245,7 @@ def ring_attention(q, k, v, *, comm, causal=True, scale=None, window=None, softc
     rank order, lengths may differ between ranks. ``layout="zigzag"`` balances causal work: the
     sequence is cut into 2N equal chunks (N ranks) and rank r holds chunks r and 2N-1-r
     concatenated (``zigzag_split`` makes these slices from a whole sequence). ``scale`` and
-    ``softcap`` as in ``softmax_attention``; ``window`` is not supported (NotImplementedError).
+    ``window=(left, right)`` and ``softcap`` as in ``softmax_attention``, over global positions.
 
     Returns the rank's rows of ``o [B, T_r, H, Dv]`` in its layout, or ``(o, lse)`` with
     ``return_lse=True`` (the log-sum-exp over the whole sequence): what ``softmax_attention``

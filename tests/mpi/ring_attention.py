@@ -48,9 +48,9 @@ def contiguous_bounds(T, unequal):
 
 
 def case(name, *, B=2, T=48, H=4, Hk=4, Dk=16, Dv=16, dtype=np.float64, causal=True, layout="contiguous",
-         unequal=False, return_lse=True, softcap=None, scale=None, torch_wrapper=False):
+         unequal=False, return_lse=True, softcap=None, scale=None, window=None, torch_wrapper=False):
     q, k, v, do, dlse = draw(B, T, H, Hk, Dk, Dv, dtype, seed=zlib.crc32(name.encode()))
-    kw = dict(causal=causal, scale=scale, softcap=0.0 if softcap is None else softcap)
+    kw = dict(causal=causal, scale=scale, window=window, softcap=0.0 if softcap is None else softcap)
     (o, lse), pullback = pyattn.vjp(pyattn.softmax_attention, q, k, v, return_lse=True, **kw)
     g = pullback((do, dlse if return_lse else None))
     if layout == "zigzag":
@@ -59,7 +59,8 @@ def case(name, *, B=2, T=48, H=4, Hk=4, Dk=16, Dv=16, dtype=np.float64, causal=T
         a, b = contiguous_bounds(T, unequal)
         local = lambda x: np.ascontiguousarray(x[:, a:b])  # noqa: E731
     ql, kl, vl, dol, dlsel = (local(x) for x in (q, k, v, do, dlse))
-    rkw = dict(comm=comm, causal=causal, scale=scale, softcap=softcap, layout=layout, return_lse=return_lse)
+    rkw = dict(comm=comm, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout,
+               return_lse=return_lse)
     if torch_wrapper:
         import torch
         from pyattn.torch.distributed import ring_attention as torch_ring
@@ -109,6 +110,12 @@ for dtype in (np.float64, np.float32):
     case(f"zigzag full {dtype.__name__}", dtype=dtype, T=T4, layout="zigzag", causal=False)
     case(f"zigzag gqa dk!=dv {dtype.__name__}", dtype=dtype, T=T4, layout="zigzag", H=6, Hk=2, Dk=16, Dv=8)
     case(f"contiguous gqa dk!=dv {dtype.__name__}", dtype=dtype, T=50, unequal=True, H=4, Hk=1, Dk=8, Dv=12)
+    for layout, unequal in (("zigzag", False), ("contiguous", True)):
+        T = T4 if layout == "zigzag" else 50
+        for causal, window in ((True, (11, 0)), (True, (3, 5)), (True, (0, 0)), (False, (3, 7)),
+                               (False, (-1, 4)), (False, (13, -1)), (False, (0, 0)), (True, (-1, -1))):
+            case(f"{layout} window {window} causal {causal} {dtype.__name__}", dtype=dtype, T=T,
+                 layout=layout, unequal=unequal, causal=causal, window=window, H=4, Hk=2, Dk=8, Dv=12)
 case("softcap scale", T=T4, layout="zigzag", softcap=5.0, scale=0.3)
 case("no lse", T=T4, layout="zigzag", return_lse=False, B=1)
 try:
@@ -137,7 +144,9 @@ expect_error("zigzag with an odd slice", lambda: ring_attention(qb, kb, vb, comm
 expect_error("zigzag_split with T not dividing by 2N", lambda: zigzag_split(np.zeros((1, 2 * size + 1, 2, 4)), comm),
              ["zigzag_split", f"divide by {2 * size}"])
 qb, kb, vb = (rng.standard_normal((1, 8, 2, 8)) for _ in range(3))
-expect_error("window", lambda: ring_attention(qb, kb, vb, comm=comm, window=(4, 0)), ["window"], NotImplementedError)
+expect_error("ranks with different windows", lambda: ring_attention(qb, kb, vb, comm=comm, window=(4, rank)),
+             ["disagree"])
+expect_error("a bad window", lambda: ring_attention(qb, kb, vb, comm=comm, window=(4, -3)), ["window"])
 expect_error("a bad layout", lambda: ring_attention(qb, kb, vb, comm=comm, layout="striped"), ["layout"])
 
 print(f"max relative error rank {rank}: " + ", ".join(f"{d.__name__} {e:.2e}" for d, e in worst.items()))
