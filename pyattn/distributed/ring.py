@@ -42,16 +42,15 @@ def _segments(layout, rank, size, lengths):
     return [(rank * chunk, chunk, 0), ((2 * size - 1 - rank) * chunk, chunk, chunk)]
 
 
-def _relation(q_seg, k_seg, causal):
-    """How queries q_seg see keys k_seg: "full", "causal" (the same positions) or None (none)."""
+def _sees(q_seg, k_seg, causal):
+    """Whether queries q_seg see all of keys k_seg (True) or none (False); segments of
+    different ranks never overlap, so there is no third case."""
     (qa, lq, _), (ka, lk, _) = q_seg, k_seg
-    if not causal or ka + lk - 1 <= qa:
-        return "full"
+    if not causal or ka + lk - 1 < qa:
+        return True
     if ka > qa + lq - 1:
-        return None
-    if qa == ka and lq == lk:
-        return "causal"
-    raise AssertionError(f"segments {q_seg} and {k_seg} overlap partly")  # no layout makes them
+        return False
+    raise AssertionError(f"segments {q_seg} and {k_seg} of different ranks overlap")
 
 
 _UNBOUNDED = 1 << 62
@@ -140,7 +139,7 @@ class _Call:
             return [((0, n), (0, n), self.causal, None)]
         pairs = []
         for qs in self.segments[rank]:
-            seen = [ks for ks in self.segments[source] if _relation(qs, ks, self.causal) is not None]
+            seen = [ks for ks in self.segments[source] if _sees(qs, ks, self.causal)]
             for k_range in _joined([(ks[2], ks[1]) for ks in seen]):
                 if pairs and pairs[-1][1] == k_range and sum(pairs[-1][0]) == qs[2]:
                     pairs[-1] = ((pairs[-1][0][0], pairs[-1][0][1] + qs[1]), k_range, False, None)

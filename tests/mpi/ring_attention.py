@@ -1,5 +1,6 @@
 """Per-rank checks of pyattn.distributed.ring_attention against softmax_attention on the whole
 sequence (run under mpiexec by tests/test_distributed_ring.py)."""
+import importlib.util
 import sys
 import zlib
 
@@ -118,11 +119,7 @@ for dtype in (np.float64, np.float32):
                  layout=layout, unequal=unequal, causal=causal, window=window, H=4, Hk=2, Dk=8, Dv=12)
 case("softcap scale", T=T4, layout="zigzag", softcap=5.0, scale=0.3)
 case("no lse", T=T4, layout="zigzag", return_lse=False, B=1)
-try:
-    import torch  # noqa: F401
-except ImportError:
-    pass
-else:
+if importlib.util.find_spec("torch") is not None:
     case("torch zigzag", T=T4, layout="zigzag", torch_wrapper=True)
     case("torch contiguous float32 no lse", T=50, unequal=True, dtype=np.float32, return_lse=False, torch_wrapper=True)
 
