@@ -223,8 +223,8 @@ def _backward(call, o, lse, do, dlse):
             _wait(dkv_reqs)
             dk += dkv_in[0]
             dv += dkv_in[1]
-        # on to the next rank: after the last step that is the block's owner
-        # tags of their own: K/V of the next hop are on the way at the same time
+        # on to the next rank (after the last step, the block's owner), under tags of their own
+        # since the next hop's K/V are on the way at the same time
         dkv_in, dkv_reqs = call.ring_transfer((dk, dv), call.kv_shapes((source - 1) % call.size), tag=2)
         if step < call.size - 1:
             _wait(kv_reqs)
@@ -243,8 +243,8 @@ def ring_attention(q, k, v, *, comm, causal=True, scale=None, window=None, softc
     float32 or float64). ``layout="contiguous"``: rank r holds a contiguous slice, slices in
     rank order, lengths may differ between ranks. ``layout="zigzag"`` balances causal work: the
     sequence is cut into 2N equal chunks (N ranks) and rank r holds chunks r and 2N-1-r
-    concatenated (``zigzag_split`` makes these slices from a whole sequence). ``scale`` and
-    ``window=(left, right)`` and ``softcap`` as in ``softmax_attention``, over global positions.
+    concatenated (``zigzag_split`` makes these slices from a whole sequence). ``scale``,
+    ``window=(left, right)`` (over global positions) and ``softcap`` as in ``softmax_attention``.
 
     Returns the rank's rows of ``o [B, T_r, H, Dv]`` in its layout, or ``(o, lse)`` with
     ``return_lse=True`` (the log-sum-exp over the whole sequence): what ``softmax_attention``
