@@ -27,6 +27,7 @@ SOURCES = [
     "csrc/bind/linear.c",
     "csrc/bind/delta.c",
     "csrc/bind/dplr.c",
+    "csrc/bind/log_linear.c",
     "csrc/bind/nn.c",
     "csrc/bind/runtime.c",
     "csrc/array_cache.c",

@@ -109,6 +109,20 @@ typedef struct {
     int64_t chunk; /* rows per block of the chunk form */
 } pa_linear_desc;
 
+/* Log-linear attention (ops/log_linear.c). Sequence n owns rows cu[n] .. cu[n+1]-1 of q, k
+ * [rows, H, K], v, o [rows, H, V], g [rows, H], level scales [rows, H, L], and starts at
+ * position start[n] (NULL: 0) of its Fenwick tree; states are [nseq, H, L, K, V], level 0 of
+ * the final state holding the next position at [0, 0]. L >= bit_length(start + T - 1) + 1 for
+ * every sequence, and L >= bit_length(start + T) + 1 when the final state is written. */
+typedef struct {
+    int64_t nseq;
+    const int64_t *cu, *start;
+    int64_t H, K, V, L;
+    double scale;
+    int form;
+    int64_t chunk; /* rows of a chunk-form block, a power of two */
+} pa_loglin_desc;
+
 static inline int64_t pa_linear_max_len(const pa_linear_desc *d)
 {
     int64_t m = 0;
@@ -255,6 +269,15 @@ typedef struct {
                          const void *a, const void *b, const void *gk, const void *h0,
                          const void *dout, const void *dht, void *dq, void *dk, void *dv,
                          void *da, void *db, void *dgk, void *dh0);
+    /* Log-linear attention: h0, ht may be NULL (zero initial state; final
+     * state not wanted) */
+    int (*loglin_forward)(const pa_loglin_desc *d, const void *q, const void *k, const void *v,
+                          const void *g, const void *ls, const void *h0, void *o, void *ht);
+    /* dht, h0 may be NULL (zero); dh0 may be NULL (not wanted) */
+    int (*loglin_backward)(const pa_loglin_desc *d, const void *q, const void *k,
+                           const void *v, const void *g, const void *ls, const void *h0,
+                           const void *dout, const void *dht, void *dq, void *dk, void *dv,
+                           void *dg, void *dls, void *dh0);
     int (*efficient_forward)(const pa_efficient_desc *d, const void *q, const void *k,
                              const void *v, void *o);
     int (*efficient_backward)(const pa_efficient_desc *d, const void *q, const void *k,

@@ -11,6 +11,7 @@ from .autodiff import vjp
 from .delta import delta_rule, gated_delta_rule, kda
 from .delta_product import gated_delta_product
 from .dplr import dplr_delta_rule, rwkv7
+from .log_linear import log_linear_attention
 from .feature_maps import feature_map
 from .mla import mla_attention
 from .linear import (efficient_attention, gla, lightning_attention, linear_attention, mamba2,
@@ -38,6 +39,7 @@ __all__ = [
     "data",
     "delta_rule",
     "dplr_delta_rule",
+    "log_linear_attention",
     "dsa_attention",
     "dsa_index_scores",
     "dsa_index_target",

@@ -210,6 +210,26 @@ def dplr_backward(
     """Writes dq, dk, dv, da, db, dgk (and dh0 when given) in place. dht None means a zero
     cotangent. Other arguments as dplr_forward."""
 
+def loglin_forward(
+    q: _Float, k: _Float, v: _Float, g: _Float, level_scales: _Float, h0: Optional[_Float],
+    o: _Float, ht: Optional[_Float], cu: _Int64, start: Optional[_Int64], form: int, chunk: int,
+    scale: float, /,
+) -> None:
+    """Log-linear attention: writes o [B, T, H, V] and, when given, ht [N, H, L, K, V] in place
+    (level 0 of ht: the next position at [0, 0]). q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H];
+    level_scales [B, T, H, L]; h0 None or [N, H, L, K, V] (its level 0 unread); start None or
+    the int64 position [N] each sequence resumes at; form FORM_CHUNK (chunk a power of two),
+    FORM_RECURRENT or FORM_PARALLEL."""
+
+def loglin_backward(
+    q: _Float, k: _Float, v: _Float, g: _Float, level_scales: _Float, h0: Optional[_Float],
+    do: _Float, dht: Optional[_Float], dq: _Float, dk: _Float, dv: _Float, dg: _Float,
+    dlevel_scales: _Float, dh0: Optional[_Float], cu: _Int64, start: Optional[_Int64], form: int,
+    chunk: int, scale: float, /,
+) -> None:
+    """Writes dq, dk, dv, dg, dlevel_scales (and dh0 when given, 0 on its level 0) in place.
+    dht None means a zero cotangent. Other arguments as loglin_forward."""
+
 def efficient_forward(q: _Float, k: _Float, v: _Float, o: _Float, cu_q: _Int64,
                       cu_k: _Int64, scale: float, /) -> None:
     """Efficient attention: writes o [B, Tq, H, V] in place; q [B, Tq, H, K], k [B, Tk, H, K],

@@ -144,6 +144,19 @@ def _rwkv7_example(rng, dtype=np.float64, tiny=False):
     return (r, w, k, v, a, b), dict(initial_state=_state(rng, dtype, r, v), output_final_state=True)
 
 
+def _log_linear_example(rng, dtype=np.float64, tiny=False):
+    """A sequence resumed at position 5 from a state of every level, more levels than needed."""
+    q, k, v = _qkv(rng, dtype, tiny)
+    B, T, H, _ = q.shape
+    L = (5 + T).bit_length() + 2
+    g = -rng.uniform(0.0, 1.0, (B, T, H)).astype(dtype)
+    level_scales = rng.uniform(0.2, 1.0, (B, T, H, L)).astype(dtype)
+    h0 = rng.standard_normal((B, H, L) + q.shape[3:] + v.shape[3:]).astype(dtype)
+    h0[:, :, 0] = 0
+    h0[:, :, 0, 0, 0] = 5
+    return (q, k, v, g, level_scales), dict(initial_state=h0, output_final_state=True)
+
+
 def _mamba2_example(rng, dtype=np.float64, tiny=False):
     Bsz, T, H, G, P, N = (1, 7, 2, 1, 3, 2) if tiny else (2, 150, 4, 2, 12, 16)
     x = rng.standard_normal((Bsz, T, H, P)).astype(dtype)
@@ -350,7 +363,7 @@ def _attention_op(fn: Callable, example: Callable, description: str, arrays: Tup
 def build_ops() -> Dict[str, OpInfo]:
     from .softmax import (FORMS as SOFTMAX_FORMS, attention_with_kvcache, forgetting_attention,
                           merge_attention_states, softmax_attention)
-    from . import delta, delta_product, dplr, linear, rwkv
+    from . import delta, delta_product, dplr, linear, log_linear, rwkv
     from .feature_maps import feature_map
     from .mla import FORMS as MLA_FORMS, mla_attention
     from .rope import rope
@@ -389,6 +402,9 @@ def build_ops() -> Dict[str, OpInfo]:
          "the diagonal-plus-low-rank delta rule: a vector decay and a rank-one update"),
         (dplr.rwkv7, dplr.FORMS, ("r", "w", "k", "v", "a", "b"), None, _rwkv7_example,
          "RWKV-7: the DPLR delta rule with the receptance r and the decay w"),
+        (log_linear.log_linear_attention, log_linear.FORMS, ("q", "k", "v", "g", "level_scales"), None,
+         _log_linear_example, "log-linear attention (log-linear Mamba-2): a Fenwick tree of states, "
+         "each level weighted per query"),
     ]
     return {
         "softmax_attention": _attention_op(

@@ -12,7 +12,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 # ops returning (o, final_state or None)
 STATE_OPS = frozenset({"linear_attention", "retention", "lightning_attention", "simple_gla", "gla", "mamba2",
                        "delta_rule", "gated_delta_rule", "rwkv6",
-                       "gated_delta_product", "dplr_delta_rule", "rwkv7", "kda"})
+                       "gated_delta_product", "dplr_delta_rule", "rwkv7", "kda",
+                       "log_linear_attention"})
 # ops returning o, then each further output its flag asks for (a tuple only when one does)
 FLAGGED = {"softmax_attention": (("lse", "return_lse"),),
            "attention_with_kvcache": (("lse", "return_lse"), ("colsum", "return_colsum"))}
@@ -92,6 +93,8 @@ def shapes(op: str, shape: Callable[[str], Shape], option: Callable[[str], Any])
                 V += bool(option("normalize"))
         cu = shape("cu_seqlens")
         N = max(_axis(cu, 0) - 1, 0) if cu else B
+        if op == "log_linear_attention":  # one K x V state per level
+            return [o, (N, H, _axis(shape("level_scales"), 3), K, V)]
         return [o, (N, H, K, V)]
     if op == "mla_attention":
         return [shape("q_nope")[:3] + shape("w_uv")[2:3]]

@@ -439,6 +439,14 @@ def kda(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, beta: ArrayLike,
     return _call("kda", locals())
 
 
+def log_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, level_scales: ArrayLike, *,
+                         scale: Optional[float] = None, initial_state: Optional[ArrayLike] = None,
+                         output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None,
+                         form: Literal["chunk", "recurrent", "parallel"] = "chunk", chunk_size: _ChunkSize = 64) -> _WithState:
+    """``pyattn.log_linear_attention`` on jax arrays: (o, final_state or None)."""
+    return _call("log_linear_attention", locals())
+
+
 def efficient_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: Optional[float] = None,
                         cu_seqlens: Optional[ArrayLike] = None, form: Literal["parallel"] = "parallel") -> Array:
     """``pyattn.efficient_attention`` on jax arrays."""

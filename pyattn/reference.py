@@ -696,6 +696,55 @@ def rwkv7(r, w, k, v, a, b, *, scale=1.0, initial_state=None, output_final_state
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
+def log_linear_attention(q, k, v, g, level_scales, *, scale=None, initial_state=None,
+                         output_final_state=False, cu_seqlens=None, form=None, chunk_size=None):
+    """Log-linear attention, the masked matrix per (sequence, head):
+    ``o_t = sum_{s<=t} level_scales[t, lev(p_t, p_s)] exp(G_t - G_s) (scale q_t . k_s) v_s``,
+    positions ``p`` counted from the state's position (its ``[.., 0, 0, 0]``), ``lev(a, b) =
+    bit_length(a XOR b)``. A state's level l seen from position p is at level
+    ``max(l, lev(p, p0))``, p0 the position it was left at."""
+    q, k, v, g, ls = _f64(q, k, v, g, level_scales)
+    B, T, H, K = q.shape
+    V, L = v.shape[-1], ls.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    seqs = _sequences(B, T, cu_seqlens)
+    h0 = None if initial_state is None else np.asarray(initial_state, np.float64)
+    states = np.zeros((len(seqs), H, L, K, V))
+    o = np.zeros((B, T, H, V))
+    for n, (bi, start, end) in enumerate(seqs):
+        n_t = end - start
+        for h in range(H):
+            p0 = 0 if h0 is None else int(np.rint(h0[n, h, 0, 0, 0]))
+            G = np.cumsum(g[bi, start:end, h])
+            pos = p0 + np.arange(n_t)
+            qh, kh, vh, lh = (x[bi, start:end, h] for x in (q, k, v, ls))
+            W = np.zeros((n_t, n_t))
+            for t in range(n_t):
+                for s in range(t + 1):
+                    W[t, s] = lh[t, int(pos[t] ^ pos[s]).bit_length()] * np.exp(G[t] - G[s])
+            o[bi, start:end, h] = (W * (scale * qh @ kh.T)) @ vh
+            if h0 is not None:
+                for t in range(n_t):
+                    seen = int(pos[t] ^ p0).bit_length()
+                    for level in range(1, L):
+                        o[bi, start + t, h] += (lh[t, max(level, seen)] * np.exp(G[t])
+                                                * h0[n, h, level].T @ (scale * qh[t]))
+            end_pos = p0 + n_t
+            if not output_final_state:
+                continue
+            for s in range(n_t):
+                level = int(end_pos ^ pos[s]).bit_length()
+                states[n, h, level] += np.exp(G[-1] - G[s]) * np.outer(kh[s], vh[s])
+            if h0 is not None:
+                seen = int(end_pos ^ p0).bit_length()
+                decay = np.exp(G[-1]) if n_t else 1.0
+                for level in range(1, L):
+                    states[n, h, max(level, seen)] += decay * h0[n, h, level]
+            states[n, h, 0] = 0
+            states[n, h, 0, 0, 0] = end_pos
+    return o, (states if output_final_state else None)
+
+
 def rope(x, positions, theta=10000.0):
     """Loop over (batch, time, head, pair): feature i and feature i + D/2 rotated by the angle
     p theta^(-2i/D), p the position of the token."""

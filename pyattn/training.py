@@ -94,7 +94,7 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
           betas: Tuple[float, float] = (0.9, 0.95), clip: float = 1.0, eval_data: Optional[Tuple[np.ndarray, np.ndarray]] = None,
           eval_every: Optional[int] = None, progress: bool = True, seed: int = 0,
           checkpoint: Optional[str] = None,
-          checkpoint_every: Optional[int] = None) -> Dict[str, List[float]]:
+          checkpoint_every: Optional[int] = None, comm: Any = None) -> Dict[str, List[float]]:
     """Trains ``model`` (a ``pyattn.nn.HybridLM``) on ``data = (inputs [N, T], targets [N, T])``
     for ``steps`` steps of ``batch_size`` rows drawn at random: cross-entropy over the targets
     that are not -100, gradients clipped to the global norm ``clip``, AdamW (``betas``) with a
@@ -116,7 +116,16 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     ``FloatingPointError`` naming the step, before that step updates the model; the checkpoint
     keeps the last finite state. Ctrl-C (SIGINT, a notebook's interrupt) lets the step under
     way finish, saves the checkpoint when there is one, and raises ``KeyboardInterrupt``
-    saying how many steps were done; a second Ctrl-C interrupts at once."""
+    saying how many steps were done; a second Ctrl-C interrupts at once.
+
+    ``comm``, an mpi4py communicator of N ranks (every rank making the same call; see
+    ``pyattn.distributed``), trains data-parallel: every rank draws the same global batch and
+    computes ``batch_size / N`` of its rows (a batch_size N does not divide is a ValueError on
+    every rank), the gradients are summed over the ranks while the backward runs, and every
+    rank takes the same steps, so the run computes what one process would (the loss is the
+    mean over the global batch). Rank 0 alone shows progress, evaluates and writes the
+    checkpoint (and reads it to resume, sending it to the others); the ranks' parameters are
+    checked identical at each checkpoint; the history is returned on every rank."""
     inputs, targets = (np.asarray(a) for a in data)
     if inputs.shape != targets.shape or inputs.ndim != 2:
         raise ValueError(f"train(): data must be (inputs, targets) of one shape [N, T], got "
@@ -134,14 +143,23 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
     settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "warmup": warmup,
                 "weight_decay": weight_decay, "betas": list(betas), "clip": clip, "seed": seed,
                 "eval_every": eval_every, "evaluated": eval_data is not None, "data": list(inputs.shape)}
+    dp = None
+    if comm is not None and comm.Get_size() > 1:
+        from .distributed.data import DataParallel
+        dp = DataParallel(comm, model, batch_size, settings, (inputs, targets))
+    lead = dp is None or dp.rank == 0  # the rank that prints, evaluates and saves
     start, saved = 0, None
     if checkpoint is not None:
         save_every = eval_every if checkpoint_every is None else checkpoint_every
         if save_every < 1:
             raise ValueError(f"train(): checkpoint_every must be at least 1, got {save_every}")
-        if os.path.exists(checkpoint):
-            start, history = _load_checkpoint(checkpoint, settings, model, opt, rng)
-            saved = start
+        if dp is None:
+            if os.path.exists(checkpoint):
+                start, history = _load_checkpoint(checkpoint, settings, model, opt, rng)
+                saved = start
+        else:
+            start, history = _resume_from_rank0(dp, checkpoint, settings, model, opt, rng, history)
+            saved = start or None
 
     def diverged(what: str) -> FloatingPointError:
         kept = (f"; {checkpoint} holds the last finite state ({saved} steps done)" if saved is not None
@@ -149,18 +167,29 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
         return FloatingPointError(f"train(): {what} (steps count from 0, as in history['step']){kept}; "
                                   f"a lower lr may help (lr={lr})")
 
-    bar = _progress(steps, progress)
+    bar = _progress(steps, progress and lead)
     if bar is not None and start:
         bar.update(start)
     try:
         with _CtrlC() as ctrl_c:
             for step in range(start, steps):
                 rows = rng.integers(0, len(inputs), batch_size)
+                if dp is not None:
+                    rows, weight = dp.my_rows(rows, targets)
                 loss, dlogits = cross_entropy(model.forward(inputs[rows]), targets[rows])
-                if not math.isfinite(loss):
-                    raise diverged(f"the loss is {loss} at step {step}, before its update")
-                model.zero_grad()
-                model.backward(dlogits)
+                if dp is None:
+                    if not math.isfinite(loss):
+                        raise diverged(f"the loss is {loss} at step {step}, before its update")
+                    model.zero_grad()
+                    model.backward(dlogits)
+                else:  # the loss is summed over the ranks during the backward, checked after it
+                    model.zero_grad()
+                    dp.start_loss(loss * weight)
+                    dlogits *= dlogits.dtype.type(weight)
+                    model.backward(dlogits, ready=dp.ready())
+                    loss = dp.finish()
+                    if not math.isfinite(loss):
+                        raise diverged(f"the loss is {loss} at step {step}, before its update")
                 norm = clip_grad_norm(model.grads, clip)
                 if not math.isfinite(norm):
                     raise diverged(f"the gradient norm is {norm} at step {step}, before its update")
@@ -171,19 +200,26 @@ def train(model, data: Tuple[np.ndarray, np.ndarray], *, steps: int, batch_size:
                 history["lr"].append(opt.lr)
                 if eval_data is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
                     history["eval_step"].append(step)
-                    history["accuracy"].append(evaluate(model, eval_data))
+                    if dp is None:
+                        history["accuracy"].append(evaluate(model, eval_data))
+                    else:
+                        history["accuracy"].append(dp.bcast(evaluate(model, eval_data) if lead else None))
                 if bar is not None:
                     acc = (f" acc {history['accuracy'][-1]:.3f} @ step {history['eval_step'][-1] + 1}"
                            if history.get("accuracy") else "")
                     bar.set_postfix_str(f"loss {loss:.4f}{acc}")
                     bar.update(1)
                 done = step + 1
-                if checkpoint is not None and (done % save_every == 0 or done == steps or ctrl_c.requested):
+                stop = ctrl_c.requested if dp is None else dp.any(ctrl_c.requested)
+                if checkpoint is not None and (done % save_every == 0 or done == steps or stop):
                     if not all(np.all(np.isfinite(p)) for p in model.params.values()):
                         raise diverged(f"the parameters are not finite after the update of step {step}")
-                    _save_checkpoint(checkpoint, settings, done, model, opt, rng, history)
+                    if dp is not None:
+                        dp.check_same_params(model)
+                    if lead:
+                        _save_checkpoint(checkpoint, settings, done, model, opt, rng, history)
                     saved = done
-                if ctrl_c.requested and done < steps:
+                if stop and done < steps:
                     kept = f"; checkpoint {checkpoint} holds them" if checkpoint is not None else ""
                     raise KeyboardInterrupt(f"train(): interrupted after {done} of {steps} steps{kept}")
     finally:
@@ -201,6 +237,32 @@ def _save_checkpoint(path: str, settings: Dict[str, Any], step: int, model, opt:
             "history": {k: [x if isinstance(x, int) else float(x) for x in v] for k, v in history.items()}}
     arrays: Dict[str, Any] = {"__meta__": np.array(json.dumps(meta))}
     write_npz(path, {**arrays, **_state_arrays(model, opt)})
+
+
+def _resume_from_rank0(dp, path: str, settings: Dict[str, Any], model, opt: AdamW, rng,
+                       history: Dict[str, List[float]]):
+    """A data-parallel run's resume: rank 0 reads the checkpoint, if there is one, and sends
+    what it restored (or its error, raised on every rank) to the others, which need not see
+    the file. Returns (the step to start from, the history)."""
+    found = error = None
+    if dp.rank == 0 and os.path.exists(path):
+        try:
+            step, history = _load_checkpoint(path, settings, model, opt, rng)
+            found = (step, history, _state_arrays(model, opt), opt.t, rng.bit_generator.state)
+        except CheckpointError as e:
+            error = str(e)
+    found, error = dp.bcast((found, error))
+    if error is not None:
+        raise CheckpointError(error)
+    if found is None:
+        return 0, history
+    step, history, arrays, opt_t, rng_state = found
+    if dp.rank != 0:
+        for name, a in _state_arrays(model, opt).items():
+            a[...] = arrays[name]
+        opt.t = opt_t
+        rng.bit_generator.state = rng_state
+    return step, history
 
 
 def _architecture(model) -> Optional[Dict[str, Any]]:
@@ -430,10 +492,13 @@ def run_train(opts, parser) -> int:
     any work), 1 for a loss that is not finite (nothing saved), 130 for Ctrl-C."""
     from . import set_num_threads
 
-    def fail(e: BaseException, then: str) -> None:
-        print(f"python -m pyattn train: {str(e).removeprefix('train(): ') or 'interrupted'}; {then}",
-              file=sys.stderr)
+    comm = _launched_comm()
+    lead = comm is None or comm.Get_rank() == 0
 
+    def fail(e: BaseException, then: str) -> None:
+        if lead:
+            print(f"python -m pyattn train: {str(e).removeprefix('train(): ') or 'interrupted'}; {then}",
+                  file=sys.stderr)
     try:
         if opts.threads is not None:
             set_num_threads(opts.threads)
@@ -443,9 +508,12 @@ def run_train(opts, parser) -> int:
             history = train(model, train_data, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr,
                             betas=(0.9, opts.beta2),
                             eval_data=eval_data, eval_every=opts.eval_every, progress=not opts.no_progress,
-                            seed=opts.seed, checkpoint=opts.checkpoint)
-        except CheckpointError as e:
-            parser.error(f"--checkpoint: {str(e).removeprefix('train(): ')}")
+                            seed=opts.seed, checkpoint=opts.checkpoint, comm=comm)
+        except ValueError as e:  # a checkpoint's or the ranks' checks (every rank): rank 0 explains
+            if lead:
+                option = "--checkpoint: " if isinstance(e, CheckpointError) else ""
+                parser.error(option + str(e).removeprefix("train(): "))
+            raise SystemExit(2) from e
     except FloatingPointError as e:
         fail(e, "the model was not saved")
         return 1
@@ -453,7 +521,10 @@ def run_train(opts, parser) -> int:
         resumable = opts.checkpoint is not None and os.path.exists(opts.checkpoint)
         fail(e, "run the same command to resume" if resumable else "nothing was saved")
         return 130
-    print(f"task {opts.task}, mixers {opts.mixers}: loss {history['loss'][-1]:.4f}, held-out "
+    if not lead:  # rank 0 reports and saves
+        return 0
+    ranks = "" if comm is None else f", {comm.Get_size()} ranks"
+    print(f"task {opts.task}, mixers {opts.mixers}{ranks}: loss {history['loss'][-1]:.4f}, held-out "
           f"accuracy {history['accuracy'][-1]:.4f} after {opts.steps} steps "
           f"({time.perf_counter() - t0:.1f} s)")
     try:
@@ -463,6 +534,23 @@ def run_train(opts, parser) -> int:
         return 1
     print(f"saved {opts.out}")
     return 0
+
+
+# set by the launchers of MPICH (hydra) and Open MPI in every rank's environment
+_MPI_LAUNCH_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+def _launched_comm():
+    """MPI.COMM_WORLD when this process is one of several ranks started by mpiexec (mpi4py
+    imported only then); None otherwise."""
+    if not any(v in os.environ for v in _MPI_LAUNCH_VARS):
+        return None
+    try:
+        from .distributed.data import world
+    except ImportError as e:
+        raise SystemExit(f"python -m pyattn train: started by mpiexec, but {e}") from e
+    comm = world()
+    return comm if comm.Get_size() > 1 else None
 
 
 def add_generate_arguments(parser) -> None:

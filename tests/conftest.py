@@ -250,6 +250,7 @@ def _tiny_mixer_options():
 
     options = {name: {"chunk_size": 16} for name in MIXERS if name not in ("softmax", "fox", "mla", "moba", "nsa", "dsa")}
     options.update(softmax={}, mla={}, mamba2={"chunk_size": 16, "d_state": 8},
+                   log_linear_mamba2={"chunk_size": 16, "d_state": 8, "num_levels": 7},
                    fox={"window": 7, "n_kv_heads": 1},  # decoding drops keys from the window
                    moba={"block_size": 4, "top_k": 2},  # T = 20: five blocks, two past ones chosen
                    nsa={"block_size": 4, "block_count": 2, "window": 3, "n_kv_heads": 1},

@@ -149,6 +149,17 @@ def literal(name, p, x):
         y, _ = ref.mamba2(heads(xs, H), proj["dt"], -np.exp(p["A_log"]), heads(Bm, 1), heads(Cm, 1),
                           D=p["D"], dt_bias=p["dt_bias"])
         return rmsnorm(flat(y) * silu(proj["z"]), p["norm.w"]) @ p["w_o"].T
+    if name == "log_linear_mamba2":  # Mamba-2's layer with log-linear attention as its SSD
+        xs = heads(short_conv(proj["x"], p["conv_x.w"], p["conv_x.b"]), H)
+        Bm = short_conv(proj["B"], p["conv_B.w"], p["conv_B.b"])
+        Cm = short_conv(proj["C"], p["conv_C.w"], p["conv_C.b"])
+        dt = np.logaddexp(0, proj["dt"] + p["dt_bias"])
+        scales = np.logaddexp(0, p["L"] * heads(proj["dl"], H))
+        shared = lambda m: np.repeat(m[:, :, None], H, axis=2)  # one group of B and C for the heads
+        y, _ = ref.log_linear_attention(shared(Cm), shared(Bm), xs * dt[..., None], -np.exp(p["A_log"]) * dt,
+                                        scales, scale=1.0)
+        y = y + p["D"][:, None] * xs
+        return rmsnorm(flat(y) * silu(proj["z"]), p["norm.w"]) @ p["w_o"].T
     if name == "mla":  # DeepSeek-V2's MLA without the query compression
         Dn = D // H
         Dr = p["w_kr"].shape[0]
@@ -165,7 +176,8 @@ def literal(name, p, x):
 
 @pytest.mark.parametrize("name", sorted(MIXERS))
 def test_mixer_is_its_published_layer(rng, name):
-    options = {"mamba2": {"d_state": 4}, "moba": {"block_size": 4, "top_k": 2},
+    options = {"mamba2": {"d_state": 4}, "log_linear_mamba2": {"d_state": 4, "num_levels": 5},
+               "moba": {"block_size": 4, "top_k": 2},
                "nsa": {"block_size": 3, "block_count": 2, "window": 4}, "dsa": {"top_k": 4}}.get(name, {})
     mixer = MIXERS[name](D, H, dtype=np.float64, rng=rng, out_std=0.5, **options)
     for p in mixer.params.values():  # away from the initial values (norm weights 1, zero biases)

@@ -357,6 +357,20 @@ def _moba(topk):
     return build
 
 
+def _log_linear(inp):
+    """fla's one q/k group for every head; a state resumed at position 6 of every sequence."""
+    q, k, v = inp.x(heads=1), inp.x(heads=1), inp.x(dim=V)
+    g, L = inp.logsig(H), 8
+    level_scales = np.abs(inp.randn(inp.B, inp.T, H, L))
+    h0 = inp.randn(inp.N, H, L, K, V)
+    h0[:, :, 0] = 0
+    h0[:, :, 0, 0, 0] = 6
+    expected = ref.log_linear_attention(*(np.repeat(x, H, axis=2) for x in (q, k)), v, g, level_scales, scale=1.0,
+                                        initial_state=h0, output_final_state=True, cu_seqlens=inp.cu_np())
+    return ("chunk_log_linear_attn", _t(q, k, v, g, level_scales),
+            dict(initial_state=tensor(h0), output_final_state=True, cu_seqlens=inp.cu), expected)
+
+
 CASES = {
     "chunk_simple_gla": _linear_case("chunk_simple_gla", _g, ref.simple_gla, {"chunk_size": 16}),
     "chunk_simple_gla-g_gamma": _linear_case("chunk_simple_gla", _g_gamma, ref.simple_gla),
@@ -375,6 +389,7 @@ CASES = {
     "fused_recurrent_dplr_delta_rule": _linear_case("fused_recurrent_dplr_delta_rule", _a_b_gk,
                                                     ref.dplr_delta_rule),
     "fused_recurrent_rwkv7": _rwkv7,
+    "chunk_log_linear_attn": _log_linear,
     "chunk_retention": _linear_case("chunk_retention", _no_gate, ref.retention, {"chunk_size": 32}),
     "fused_chunk_retention": _linear_case("fused_chunk_retention", _no_gate, ref.retention),
     "fused_recurrent_retention": _linear_case("fused_recurrent_retention", _no_gate, ref.retention),
@@ -767,6 +782,7 @@ FLA_PARAMETERS = {
     "fused_recurrent_rwkv6": "r k v w u scale initial_state output_final_state reverse cu_seqlens",
     "fused_recurrent_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state reverse cu_seqlens",
     "fused_recurrent_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
+    "chunk_log_linear_attn": "q k v g level_scales initial_state output_final_state cu_seqlens",
     "chunk_gated_delta_product": "q k v g beta num_householder scale initial_state output_final_state "
                                  "use_qk_l2norm_in_kernel cu_seqlens cu_seqlens_cpu",
     "chunk_kda": "q k v g beta scale initial_state output_final_state use_qk_l2norm_in_kernel use_gate_in_kernel "

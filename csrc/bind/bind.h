@@ -11,6 +11,7 @@ extern PyMethodDef pyattn_feature_map_methods[];
 extern PyMethodDef pyattn_linear_methods[];
 extern PyMethodDef pyattn_delta_methods[];
 extern PyMethodDef pyattn_dplr_methods[];
+extern PyMethodDef pyattn_loglin_methods[];
 extern PyMethodDef pyattn_nn_methods[];
 extern PyMethodDef pyattn_runtime_methods[];
 

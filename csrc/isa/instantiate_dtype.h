@@ -12,6 +12,7 @@
 #include "../ops/linear_attn.c"
 #include "../ops/delta_rule.c"
 #include "../ops/dplr.c"
+#include "../ops/log_linear.c"
 #include "../ops/pointwise.c"
 
 static int PA_FN(gemm_entry)(int64_t M, int64_t N, int64_t K, double alpha, const void *A,
@@ -49,6 +50,8 @@ const pa_kernels PA_FN(pa_kernels) = {
     .delta_backward = PA_FN(delta_backward),
     .dplr_forward = PA_FN(dplr_forward),
     .dplr_backward = PA_FN(dplr_backward),
+    .loglin_forward = PA_FN(loglin_forward),
+    .loglin_backward = PA_FN(loglin_backward),
     .efficient_forward = PA_FN(efficient_forward),
     .efficient_backward = PA_FN(efficient_backward),
     .silu_forward = PA_FN(silu_forward),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -154,9 +154,12 @@ class HybridLM(Module):
         return logits
 
     @with_cached_arrays
-    def backward(self, dlogits: np.ndarray) -> None:
+    def backward(self, dlogits: np.ndarray, ready: Optional[Callable[[Module], None]] = None) -> None:
         """Adds the gradients of the loss whose gradient w.r.t. the last forward's logits
-        is ``dlogits`` into ``grads``."""
+        is ``dlogits`` into ``grads``. ``ready(module)``, when given, is called as soon as a
+        module's gradients are final (the final norm and LM head, each block from the last,
+        the embedding), so that a data-parallel run can start summing them over its ranks while
+        the backward goes on."""
         dlogits = np.asarray(dlogits, dtype=self.dtype)
         if self._forward_shape is None:
             raise ValueError("HybridLM.backward: no forward to differentiate (none yet, or a prefill, step "
@@ -169,9 +172,15 @@ class HybridLM(Module):
         else:
             dh = self.lm_head.backward(dlogits)
         dx = self.norm.backward(dh)
+        done = ready if ready is not None else (lambda module: None)
+        done(self.norm)
+        if self.lm_head is not None:
+            done(self.lm_head)
         for block in reversed(self.blocks):
             dx = block.backward(dx)
+            done(block)
         self.embed.backward(dx)
+        done(self.embed)
 
     def prefill(self, tokens, max_len: Optional[int] = None):
         """``(logits [B, T, V], cache)`` for a prompt; the cache carries every layer's state

@@ -101,6 +101,13 @@ def rwkv7(
     form: Literal["recurrent"] = ..., chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
 
+def log_linear_attention(
+    q: _TensorLike, k: _TensorLike, v: _TensorLike, g: _TensorLike, level_scales: _TensorLike, *,
+    scale: Optional[float] = ..., initial_state: Optional[_TensorLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[_TensorLike] = ...,
+    form: Literal["chunk", "recurrent", "parallel"] = ..., chunk_size: _ChunkSize = ...,
+) -> _WithState: ...
+
 def gla(
     q: _TensorLike, k: _TensorLike, v: _TensorLike, g: _TensorLike, *,
     gv: Optional[_TensorLike] = ..., scale: Optional[float] = ...,

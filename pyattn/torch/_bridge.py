@@ -408,7 +408,7 @@ class Op:
         args, kwargs = self.call_args.place(arrays)
         if self.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             keys = [(self.names[i], None) for i in self.tensors if values[i] is not None]
-            return EagerVJP.apply(self.fn, args, kwargs, dtype, keys, *tensors)
+            return EagerVJP.apply(_Call(self.fn, args, kwargs, dtype, keys), *tensors)
         return _as_tensors(self.fn(*args, **kwargs), dtype)
 
     def _ref_dtype(self, values: List[Any]) -> Optional[torch.dtype]:
@@ -433,7 +433,7 @@ class Op:
             keys = [(p.name, i if isinstance(v, list) else None)
                     for p, v in zip(self.params, values)
                     for i, t in enumerate(v if isinstance(v, list) else [v]) if isinstance(t, torch.Tensor)]
-            return EagerVJP.apply(self.fn, args, kwargs, dtype, keys, *tensors)
+            return EagerVJP.apply(_Call(self.fn, args, kwargs, dtype, keys), *tensors)
         return _as_tensors(self.fn(*args, **kwargs), dtype)
 
 
@@ -458,6 +458,16 @@ def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
             and _get_current_dispatch_mode() is None and all(type(t) is torch.Tensor for t in tensors))
 
 
+class _Call:
+    """An op's call as one opaque argument of EagerVJP.apply: autograd.Function.apply walks
+    its arguments as a pytree, and a list and a dict of arrays would be walked element by
+    element on every call."""
+    __slots__ = ("fn", "args", "kwargs", "dtype", "keys")
+
+    def __init__(self, fn, args, kwargs, dtype, keys):
+        self.fn, self.args, self.kwargs, self.dtype, self.keys = fn, args, kwargs, dtype, keys
+
+
 class EagerVJP(torch.autograd.Function):
     """An op in eager mode with pyattn.vjp's pullback kept for the backward: the forward runs
     once (the custom op's backward, which torch.compile needs as a function of tensors,
@@ -465,11 +475,10 @@ class EagerVJP(torch.autograd.Function):
     for backward so that autograd refuses gradients after one of them was modified in place."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, args: list, kwargs: dict, dtype: torch.dtype,
-                keys: List[Tuple[str, Optional[int]]], *tensors: torch.Tensor):
-        out, ctx.pullback = pyattn.vjp(fn, *args, **kwargs)
-        outs = _as_tensors(out, dtype)
-        ctx.keys, ctx.structured = keys, isinstance(outs, tuple)
+    def forward(ctx, call: _Call, *tensors: torch.Tensor):
+        out, ctx.pullback = pyattn.vjp(call.fn, *call.args, **call.kwargs)
+        outs = _as_tensors(out, call.dtype)
+        ctx.keys, ctx.structured = call.keys, isinstance(outs, tuple)
         ctx.save_for_backward(*tensors)
         return outs
 
@@ -483,7 +492,7 @@ class EagerVJP(torch.autograd.Function):
             g = found.get(name)
             g = g if i is None or g is None else g[i]
             result.append(None if g is None else to_tensor(g, t.dtype))
-        return (None, None, None, None, None, *result)
+        return (None, *result)
 
 
 def spread_map_params(fn: str, params: Optional[Dict[str, Any]]) -> Tuple[Any, ...]:

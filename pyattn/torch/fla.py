@@ -47,7 +47,7 @@ __all__ = [
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
     "chunk_gated_delta_product", "chunk_kda", "fused_recurrent_kda",
-    "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7",
+    "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7", "chunk_log_linear_attn",
     "parallel_attn", "parallel_forgetting_attn", "parallel_nsa", "parallel_moba",
 ]
 
@@ -729,6 +729,34 @@ def fused_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor,
     default)."""
     return fused_recurrent_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_log_linear_attn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, level_scales: Tensor,
+                          initial_state: State = None, output_final_state: bool = False,
+                          cu_seqlens: Optional[torch.LongTensor] = None) -> Tuple[Tensor, State]:
+    """fla.ops.log_linear_attn.chunk_log_linear_attn: ``pyattn.torch.log_linear_attention``
+    with ``scale=1.0`` (fla applies none). q, k ``[B, T, 1, K]`` as fla takes them (one group
+    shared by v's H heads; q and k of H heads are taken as well), v ``[B, T, H, V]``, g
+    ``[B, T, H]``, level_scales ``[B, T, H, L]``. The state is pyattn's ``[N, H, L, K, V]``
+    tensor (each level's state, the next position at ``[..., 0, 0, 0]``), not fla's
+    LogLinearAttentionState; it resumes the sequence exactly. Differentiable."""
+    fn = "chunk_log_linear_attn"
+    _check_cu_batch(fn, q, cu_seqlens)
+    if initial_state is not None and not isinstance(initial_state, Tensor):
+        raise _unsupported(fn, "a LogLinearAttentionState initial_state",
+                           "pass the [N, H, L, K, V] tensor pyattn returned as the final state")
+    H = v.shape[2]
+    if q.shape[2] != H or k.shape[2] != H:
+        if q.shape[2] != 1 or k.shape[2] != 1:
+            raise ValueError(f"pyattn.torch.fla.{fn}(): q and k must have 1 head (fla's group) or v's H={H}, "
+                             f"got {q.shape[2]} and {k.shape[2]}")
+        q, k = q.expand(-1, -1, H, -1), k.expand(-1, -1, H, -1)
+    out_dtype = v.dtype
+    dtype = _compute_dtype(q, k, v, g, level_scales, initial_state)
+    o, ht = _pt.log_linear_attention(*(x.to(dtype).contiguous() for x in (q, k, v, g, level_scales)), scale=1.0,
+                                     initial_state=None if initial_state is None else initial_state.to(dtype),
+                                     output_final_state=output_final_state, cu_seqlens=_cu(cu_seqlens))
+    return o.to(out_dtype), ht
 
 
 # ------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, Type
+from typing import Dict, Optional, Type
 
 import torch
 import torch.nn.functional as F
@@ -405,6 +405,7 @@ class RWKV7Attention(Mixer):
         self.value_residual = source.value_residual
         # the model's first rwkv7 mirror (HybridLM links it), kept out of the module tree
         self.first = [self]
+        self.v_first: Optional[torch.Tensor] = None  # the first mirror's values, each forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -441,6 +442,26 @@ class Mamba2(Mixer):
         y, _ = pt.mamba2(xs.reshape(B, T, self.H, self.P), F.linear(x, self.w_dt), -torch.exp(self.A_log),
                          Bm.reshape(B, T, self.G, self.N), Cm.reshape(B, T, self.G, self.N), D=self.D,
                          dt_bias=self.dt_bias, chunk_size=self.chunk_size)
+        return F.linear(self.norm(y.reshape(B, T, -1), F.linear(x, self.w_z)), self.w_o)
+
+
+class LogLinearMamba2(Mamba2):
+    def __init__(self, source: pm.LogLinearMamba2):
+        super().__init__(source)
+        self.levels = source.levels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, P, G, N = self.H, self.P, self.G, self.N
+        xh = self.conv_x(F.linear(x, self.w_x)).reshape(B, T, H, P)
+        Bm, Cm = self.conv_B(F.linear(x, self.w_B)), self.conv_C(F.linear(x, self.w_C))
+        dt = softplus(F.linear(x, self.w_dt) + self.dt_bias)
+        scales = softplus(self.L * F.linear(x, self.w_dl).reshape(B, T, H, self.levels))
+        q = Cm.reshape(B, T, G, N).repeat_interleave(H // G, dim=2)
+        k = Bm.reshape(B, T, G, N).repeat_interleave(H // G, dim=2)
+        y, _ = pt.log_linear_attention(q, k, xh * dt[..., None], -torch.exp(self.A_log) * dt, scales, scale=1.0,
+                                       chunk_size=self.chunk_size)
+        y = y + self.D[:, None] * xh
         return F.linear(self.norm(y.reshape(B, T, -1), F.linear(x, self.w_z)), self.w_o)
 
 
@@ -489,6 +510,7 @@ MIRRORS: Dict[type, Type[Module]] = {
     pm.LinearAttention: LinearAttention,
     pm.MultiScaleRetention: MultiScaleRetention, pm.LightningAttention: LightningAttention,
     pm.SimpleGLA: SimpleGLA, pm.GatedLinearAttention: GatedLinearAttention, pm.HGRN2: HGRN2, pm.Mamba2: Mamba2,
+    pm.LogLinearMamba2: LogLinearMamba2,
     pm.RWKV6Attention: RWKV6Attention, pm.RWKV7Attention: RWKV7Attention,
     pm.KimiDeltaAttention: KimiDeltaAttention,
     pm.DeltaNet: DeltaNet, pm.GatedDeltaNet: GatedDeltaNet, pm.GatedDeltaProduct: GatedDeltaNet,

@@ -8,6 +8,7 @@ from .gla import GatedLinearAttention
 from .kda import KimiDeltaAttention
 from .hgrn2 import HGRN2
 from .lightning import LightningAttention
+from .log_linear_mamba2 import LogLinearMamba2
 from .linear import LinearAttention
 from .mamba2 import Mamba2
 from .mla import MultiHeadLatentAttention
@@ -29,6 +30,7 @@ MIXERS = {
     "gla": GatedLinearAttention,
     "hgrn2": HGRN2,
     "mamba2": Mamba2,
+    "log_linear_mamba2": LogLinearMamba2,
     "rwkv6": RWKV6Attention,
     "rwkv7": RWKV7Attention,
     "deltanet": DeltaNet,

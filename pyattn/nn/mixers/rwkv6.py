@@ -12,6 +12,24 @@ from ..layers import (GroupNorm, Mixer, gated_product, gated_product_backward, l
 _PARTS = "rwkvg"
 
 
+def token_shift(x, cache):
+    """RWKV's token shift ``delta_t = x_{t-1} - x_t``: zeros before the first token in
+    training, the cached last token when decoding (the cache's "prev" becomes x's last)."""
+    shifted = np.empty_like(x)
+    shifted[:, 1:] = x[:, :-1]
+    shifted[:, 0] = 0 if cache is None else cache["prev"]
+    if cache is not None:
+        cache["prev"] = x[:, -1].copy()
+    return shifted - x
+
+
+def token_shift_backward(ddelta):
+    """The gradient reaching x from that of ``delta = shift(x) - x``."""
+    dx = -ddelta
+    dx[:, :-1] += ddelta[:, 1:]
+    return dx
+
+
 class RWKV6Attention(Mixer):
     """Token shift ``delta_t = x_{t-1} - x_t`` (zeros before the first token); five
     data-dependent interpolation weights ``mu = tanh((x + delta mu_x) w_x1^T) w_x2^T + x_bias``
@@ -52,12 +70,7 @@ class RWKV6Attention(Mixer):
     def _mix(self, x, cache, pos):
         B, T, d = x.shape
         H, K, Vd, r = self.H, self.K, self.Vd, self.rank
-        shifted = np.empty_like(x)
-        shifted[:, 1:] = x[:, :-1]
-        shifted[:, 0] = 0 if cache is None else cache["prev"]
-        if cache is not None:
-            cache["prev"] = x[:, -1].copy()
-        delta = shifted - x
+        delta = token_shift(x, cache)
         xx = x + delta * self.p["mu_x"]
         t1 = np.tanh(linear(xx, self.p["w_x1"])).reshape(B, T, 5, r)
         mus = np.einsum("btnr,dnr->btnd", t1, self.p["w_x2"].reshape(d, 5, r)) + self.p["x_bias"]
@@ -97,6 +110,4 @@ class RWKV6Attention(Mixer):
         self.g["mu_x"] += np.einsum("btd,btd->d", dxx, delta)
         dx += dxx
         ddelta += dxx * self.p["mu_x"]
-        dx -= ddelta  # delta = shift(x) - x
-        dx[:, :-1] += ddelta[:, 1:]
-        return dx
+        return dx + token_shift_backward(ddelta)

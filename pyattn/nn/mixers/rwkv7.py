@@ -8,6 +8,7 @@ import numpy as np
 
 from ...dplr import rwkv7
 from ..layers import GroupNorm, Mixer, linear, linear_backward, normal, sigmoid
+from .rwkv6 import token_shift, token_shift_backward
 
 # the six token-shift interpolations, in fla's order: r, w, k, v, a, g
 _PARTS = "rwkvag"
@@ -78,13 +79,8 @@ class RWKV7Attention(Mixer):
         return x.reshape(x.shape[:2] + (self.H, self.K))
 
     def _mix(self, x, cache, pos):
-        B, T, d = x.shape
-        shifted = np.empty_like(x)
-        shifted[:, 1:] = x[:, :-1]
-        shifted[:, 0] = 0 if cache is None else cache["prev"]
-        if cache is not None:
-            cache["prev"] = x[:, -1].copy()
-        delta = shifted - x
+        B, T, _ = x.shape
+        delta = token_shift(x, cache)
         xs = {c: x + delta * self.p["mu"][i] for i, c in enumerate(_PARTS)}
         r, k, v0 = (self.proj(xs[c], "w_" + c) for c in "rkv")
         lw = np.tanh(self.proj(xs["w"], "w_w1"))
@@ -118,7 +114,7 @@ class RWKV7Attention(Mixer):
 
     def backward(self, dy):
         x, delta, xs, r, k, v0, v, lw, sw, la, a, sg, g, lv, mix, norm, kk, k2, bonus, pre, out = self.saved
-        B, T, d = x.shape
+        B, T, _ = x.shape
         heads = self._heads
         dout = self.proj_backward(dy, out, "w_o")
         dpre = dout * g
@@ -170,6 +166,4 @@ class RWKV7Attention(Mixer):
         dx = sum(dxs.values())
         ddelta = sum(dxs[c] * self.p["mu"][i] for i, c in enumerate(_PARTS))
         self.g["mu"] += np.stack([np.einsum("btd,btd->d", dxs[c], delta) for c in _PARTS])
-        dx -= ddelta  # delta = shift(x) - x
-        dx[:, :-1] += ddelta[:, 1:]
-        return dx
+        return dx + token_shift_backward(ddelta)
