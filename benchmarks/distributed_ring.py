@@ -10,11 +10,12 @@ is taken after the closing barrier), the share of the step this rank spent waiti
 transfers (communication the flash kernel did not hide), and with ``--single`` the median
 of one process on the whole sequence (``softmax_attention`` and its backward on rank 0, with
 the threads of all ranks unless ``--single-threads`` says otherwise, while the other ranks
-sleep).
+sleep). Its last line is the figures as one JSON object (for benchmarks/bench_distributed.py).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -57,6 +58,7 @@ def main(argv=None):
     p.add_argument("--B", type=int, default=1)
     p.add_argument("--H", type=int, default=8)
     p.add_argument("--D", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="pyattn threads per rank (default: OMP_NUM_THREADS)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
     p.add_argument("--single", action="store_true", help="also time one process on the whole sequence")
     p.add_argument("--single-threads", type=int, default=None,
@@ -64,6 +66,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    if args.threads:
+        pyattn.set_num_threads(args.threads)
     threads = pyattn.get_num_threads()
 
     q, k, v, do = (zigzag_split(x, comm) for x in _inputs(args.T, args.B, args.H, args.D))
@@ -84,6 +88,8 @@ def main(argv=None):
               f"{size} ranks x {threads} threads: {median * 1e3:.1f} ms (median of {args.repeats}); "
               f"waiting on communication: rank 0 {wait_share:.1%}, most {max(shares):.1%}", flush=True)
 
+    result = dict(ranks=size, threads=threads, T=args.T, B=args.B, H=args.H, D=args.D, step_s=median,
+                  wait_share=wait_share, wait_share_max=max(shares) if rank == 0 else None, single_s=None)
     if args.single:
         if rank == 0:
             single_threads = args.single_threads or size * threads
@@ -97,9 +103,12 @@ def main(argv=None):
                     single.append(time.perf_counter() - start)
             pyattn.set_num_threads(threads)
             one = statistics.median(single)
+            result.update(single_s=one, single_threads=single_threads)
             print(f"1 rank x {single_threads} threads on the whole sequence: {one * 1e3:.1f} ms; "
                   f"ring / one process: {median / one:.2f}", flush=True)
         _idle_barrier(comm)
+    if rank == 0:
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
