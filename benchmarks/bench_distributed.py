@@ -5,6 +5,7 @@ in one table.
     python benchmarks/bench_distributed.py data [--configs 1x4 4x4] [--rows 8] [--T 512] [--steps 6]
                                                 [--launcher "mpiexec --bind-to none"]
     python benchmarks/bench_distributed.py context [--configs 1x4 4x4] [--T 65536] [--launcher ...]
+    python benchmarks/bench_distributed.py ring [--configs 4x4] [--single-threads 16] [--T 65536] [--launcher ...]
 
 data: data-parallel training of the bench_train hybrid (4 layers gated_deltanet / softmax,
 d_model 256, 4 heads, vocabulary 512, float32; benchmarks/distributed_data.py is one rank's
@@ -21,6 +22,13 @@ rank's side), the median of 5 calls, each between barriers (the slowest rank's t
 first configuration also times one process running pyattn.gated_delta_rule and its pullback
 on the whole sequence ("one process"), the baseline of the speed-ups. The bar (issue 31):
 4 ranks x 4 threads at least 3x 1 rank x 4 threads.
+
+ring: ring_attention causal forward+backward, zigzag, B1 H8 D64 float32 (benchmarks/
+distributed_ring.py is one rank's side), median of 3 calls between barriers, with the share of
+the step rank 0 (and the rank most) waited on transfers the flash kernel did not hide; the
+first configuration also times one process with --single-threads threads running
+softmax_attention and its backward on the whole sequence. The bars (issue 31): 4 ranks x 4
+threads within 10% of 1 rank x 16 threads; 8 x 8 on 64 cores at least 3.5x 1 x 16.
 
 Every job gets OMP_NUM_THREADS = threads and OPENBLAS_NUM_THREADS = 1; the ranks share the
 machine's cores (R x N should not exceed them: the table says how many the machine has).
@@ -109,6 +117,29 @@ def context(args) -> int:
     return 0
 
 
+def ring(args) -> int:
+    rows, one = [], None
+    for i, (ranks, threads) in enumerate(args.configs):
+        extra = ["--T", str(args.T)] + (["--single", "--single-threads", str(args.single_threads)] if i == 0 else [])
+        r = run(args.launcher, "distributed_ring.py", ranks, threads, extra)
+        one = one or r["single_s"]
+        rows.append((ranks, threads, r))
+        print(f"  {ranks} x {threads}: {r['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    print(f"ring_attention causal fwd+bwd, zigzag, B1 T {args.T} H8 D64 float32; machine: {os.cpu_count()} CPUs")
+    print(f"one process, {args.single_threads} threads, softmax_attention + backward: {one * 1e3:.1f} ms")
+    print(f"{'ranks x threads':>16} {'ms':>9} {'one / ring':>11} {'wait % r0':>10} {'wait % max':>11}")
+    for ranks, threads, r in rows:
+        print(f"{f'{ranks} x {threads}':>16} {r['step_s'] * 1e3:9.1f} {one / r['step_s']:10.2f}x "
+              f"{100 * r['wait_share']:10.1f} {100 * r['wait_share_max']:11.1f}")
+        if (ranks, threads) == (4, 4) and args.single_threads == 16:
+            ok = r["step_s"] <= 1.1 * one
+            print(f"bar: 4 x 4 = {r['step_s'] / one:.2f} x the time of 1 x 16, need <= 1.10: {'PASS' if ok else 'FAIL'}")
+        if (ranks, threads) == (8, 8) and args.single_threads == 16:
+            up = one / r["step_s"]
+            print(f"bar: 8 x 8 = {up:.2f}x 1 x 16, need >= 3.5x: {'PASS' if up >= 3.5 else 'FAIL'}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = ap.add_subparsers(dest="part", required=True)
@@ -122,9 +153,14 @@ def main(argv=None) -> int:
     c.add_argument("--configs", type=config, nargs="+", default=[config("1x4"), config("4x4")])
     c.add_argument("--T", type=int, default=65536)
     c.add_argument("--launcher", default="mpiexec")
+    r = parts.add_parser("ring")
+    r.add_argument("--configs", type=config, nargs="+", default=[config("4x4")])
+    r.add_argument("--single-threads", type=int, default=16)
+    r.add_argument("--T", type=int, default=65536)
+    r.add_argument("--launcher", default="mpiexec")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    status = data(args) if args.part == "data" else context(args)
+    status = {"data": data, "context": context, "ring": ring}[args.part](args)
     print(f"wall time {time.perf_counter() - t0:.0f} s")
     return status
 

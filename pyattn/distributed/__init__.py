@@ -20,5 +20,6 @@ except ImportError as e:  # pragma: no cover - exercised where mpi4py is absent
 
 from ._agree import agree
 from .context import context_parallel
+from .ring import ring_attention, zigzag_merge, zigzag_split
 
-__all__ = ["agree", "context_parallel"]
+__all__ = ["agree", "context_parallel", "ring_attention", "zigzag_split", "zigzag_merge"]

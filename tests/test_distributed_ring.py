@@ -1,0 +1,9 @@
+"""pyattn.distributed.ring_attention under mpiexec with 2, 3 and 4 ranks (tests/mpi/ring_attention.py)."""
+import pytest
+
+from mpi_run import run_mpi
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_attention_matches_one_process(n):
+    run_mpi("ring_attention.py", n, timeout=300)
