@@ -7,7 +7,7 @@ import numpy.typing as npt
 FORMS: Tuple[str, ...]
 
 _Array = npt.NDArray[np.floating]
-_Form = Literal["recurrent"]
+_Form = Literal["chunk", "recurrent"]
 _ChunkSize = Literal[16, 32, 64, 128]
 # (o, final_state): final_state is None unless output_final_state=True
 _WithState = Tuple[_Array, Optional[_Array]]

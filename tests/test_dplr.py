@@ -304,6 +304,35 @@ def test_full_reset_and_extreme_decays_stay_finite(form):
     assert (g["gk"][:, 10] == 0).all() and (g["gk"][:, 20] == 0).all()
 
 
+@pytest.mark.parametrize("chunk_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("gate", list(GATES))
+def test_chunk_equals_recurrent(chunk_size, gate):
+    """The chunk form against the recurrent one in float64, T = 150 dividing by none of the
+    chunk sizes, with cu_seqlens cutting sequences inside chunks."""
+    q, k, v, a, b, gk, _ = inputs(31, B=1, T=150, H=2, K=7, V=5, gate=gate)
+    cu = np.array([0, 40, 41, 150])
+    h0 = np.random.default_rng(31).standard_normal((3, 2, 7, 5))
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o, S = pyattn.dplr_delta_rule(q, k, v, a, b, gk, form="chunk", chunk_size=chunk_size, **kw)
+    ro, rS = pyattn.dplr_delta_rule(q, k, v, a, b, gk, form="recurrent", **kw)
+    assert_close(o, ro, 1e-12, name="o")
+    assert_close(S, rS, 1e-12, name="final_state")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_chunk_form_survives_gates_that_overflow_a_naive_exp(dtype):
+    """Log decays near -20 per step over a chunk of 128 rows: G reaches -2600, so exp(-G)
+    overflows in double (and exp(-G) past 88 in float); every exponent must be relative."""
+    q, k, v, a, b, gk, h0 = inputs(32, B=1, T=300, H=1, K=4, V=3, gate="strong")
+    assert -gk[0, :128].sum(0).min() > np.log(np.finfo(np.float64).max)
+    o, S = pyattn.dplr_delta_rule(*cast(dtype, q, k, v, a, b, gk), initial_state=h0.astype(dtype),
+                                  output_final_state=True, form="chunk", chunk_size=128)
+    ro, rS = reference.dplr_delta_rule(q, k, v, a, b, gk, initial_state=h0, output_final_state=True)
+    tol = TOLERANCES[np.dtype(dtype)][0]
+    assert_close(o, ro, tol, name="o")
+    assert_close(S, rS, tol, name="final_state")
+
+
 def test_empty_and_length_one_sequences():
     q, k, v, a, b, gk, h0 = inputs(14, B=2, T=0)
     o, S = pyattn.dplr_delta_rule(q, k, v, a, b, gk, initial_state=h0, output_final_state=True)
@@ -329,7 +358,7 @@ def test_bad_arguments_name_themselves():
     raises(ValueError, fn, q, k[:, :5], v, a, b, gk, must=("dplr_delta_rule()", "'k'"))
     raises(ValueError, fn, q, k, v[:, :, :1], a, b, gk, must=("dplr_delta_rule()", "'v'"))
     raises(ValueError, fn, q[0], k, v, a, b, gk, must=("dplr_delta_rule()", "'q'"))
-    raises(ValueError, fn, q, k, v, a, b, gk, form="chunk", must=("dplr_delta_rule()", "form"))
+    raises(ValueError, fn, q, k, v, a, b, gk, form="parallel", must=("dplr_delta_rule()", "form"))
     raises(ValueError, fn, q, k, v, a, b, gk, chunk_size=48, must=("dplr_delta_rule()", "chunk_size"))
     raises(ValueError, fn, q, k, v, a, b, gk, initial_state=h0[:1], must=("dplr_delta_rule()", "initial_state"))
     raises(ValueError, fn, q, k, v, a, b, gk, cu_seqlens=np.array([0, 5, 37]),

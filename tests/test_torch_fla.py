@@ -131,14 +131,17 @@ def _a_b_gk(inp):
     return (a, b, gk), {}, (a, b, gk), {}
 
 
-def _rwkv7(inp):
-    """fused_recurrent_rwkv7(r, w, k, v, a, b): the oracle's rwkv7 in fla's argument order."""
-    r, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
-    (a, b, w), _, _, _ = _a_b_gk(inp)
-    expected = ref.rwkv7(r, w, k, v, a, b, scale=K ** -0.5, initial_state=h0, output_final_state=True,
-                         cu_seqlens=inp.cu_np())
-    return ("fused_recurrent_rwkv7", tuple(_t(r, w, k, v, a, b)),
-            dict(initial_state=tensor(h0), cu_seqlens=inp.cu), expected)
+def _rwkv7(fn, scale):
+    """fn(r, w, k, v, a, b) (fused_recurrent_rwkv7 or chunk_rwkv7, whose default scales differ
+    as fla's do): the oracle's rwkv7 in fla's argument order."""
+    def build(inp):
+        r, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
+        (a, b, w), _, _, _ = _a_b_gk(inp)
+        expected = ref.rwkv7(r, w, k, v, a, b, scale=scale, initial_state=h0, output_final_state=True,
+                             cu_seqlens=inp.cu_np())
+        return (fn, tuple(_t(r, w, k, v, a, b)),
+                dict(initial_state=tensor(h0), output_final_state=True, cu_seqlens=inp.cu), expected)
+    return build
 
 
 def _gv_only(inp):
@@ -388,7 +391,11 @@ CASES = {
     "fused_recurrent_rwkv6": _linear_case("fused_recurrent_rwkv6", _w_u, ref.rwkv6),
     "fused_recurrent_dplr_delta_rule": _linear_case("fused_recurrent_dplr_delta_rule", _a_b_gk,
                                                     ref.dplr_delta_rule),
-    "fused_recurrent_rwkv7": _rwkv7,
+    "fused_recurrent_rwkv7": _rwkv7("fused_recurrent_rwkv7", K ** -0.5),
+    "chunk_dplr_delta_rule": _linear_case("chunk_dplr_delta_rule", _a_b_gk, ref.dplr_delta_rule),
+    "chunk_dplr_delta_rule-chunk32": _linear_case("chunk_dplr_delta_rule", _a_b_gk, ref.dplr_delta_rule,
+                                                  {"chunk_size": 32}),
+    "chunk_rwkv7": _rwkv7("chunk_rwkv7", 1.0),
     "chunk_log_linear_attn": _log_linear,
     "chunk_retention": _linear_case("chunk_retention", _no_gate, ref.retention, {"chunk_size": 32}),
     "fused_chunk_retention": _linear_case("fused_chunk_retention", _no_gate, ref.retention),
@@ -783,6 +790,10 @@ FLA_PARAMETERS = {
     "fused_recurrent_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state reverse cu_seqlens",
     "fused_recurrent_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
     "chunk_log_linear_attn": "q k v g level_scales initial_state output_final_state cu_seqlens",
+    "chunk_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state cu_seqlens cu_seqlens_cpu "
+                             "safe_gate chunk_size disable_recompute cp_context lower_bound",
+    "chunk_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens cu_seqlens_cpu safe_gate "
+                   "chunk_size disable_recompute cp_context lower_bound",
     "chunk_gated_delta_product": "q k v g beta num_householder scale initial_state output_final_state "
                                  "use_qk_l2norm_in_kernel cu_seqlens cu_seqlens_cpu",
     "chunk_kda": "q k v g beta scale initial_state output_final_state use_qk_l2norm_in_kernel use_gate_in_kernel "
@@ -806,15 +817,17 @@ def test_every_entry_point_has_fla_s_parameters():
         sig = inspect.signature(getattr(fla, name)).parameters.values()
         positional = [p.name for p in sig if p.kind == p.POSITIONAL_OR_KEYWORD]
         assert positional == params.split(), name
-        # fla's rwkv6 and KDA entry points end in **kwargs (chunk_size, A_log, head_first's refusal)
+        # fla's rwkv6, KDA and chunk DPLR entry points end in **kwargs (chunk_size, A_log,
+        # head_first's refusal)
         kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
-        if "rwkv6" in name or name.endswith("_kda"):
+        if "rwkv6" in name or name.endswith("_kda") or name in ("chunk_dplr_delta_rule", "chunk_rwkv7"):
             kinds.add(inspect.Parameter.VAR_KEYWORD)
         assert all(p.kind in kinds for p in sig), name
         defaults = {p.name: p.default for p in sig}
         for flag in ("scale", "initial_state", "cu_seqlens", "g_gamma", "gv", "chunk_indices"):
             if flag in defaults and name != "parallel_moba":
-                assert defaults[flag] is None, (name, flag)
+                # fla's chunk_rwkv7 alone defaults to scale 1
+                assert defaults[flag] == (1.0 if (name, flag) == ("chunk_rwkv7", "scale") else None), (name, flag)
         for flag in ("output_final_state", "reverse", "state_v_first", "head_first", "use_qk_l2norm_in_kernel"):
             if flag in defaults:
                 # fla's fused_recurrent_rwkv7 returns the final state by default

@@ -25,8 +25,8 @@ static int dplr_desc(const char *fn, PyObject *const *a, PyObject *const *opt, i
                      (long long)d->Hqk, (long long)d->H);
         return -1;
     }
-    if (d->form != PA_FORM_RECURRENT) {
-        PyErr_Format(PyExc_ValueError, "%s(): only the recurrent form is implemented", fn);
+    if (d->form != PA_FORM_RECURRENT && d->form != PA_FORM_CHUNK) {
+        PyErr_Format(PyExc_ValueError, "%s(): form must be recurrent or chunk", fn);
         return -1;
     }
     if (!(ab[0] = get_array(fn, "a", a[DPLR_A], *typenum, 4, PyArray_DIMS(arr[ENG_Q]), 0)) ||
@@ -102,7 +102,7 @@ static PyObject *py_dplr_backward(PyObject *self, PyObject *const *args, Py_ssiz
 PyMethodDef pyattn_dplr_methods[] = {
     {"dplr_forward", (PyCFunction)(void (*)(void))py_dplr_forward, METH_FASTCALL,
      "dplr_forward(q, k, v, a, b, gk, h0, o, ht, cu, form, chunk, scale): the DPLR delta rule "
-     "(recurrent form); a, b, gk [B, T, H, K]; h0, ht None or [N, H, K, V]; o written"},
+     "(recurrent or chunk form); a, b, gk [B, T, H, K]; h0, ht None or [N, H, K, V]; o written"},
     {"dplr_backward", (PyCFunction)(void (*)(void))py_dplr_backward, METH_FASTCALL,
      "dplr_backward(q, k, v, a, b, gk, h0, do, dht, dq, dk, dv, da, db, dgk, dh0, cu, form, "
      "chunk, scale): gradients written in place; dht None (zero), dh0 None (not wanted)"},

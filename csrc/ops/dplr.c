@@ -7,8 +7,15 @@
  *   S_t = (diag(e^gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,   o_t = S_t^T q~_t,
  * i.e. with w_t = S_{t-1}^T a_t:  S_t = diag(e^gk_t) S_{t-1} + b_t w_t^T + k_t v_t^T.
  *
- * Form: recurrent, one pass over S per step (the pass that writes S_t also forms S_t^T a_{t+1}
- * for the next step).
+ * Forms: recurrent, one pass over S per step (the pass that writes S_t also forms S_t^T a_{t+1}
+ * for the next step); chunk, per chunk of rows with G_i the inclusive cumulative gate from the
+ * chunk's start (G_{-1} = 0) and S_0 the state entering it, u_i = S_{i-1}^T a_i solves
+ *   (I - A_ab) U = A_a0 S_0 + A_ak V,   A_ab[i,j] = sum_c a_ic e^(G_{i-1,c} - G_jc) b_jc (j < i),
+ * A_ak likewise with k_j, A_a0 rows a_i e^G_{i-1}; then
+ *   o_t = (q~_t e^G_t)^T S_0 + sum_{j<=t} A_qb[t,j] u_j + A_qk[t,j] v_j   (exponent G_t - G_j),
+ *   S_C = e^G_C S_0 + sum_j (b_j e^(G_C - G_j)) u_j^T + (k_j e^(G_C - G_j)) v_j^T.
+ * Every exponent is a difference taken per pair, never above 0, so no strong decay overflows.
+ * The chunk form's backward is the recurrent one (the same function's gradients).
  *
  * Backward: states kept every DP_PIECE steps; each piece's states recomputed forward, then
  * stepped back one row at a time with dS, the gradient reaching S_t:
@@ -66,18 +73,29 @@ typedef struct {
     real *w, *dw;  /* V each: S_{t-1}^T a, its gradient */
     real *S, *dS;  /* K x V each */
     real *states;  /* backward: the state entering each piece, then one piece's states */
+    int64_t C;     /* chunk form: rows per chunk (0: recurrent) */
+    double *G, *Gl; /* K x C: the chunk's cumulative gate per channel, hi and lo parts */
+    real *Aab, *Aak, *Aqb, *Aqk; /* C x C each: the chunk's four matrices */
+    real *U;       /* C x V: u_i = S_{i-1}^T a_i */
     void *block;
 } PA_FN(dp_scratch);
 
-static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t K, int64_t V, int64_t nstates)
+static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t K, int64_t V, int64_t nstates,
+                                   int64_t C)
 {
-    const size_t r = sizeof(real);
-    size_t bytes[] = {K * r, V * r, V * r, K * V * r, K * V * r, nstates * K * V * r};
-    void **const parts[] = {(void **)&s->e, (void **)&s->w,  (void **)&s->dw,
-                            (void **)&s->S, (void **)&s->dS, (void **)&s->states};
+    const size_t r = sizeof(real), dd = sizeof(double);
+    size_t bytes[] = {K * r,     V * r,     V * r,     K * V * r, K * V * r, nstates * K * V * r,
+                      K * C * dd, K * C * dd, C * C * r, C * C * r, C * C * r, C * C * r,
+                      C * V * r};
+    void **const parts[] = {(void **)&s->e,   (void **)&s->w,   (void **)&s->dw,
+                            (void **)&s->S,   (void **)&s->dS,  (void **)&s->states,
+                            (void **)&s->G,   (void **)&s->Gl,  (void **)&s->Aab,
+                            (void **)&s->Aak, (void **)&s->Aqb, (void **)&s->Aqk,
+                            (void **)&s->U};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->K = K;
     s->V = V;
+    s->C = C;
     return s->block != NULL;
 }
 
@@ -143,6 +161,76 @@ static void PA_FN(dp_recurrent)(const PA_FN(dp_unit) *u, int64_t t0, int64_t n, 
     }
 }
 
+/* e^(G_i - G_j) of channel c's cumulative gate (j < 0: e^G_i; i < 0: 1, the chunk's start) */
+static inline double PA_FN(dp_chunk_decay)(const PA_FN(dp_scratch) *sc, int64_t c, int64_t i,
+                                           int64_t j)
+{
+    const double *G = sc->G + c * sc->C, *Gl = sc->Gl + c * sc->C;
+    return i < 0 ? 1 : exp(PA_FN(gate_diff)(G, Gl, i, j));
+}
+
+/* Rows t0 .. t0+n-1 (n <= sc->C) as one chunk on S in place (S holds the entering state); o
+ * rows written when u->o. */
+static void PA_FN(dp_chunk)(const PA_FN(dp_unit) *u, int64_t t0, int64_t n, double scale,
+                            real *restrict S, PA_FN(dp_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, C = sc->C, sk = u->sk, sv = u->sv;
+    const real *q = u->q + t0 * sk, *k = u->k + t0 * sk, *a = u->a + t0 * sk, *b = u->b + t0 * sk;
+    const real *v = u->v + t0 * sv;
+    real *restrict U = sc->U;
+    for (int64_t c = 0; c < K; c++)
+        PA_FN(gate_cumsum)(u->gk + t0 * sk + c, sk, n, 0, sc->G + c * C, sc->Gl + c * C);
+    /* the four matrices: rows read S_{i-1} (A_ab, A_ak, strictly lower) or S_t (A_qb, A_qk) */
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j <= i; j++) {
+            double ab = 0, ak = 0, qb = 0, qk = 0;
+            for (int64_t c = 0; c < K; c++) {
+                const double et = PA_FN(dp_chunk_decay)(sc, c, i, j);
+                const double ex = j < i ? PA_FN(dp_chunk_decay)(sc, c, i - 1, j) : 0;
+                const double bj = b[j * sk + c], kj = k[j * sk + c];
+                qb += q[i * sk + c] * et * bj;
+                qk += q[i * sk + c] * et * kj;
+                ab += a[i * sk + c] * ex * bj;
+                ak += a[i * sk + c] * ex * kj;
+            }
+            sc->Aqb[i * C + j] = (real)(scale * qb);
+            sc->Aqk[i * C + j] = (real)(scale * qk);
+            sc->Aab[i * C + j] = (real)ab;
+            sc->Aak[i * C + j] = (real)ak;
+        }
+    /* U by forward substitution; o_t from S_0, U and V */
+    for (int64_t i = 0; i < n; i++) {
+        real *restrict ui = U + i * V, *restrict ot = u->o ? u->o + (t0 + i) * sv : NULL;
+        for (int64_t x = 0; x < V; x++) ui[x] = 0;
+        for (int64_t c = 0; c < K; c++)
+            PA_FN(axpy)(ui, S + c * V, V, (real)(a[i * sk + c] * PA_FN(dp_chunk_decay)(sc, c, i - 1, -1)));
+        for (int64_t j = 0; j < i; j++) {
+            PA_FN(axpy)(ui, v + j * sv, V, sc->Aak[i * C + j]);
+            PA_FN(axpy)(ui, U + j * V, V, sc->Aab[i * C + j]);
+        }
+        if (!ot) continue;
+        for (int64_t x = 0; x < V; x++) ot[x] = 0;
+        for (int64_t c = 0; c < K; c++)
+            PA_FN(axpy)(ot, S + c * V, V,
+                        (real)(scale * q[i * sk + c] * PA_FN(dp_chunk_decay)(sc, c, i, -1)));
+        for (int64_t j = 0; j <= i; j++) {
+            PA_FN(axpy)(ot, v + j * sv, V, sc->Aqk[i * C + j]);
+            PA_FN(axpy)(ot, U + j * V, V, sc->Aqb[i * C + j]);
+        }
+    }
+    /* the state leaving the chunk, row by row (row c reads only row c of S_0) */
+    for (int64_t c = 0; c < K; c++) {
+        real *restrict row = S + c * V;
+        const real e = (real)PA_FN(dp_chunk_decay)(sc, c, n - 1, -1);
+        for (int64_t x = 0; x < V; x++) row[x] *= e;
+        for (int64_t j = 0; j < n; j++) {
+            const double ej = PA_FN(dp_chunk_decay)(sc, c, n - 1, j);
+            PA_FN(axpy)(row, U + j * V, V, (real)(b[j * sk + c] * ej));
+            PA_FN(axpy)(row, v + j * sv, V, (real)(k[j * sk + c] * ej));
+        }
+    }
+}
+
 /* Steps t0+n-1 down to t0 in reverse, from their states (trail: the state entering t0, then
  * the state after each step) and dS, the gradient reaching the last one (on return, the one
  * reaching the state entering t0). */
@@ -192,7 +280,11 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
     PA_FN(dp_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, sc->S, KV);
-    PA_FN(dp_recurrent)(&u, 0, u.T, d->scale, sc->S, NULL, sc);
+    if (sc->C)
+        for (int64_t t0 = 0; t0 < u.T; t0 += sc->C)
+            PA_FN(dp_chunk)(&u, t0, u.T - t0 < sc->C ? u.T - t0 : sc->C, d->scale, sc->S, sc);
+    else
+        PA_FN(dp_recurrent)(&u, 0, u.T, d->scale, sc->S, NULL, sc);
     if (c->ht) memcpy(c->ht + unit * KV, sc->S, sizeof(real) * KV);
 }
 
@@ -237,12 +329,13 @@ static int PA_FN(dp_run)(const PA_FN(dp_call) *c, int backward)
     /* multiply-adds; a step streams its state through memory, so it weighs more */
     const double work = rows * KV * 10;
     const int nthreads = pa_threads_for(backward ? 3 * work : work, units);
+    const int64_t C = !backward && d->form == PA_FORM_CHUNK ? d->chunk : 0;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = pa_subnormals_flush();
         PA_FN(dp_scratch) sc;
-        int ok = pa_scratch_ok(PA_FN(dp_scratch_alloc)(&sc, d->K, d->V, nstates), &failed);
+        int ok = pa_scratch_ok(PA_FN(dp_scratch_alloc)(&sc, d->K, d->V, nstates, C), &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
             if (!ok) continue;

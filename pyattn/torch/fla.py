@@ -47,7 +47,8 @@ __all__ = [
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
     "chunk_gated_delta_product", "chunk_kda", "fused_recurrent_kda",
-    "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7", "chunk_log_linear_attn",
+    "chunk_dplr_delta_rule", "chunk_rwkv7", "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7",
+    "chunk_log_linear_attn",
     "parallel_attn", "parallel_forgetting_attn", "parallel_nsa", "parallel_moba",
 ]
 
@@ -704,7 +705,49 @@ def chunk_gated_delta_product(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tenso
 
 
 # ------------------------------------------------------------------------------------------
-# the DPLR delta rule and RWKV-7 (pyattn has their recurrent form only, so no chunk_* entries)
+# the DPLR delta rule and RWKV-7
+
+
+def chunk_dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
+                          scale: Optional[float] = None, initial_state: State = None,
+                          output_final_state: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
+                          cu_seqlens_cpu: Optional[torch.LongTensor] = None, safe_gate: bool = False,
+                          chunk_size: Optional[int] = None, disable_recompute: bool = False,
+                          cp_context=None, lower_bound: Optional[float] = None,
+                          **kwargs) -> Tuple[Tensor, State]:
+    """fla.ops.generalized_delta_rule.chunk_dplr_delta_rule: ``pyattn.torch.dplr_delta_rule(
+    form="chunk")``, a, b, gk ``[B, T, H, K]`` (gk the log decay per key channel); chunk_size
+    None is fla's 16 (pyattn takes 16, 32, 64 or 128). ``safe_gate``, ``disable_recompute`` and
+    ``cu_seqlens_cpu`` change no result; ``cp_context`` raises NotImplementedError.
+    Differentiable."""
+    fn = "chunk_dplr_delta_rule"
+    if "head_first" in kwargs:  # as fla: the [B, H, T] layout is gone
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    if lower_bound is not None and lower_bound >= 0:
+        raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be negative (gk is a log-decay < 0), "
+                         f"got {lower_bound}.")
+    if cp_context is not None:
+        raise _unsupported(fn, "cp_context", "pyattn runs on one machine")
+    _check_cu_batch(fn, q, cu_seqlens)
+    return _run(_pt.dplr_delta_rule, q, k, v, gates=[("a", a), ("b", b), ("gk", gk)], scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                form="chunk", chunk_size=16 if chunk_size is None else chunk_size)
+
+
+def chunk_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, scale: float = 1.0,
+                initial_state: State = None, output_final_state: bool = False,
+                cu_seqlens: Optional[torch.LongTensor] = None, cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+                safe_gate: bool = False, chunk_size: Optional[int] = None, disable_recompute: bool = False,
+                cp_context=None, lower_bound: Optional[float] = None, **kwargs) -> Tuple[Tensor, State]:
+    """fla.ops.rwkv7.chunk_rwkv7: ``chunk_dplr_delta_rule`` with q = r and gk = w, scale 1 by
+    default, as fla defines it."""
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    return chunk_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu, safe_gate=safe_gate, chunk_size=chunk_size,
+                                 disable_recompute=disable_recompute, cp_context=cp_context,
+                                 lower_bound=lower_bound)
 
 
 def fused_recurrent_dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
