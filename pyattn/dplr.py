@@ -15,7 +15,7 @@ from . import _validate as V
 from ._engines import LinearEngine, sequences
 from .autodiff import register_vjp
 
-FORMS = ("chunk", "recurrent")
+FORMS = ("recurrent", "chunk")
 
 
 class _DplrEngine(LinearEngine):
