@@ -14,6 +14,7 @@ static PyMethodDef *const method_slices[] = {
     pyattn_softmax_methods, pyattn_sparse_methods, pyattn_feature_map_methods,
     pyattn_linear_methods,  pyattn_delta_methods,  pyattn_dplr_methods,
     pyattn_loglin_methods,  pyattn_nn_methods,     pyattn_runtime_methods,
+    pyattn_bf16_methods,
 };
 
 /* Every slice's entries in one table ended by a {NULL} entry, built once: the module

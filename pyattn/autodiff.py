@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Tuple
 
+from . import _bf16
+
 _RULES: Dict[Callable, Callable] = {}
 
 
@@ -45,6 +47,8 @@ def vjp(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Tuple[Any, Callabl
     if rule is None:
         name = getattr(op, "__name__", repr(op))
         raise TypeError(f"vjp(): {name} has no registered vjp; differentiable ops: {sorted(f.__name__ for f in _RULES)}")
+    if _bf16.has_bf16(args, kwargs):
+        return _bf16.vjp(op, rule, args, kwargs)
     return rule(*args, **kwargs)
 
 

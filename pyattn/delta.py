@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
+from . import _bf16, _core
 from . import _validate as V
 from ._engines import LINEAR_FORMS, LinearEngine, engine_qkv, sequences
 from ._rownorm import normalize_rows, normalize_rows_backward
@@ -91,6 +91,7 @@ def _delta_vjp(eng, norm):
     return pullback
 
 
+@_bf16.calls
 def gated_delta_rule(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     """Gated DeltaNet: ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``,
@@ -119,6 +120,7 @@ def _gated_delta_rule_vjp(q, k, v, g, beta, *, qk_l2norm=False, scale=None, init
     return eng.forward(keep=True), _delta_vjp(eng, norm)
 
 
+@_bf16.calls
 def delta_rule(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state=None,
                output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     """DeltaNet: ``S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``,
@@ -137,6 +139,7 @@ def _delta_rule_vjp(q, k, v, beta, *, qk_l2norm=False, scale=None, initial_state
     return eng.forward(keep=True), _delta_vjp(eng, norm)
 
 
+@_bf16.calls
 def kda(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, form="chunk", chunk_size=64):
     """Kimi Delta Attention: the gated delta rule with a decay per key channel,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _validate as V
+from . import _bf16, _validate as V
 from .autodiff import register_vjp, vjp
 from .delta import FORMS, gated_delta_rule
 
@@ -74,6 +74,7 @@ class _Steps:
         return grads
 
 
+@_bf16.calls
 def gated_delta_product(q, k, v, g, beta, *, num_householder, qk_l2norm=False, scale=None,
                         initial_state=None, output_final_state=False, cu_seqlens=None, form="chunk",
                         chunk_size=64):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
+from . import _bf16, _core
 from . import _validate as V
 from ._engines import LinearEngine, sequences
 from .autodiff import register_vjp
@@ -80,6 +80,7 @@ def _pullback(eng, names):
     return pullback
 
 
+@_bf16.calls
 def dplr_delta_rule(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
                     cu_seqlens=None, form="recurrent", chunk_size=64):
     """The diagonal-plus-low-rank delta rule (fla's generalized delta rule):
@@ -110,6 +111,7 @@ def _dplr_delta_rule_vjp(q, k, v, a, b, gk, *, scale=None, initial_state=None,
     return eng.forward(), _pullback(eng, _DPLR_GRADS)
 
 
+@_bf16.calls
 def rwkv7(r, w, k, v, a, b, *, scale=1.0, initial_state=None, output_final_state=False,
           cu_seqlens=None, form="recurrent", chunk_size=64):
     """RWKV-7 (Goose) time mixing: ``dplr_delta_rule`` with the receptance r as the query and w

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _validate as V
+from . import _bf16, _validate as V
 from ._engines import FEATURE_MAP_KINDS, feature_map_backward, feature_map_forward, feature_map_prepare
 from .autodiff import register_vjp, split_cotangent
 
 KINDS = FEATURE_MAP_KINDS
 
 
+@_bf16.calls
 def feature_map(x, kind, **params):
     """phi(x) over the last (feature) axis of x, as linear attention applies it to q and k.
 

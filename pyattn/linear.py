@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
+from . import _bf16, _core
 from . import _validate as V
 from ._engines import (LINEAR_FORMS, LinearEngine, engine_qkv, feature_map_backward,
                        feature_map_forward, feature_map_prepare, sequences)
@@ -51,6 +51,7 @@ def _gated_vjp(eng, names):
     return pullback
 
 
+@_bf16.calls
 def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
                cu_seqlens=None, form="chunk", chunk_size=64):
     """Scalar-gated linear attention: ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``,
@@ -76,6 +77,7 @@ def _simple_gla_vjp(q, k, v, g, *, scale=None, initial_state=None, output_final_
                                                    "initial_state": "h0"})
 
 
+@_bf16.calls
 def gla(q, k, v, g, *, gv=None, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, form="chunk", chunk_size=64):
     """Gated linear attention: ``S_t = diag(exp(g_t)) S_{t-1} diag(exp(gv_t)) + k_t v_t^T``,
@@ -174,6 +176,7 @@ def _lightning_decay(H, slopes):
     return -slopes.astype(np.float64), -1.0
 
 
+@_bf16.calls
 def retention(q, k, v, *, gamma=None, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, form="chunk", chunk_size=64):
     """RetNet retention: ``S_t = gamma_h S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
@@ -195,6 +198,7 @@ def _retention_vjp(q, k, v, *, gamma=None, scale=None, initial_state=None, outpu
                            initial_state, output_final_state, cu_seqlens, form, chunk_size, True)
 
 
+@_bf16.calls
 def lightning_attention(q, k, v, *, slopes=None, scale=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     """Lightning attention (MiniMax): ``S_t = exp(-slope_h) S_{t-1} + k_t v_t^T``,
@@ -296,6 +300,7 @@ def _linear_attention(q, k, v, feature_map, feature_map_params, normalize, eps, 
     return out, pullback
 
 
+@_bf16.calls
 def linear_attention(q, k, v, *, feature_map=None, feature_map_params=None, normalize=False,
                      eps=1e-6, scale=None, initial_state=None, output_final_state=False,
                      cu_seqlens=None, form="chunk", chunk_size=64):
@@ -410,6 +415,7 @@ def _mamba2(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, output_final
     return out, pullback
 
 
+@_bf16.calls
 def mamba2(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_state=None,
            output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     """Mamba-2 (SSD): ``dt <- softplus(dt + dt_bias)`` (bias added first; softplus when
@@ -466,6 +472,7 @@ def _efficient(q, k, v, scale, cu_seqlens, form):
     return q, k, v, (cu_q, cu_k, V.scale(fn, scale, K ** -0.5, q.dtype))
 
 
+@_bf16.calls
 def efficient_attention(q, k, v, *, scale=None, cu_seqlens=None, form="parallel"):
     """Efficient attention (Shen et al.), non-causal:
     ``o = softmax_row(scale q) (softmax_col(scale k)^T v)`` per (sequence, head), softmax_row

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
+from . import _bf16, _core
 from . import _validate as V
 from ._engines import sequences
 from .autodiff import register_vjp, split_cotangent
@@ -122,6 +122,7 @@ class _Engine:
         return grads
 
 
+@_bf16.calls
 def log_linear_attention(q, k, v, g, level_scales, *, scale=None, initial_state=None,
                          output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     """Log-linear attention (log-linear Mamba-2):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _validate as V
+from . import _bf16, _validate as V
 from .autodiff import register_vjp, split_cotangent, vjp
 from .softmax import softmax_attention
 
@@ -104,6 +104,7 @@ def _absorbed(a):
     return q, k, a["c_kv"][:, :, None, :]
 
 
+@_bf16.calls
 def mla_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, causal=True, scale=None,
                   form="naive"):
     """Multi-head latent attention: softmax attention with per-head keys

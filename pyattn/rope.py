@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core, _validate as V
+from . import _bf16, _core, _validate as V
 from .autodiff import register_vjp, split_cotangent
 
 
@@ -56,6 +56,7 @@ def rotate(x, cos, sin, sign):
     return y
 
 
+@_bf16.calls
 def rope(x, positions, theta=10000.0):
     """Rotary embedding: ``y[..., i] = x_i cos(a_i) - x_{i+D/2} sin(a_i)``,
     ``y[..., i+D/2] = x_{i+D/2} cos(a_i) + x_i sin(a_i)`` with ``a_i = p theta**(-2i/D)``,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _validate as V
+from . import _bf16, _validate as V
 from .autodiff import register_vjp, vjp
 from .linear import FORMS, gla
 
@@ -120,6 +120,7 @@ class _Rwkv6:
         return grads
 
 
+@_bf16.calls
 def rwkv6(r, k, v, w, u, *, scale=None, initial_state=None, output_final_state=False,
           cu_seqlens=None, form="chunk", chunk_size=64):
     """RWKV-6 (Finch) time mixing: ``o_t = (S_{t-1} + diag(u) k_t v_t^T)^T (scale r_t)``,

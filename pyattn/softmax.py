@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _validate as V
+from . import _bf16, _validate as V
 from ._engines import (SOFTMAX_FORMS, KVCall, forgetting_backward, forgetting_forward, forgetting_prepare,
                        softmax_backward, softmax_forward, softmax_prepare)
 from .autodiff import register_vjp, split_cotangent
@@ -11,6 +11,7 @@ from .autodiff import register_vjp, split_cotangent
 FORMS = SOFTMAX_FORMS
 
 
+@_bf16.calls
 def softmax_attention(q, k, v, *, causal=False, scale=None, window=None, sinks=0,
                       alibi_slopes=None, softcap=0.0, cu_seqlens=None, cu_seqlens_q=None,
                       cu_seqlens_k=None, form="flash", return_lse=False):
@@ -72,6 +73,7 @@ def _softmax_attention_vjp(q, k, v, *, return_lse=False, **kwargs):
     return ((o, lse) if return_lse else o), pullback
 
 
+@_bf16.calls
 def forgetting_attention(q, k, v, g, *, window=None, scale=None, cu_seqlens=None, form="flash"):
     """The Forgetting Transformer's attention (FoX): causal softmax attention whose scores
     decay with the forget gates between query and key, ``s_ij = scale q_i.k_j + G_i - G_j``
@@ -144,6 +146,7 @@ def _merge_weights(lse_p):
     return lse.astype(lse_p.dtype), w.astype(lse_p.dtype)
 
 
+@_bf16.calls
 def merge_attention_states(os, lses):
     """Softmax attention over the union of disjoint key sets from its parts (flash decoding,
     ring attention): ``os`` a sequence of P outputs ``o_p [B, Tq, H, Dv]`` and ``lses`` their
@@ -179,6 +182,7 @@ def _merge_attention_states_vjp(os, lses):
     return (o, lse), pullback
 
 
+@_bf16.calls
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
                            scale=None, window=None, sinks=0, alibi_slopes=None, softcap=0.0,
                            block_table=None, num_splits=0, return_lse=False, return_colsum=False):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
+from . import _bf16, _core
 from . import _validate as V
 from ._engines import softmax_backward, softmax_forward, softmax_mask, softmax_options
 from .autodiff import register_vjp
@@ -113,6 +113,7 @@ def _moba_forward(c):
     return o, lse
 
 
+@_bf16.calls
 def moba_attention(q, k, v, *, block_size, top_k, causal=True, scale=None, cu_seqlens=None):
     """MoBA, mixture of block attention: each query attends to ``top_k`` blocks of
     ``block_size`` keys.
@@ -183,6 +184,7 @@ def _linformer_call(q, k, v, E, F, scale):
     return q, k, v, E, F, kp, vp, opts
 
 
+@_bf16.calls
 def linformer_attention(q, k, v, E, F, *, scale=None):
     """Linformer: softmax attention over S projected keys and values, ``k' = E k`` and ``v' =
     F v`` along time (``E, F [S, T]`` shared by the batch and the heads), non-causal.
@@ -385,6 +387,7 @@ class _NsaCall:
         return grads
 
 
+@_bf16.calls
 def nsa_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size=64, block_count=16, window=512,
                   k_cmp=None, v_cmp=None, scale=None, cu_seqlens=None):
     """NSA, native sparse attention (Yuan et al., 2025): three causal softmax branches per
@@ -469,6 +472,7 @@ def _index_slab(iq, ik, iw):
     return (iw[:, None, :] @ a)[:, 0], a
 
 
+@_bf16.calls
 def dsa_index_scores(index_q, index_k, index_w):
     """The lightning indexer of DeepSeek sparse attention: ``I[b, t, s] = sum_j index_w[b,
     t, j] relu(index_q[b, t, j] . index_k[b, s])``.
@@ -533,6 +537,7 @@ class _DsaSelection:
         self.nan = nan.astype(bool)
 
 
+@_bf16.calls
 def dsa_select(index_q, index_k, index_w, *, top_k, causal=True, cu_seqlens=None):
     """The keys DeepSeek sparse attention chooses: for every query, its ``top_k`` visible keys
     by ``dsa_index_scores`` (ties to the lower key), all visible keys when fewer:
@@ -585,6 +590,7 @@ class _DsaCall:
         return o.reshape(self.shape[:3] + (self.Dv,))
 
 
+@_bf16.calls
 def dsa_attention(q, k, v, index_q, index_k, index_w, *, top_k, causal=True, scale=None,
                   cu_seqlens=None):
     """DeepSeek sparse attention (DeepSeek-V3.2): every query attends to the ``top_k`` keys its
@@ -622,6 +628,7 @@ def _dsa_attention_vjp(q, k, v, index_q, index_k, index_w, *, top_k, causal=True
     return o, pullback
 
 
+@_bf16.calls
 def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=None):
     """The distribution DeepSeek-V3.2 trains its indexer towards: the attention probabilities
     of the main attention summed over the heads and normalised, ``P[b, t, s] = (1/H) sum_h

@@ -14,6 +14,7 @@ extern PyMethodDef pyattn_dplr_methods[];
 extern PyMethodDef pyattn_loglin_methods[];
 extern PyMethodDef pyattn_nn_methods[];
 extern PyMethodDef pyattn_runtime_methods[];
+extern PyMethodDef pyattn_bf16_methods[];
 
 /* indexed by PA_FM_* */
 extern const char *const pa_feature_map_names[PA_FM_COUNT];

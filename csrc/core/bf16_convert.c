@@ -1,0 +1,47 @@
+/* bfloat16 <-> float32 conversion (bf16_convert.h). Plain integer code that the compiler
+ * vectorises for whatever ISA the build targets; memory-bound, so no per-ISA versions. */
+#include "bf16_convert.h"
+
+#include <string.h>
+
+#include "parallel.h"
+
+/* Elements a task: a 2-thread team splits a [4096, 256] activation evenly */
+#define CONVERT_BLOCK 65536
+
+static int convert_threads(int64_t n)
+{
+    return pa_threads_for((double)n, (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK);
+}
+
+void pa_f32_from_bf16(int64_t n, const uint16_t *src, float *dst)
+{
+    int64_t blocks = (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(convert_threads(n)) if (blocks > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * CONVERT_BLOCK, hi = lo + CONVERT_BLOCK < n ? lo + CONVERT_BLOCK : n;
+        for (int64_t i = lo; i < hi; i++) {
+            uint32_t bits = (uint32_t)src[i] << 16;
+            memcpy(dst + i, &bits, sizeof bits);
+        }
+    }
+}
+
+void pa_bf16_from_f32(int64_t n, const float *src, uint16_t *dst)
+{
+    int64_t blocks = (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(convert_threads(n)) if (blocks > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * CONVERT_BLOCK, hi = lo + CONVERT_BLOCK < n ? lo + CONVERT_BLOCK : n;
+        for (int64_t i = lo; i < hi; i++) {
+            uint32_t bits;
+            memcpy(&bits, src + i, sizeof bits);
+            /* adding 0x7FFF plus the kept part's lowest bit rounds half to even; a NaN's
+             * payload could round into infinity, so NaNs keep their top bits with the quiet
+             * bit set instead */
+            uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+            int nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+            dst[i] = (uint16_t)(nan ? (bits >> 16) | 0x0040u : rounded);
+        }
+    }
+}

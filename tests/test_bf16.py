@@ -1,0 +1,165 @@
+"""bfloat16 calls (ml_dtypes.bfloat16 arrays): every op and form, forward and backward, within
+relative RMS 1e-2 of the float64 result on the same (bf16-rounded) inputs; outputs bf16,
+LSE and states float32, each gradient in its argument's dtype; the conversions bit-exact
+against ml_dtypes; in-place cache writes kept; float64 refused; NaN in, NaN out."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyattn
+from pyattn import _bf16
+from pyattn.testing import rel_rms
+
+ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays need ml_dtypes (pyattn[bf16])")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = 1e-2  # relative RMS against the float64 result: bf16 keeps 8 significant bits
+
+
+def _map(x, f):
+    """x with f applied to every array, through lists and dicts."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(e, f) for e in x)
+    if isinstance(x, dict):
+        return {k: _map(e, f) for k, e in x.items()}
+    return f(x) if isinstance(x, np.ndarray) else x
+
+
+def _to(dtype):
+    return lambda a: a.astype(dtype) if a.dtype.kind == "f" or a.dtype == BF16 else a
+
+
+def _tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _bf16_call(name):
+    """The op's example with its float arrays in bf16 (states and per-head constants too), and
+    the same values (rounded) in float64."""
+    info = pyattn.OPS[name]
+    args, kwargs = info.example(np.random.default_rng(0), np.float64)
+    a16, k16 = _map(list(args), _to(BF16)), _map(kwargs, _to(BF16))
+    return info, (a16, k16), (_map(a16, _to(np.float64)), _map(k16, _to(np.float64)))
+
+
+def test_conversions_match_ml_dtypes_bit_for_bit():
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    specials = np.array([0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0x00000001, 0x80000000,
+                         0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF], np.uint32)
+    x = np.concatenate([bits, specials]).view(np.float32)
+    got = _bf16.to_bf16(x, BF16).view(np.uint16)
+    with np.errstate(invalid="ignore"):  # ml_dtypes warns on NaN, and converts it
+        want = x.astype(BF16).view(np.uint16)
+    nan = np.isnan(x)
+    assert np.array_equal(got[~nan], want[~nan])
+    back = _bf16.to_float32(got.view(BF16))
+    assert np.isnan(back[nan]).all() and np.array_equal(np.signbit(back[nan]), np.signbit(x[nan]))
+    assert np.array_equal(back[~nan], want[~nan].view(BF16).astype(np.float32))
+    # widening is exact, so bf16 -> float32 -> bf16 gives the same bits
+    assert np.array_equal(_bf16.to_bf16(back, BF16).view(np.uint16)[~nan], got[~nan])
+
+
+@pytest.mark.parametrize("name", sorted(pyattn.OPS))
+def test_every_form_forward(name):
+    info, (a16, k16), (a64, k64) = _bf16_call(name)
+    for form, form_kw in info.form_calls():
+        out = _tuple(info.fn(*a16, **k16, **form_kw))
+        ref = _tuple(info.reference(*a64, **k64))
+        main = out[0]
+        if ref[0].dtype.kind == "i":  # dsa_select's rows: the same choice
+            assert main.dtype == np.int64 and np.array_equal(main, ref[0]), form
+            continue
+        assert main.dtype == BF16, form
+        assert rel_rms(main.astype(np.float64), ref[0]) <= TOL, form
+        for aux, r in zip(out[1:], ref[1:]):  # LSE, final states, column sums: float32
+            if aux is None:
+                continue
+            assert aux.dtype == np.float32, form
+            fin = np.isfinite(r)
+            assert np.array_equal(fin, np.isfinite(aux)) and rel_rms(aux[fin], r[fin]) <= TOL, form
+
+
+def _cotangent(out, rng):
+    return tuple(None if o is None else rng.standard_normal(o.shape) for o in _tuple(out))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, i in pyattn.OPS.items() if i.differentiable))
+def test_every_form_backward(name):
+    info, (a16, k16), (a64, k64) = _bf16_call(name)
+    for form, form_kw in info.form_calls():
+        out64, pull64 = pyattn.vjp(info.fn, *a64, **k64, **form_kw)
+        out16, pull16 = pyattn.vjp(info.fn, *a16, **k16, **form_kw)
+        cot = _cotangent(out64, np.random.default_rng(2))
+        cot = tuple(None if c is None else c.astype(BF16 if i == 0 else np.float32) for i, c in enumerate(cot))
+        cot64 = _map(cot, _to(np.float64))
+        g16 = pull16(cot if isinstance(out64, tuple) else cot[0])
+        g64 = pull64(cot64 if isinstance(out64, tuple) else cot64[0])
+        assert set(g16) == set(g64), form
+        named = dict(zip(info.arrays, a16), **k16)
+        named.update(k16.get("feature_map_params") or {})
+        for key, g in g64.items():
+            for part16, part64, given in zip(*(x if isinstance(x, list) else [x] for x in (g16[key], g, named[key]))):
+                assert part16.dtype == given.dtype, (form, key)
+                assert rel_rms(part16.astype(np.float64), part64) <= TOL, (form, key)
+
+
+def test_float32_states_with_bf16_inputs():
+    """The state and per-head parameters may stay float32; the final state is float32."""
+    rng = np.random.default_rng(3)
+    B, T, H, K, V = 2, 70, 2, 16, 8
+    q, k = (rng.standard_normal((B, T, H, K)).astype(BF16) for _ in range(2))
+    v = rng.standard_normal((B, T, H, V)).astype(BF16)
+    g = (-rng.random((B, T, H)) * 0.2).astype(BF16)
+    beta = rng.random((B, T, H)).astype(BF16)
+    h0 = rng.standard_normal((B, H, K, V)).astype(np.float32)
+    o, ht = pyattn.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True, initial_state=h0, output_final_state=True)
+    assert o.dtype == BF16 and ht.dtype == np.float32
+    up = lambda a: a.astype(np.float64)
+    o64, ht64 = pyattn.reference.gated_delta_rule(up(q), up(k), up(v), up(g), up(beta), qk_l2norm=True,
+                                                    initial_state=up(h0), output_final_state=True)
+    assert rel_rms(up(o), o64) <= TOL and rel_rms(ht, ht64) <= 1e-5
+    (_, _), pull = pyattn.vjp(pyattn.gated_delta_rule, q, k, v, g, beta, qk_l2norm=True, initial_state=h0,
+                              output_final_state=True)
+    grads = pull((np.ones_like(o), np.ones((B, H, K, V), np.float32)))
+    assert grads["initial_state"].dtype == np.float32 and grads["q"].dtype == BF16
+
+
+def test_float64_is_refused():
+    q = np.zeros((1, 4, 1, 8), BF16)
+    with pytest.raises(TypeError, match="'initial_state' is float64"):
+        pyattn.simple_gla(q, q, q, np.zeros((1, 4, 1), BF16), initial_state=np.zeros((1, 1, 8, 8)))
+
+
+def test_kvcache_writes_reach_the_bf16_cache():
+    rng = np.random.default_rng(4)
+    B, cap, Hk, H, D = 2, 32, 1, 4, 16
+    kc, vc = (rng.standard_normal((B, cap, Hk, D)).astype(BF16) for _ in range(2))
+    kc32, vc32 = kc.astype(np.float32), vc.astype(np.float32)
+    seqlens = np.array([5, 9], np.int32)
+    q = rng.standard_normal((B, 1, H, D)).astype(BF16)
+    k, v = (rng.standard_normal((B, 1, Hk, D)).astype(BF16) for _ in range(2))
+    o = pyattn.attention_with_kvcache(q, kc, vc, seqlens, k=k, v=v)
+    o32 = pyattn.attention_with_kvcache(q.astype(np.float32), kc32, vc32, seqlens, k=k.astype(np.float32),
+                                        v=v.astype(np.float32))
+    assert np.array_equal(kc.astype(np.float32), kc32) and np.array_equal(vc.astype(np.float32), vc32)
+    assert np.array_equal(o.view(np.uint16), _bf16.to_bf16(o32, BF16).view(np.uint16))
+
+
+@pytest.mark.parametrize("name", ["softmax_attention", "gla", "gated_delta_rule", "mamba2"])
+def test_nan_in_nan_out(name):
+    info, (a16, k16), _ = _bf16_call(name)
+    first = a16[0].copy()
+    first[0, 3] = np.nan
+    out = _tuple(info.fn(first, *a16[1:], **k16))[0]
+    assert np.isnan(out.astype(np.float32)[0, 3]).any()
+    assert not np.isnan(out.astype(np.float32)[1:]).any()
+
+
+def test_float32_calls_unchanged():
+    """A call without bf16 arrays is the op itself: the same bits."""
+    info = pyattn.OPS["gla"]
+    args, kwargs = info.example(np.random.default_rng(5), np.float32)
+    a = info.fn(*args, **kwargs)
+    b = info.fn.__wrapped__(*args, **kwargs)
+    assert all(x is None and y is None or np.array_equal(x, y) for x, y in zip(_tuple(a), _tuple(b)))
