@@ -28,8 +28,9 @@ arguments and defaults, as a ``jax.custom_vjp`` over ``jax.pure_callback`` with
   jax keeps the inputs as residuals, not pyattn's saved state. The gradients are pyattn's;
   an operand pyattn.vjp does not differentiate (cu_seqlens, positions, alibi_slopes, a traced
   scale) gets a zero cotangent (float0 for integers).
-- float32 and float64 keep their dtype (float64 needs ``jax_enable_x64``); bfloat16 and
-  float16 are computed in float32, their outputs and gradients returned in their dtype.
+- float32 and float64 keep their dtype (float64 needs ``jax_enable_x64``); bfloat16 reaches
+  pyattn as NumPy's bfloat16 (pyattn's bf16 call: stored bf16, computed in float32); float16 is
+  computed in float32; outputs and gradients come back in the inputs' dtype.
 - pyattn checks the arguments inside the callback: a bad one reaches the caller as jax's
   ``JaxRuntimeError`` carrying pyattn's exception type and message.
 """
@@ -64,7 +65,8 @@ __all__ = [name for name, info in OPS.items() if info.differentiable and name no
 
 # arrays inside a dict argument that pyattn.vjp differentiates, keyed by their own name
 _NESTED_GRADS: Dict[str, Tuple[str, ...]] = {"feature_map_params": ("projection",)}
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# computed in float32 here; bfloat16 arrays go to pyattn as they are (its own bf16 call)
+_LOW_PRECISION = (jnp.dtype(jnp.float16),)
 
 
 class _Items(tuple):

@@ -145,6 +145,7 @@ def test_float32_stays_float32(rng):
 
 @pytest.mark.parametrize("low", ["bfloat16", "float16"])
 def test_low_precision_is_computed_in_float32_and_returned_in_its_dtype(low, rng):
+    """float16 is widened here, bfloat16 by pyattn's bf16 call: the same bits either way."""
     floats, ints, rest = _example("gla", np.float32, rng)
     low_floats = {n: jnp.asarray(x, low) for n, x in floats.items()}
     in32 = {n: np.asarray(x, np.float32) for n, x in low_floats.items()}

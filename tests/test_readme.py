@@ -72,7 +72,7 @@ def test_readme_commands():
     # each step a command of its own under set -e: a failing install must stop the run
     assert "set -euo pipefail" in ci
     steps = [line for line in ci if line and not line.startswith(("#", "set ", "cd "))]
-    assert steps == ['python -m pip install torch==2.13.0 "jax>=0.4.35" "mpi4py>=4" mpich',
+    assert steps == ['python -m pip install torch==2.13.0 "jax>=0.4.35" "mpi4py>=4" mpich "ml_dtypes>=0.4"',
                      'python -m pip install -e ".[test]"',
                      "python -m pytest -q", "python -m pyattn",
                      "bash tests/sanitize.sh"]

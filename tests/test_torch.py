@@ -212,6 +212,45 @@ def test_float32_stays_float32_and_half_precision_round_trips():
         assert qh.grad.dtype == half and torch.isfinite(qh.grad.float()).all()
 
 
+@pytest.mark.parametrize("path", ["eager", "custom_op"], indirect=True)
+def test_bfloat16_crosses_as_itself(path):
+    """With ml_dtypes, a bf16 tensor reaches pyattn as a bf16 array viewing its memory (no
+    float32 copy); outputs and gradients are pyattn's bf16 call's, bit for bit."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bf16 arrays need ml_dtypes (pyattn[bf16])")
+    from pyattn.torch import _bridge
+
+    rng = np.random.default_rng(8)
+    x = torch.from_numpy(rng.standard_normal((1, 40, 2, 8), dtype=np.float32)).to(torch.bfloat16)
+    a = _bridge.to_array(x)
+    assert a.dtype == ml_dtypes.bfloat16 and np.shares_memory(a, x.view(torch.uint16).numpy())
+    g = torch.from_numpy(-rng.random((1, 40, 2), dtype=np.float32) * 0.3).to(torch.bfloat16)
+    leaves = [x.clone().requires_grad_(True)] + [
+        torch.from_numpy(rng.standard_normal((1, 40, 2, 8), dtype=np.float32)).to(torch.bfloat16).requires_grad_(True)
+        for _ in range(2)]
+    o, _ = pt.simple_gla(*leaves, g)
+    assert o.dtype == torch.bfloat16
+    arrays = [_bridge.to_array(t.detach()) for t in leaves]
+    ref, pull = pyattn.vjp(pyattn.simple_gla, *arrays, _bridge.to_array(g))
+    assert np.array_equal(o.detach().view(torch.uint16).numpy(), ref[0].view(np.uint16))
+    do = torch.randn(o.shape).to(torch.bfloat16)
+    o.backward(do)
+    grads = pull(_bridge.to_array(do))
+    for name, t in zip("qkv", leaves):
+        assert t.grad.dtype == torch.bfloat16
+        assert np.array_equal(t.grad.view(torch.uint16).numpy(), grads[name].view(np.uint16)), name
+
+
+def test_bfloat16_cache_takes_the_new_keys():
+    pytest.importorskip("ml_dtypes", reason="bf16 arrays need ml_dtypes (pyattn[bf16])")
+    B, Hk, H, D, cap = 1, 1, 2, 8, 16
+    kc, vc = (torch.zeros(B, cap, Hk, D, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.ones(B, 1, H, D, dtype=torch.bfloat16)
+    k, v = (torch.full((B, 1, Hk, D), 1.5, dtype=torch.bfloat16) for _ in range(2))
+    o = pt.attention_with_kvcache(q, kc, vc, torch.tensor([3], dtype=torch.int32), k=k, v=v)
+    assert o.dtype == torch.bfloat16 and (kc[0, 3] == 1.5).all() and (vc[0, 3] == 1.5).all()
+    assert not kc[0, :3].any() and not kc[0, 4:].any()
+
+
 def test_contiguous_tensors_cross_without_a_copy():
     from pyattn.torch import _bridge
 

@@ -17,8 +17,10 @@ with it in float64.
 
 - Tensors must be on the CPU (a CUDA tensor is a TypeError). Contiguous float32 and float64
   tensors reach the kernels without a copy (NumPy views of their memory) and the results come
-  back in their dtype; others are made contiguous first. bfloat16 and float16 tensors are
-  computed in float32 and returned in their dtype.
+  back in their dtype; others are made contiguous first. bfloat16 tensors reach pyattn as
+  NumPy bfloat16 arrays viewing their memory (needs ml_dtypes, ``pyattn[bf16]``): pyattn's
+  bf16 call, stored bf16 and computed in float32. float16 tensors (and bfloat16 without
+  ml_dtypes) are computed in float32. Results and gradients come back in the inputs' dtype.
 - Python scalars and lists where pyattn takes them (``gamma=0.9``, ``cu_seqlens=[0, 5, 9]``)
   are accepted, as tensors of the call's dtype (integers: int64).
 - The backward of the softmax family reuses the forward's output and log-sum-exp; the other

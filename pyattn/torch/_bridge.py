@@ -86,23 +86,47 @@ def params_of(name: str, fn: Callable) -> List[Param]:
 # tensors <-> arrays
 
 _HALF = (torch.bfloat16, torch.float16)
+try:
+    import ml_dtypes
+
+    _BF16: Optional[np.dtype] = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # without NumPy's bfloat16 type, bf16 tensors are computed in float32
+    _BF16 = None
+# the dtypes computed in float32 and returned in their own; bfloat16 crosses as itself when
+# NumPy has the type (pyattn computes bf16 arrays itself)
+_WIDENED = (torch.float16,) if _BF16 is not None else _HALF
 
 
-def to_array(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor (a copy only where it is not contiguous); bfloat16 and
-    float16 become float32. Each step only where needed: this runs for every tensor of every
-    call."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.dtype in _HALF:
-        t = t.float()
-    if not t.is_contiguous():
-        t = t.contiguous()
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """The NumPy view of a CPU tensor that does not require grad; a bfloat16 one seen as
+    NumPy's bfloat16 through its bits (torch will not export bf16 itself)."""
+    if t.dtype is torch.bfloat16 and _BF16 is not None:
+        return t.view(torch.uint16).numpy().view(_BF16)
     return t.numpy()
 
 
+def to_array(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor (a copy only where it is not contiguous); float16 (and
+    bfloat16 without ml_dtypes) become float32. Each step only where needed: this runs for
+    every tensor of every call."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype in _WIDENED:
+        t = t.float()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return _numpy(t)
+
+
+def _from_numpy(a: np.ndarray) -> torch.Tensor:
+    """A tensor viewing a C-contiguous array (bfloat16 through its bits)."""
+    if _BF16 is not None and a.dtype == _BF16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 def to_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    t = _from_numpy(np.ascontiguousarray(a))
     return t.to(dtype) if t.dtype != dtype else t
 
 
@@ -206,7 +230,7 @@ def _tup(result) -> tuple:
 def _output_tensors(name: str, out, option: Callable[[str], Any], ref: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """pyattn's return value as one tensor per output (floats in ref's dtype, indices int64),
     a placeholder for each the call does not return."""
-    return tuple(placeholder(ref) if a is None else to_tensor(a, ref.dtype if a.dtype.kind == "f" else torch.int64)
+    return tuple(placeholder(ref) if a is None else to_tensor(a, torch.int64 if a.dtype.kind == "i" else ref.dtype)
                  for a in outputs.entries(name, out, option))
 
 
@@ -394,9 +418,9 @@ class Op:
             if t is None:
                 continue
             # a strided tensor crosses as a strided view: pyattn copies what it reads
-            if type(t) is not torch.Tensor or not t.is_cpu or t.dtype in _HALF:
+            if type(t) is not torch.Tensor or not t.is_cpu or t.dtype in _WIDENED:
                 return None
-            arrays[i] = t.detach().numpy() if t.requires_grad else t.numpy()
+            arrays[i] = _numpy(t.detach() if t.requires_grad else t)
             tensors.append(t)
             if dtype is None and t.is_floating_point():
                 dtype = t.dtype
@@ -446,8 +470,8 @@ def _as_tensors(out, dtype: torch.dtype):
 
 def _as_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """One of pyattn's outputs (C-contiguous, as pyattn returns them) as a tensor."""
-    t = torch.from_numpy(a)
-    want = dtype if a.dtype.kind == "f" else torch.int64
+    t = _from_numpy(a)
+    want = dtype if t.is_floating_point() else torch.int64
     return t if t.dtype == want else t.to(want)
 
 
@@ -544,9 +568,10 @@ class KVCacheOp(Op):
         contiguous) would take them instead."""
         for name in ("k_cache", "v_cache"):
             t = values[self.names.index(name)]
-            if t.dtype in _HALF or not t.is_contiguous():
+            if t.dtype in _WIDENED or not t.is_contiguous():
+                kinds = "float32, float64 or bfloat16" if _BF16 is not None else "float32 or float64"
                 raise TypeError(f"pyattn.torch.attention_with_kvcache(): '{name}' must be a contiguous "
-                                f"float32 or float64 tensor: the new keys are written into it")
+                                f"{kinds} tensor: the new keys are written into it")
 
     def _read_call(self, values):
         """pyattn's call over the caches as written: no new keys, every sequence longer by Tnew."""
