@@ -29,7 +29,7 @@ _WRITTEN = {"attention_with_kvcache": ("k_cache", "v_cache")}
 
 def is_bf16(a: Any) -> bool:
     """Whether ``a`` is an array (or array-like) of NumPy's bfloat16 dtype."""
-    dtype = getattr(a, "dtype", None)
+    dtype: Any = getattr(a, "dtype", None)
     # NumPy's own types come first (dtype.num < 256, read in C); .name is slow Python
     return getattr(dtype, "num", 0) >= 256 and dtype.name == "bfloat16"
 
