@@ -53,7 +53,7 @@ def to_float32(a: Any) -> np.ndarray:
     """A bf16 array's values as a new float32 array of its shape."""
     a = np.ascontiguousarray(np.asarray(a))
     out = np.empty(a.shape, np.float32)
-    _core.bf16_to_float32(a.reshape(-1).view(np.uint16), out.reshape(-1))
+    _core.bf16_convert(a.reshape(-1).view(np.uint16), out.reshape(-1))
     return out
 
 
@@ -61,7 +61,7 @@ def to_bf16(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """A float32 array rounded to ``dtype`` (the bfloat16 dtype), to nearest, ties to even."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     out = np.empty(a.shape, dtype)
-    _core.float32_to_bf16(a.reshape(-1), out.reshape(-1).view(np.uint16))
+    _core.bf16_convert(a.reshape(-1), out.reshape(-1).view(np.uint16))
     return out
 
 

@@ -302,12 +302,10 @@ def fma_peak(double: bool, seconds: float, threads: int, /) -> float:
 def read_bandwidth(seconds: float, threads: int, bytes: int, /) -> float:
     """GB/s reading a buffer of `bytes` on `threads` threads: the machine's read bandwidth."""
 
-def bf16_to_float32(src: npt.NDArray[np.uint16], dst: npt.NDArray[np.float32], /) -> None:
-    """dst = the values of src's bfloat16 bits, exactly (1-D arrays of one length)."""
-
-def float32_to_bf16(src: npt.NDArray[np.float32], dst: npt.NDArray[np.uint16], /) -> None:
-    """dst = the bfloat16 bits of src rounded to nearest, ties to even; NaN stays NaN (1-D
-    arrays of one length)."""
+def bf16_convert(src: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
+                 dst: npt.NDArray[np.float32] | npt.NDArray[np.uint16], /) -> None:
+    """uint16 src (bfloat16 bits) into float32 dst, exactly; or float32 src into uint16 dst,
+    rounded to nearest, ties to even, NaN staying NaN (1-D arrays of one length)."""
 
 def set_num_threads(n: int, /) -> None: ...
 def get_num_threads() -> int: ...

@@ -163,3 +163,18 @@ def test_float32_calls_unchanged():
     a = info.fn(*args, **kwargs)
     b = info.fn.__wrapped__(*args, **kwargs)
     assert all(x is None and y is None or np.array_equal(x, y) for x, y in zip(_tuple(a), _tuple(b)))
+
+
+def test_conversion_checks_its_buffers():
+    from pyattn import _core
+
+    with pytest.raises(ValueError, match="dst"):
+        _core.bf16_convert(np.zeros(3, np.uint16), np.zeros(4, np.float32))
+    with pytest.raises(TypeError, match="src"):
+        _core.bf16_convert(np.zeros(3, np.float64), np.zeros(3, np.uint16))
+    with pytest.raises(TypeError, match="dst"):
+        _core.bf16_convert(np.zeros(3, np.float32), np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="writeable"):
+        dst = np.zeros(3, np.float32)
+        dst.flags.writeable = False
+        _core.bf16_convert(np.zeros(3, np.uint16), dst)
