@@ -644,6 +644,173 @@ static inline void PA_FN(sm_split_ranges)(int64_t r[2][2], int64_t s, int64_t S)
     r[1][1] = base1 + (b > n0 ? b - n0 : 0);
 }
 
+/* The wide layout of the decode, for groups of at least VL query heads per KV head (MQA):
+ * there the 2 G FLOP per cached value, not memory, bound the decode, so the products run
+ * as register-blocked GEMM tiles with the group's heads across the vector lanes: scores
+ * transposed, ST [keys x heads] = K QT with QT [Dk x heads] (the queries transposed once
+ * per part), and O [heads x Dv] += P V with P read from ST. A K or V element is broadcast
+ * once per tile of MR rows of the other operand, with no horizontal sums (the dot-product
+ * layout's 4 heads per key load sum each of their vectors across lanes). */
+
+/* ST[x * ldt + j] = scale * sum_e kr[x][off + e] QT[e * ldq + j] for the keys x < mr and the
+ * NVS * VL columns j: R keys by NVS vectors of heads in registers, R >= mr a constant where
+ * inlined (rows past mr repeat the last key and are not stored). */
+static inline __attribute__((always_inline)) void PA_FN(sm_wide_scores_tile)(
+    const real *QT, int64_t ldq, const real *const *kr, int64_t off, int64_t Dk, real scale,
+    real *ST, int64_t ldt, int64_t mr, const int R, const int NVS)
+{
+    vreal acc[2 * MR][NV];
+    const real *kx[2 * MR];
+#pragma GCC unroll 24
+    for (int x = 0; x < R; x++) {
+        kx[x] = kr[x < mr ? x : mr - 1] + off;
+#pragma GCC unroll 4
+        for (int j = 0; j < NVS; j++) acc[x][j] = PA_FN(vset)(0);
+    }
+    for (int64_t e = 0; e < Dk; e++) {
+        vreal b[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NVS; j++) b[j] = PA_FN(vload)(QT + e * ldq + j * VL);
+#pragma GCC unroll 24
+        for (int x = 0; x < R; x++) {
+            const vreal a = PA_FN(vset)(kx[x][e]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NVS; j++) acc[x][j] += a * b[j];
+        }
+    }
+    for (int x = 0; x < mr; x++)
+        for (int j = 0; j < NVS; j++) PA_FN(vstore)(ST + x * ldt + j * VL, acc[x][j] * scale);
+}
+
+/* The scores of the nb keys kr[0..nb) (off: the KV head's offset in a row) against the Gp
+ * columns of QT (ldq = Gp), into ST [nb x Gp]: tiles of MR keys by NV vectors of heads, a
+ * last single vector of heads by 2 MR keys, and a ragged last tile of keys in a third or
+ * two thirds of the tile's rows. With vp, the first panel's tiles prefetch as
+ * sm_row_scores does: the K rows (kspan reals) SM_DECODE_AHEAD keys on, below count, and
+ * the block's V rows (vspan reals). */
+static void PA_FN(sm_wide_scores)(const real *QT, int64_t Gp, const real *const *kr, int64_t off,
+                                  int64_t Dk, real scale, int64_t nb, real *ST,
+                                  const real *const *vp, int64_t count, int64_t kspan, int64_t vspan)
+{
+    int64_t j0 = 0;
+    for (; j0 + NV * VL <= Gp; j0 += NV * VL)
+        for (int64_t x = 0; x < nb; x += MR) {
+            const int64_t mr = nb - x < MR ? nb - x : MR;
+            for (int64_t c = x; vp && j0 == 0 && c < x + mr; c++) {
+                if (c + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kr[c + SM_DECODE_AHEAD], kspan, 0);
+                PA_FN(prefetch_span)(vp[c], vspan, 0);
+            }
+            if (mr > 2 * MR / 3)
+                PA_FN(sm_wide_scores_tile)(QT + j0, Gp, kr + x, off, Dk, scale, ST + x * Gp + j0, Gp, mr, MR, NV);
+            else if (mr > MR / 3)
+                PA_FN(sm_wide_scores_tile)(QT + j0, Gp, kr + x, off, Dk, scale, ST + x * Gp + j0, Gp, mr, 2 * MR / 3, NV);
+            else
+                PA_FN(sm_wide_scores_tile)(QT + j0, Gp, kr + x, off, Dk, scale, ST + x * Gp + j0, Gp, mr, MR / 3, NV);
+        }
+    for (; j0 < Gp; j0 += VL) /* NV = 2: at most one vector left */
+        for (int64_t x = 0; x < nb; x += 2 * MR) {
+            const int64_t mr = nb - x < 2 * MR ? nb - x : 2 * MR;
+            for (int64_t c = x; vp && j0 == 0 && c < x + mr; c++) {
+                if (c + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kr[c + SM_DECODE_AHEAD], kspan, 0);
+                PA_FN(prefetch_span)(vp[c], vspan, 0);
+            }
+            if (mr > MR)
+                PA_FN(sm_wide_scores_tile)(QT + j0, Gp, kr + x, off, Dk, scale, ST + x * Gp + j0, Gp, mr, 2 * MR, 1);
+            else
+                PA_FN(sm_wide_scores_tile)(QT + j0, Gp, kr + x, off, Dk, scale, ST + x * Gp + j0, Gp, mr, MR, 1);
+        }
+}
+
+/* O[r * Dv + j] += sum_x P[x * ldp + r] vp[x][off + j] for the heads r < mr and the NVS * VL
+ * columns j (O, vp offset to the tile's first column, P to its first head): R heads by NVS
+ * vectors in registers over all nb keys; R >= mr a constant where inlined. */
+static inline __attribute__((always_inline)) void PA_FN(sm_wide_pv_tile)(
+    real *O, int64_t Dv, const real *P, int64_t ldp, const real *const *vp, int64_t off,
+    int64_t nb, int64_t mr, const int R, const int NVS)
+{
+    vreal acc[MR][NV];
+    int64_t pr[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        pr[r] = r < mr ? r : mr - 1;
+#pragma GCC unroll 4
+        for (int j = 0; j < NVS; j++) acc[r][j] = PA_FN(vload)(O + pr[r] * Dv + j * VL);
+    }
+    for (int64_t x = 0; x < nb; x++) {
+        vreal b[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NVS; j++) b[j] = PA_FN(vload)(vp[x] + off + j * VL);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            const vreal a = PA_FN(vset)(P[x * ldp + pr[r]]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NVS; j++) acc[r][j] += a * b[j];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < NVS; j++) PA_FN(vstore)(O + r * Dv + j * VL, acc[r][j]);
+}
+
+/* O [G x Dv] += P V for the G heads of one KV head, P the transposed probabilities [nb x
+ * ldp] and V's rows vp[x] + off: per panel of NV vectors of columns (V's panel stays in L1
+ * across it) tiles of MR heads, 2 MR / 3 where that leaves no tile of a third (32 = 4 x 6 +
+ * 2 x 4); one vector, then scalar columns at the end. */
+static void PA_FN(sm_wide_pv)(real *O, int64_t Dv, const real *P, int64_t ldp,
+                              const real *const *vp, int64_t off, int64_t nb, int64_t G)
+{
+    int64_t e = 0;
+    for (; e + VL <= Dv;) {
+        const int wide = e + NV * VL <= Dv;
+        for (int64_t h = 0; h < G;) {
+            const int64_t left = G - h;
+            const int64_t mr = left > MR && left < MR + 2 * MR / 3 ? 2 * MR / 3 : left < MR ? left : MR;
+            real *Ot = O + h * Dv + e;
+            const real *Pt = P + h;
+            if (wide) {
+                if (mr > 2 * MR / 3)
+                    PA_FN(sm_wide_pv_tile)(Ot, Dv, Pt, ldp, vp, off + e, nb, mr, MR, NV);
+                else if (mr > MR / 3)
+                    PA_FN(sm_wide_pv_tile)(Ot, Dv, Pt, ldp, vp, off + e, nb, mr, 2 * MR / 3, NV);
+                else
+                    PA_FN(sm_wide_pv_tile)(Ot, Dv, Pt, ldp, vp, off + e, nb, mr, MR / 3, NV);
+            } else {
+                PA_FN(sm_wide_pv_tile)(Ot, Dv, Pt, ldp, vp, off + e, nb, mr, MR, 1);
+            }
+            h += mr;
+        }
+        e += wide ? NV * VL : VL;
+    }
+    for (; e < Dv; e++)
+        for (int64_t h = 0; h < G; h++) {
+            real x = O[h * Dv + e];
+            for (int64_t c = 0; c < nb; c++) x += P[c * ldp + h] * vp[c][off + e];
+            O[h * Dv + e] = x;
+        }
+}
+
+/* One key block of the decode in the wide layout: the nb keys w->kp[0..nb) (rows up to
+ * count prefetched, as sm_row_scores does) against every head of the part's query (w->QT),
+ * their online softmax down the columns of ST, and acc += P V. */
+static void PA_FN(sm_wide_block)(const pa_softmax_desc *d, PA_FN(sm_decode_scratch) * w,
+                                 int64_t ip, int64_t jb, int64_t nb, int64_t count)
+{
+    const int64_t Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, G = d->H / Hk, KB = SM_DECODE_KB;
+    const int64_t Gp = PA_FN(sm_group_lanes)(d);
+    for (int64_t kh = 0; kh < Hk; kh++) {
+        real *ST = w->ST + kh * KB * Gp;
+        PA_FN(sm_wide_scores)(w->QT + kh * Dk * Gp, Gp, w->kp, kh * Dk, Dk, (real)d->scale, nb, ST,
+                              kh == 0 ? w->vp : NULL, count, Hk * Dk, Hk * Dv);
+        if (d->softcap > 0 || d->alibi)
+            for (int64_t c = 0; c < nb; c++)
+                for (int64_t g = 0; g < G; g++)
+                    ST[c * Gp + g] = PA_FN(sm_score)(ST[c * Gp + g], d->softcap,
+                                                     PA_FN(sm_slope)(d, kh * G + g), ip - jb - c, NULL);
+        PA_FN(sm_softmax_columns)(ST, Gp, nb, G, w->m + kh * G, w->l + kh * G, w->acc + kh * G * Dv,
+                                  NULL, Dv, w->mnew, w->msafe);
+        PA_FN(sm_wide_pv)(w->acc + kh * G * Dv, Dv, ST, Gp, w->vp, kh * Dv, nb, G);
+    }
+}
+
 /* Flash decode, part s of S of the keys visible to query i of sequence n, every head at
  * once. A query row would fill one row of a GEMM tile, so no GEMM here: keys in blocks of
  * SM_DECODE_KB, each K and V row (all KV heads) read once, in order, for every head; an
@@ -666,6 +833,13 @@ static void PA_FN(sm_decode_part)(const pa_softmax_desc *d, const pa_key_rows *r
         l[h] = 0;
     }
     memset(acc, 0, sizeof(real) * H * Dv);
+    const int wide = G >= VL;
+    const int64_t Gp = PA_FN(sm_group_lanes)(d);
+    if (wide)
+        for (int64_t kh = 0; kh < Hk; kh++)
+            for (int64_t e = 0; e < Dk; e++)
+                for (int64_t g = 0; g < Gp; g++)
+                    w->QT[(kh * Dk + e) * Gp + g] = g < G ? qi[(kh * G + g) * Dk + e] : 0;
     int64_t ranges[2][2];
     PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, ranges);
     PA_FN(sm_split_ranges)(ranges, s, S);
@@ -674,6 +848,10 @@ static void PA_FN(sm_decode_part)(const pa_softmax_desc *d, const pa_key_rows *r
             const int64_t nb = ranges[rg][1] - jb < KB ? ranges[rg][1] - jb : KB;
             const int64_t count =
                 PA_FN(sm_block_rows)(d, rows, k, v, n, jb, nb, ranges[rg][1], w->kp, w->vp);
+            if (wide) {
+                PA_FN(sm_wide_block)(d, w, ip, jb, nb, count);
+                continue;
+            }
             PA_FN(sm_row_scores)(d, qi, w->kp, w->vp, count, ip, jb, nb, Sc);
             for (int64_t h = 0; h < H; h++) {
                 PA_FN(sm_raise_max)(m + h, l + h, acc + h * Dv, Dv, PA_FN(row_max)(Sc + h * KB, nb));
