@@ -300,12 +300,14 @@ static inline int64_t PA_FN(sm_group_lanes)(const pa_softmax_desc *d)
     return (d->H / d->Hk + VL - 1) / VL * VL;
 }
 
+#define SM_WIDE_SLACK 16 /* reals after ST: the wide P V tile reads up to a tile of heads past a group */
+
 /* Scratch of one decode thread: scores [H, SM_DECODE_KB], accumulators [H, Dv], running max
  * and sum [H], and the K and V row pointers of a key block; for the wide layout the queries
- * transposed QT [Hk, Dk, Gp], the scores transposed ST [Hk, SM_DECODE_KB, Gp] and two
- * vectors of Gp for the column softmax (Gp: sm_group_lanes). */
+ * transposed QT [Hk, Dk, Gp], the scores transposed ST [Hk, SM_DECODE_KB, Gp] (and slack) and two
+ * vectors of Gp for the column softmax (Gp: sm_group_lanes), V's block packed Vp [SM_DECODE_KB, Dv]. */
 typedef struct {
-    real *S, *acc, *m, *l, *QT, *ST, *mnew, *msafe;
+    real *S, *acc, *m, *l, *QT, *ST, *Vp, *mnew, *msafe;
     const real **kp, **vp;
     void *block;
 } PA_FN(sm_decode_scratch);
@@ -315,14 +317,14 @@ static int PA_FN(sm_decode_scratch_alloc)(PA_FN(sm_decode_scratch) * s, const pa
     const size_t H = (size_t)d->H, KB = SM_DECODE_KB, Hk = (size_t)d->Hk;
     const size_t Gp = (size_t)PA_FN(sm_group_lanes)(d);
     void **parts[] = {(void **)&s->S,    (void **)&s->acc,  (void **)&s->m,    (void **)&s->l,
-                      (void **)&s->kp,   (void **)&s->vp,   (void **)&s->QT,   (void **)&s->ST,
+                      (void **)&s->kp,   (void **)&s->vp,   (void **)&s->QT,   (void **)&s->ST,   (void **)&s->Vp,
                       (void **)&s->mnew, (void **)&s->msafe};
     const size_t bytes[] = {sizeof(real) * H * KB, sizeof(real) * H * (size_t)d->Dv,
                             sizeof(real) * H, sizeof(real) * H,
                             sizeof(real *) * (KB + SM_DECODE_AHEAD),
                             sizeof(real *) * (KB + SM_DECODE_AHEAD),
-                            sizeof(real) * Hk * (size_t)d->Dk * Gp, sizeof(real) * Hk * KB * Gp,
+                            sizeof(real) * Hk * (size_t)d->Dk * Gp, sizeof(real) * (Hk * KB * Gp + SM_WIDE_SLACK), sizeof(real) * KB * (size_t)d->Dv,
                             sizeof(real) * Gp, sizeof(real) * Gp};
-    s->block = pa_alloc_parts(parts, bytes, 10);
+    s->block = pa_alloc_parts(parts, bytes, 11);
     return s->block != NULL;
 }
