@@ -768,10 +768,11 @@ static inline __attribute__((always_inline)) void PA_FN(sm_wide_pv_tile)(
 /* O [G x Dv] += P V for the G heads of one KV head, P the transposed probabilities [nb x
  * ldp] and V's rows vp[x] + off. V's whole vectors are first packed into panels of NV
  * vectors (one at the end), each [nb x width] contiguous at Vp + e * nb: read in place,
- * rows of V a multiple of 512 bytes apart fall in few sets of the L1 cache and a panel would
- * not stay there across the head tiles (measured, MQA 64k keys, D=128, 1 thread: 16.9 -> ?
- * ms). Per panel, tiles of MR heads, 2 MR / 3 where that leaves no tile of a third (32 = 4
- * x 6 + 2 x 4); the columns past the last whole vector are scalar. Vp: nb x Dv reals. */
+ * rows of V a multiple of 512 bytes apart fall in few sets of the L1 cache, so a panel
+ * would not stay there across the head tiles (a profile showed the tiles' FMAs waiting on
+ * V's loads), and each row's pointer would be one more load per key. Per panel, tiles of MR
+ * heads, 2 MR / 3 where that leaves no tile of a third (32 = 4 x 6 + 2 x 4); the columns
+ * past the last whole vector are scalar. Vp: nb x Dv reals. */
 static __attribute__((noinline)) void PA_FN(sm_wide_pv)(real *O, int64_t Dv, const real *P, int64_t ldp,
                               const real *const *vp, int64_t off, int64_t nb, int64_t G, real *Vp)
 {
@@ -961,11 +962,14 @@ static void PA_FN(sm_decode_colsum)(const pa_softmax_desc *d, const pa_key_rows 
 #define SM_SPLIT_MIN_KEYS 512   /* flash decoding splits no part below this many keys */
 #define SM_COLSUM_KEYS 1024     /* keys per work item of the column sums */
 
-/* Parts per query when the caller leaves it to us: enough work items (query, part) for two
- * per thread, each part at least SM_SPLIT_MIN_KEYS keys. */
+/* Parts per query when the caller leaves it to us: enough work items (query, part) for
+ * SM_SPLIT_PER_THREAD per thread, each part at least SM_SPLIT_MIN_KEYS keys. Two per thread
+ * left a thread slowed by other work on a shared machine holding half the call; the parts
+ * cost only their merge, S H Dv multiply-adds. */
+#define SM_SPLIT_PER_THREAD 8
 static int64_t PA_FN(sm_decode_splits)(int64_t units, int64_t maxk)
 {
-    const int64_t threads = pa_get_num_threads(), want = 2 * threads;
+    const int64_t threads = pa_get_num_threads(), want = SM_SPLIT_PER_THREAD * threads;
     if (units >= want) return 1;
     int64_t S = (want + units - 1) / units, cap = maxk / SM_SPLIT_MIN_KEYS;
     S = S < cap ? S : cap;
