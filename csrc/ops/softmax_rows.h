@@ -293,8 +293,11 @@ static inline __attribute__((always_inline)) void PA_FN(sm_pv)(real *acc, int64_
         }
 }
 
-/* Query heads per KV head padded to whole vectors: the columns of the decode's wide layout
- * (softmax_attn.c, sm_decode_part), which it takes when a group fills a vector. */
+/* Whether the decode takes its wide layout (softmax_attn.c, sm_wide_block): a group of
+ * query heads per KV head fills a vector. */
+static inline int PA_FN(sm_wide)(const pa_softmax_desc *d) { return d->H / d->Hk >= VL; }
+
+/* Query heads per KV head padded to whole vectors: the columns of the wide layout. */
 static inline int64_t PA_FN(sm_group_lanes)(const pa_softmax_desc *d)
 {
     return (d->H / d->Hk + VL - 1) / VL * VL;
@@ -304,8 +307,9 @@ static inline int64_t PA_FN(sm_group_lanes)(const pa_softmax_desc *d)
 
 /* Scratch of one decode thread: scores [H, SM_DECODE_KB], accumulators [H, Dv], running max
  * and sum [H], and the K and V row pointers of a key block; for the wide layout the queries
- * transposed QT [Hk, Dk, Gp], the scores transposed ST [Hk, SM_DECODE_KB, Gp] (and slack) and two
- * vectors of Gp for the column softmax (Gp: sm_group_lanes), V's block packed Vp [SM_DECODE_KB, Dv]. */
+ * transposed QT [Hk, Dk, Gp], the scores transposed ST [Hk, SM_DECODE_KB, Gp] (and slack),
+ * V's block packed Vp [SM_DECODE_KB, Dv] and two vectors of Gp for the column softmax (Gp:
+ * sm_group_lanes; all empty for the dot-product layout). */
 typedef struct {
     real *S, *acc, *m, *l, *QT, *ST, *Vp, *mnew, *msafe;
     const real **kp, **vp;
@@ -315,15 +319,18 @@ typedef struct {
 static int PA_FN(sm_decode_scratch_alloc)(PA_FN(sm_decode_scratch) * s, const pa_softmax_desc *d)
 {
     const size_t H = (size_t)d->H, KB = SM_DECODE_KB, Hk = (size_t)d->Hk;
-    const size_t Gp = (size_t)PA_FN(sm_group_lanes)(d);
-    void **parts[] = {(void **)&s->S,    (void **)&s->acc,  (void **)&s->m,    (void **)&s->l,
-                      (void **)&s->kp,   (void **)&s->vp,   (void **)&s->QT,   (void **)&s->ST,   (void **)&s->Vp,
-                      (void **)&s->mnew, (void **)&s->msafe};
+    const int wide = PA_FN(sm_wide)(d);
+    const size_t Gp = wide ? (size_t)PA_FN(sm_group_lanes)(d) : 0;
+    void **parts[] = {(void **)&s->S,  (void **)&s->acc, (void **)&s->m,    (void **)&s->l,
+                      (void **)&s->kp, (void **)&s->vp,  (void **)&s->QT,   (void **)&s->ST,
+                      (void **)&s->Vp, (void **)&s->mnew, (void **)&s->msafe};
     const size_t bytes[] = {sizeof(real) * H * KB, sizeof(real) * H * (size_t)d->Dv,
                             sizeof(real) * H, sizeof(real) * H,
                             sizeof(real *) * (KB + SM_DECODE_AHEAD),
                             sizeof(real *) * (KB + SM_DECODE_AHEAD),
-                            sizeof(real) * Hk * (size_t)d->Dk * Gp, sizeof(real) * (Hk * KB * Gp + SM_WIDE_SLACK), sizeof(real) * KB * (size_t)d->Dv,
+                            sizeof(real) * Hk * (size_t)d->Dk * Gp,
+                            sizeof(real) * (Hk * KB * Gp + (wide ? SM_WIDE_SLACK : 0)),
+                            sizeof(real) * (wide ? KB * (size_t)d->Dv : 0),
                             sizeof(real) * Gp, sizeof(real) * Gp};
     s->block = pa_alloc_parts(parts, bytes, 11);
     return s->block != NULL;
