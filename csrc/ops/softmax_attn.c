@@ -19,7 +19,9 @@
  * call): no tiles. Work items are (query, part of its visible keys) over every head, keys
  * wherever they lie (rows of a contiguous cache or blocks of a paged one); each cached row
  * of all KV heads is read once, in order, with software prefetch, the heads of a KV head
- * sharing its loads; the parts are merged by their log-sum-exps (flash decoding).
+ * sharing its loads (as GEMM tiles with the heads across the lanes where a group fills a
+ * vector: MQA is bound by its FLOP, not its reads); the parts are merged by their
+ * log-sum-exps (flash decoding).
  *
  * Backward (flash and parallel): units (sequence, KV head) each own the dK and dV rows of
  * their KV head and the dQ rows of the query heads of their group, so no two threads write
@@ -648,9 +650,10 @@ static inline void PA_FN(sm_split_ranges)(int64_t r[2][2], int64_t s, int64_t S)
  * there the 2 G FLOP per cached value, not memory, bound the decode, so the products run
  * as register-blocked GEMM tiles with the group's heads across the vector lanes: scores
  * transposed, ST [keys x heads] = K QT with QT [Dk x heads] (the queries transposed once
- * per part), and O [heads x Dv] += P V with P read from ST. A K or V element is broadcast
- * once per tile of MR rows of the other operand, with no horizontal sums (the dot-product
- * layout's 4 heads per key load sum each of their vectors across lanes). */
+ * per part), and O [heads x Dv] += P V with P read from ST. Each K element is broadcast
+ * once per panel of up to 4 vectors of heads and each V vector loaded once per tile of MR
+ * heads, with no horizontal sums (the dot-product layout sums every vector of its 4 heads
+ * per key load across the lanes, and reloads the queries for every key). */
 
 #define SM_WIDE_ACC (MR * NV) /* accumulator vectors of a wide tile (12 AVX2, 24 AVX-512) */
 
@@ -700,7 +703,7 @@ static inline __attribute__((always_inline)) void PA_FN(sm_wide_scores_panel)(
         }
         const real *q = QT + j0;
         real *st = ST + x * Gp + j0;
-        if (mr > 2 * R / 3 || R < 3)
+        if (mr > 2 * R / 3)
             PA_FN(sm_wide_scores_tile)(q, Gp, kr + x, off, Dk, scale, st, Gp, mr, R, NVS);
         else if (mr > R / 3)
             PA_FN(sm_wide_scores_tile)(q, Gp, kr + x, off, Dk, scale, st, Gp, mr, 2 * R / 3, NVS);
@@ -839,7 +842,8 @@ static __attribute__((noinline)) void PA_FN(sm_wide_block)(const pa_softmax_desc
 }
 
 /* Flash decode, part s of S of the keys visible to query i of sequence n, every head at
- * once. A query row would fill one row of a GEMM tile, so no GEMM here: keys in blocks of
+ * once. Groups of a vector of query heads or more take the wide layout (sm_wide_block);
+ * for smaller ones a query row would fill one row of a GEMM tile, so no GEMM: keys in blocks of
  * SM_DECODE_KB, each K and V row (all KV heads) read once, in order, for every head; an
  * online softmax per head with the vectorised max and exp+sum passes; P V with the heads of
  * a KV head sharing each load of V. Writes the part's o and lse at po, plse (rows as o's):
@@ -966,8 +970,8 @@ static void PA_FN(sm_decode_colsum)(const pa_softmax_desc *d, const pa_key_rows 
 
 /* Parts per query when the caller leaves it to us: enough work items (query, part) for two
  * per thread, each part at least SM_SPLIT_MIN_KEYS keys. (Eight per thread, to balance a
- * thread slowed by other work, made GQA over 4096 keys 15-25% slower, measured, H=32,
- * Hk=8, D=128, 1 and 2 threads.) */
+ * thread slowed by other work, made GQA over 4096 keys about 25% slower on 2 threads,
+ * measured, H=32, Hk=8, D=128.) */
 static int64_t PA_FN(sm_decode_splits)(int64_t units, int64_t maxk)
 {
     const int64_t threads = pa_get_num_threads(), want = 2 * threads;
