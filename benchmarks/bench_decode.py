@@ -9,9 +9,14 @@ against naive form).
 Caches: contiguous [B, T, Hk, D], and paged [blocks, 256, Hk, D] with a shuffled block
 table holding the same rows (the outputs are checked equal). "K+V GB/s" is the bytes of K
 and V the call must read (2 T Hk D 4) over its time, shown also as a share of the machine's
-read bandwidth measured in the same run on as many threads. The MQA rows (Hk = 1, one
-sequence) show whether one (sequence, KV head) spreads over every thread: the splits
-choice (num_splits=0) cuts each query's keys into parts merged by their log-sum-exp.
+read bandwidth measured in the same run on as many threads. "% peak" is the call's
+4 H T D FLOP (scores and P V) over its time as a share of the float32 FMA peak measured in
+the same run on as many threads (the larger of the measurements before and after the
+rows): with 32 query heads per KV head (MQA) each cached float takes 16 FLOP, beyond what
+the memory delivers per FLOP of the cores, so there the FMAs and not the reads bound the
+call, and "% peak" is its yardstick. The MQA rows (Hk = 1, one sequence) show whether one
+(sequence, KV head) spreads over every thread: the splits choice (num_splits=0) cuts each
+query's keys into parts merged by their log-sum-exp.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ def torch_case(q, k, v, kc, vc, T):
 def run(args, timing, threads, rng):
     common.set_threads(threads)
     bandwidth = common.read_bandwidth(threads)
+    peak0 = common.fma_peak(np.float32, threads)
     print(f"\n{threads} thread(s): read bandwidth {bandwidth:.1f} GB/s")
     rows, others = [], []
     for label, Hk in LAYOUTS.items():
@@ -87,19 +93,22 @@ def run(args, timing, threads, rng):
                 assert err < 1e-5, f"pyattn and torch differ by {err:.1e} (relative RMS)"
                 cases.append(tcase)
             others.append(common.measure(cases, timing))
-            kv_bytes = 2 * T * Hk * D * 4
+            kv_bytes, flop = 2 * T * Hk * D * 4, 4 * H * T * D
             tt = cases[2].median if torch is not None else None
             for c in cases[:2]:
                 rate = kv_bytes / c.median * 1e-9
                 ratio = tt / c.median if tt else None
                 rows.append([label, T, c.name.split()[1], fmt(c.median * 1e3, ".2f"), fmt(rate, ".1f"),
-                             fmt(100 * rate / bandwidth, ".0f") + "%",
+                             fmt(100 * rate / bandwidth, ".0f") + "%", flop / c.median * 1e-9,
                              fmt(tt * 1e3 if tt else None, ".2f"),
                              fmt(ratio, ".2f") + ("x" if ratio else ""),
                              " ".join(x.samples_cell for x in cases), common.load_cell(others[-1])])
         del q, k, v, contiguous, paged
+    peak = common.final_peak(np.float32, threads, peak0)
+    common.percent_of_peak(rows, [6], peak)
     common.print_table(["heads", "cache T", "layout", "pyattn ms", "K+V GB/s", "of read bw",
-                        "torch ms", "ratio", "samples", "other %"], rows, markdown=args.markdown)
+                        "% peak", "torch ms", "ratio", "samples", "other %"], rows,
+                       markdown=args.markdown)
     print(common.load_footer(others))
 
 

@@ -74,7 +74,58 @@ def test_against_oracle(rng, dtype, block_size, mask, Tq, Tnew):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("H,Hk", [(1, 1), (8, 1), (6, 3)])
+@pytest.mark.parametrize("block_size", [None, 16, 5], ids=["contiguous", "paged16", "paged5"])
+@pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
+@pytest.mark.parametrize("H,Hk,Dk,Dv", [(32, 1, 19, 37), (26, 2, 8, 16), (13, 1, 5, 3)],
+                         ids=["mqa32", "gqa13x2", "mqa13"])
+def test_wide_groups_against_oracle(rng, dtype, block_size, mask, H, Hk, Dk, Dv):
+    """Groups of a vector of query heads or more per KV head (the decode's wide layout: score
+    and P V tiles with the heads across the lanes): every mask, both layouts, a group not a
+    multiple of the vector, Dk and Dv past whole vectors, sequences of 150 keys (two key
+    blocks and a ragged one), 1 key and 77, any split count (more parts than keys too)."""
+    q, kc, vc, seqlens, k, v, table = make(rng, dtype, H=H, Hk=Hk, Dk=Dk, Dv=Dv, capacity=160,
+                                           seqlens=(149, 0, 76), block_size=block_size)
+    opts = options(MASKS[mask], H, rng, dtype)
+    ro, rlse, rcol = reference.attention_with_kvcache(q, kc, vc, seqlens, k=k, v=v, block_table=table,
+                                                      return_lse=True, return_colsum=True, **opts)
+    for num_splits in (0, 1, 3, 64, 1024):
+        o, lse, col = pyattn.attention_with_kvcache(q, kc.copy(), vc.copy(), seqlens, k=k, v=v,
+                                                    block_table=table, num_splits=num_splits,
+                                                    return_lse=True, return_colsum=True, **opts)
+        assert_close(o, ro, name=f"o, {num_splits} splits")
+        assert_close(lse, rlse, name=f"lse, {num_splits} splits")
+        assert_close(col, rcol, name=f"colsum, {num_splits} splits")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_wide_groups_nan_and_minus_inf(rng, dtype):
+    """In the wide layout a NaN in a visible key of one KV head makes its group's rows NaN
+    and no other row; a group whose visible scores are all -inf gets NaN rows."""
+    q, kc, vc, seqlens, k, v, _ = make(rng, dtype, B=2, H=32, Hk=2, Dk=16, Dv=16, capacity=150,
+                                       seqlens=(140, 90))
+    bad = kc.copy()
+    bad[1, 33, 1] = np.nan
+    for splits in (0, 1, 5):
+        clean = pyattn.attention_with_kvcache(q, kc, vc, seqlens, k=k, v=v, num_splits=splits)
+        assert np.all(np.isfinite(clean))
+        o = pyattn.attention_with_kvcache(q, bad, vc, seqlens, k=k, v=v, num_splits=splits)
+        assert np.all(np.isnan(o[1, :, 16:])) and np.array_equal(o[0], clean[0])
+        assert np.array_equal(o[1, :, :16], clean[1, :, :16])
+        inf_q = q.copy()
+        inf_q[1, :, :16] = 0
+        inf_q[1, :, :16, 0] = np.inf
+        kc_neg = kc.copy()
+        kc_neg[1, :, 0, 0] = -1.0
+        k_neg = k.copy()
+        k_neg[1, :, 0, 0] = -1.0
+        o, lse = pyattn.attention_with_kvcache(inf_q, kc_neg, vc, seqlens, k=k_neg, v=v,
+                                               num_splits=splits, return_lse=True)
+        assert np.all(np.isnan(o[1, :, :16])) and np.all(np.isnan(lse[1, :, :16]))
+        assert np.all(np.isfinite(o[1, :, 16:])) and np.array_equal(o[0], clean[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("H,Hk", [(1, 1), (8, 1), (6, 3), (32, 1)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_cache_splits(rng, dtype, H, Hk, threads):
     """One sequence with few KV heads over a long cache: any split count (0 chooses several

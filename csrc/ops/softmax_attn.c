@@ -19,7 +19,9 @@
  * call): no tiles. Work items are (query, part of its visible keys) over every head, keys
  * wherever they lie (rows of a contiguous cache or blocks of a paged one); each cached row
  * of all KV heads is read once, in order, with software prefetch, the heads of a KV head
- * sharing its loads; the parts are merged by their log-sum-exps (flash decoding).
+ * sharing its loads (as GEMM tiles with the heads across the lanes where a group fills a
+ * vector: MQA is bound by its FLOP, not its reads); the parts are merged by their
+ * log-sum-exps (flash decoding).
  *
  * Backward (flash and parallel): units (sequence, KV head) each own the dK and dV rows of
  * their KV head and the dQ rows of the query heads of their group, so no two threads write
@@ -644,8 +646,204 @@ static inline void PA_FN(sm_split_ranges)(int64_t r[2][2], int64_t s, int64_t S)
     r[1][1] = base1 + (b > n0 ? b - n0 : 0);
 }
 
+/* The wide layout of the decode, for groups of at least VL query heads per KV head (MQA):
+ * there the 2 G FLOP per cached value, not memory, bound the decode, so the products run
+ * as register-blocked GEMM tiles with the group's heads across the vector lanes: scores
+ * transposed, ST [keys x heads] = K QT with QT [Dk x heads] (the queries transposed once
+ * per part), and O [heads x Dv] += P V with P read from ST. Each K element is broadcast
+ * once per panel of up to 4 vectors of heads and each V vector loaded once per tile of MR
+ * heads, with no horizontal sums (the dot-product layout sums every vector of its 4 heads
+ * per key load across the lanes, and reloads the queries for every key). */
+
+#define SM_WIDE_ACC (MR * NV) /* accumulator vectors of a wide tile (12 AVX2, 24 AVX-512) */
+
+/* ST[x * ldt + j] = scale * sum_e kr[x][off + e] QT[e * ldq + j] for the keys x < mr and the
+ * NVS * VL columns j: R keys by NVS vectors of heads in registers, R >= mr a constant where
+ * inlined (rows past mr repeat the last key and are not stored). */
+static inline __attribute__((always_inline)) void PA_FN(sm_wide_scores_tile)(
+    const real *QT, int64_t ldq, const real *const *kr, int64_t off, int64_t Dk, real scale,
+    real *ST, int64_t ldt, int64_t mr, const int R, const int NVS)
+{
+    vreal acc[SM_WIDE_ACC][4];
+    const real *kx[SM_WIDE_ACC];
+#pragma GCC unroll 24
+    for (int x = 0; x < R; x++) {
+        kx[x] = kr[x < mr ? x : mr - 1] + off;
+#pragma GCC unroll 4
+        for (int j = 0; j < NVS; j++) acc[x][j] = PA_FN(vset)(0);
+    }
+    for (int64_t e = 0; e < Dk; e++) {
+        vreal b[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NVS; j++) b[j] = PA_FN(vload)(QT + e * ldq + j * VL);
+#pragma GCC unroll 24
+        for (int x = 0; x < R; x++) {
+            const vreal a = PA_FN(vset)(kx[x][e]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NVS; j++) acc[x][j] += a * b[j];
+        }
+    }
+    for (int x = 0; x < mr; x++)
+        for (int j = 0; j < NVS; j++) PA_FN(vstore)(ST + x * ldt + j * VL, acc[x][j] * scale);
+}
+
+/* The nb keys of sm_wide_scores against the NVS vectors of heads at column j0, in
+ * tiles of R = SM_WIDE_ACC / NVS keys (a ragged last one in a third or two thirds of R). */
+static inline __attribute__((always_inline)) void PA_FN(sm_wide_scores_panel)(
+    const real *QT, int64_t Gp, const real *const *kr, int64_t off, int64_t Dk, real scale,
+    int64_t nb, real *ST, int64_t j0, const real *const *vp, int64_t count, int64_t kspan,
+    int64_t vspan, const int NVS)
+{
+    const int R = SM_WIDE_ACC / NVS;
+    for (int64_t x = 0; x < nb; x += R) {
+        const int64_t mr = nb - x < R ? nb - x : R;
+        for (int64_t c = x; vp && c < x + mr; c++) {
+            if (c + SM_DECODE_AHEAD < count) PA_FN(prefetch_span)(kr[c + SM_DECODE_AHEAD], kspan, 0);
+            PA_FN(prefetch_span)(vp[c], vspan, 0);
+        }
+        const real *q = QT + j0;
+        real *st = ST + x * Gp + j0;
+        if (mr > 2 * R / 3)
+            PA_FN(sm_wide_scores_tile)(q, Gp, kr + x, off, Dk, scale, st, Gp, mr, R, NVS);
+        else if (mr > R / 3)
+            PA_FN(sm_wide_scores_tile)(q, Gp, kr + x, off, Dk, scale, st, Gp, mr, 2 * R / 3, NVS);
+        else
+            PA_FN(sm_wide_scores_tile)(q, Gp, kr + x, off, Dk, scale, st, Gp, mr, R / 3, NVS);
+    }
+}
+
+/* The scores of the nb keys kr[0..nb) (off: the KV head's offset in a row) against the Gp
+ * columns of QT (ldq = Gp), into ST [nb x Gp]: panels of 4, 2 or 1 vectors of heads (the
+ * widest that fit), so that few keys (3 in a 4-vector tile of AVX2) share the registers and
+ * their row pointers stay in registers too. With vp, the first panel prefetches as
+ * sm_row_scores does: the K rows (kspan reals) SM_DECODE_AHEAD keys on, below count, and
+ * the block's V rows (vspan reals). */
+static void PA_FN(sm_wide_scores)(const real *QT, int64_t Gp, const real *const *kr, int64_t off,
+                                  int64_t Dk, real scale, int64_t nb, real *ST,
+                                  const real *const *vp, int64_t count, int64_t kspan, int64_t vspan)
+{
+    for (int64_t j0 = 0; j0 < Gp;) {
+        const int64_t left = (Gp - j0) / VL;
+        const real *const *pf = j0 == 0 ? vp : NULL;
+        if (left >= 4) {
+            PA_FN(sm_wide_scores_panel)(QT, Gp, kr, off, Dk, scale, nb, ST, j0, pf, count, kspan, vspan, 4);
+            j0 += 4 * VL;
+        } else if (left >= 2) {
+            PA_FN(sm_wide_scores_panel)(QT, Gp, kr, off, Dk, scale, nb, ST, j0, pf, count, kspan, vspan, 2);
+            j0 += 2 * VL;
+        } else {
+            PA_FN(sm_wide_scores_panel)(QT, Gp, kr, off, Dk, scale, nb, ST, j0, pf, count, kspan, vspan, 1);
+            j0 += VL;
+        }
+    }
+}
+
+/* O[r * Dv + j] += sum_x P[x * ldp + r] Vp[x * NVS * VL + j] for the heads r < mr and the
+ * NVS * VL columns j of a packed panel Vp of V (O offset to the tile's first column, P to
+ * its first head): R heads by NVS vectors in registers over all nb keys; R >= mr a
+ * constant where inlined. The heads past mr read P beyond the group (ST's slack at its
+ * end) and are not stored. */
+static inline __attribute__((always_inline)) void PA_FN(sm_wide_pv_tile)(
+    real *O, int64_t Dv, const real *P, int64_t ldp, const real *Vp, int64_t nb, int64_t mr,
+    const int R, const int NVS)
+{
+    vreal acc[MR][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NVS; j++)
+            acc[r][j] = r < mr ? PA_FN(vload)(O + r * Dv + j * VL) : PA_FN(vset)(0);
+    for (int64_t x = 0; x < nb; x++, P += ldp, Vp += NVS * VL) {
+        vreal b[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NVS; j++) b[j] = PA_FN(vload)(Vp + j * VL);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            const vreal a = PA_FN(vset)(P[r]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NVS; j++) acc[r][j] += a * b[j];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < NVS; j++) PA_FN(vstore)(O + r * Dv + j * VL, acc[r][j]);
+}
+
+/* O [G x Dv] += P V for the G heads of one KV head, P the transposed probabilities [nb x
+ * ldp] and V's rows vp[x] + off. V's whole vectors are first packed into panels of NV
+ * vectors (one at the end), each [nb x width] contiguous at Vp + e * nb: read in place,
+ * rows of V a multiple of 512 bytes apart fall in few sets of the L1 cache, so a panel
+ * would not stay there across the head tiles (a profile showed the tiles' FMAs waiting on
+ * V's loads), and each row's pointer would be one more load per key. Per panel, tiles of MR
+ * heads, 2 MR / 3 where that leaves no tile of a third (32 = 4 x 6 + 2 x 4); the columns
+ * past the last whole vector are scalar. Vp: nb x Dv reals. */
+static __attribute__((noinline)) void PA_FN(sm_wide_pv)(real *O, int64_t Dv, const real *P, int64_t ldp,
+                              const real *const *vp, int64_t off, int64_t nb, int64_t G, real *Vp)
+{
+    const int64_t Dw = Dv / VL * VL, Dn = Dw / (NV * VL) * (NV * VL);
+    for (int64_t x = 0; x < nb; x++) {
+        const real *src = vp[x] + off;
+        int64_t e = 0;
+        for (; e < Dn; e += NV * VL)
+            for (int j = 0; j < NV; j++)
+                PA_FN(vstore)(Vp + e * nb + x * NV * VL + j * VL, PA_FN(vload)(src + e + j * VL));
+        for (; e < Dw; e += VL) PA_FN(vstore)(Vp + e * nb + x * VL, PA_FN(vload)(src + e));
+    }
+    for (int64_t e = 0; e < Dw;) {
+        const int wide = e < Dn;
+        const real *Vpe = Vp + e * nb;
+        for (int64_t h = 0; h < G;) {
+            const int64_t left = G - h;
+            const int64_t mr = left > MR && left < MR + 2 * MR / 3 ? 2 * MR / 3 : left < MR ? left : MR;
+            real *Ot = O + h * Dv + e;
+            const real *Pt = P + h;
+            if (!wide)
+                PA_FN(sm_wide_pv_tile)(Ot, Dv, Pt, ldp, Vpe, nb, mr, MR, 1);
+            else if (mr > 2 * MR / 3)
+                PA_FN(sm_wide_pv_tile)(Ot, Dv, Pt, ldp, Vpe, nb, mr, MR, NV);
+            else if (mr > MR / 3)
+                PA_FN(sm_wide_pv_tile)(Ot, Dv, Pt, ldp, Vpe, nb, mr, 2 * MR / 3, NV);
+            else
+                PA_FN(sm_wide_pv_tile)(Ot, Dv, Pt, ldp, Vpe, nb, mr, MR / 3, NV);
+            h += mr;
+        }
+        e += wide ? NV * VL : VL;
+    }
+    for (int64_t e = Dw; e < Dv; e++)
+        for (int64_t h = 0; h < G; h++) {
+            real x = O[h * Dv + e];
+            for (int64_t c = 0; c < nb; c++) x += P[c * ldp + h] * vp[c][off + e];
+            O[h * Dv + e] = x;
+        }
+}
+
+/* One key block of the decode in the wide layout: the nb keys w->kp[0..nb) (rows up to
+ * count prefetched, as sm_row_scores does) against every head of the part's query (w->QT),
+ * their online softmax down the columns of ST, and acc += P V. */
+static __attribute__((noinline)) void PA_FN(sm_wide_block)(const pa_softmax_desc *d,
+                                                           PA_FN(sm_decode_scratch) * w,
+                                                           int64_t ip, int64_t jb, int64_t nb,
+                                                           int64_t count)
+{
+    const int64_t Hk = d->Hk, Dk = d->Dk, Dv = d->Dv, G = d->H / Hk, KB = SM_DECODE_KB;
+    const int64_t Gp = PA_FN(sm_group_lanes)(d);
+    for (int64_t kh = 0; kh < Hk; kh++) {
+        real *ST = w->ST + kh * KB * Gp;
+        PA_FN(sm_wide_scores)(w->QT + kh * Dk * Gp, Gp, w->kp, kh * Dk, Dk, (real)d->scale, nb, ST,
+                              kh == 0 ? w->vp : NULL, count, Hk * Dk, Hk * Dv);
+        if (d->softcap > 0 || d->alibi)
+            for (int64_t c = 0; c < nb; c++)
+                for (int64_t g = 0; g < G; g++)
+                    ST[c * Gp + g] = PA_FN(sm_score)(ST[c * Gp + g], d->softcap,
+                                                     PA_FN(sm_slope)(d, kh * G + g), ip - jb - c, NULL);
+        PA_FN(sm_softmax_columns)(ST, Gp, nb, G, w->m + kh * G, w->l + kh * G, w->acc + kh * G * Dv,
+                                  NULL, Dv, w->mnew, w->msafe);
+        PA_FN(sm_wide_pv)(w->acc + kh * G * Dv, Dv, ST, Gp, w->vp, kh * Dv, nb, G, w->Vp);
+    }
+}
+
 /* Flash decode, part s of S of the keys visible to query i of sequence n, every head at
- * once. A query row would fill one row of a GEMM tile, so no GEMM here: keys in blocks of
+ * once. Groups of a vector of query heads or more take the wide layout (sm_wide_block);
+ * for smaller ones a query row would fill one row of a GEMM tile, so no GEMM: keys in blocks of
  * SM_DECODE_KB, each K and V row (all KV heads) read once, in order, for every head; an
  * online softmax per head with the vectorised max and exp+sum passes; P V with the heads of
  * a KV head sharing each load of V. Writes the part's o and lse at po, plse (rows as o's):
@@ -666,6 +864,13 @@ static void PA_FN(sm_decode_part)(const pa_softmax_desc *d, const pa_key_rows *r
         l[h] = 0;
     }
     memset(acc, 0, sizeof(real) * H * Dv);
+    const int wide = PA_FN(sm_wide)(d);
+    const int64_t Gp = PA_FN(sm_group_lanes)(d);
+    if (wide)
+        for (int64_t kh = 0; kh < Hk; kh++)
+            for (int64_t e = 0; e < Dk; e++)
+                for (int64_t g = 0; g < Gp; g++)
+                    w->QT[(kh * Dk + e) * Gp + g] = g < G ? qi[(kh * G + g) * Dk + e] : 0;
     int64_t ranges[2][2];
     PA_FN(sm_row_ranges)(d, ip, tk, 0, tk, ranges);
     PA_FN(sm_split_ranges)(ranges, s, S);
@@ -674,6 +879,10 @@ static void PA_FN(sm_decode_part)(const pa_softmax_desc *d, const pa_key_rows *r
             const int64_t nb = ranges[rg][1] - jb < KB ? ranges[rg][1] - jb : KB;
             const int64_t count =
                 PA_FN(sm_block_rows)(d, rows, k, v, n, jb, nb, ranges[rg][1], w->kp, w->vp);
+            if (wide) {
+                PA_FN(sm_wide_block)(d, w, ip, jb, nb, count);
+                continue;
+            }
             PA_FN(sm_row_scores)(d, qi, w->kp, w->vp, count, ip, jb, nb, Sc);
             for (int64_t h = 0; h < H; h++) {
                 PA_FN(sm_raise_max)(m + h, l + h, acc + h * Dv, Dv, PA_FN(row_max)(Sc + h * KB, nb));
@@ -760,7 +969,9 @@ static void PA_FN(sm_decode_colsum)(const pa_softmax_desc *d, const pa_key_rows 
 #define SM_COLSUM_KEYS 1024     /* keys per work item of the column sums */
 
 /* Parts per query when the caller leaves it to us: enough work items (query, part) for two
- * per thread, each part at least SM_SPLIT_MIN_KEYS keys. */
+ * per thread, each part at least SM_SPLIT_MIN_KEYS keys. (Eight per thread, to balance a
+ * thread slowed by other work, made GQA over 4096 keys about 25% slower on 2 threads,
+ * measured, H=32, Hk=8, D=128.) */
 static int64_t PA_FN(sm_decode_splits)(int64_t units, int64_t maxk)
 {
     const int64_t threads = pa_get_num_threads(), want = 2 * threads;

@@ -293,23 +293,45 @@ static inline __attribute__((always_inline)) void PA_FN(sm_pv)(real *acc, int64_
         }
 }
 
+/* Whether the decode takes its wide layout (softmax_attn.c, sm_wide_block): a group of
+ * query heads per KV head fills a vector. */
+static inline int PA_FN(sm_wide)(const pa_softmax_desc *d) { return d->H / d->Hk >= VL; }
+
+/* Query heads per KV head padded to whole vectors: the columns of the wide layout. */
+static inline int64_t PA_FN(sm_group_lanes)(const pa_softmax_desc *d)
+{
+    return (d->H / d->Hk + VL - 1) / VL * VL;
+}
+
+#define SM_WIDE_SLACK 16 /* reals after ST: the wide P V tile reads up to a tile of heads past a group */
+
 /* Scratch of one decode thread: scores [H, SM_DECODE_KB], accumulators [H, Dv], running max
- * and sum [H], and the K and V row pointers of a key block. */
+ * and sum [H], and the K and V row pointers of a key block; for the wide layout the queries
+ * transposed QT [Hk, Dk, Gp], the scores transposed ST [Hk, SM_DECODE_KB, Gp] (and slack),
+ * V's block packed Vp [SM_DECODE_KB, Dv] and two vectors of Gp for the column softmax (Gp:
+ * sm_group_lanes; all empty for the dot-product layout). */
 typedef struct {
-    real *S, *acc, *m, *l;
+    real *S, *acc, *m, *l, *QT, *ST, *Vp, *mnew, *msafe;
     const real **kp, **vp;
     void *block;
 } PA_FN(sm_decode_scratch);
 
 static int PA_FN(sm_decode_scratch_alloc)(PA_FN(sm_decode_scratch) * s, const pa_softmax_desc *d)
 {
-    const size_t H = (size_t)d->H, KB = SM_DECODE_KB;
-    void **parts[] = {(void **)&s->S, (void **)&s->acc, (void **)&s->m, (void **)&s->l,
-                      (void **)&s->kp, (void **)&s->vp};
+    const size_t H = (size_t)d->H, KB = SM_DECODE_KB, Hk = (size_t)d->Hk;
+    const int wide = PA_FN(sm_wide)(d);
+    const size_t Gp = wide ? (size_t)PA_FN(sm_group_lanes)(d) : 0;
+    void **parts[] = {(void **)&s->S,  (void **)&s->acc, (void **)&s->m,    (void **)&s->l,
+                      (void **)&s->kp, (void **)&s->vp,  (void **)&s->QT,   (void **)&s->ST,
+                      (void **)&s->Vp, (void **)&s->mnew, (void **)&s->msafe};
     const size_t bytes[] = {sizeof(real) * H * KB, sizeof(real) * H * (size_t)d->Dv,
                             sizeof(real) * H, sizeof(real) * H,
                             sizeof(real *) * (KB + SM_DECODE_AHEAD),
-                            sizeof(real *) * (KB + SM_DECODE_AHEAD)};
-    s->block = pa_alloc_parts(parts, bytes, 6);
+                            sizeof(real *) * (KB + SM_DECODE_AHEAD),
+                            sizeof(real) * Hk * (size_t)d->Dk * Gp,
+                            sizeof(real) * (Hk * KB * Gp + (wide ? SM_WIDE_SLACK : 0)),
+                            sizeof(real) * (wide ? KB * (size_t)d->Dv : 0),
+                            sizeof(real) * Gp, sizeof(real) * Gp};
+    s->block = pa_alloc_parts(parts, bytes, 11);
     return s->block != NULL;
 }
