@@ -131,6 +131,17 @@ static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
 
 /* ---- a block's cumulative gates ---- */
 
+/* Before row i of a pass over a block's L rows of D (ldx apart), row i + 4 into L1. The first
+ * pass over a head's rows (of q, k, v or a gate: [T, H, D] rows lie H D apart, 4 KiB at
+ * H D = 1024 floats) waited on them: the block-ahead prefetch (la_prefetch_rows) brings them
+ * to L2 only, where rows 4 KiB apart share sets with the rest of the block's rows. */
+static inline __attribute__((always_inline)) void PA_FN(la_prefetch_ahead)(const real *X,
+                                                                          int64_t ldx, int64_t D,
+                                                                          int64_t L, int64_t i)
+{
+    if (i + 4 < L) PA_FN(prefetch_span)(X + (i + 4) * ldx, D, 1);
+}
+
 /* G (L x D) = the inclusive cumulative sum of g's clamped rows (gate_step), summed as
  * double hi + lo pairs (gate_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
  * doubles of scratch. suffix: G_i = -(the sum over the rows after i) instead, the same
@@ -144,7 +155,7 @@ static void PA_FN(la_cumsum_hilo)(const real *restrict g, int64_t ldg, int64_t L
         for (int64_t i = 0; i < L; i++) {
             const real *restrict gi = g + i * ldg;
             real *restrict Gh = G + i * D, *restrict Gl = G + lo + i * D;
-            if (i + 4 < L) PA_FN(prefetch_span)(gi + 4 * ldg, D, 1); /* they came to L2 only */
+            PA_FN(la_prefetch_ahead)(g, ldg, D, L, i);
             for (int64_t j = 0; j < D; j++) {
                 PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(gi[j]));
                 const real hi = (real)hs[j];
