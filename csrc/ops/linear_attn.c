@@ -197,6 +197,7 @@ static void PA_FN(la_factored_rows)(const PA_FN(la_side) *s, int64_t L, int to_e
     const real *F = to_end ? s->Em : s->Ep, *c = to_end ? s->Ep + (L - 1) * D : s->E0;
     for (int64_t i = 0; i < L; i++) {
         const int one = to_end && i == L - 1;
+        PA_FN(la_prefetch_ahead)(X, ldx, D, L, i);
         for (int64_t d = 0; d < D; d += VL) {
             const vreal x = PA_FN(row_ld)(X + i * ldx + d, D - d);
             const vreal y = x * PA_FN(row_ld)(F + i * D + d, D - d);
@@ -302,9 +303,11 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
     sc->ldv = u->sv;
     sc->vb_packed = sc->kf_ready = 0;
     if (u->beta) { /* v'_t = beta_t v_t, the rows every product of the block reads */
-        for (int64_t i = 0; i < L; i++)
+        for (int64_t i = 0; i < L; i++) {
+            PA_FN(la_prefetch_ahead)(sc->vb, u->sv, V, L, i);
             PA_FN(la_gated)(sc->Vb + i * V, sc->vb + i * u->sv, NULL, NULL, 0, V,
                             u->beta[(c0 + i) * d->H], 0);
+        }
         sc->vb = sc->Vb;
         sc->ldv = V;
     }
@@ -329,7 +332,10 @@ static const real *PA_FN(la_rows_contiguous)(const real *X, int64_t *ldx, int64_
                                              real *buf)
 {
     if (PA_FN(rows_in_place)(*ldx)) return X;
-    for (int64_t i = 0; i < L; i++) memcpy(buf + i * D, X + i * *ldx, sizeof(real) * D);
+    for (int64_t i = 0; i < L; i++) {
+        PA_FN(la_prefetch_ahead)(X, *ldx, D, L, i);
+        memcpy(buf + i * D, X + i * *ldx, sizeof(real) * D);
+    }
     *ldx = D;
     return buf;
 }

@@ -122,14 +122,26 @@ static inline void PA_FN(la_side_row)(const PA_FN(la_side) *s, int64_t L, int to
 /* f[0..D) = e^(G_{L-1}): the block's total decay on this side */
 static void PA_FN(la_total_decay)(const PA_FN(la_side) *s, int64_t L, real *f)
 {
+    /* a scalar side's one decay taken once, not once per channel */
+    const real one = s->kind == PA_GATE_SCALAR ? (real)exp(PA_FN(la_gs)(s, L - 1, -1)) : 1;
     for (int64_t d = 0; d < s->D; d++)
-        f[d] = s->kind == PA_GATE_VECTOR   ? (real)exp((double)s->G[(L - 1) * s->D + d] +
-                                                   s->G[s->lo + (L - 1) * s->D + d])
-               : s->kind == PA_GATE_SCALAR ? (real)exp(PA_FN(la_gs)(s, L - 1, -1))
-                                           : 1;
+        f[d] = s->kind == PA_GATE_VECTOR ? (real)exp((double)s->G[(L - 1) * s->D + d] +
+                                                 s->G[s->lo + (L - 1) * s->D + d])
+                                         : one;
 }
 
 /* ---- a block's cumulative gates ---- */
+
+/* Before row i of a pass over a block's L rows of D (ldx apart), row i + 4 into L1. The first
+ * pass over a head's rows (of q, k, v or a gate: [T, H, D] rows lie H D apart, 4 KiB at
+ * H D = 1024 floats) waited on them: the block-ahead prefetch (la_prefetch_rows) brings them
+ * to L2 only, where rows 4 KiB apart share sets with the rest of the block's rows. */
+static inline __attribute__((always_inline)) void PA_FN(la_prefetch_ahead)(const real *X,
+                                                                          int64_t ldx, int64_t D,
+                                                                          int64_t L, int64_t i)
+{
+    if (i + 4 < L) PA_FN(prefetch_span)(X + (i + 4) * ldx, D, 1);
+}
 
 /* G (L x D) = the inclusive cumulative sum of g's clamped rows (gate_step), summed as
  * double hi + lo pairs (gate_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
@@ -144,7 +156,7 @@ static void PA_FN(la_cumsum_hilo)(const real *restrict g, int64_t ldg, int64_t L
         for (int64_t i = 0; i < L; i++) {
             const real *restrict gi = g + i * ldg;
             real *restrict Gh = G + i * D, *restrict Gl = G + lo + i * D;
-            if (i + 4 < L) PA_FN(prefetch_span)(gi + 4 * ldg, D, 1); /* they came to L2 only */
+            PA_FN(la_prefetch_ahead)(g, ldg, D, L, i);
             for (int64_t j = 0; j < D; j++) {
                 PA_FN(gate_sum2)(hs + j, ls + j, PA_FN(gate_step)(gi[j]));
                 const real hi = (real)hs[j];
@@ -215,15 +227,21 @@ static void PA_FN(la_factor)(PA_FN(la_side) *s, int64_t L, real *E)
 {
     const int64_t D = s->D;
     const real *G = s->G, *Gl = s->G + s->lo;
-    if (!PA_FN(la_in_range)(s, 0, L)) return;
+    const vreal lim = PA_FN(vset)(LA_FACTOR);
+    vint out = (vint){0};
+    /* the factors made as la_in_range(s, 0, L) checks the span (one pass over G, not two);
+     * a block out of range drops them */
     for (int64_t i = 0; i < L; i++)
         for (int64_t d = 0; d < D; d += VL) { /* G_i - G_0 as la_decay takes it */
-            const vreal x = (PA_FN(row_ld)(G + i * D + d, D - d) - PA_FN(row_ld)(G + d, D - d)) +
-                            (PA_FN(row_ld)(Gl + i * D + d, D - d) - PA_FN(row_ld)(Gl + d, D - d));
+            const vreal hi = PA_FN(row_ld)(G + i * D + d, D - d) - PA_FN(row_ld)(G + d, D - d);
+            const vreal x = hi + (PA_FN(row_ld)(Gl + i * D + d, D - d) - PA_FN(row_ld)(Gl + d, D - d));
             const vreal e = PA_FN(vexp)(x);
+            out |= (hi > lim) | (-hi > lim);
             PA_FN(row_st)(E + i * D + d, e, D - d);
             PA_FN(row_st)(E + (L + i) * D + d, 1 / e, D - d);
         }
+    for (int l = 0; l < VL; l++)
+        if (out[l]) return;
     for (int64_t d = 0; d < D; d += VL)
         PA_FN(row_st)(E + 2 * L * D + d, PA_FN(la_decay)(G, NULL, s->lo, d, D - d), D - d);
     s->Ep = E;
