@@ -249,18 +249,6 @@ static void PA_FN(ll_leave)(const PA_FN(ll_levels) *lv, int64_t next, real *ht, 
     ht[0] = (real)next;
 }
 
-static void PA_FN(ll_unit_forward)(const PA_FN(ll_call) *c, int64_t unit, PA_FN(ll_scratch) *sc)
-{
-    const pa_loglin_desc *d = c->d;
-    const int64_t L = d->L, KV = d->K * d->V, LKV = L * KV;
-    PA_FN(ll_unit) u;
-    PA_FN(ll_unit_of)(c, unit, &u);
-    PA_FN(ll_levels) lv = {.S = sc->S};
-    lv.occ = PA_FN(ll_enter)(c->h0 ? c->h0 + unit * LKV : NULL, lv.S, L, KV);
-    for (int64_t t = 0; t < u.T; t++) PA_FN(ll_step)(&u, t, d->scale, &lv, sc, NULL, NULL);
-    if (c->ht) PA_FN(ll_leave)(&lv, u.start + u.T, c->ht + unit * LKV, L, KV);
-}
-
 static void PA_FN(ll_unit_backward)(const PA_FN(ll_call) *c, int64_t unit, PA_FN(ll_scratch) *sc)
 {
     const pa_loglin_desc *d = c->d;
@@ -490,7 +478,8 @@ static void PA_FN(ll_block_backward)(const PA_FN(ll_unit) *u, int64_t t0, int64_
     memcpy(dS, dSp, sizeof(real) * (size_t)((L + 1) * KV));
 }
 
-static void PA_FN(ll_unit_forward_chunk)(const PA_FN(ll_call) *c, int64_t unit, PA_FN(ll_scratch) *sc)
+/* One unit's forward: token by token (the recurrent form, sc->C = 0) or block by block */
+static void PA_FN(ll_unit_forward)(const PA_FN(ll_call) *c, int64_t unit, PA_FN(ll_scratch) *sc)
 {
     const pa_loglin_desc *d = c->d;
     const int64_t L = d->L, KV = d->K * d->V, LKV = L * KV;
@@ -498,7 +487,9 @@ static void PA_FN(ll_unit_forward_chunk)(const PA_FN(ll_call) *c, int64_t unit, 
     PA_FN(ll_unit_of)(c, unit, &u);
     PA_FN(ll_levels) lv = {.S = sc->S};
     lv.occ = PA_FN(ll_enter)(c->h0 ? c->h0 + unit * LKV : NULL, lv.S, L, KV);
-    for (int64_t t0 = 0, n; t0 < u.T; t0 += n) {
+    if (!sc->C)
+        for (int64_t t = 0; t < u.T; t++) PA_FN(ll_step)(&u, t, d->scale, &lv, sc, NULL, NULL);
+    for (int64_t t0 = 0, n; sc->C && t0 < u.T; t0 += n) {
         n = PA_FN(ll_block_rows)(&u, t0, sc->C);
         PA_FN(ll_block_forward)(&u, t0, n, d->scale, &lv, sc, 1);
     }
@@ -578,14 +569,12 @@ static int PA_FN(ll_run)(const PA_FN(ll_call) *c, int backward)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
             if (!ok) continue;
-            if (C && backward)
-                PA_FN(ll_unit_backward_chunk)(c, un, &sc);
-            else if (C)
-                PA_FN(ll_unit_forward_chunk)(c, un, &sc);
-            else if (backward)
-                PA_FN(ll_unit_backward)(c, un, &sc);
-            else
+            if (!backward)
                 PA_FN(ll_unit_forward)(c, un, &sc);
+            else if (C)
+                PA_FN(ll_unit_backward_chunk)(c, un, &sc);
+            else
+                PA_FN(ll_unit_backward)(c, un, &sc);
         }
         if (ok) free(sc.block);
         pa_subnormals_end(csr);
