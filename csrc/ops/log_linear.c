@@ -318,6 +318,26 @@ static inline int PA_FN(ll_seen)(int l, int64_t P0, int64_t i)
     return l > b ? l : b;
 }
 
+/* Kd[j] = exp(A - a[j]) k_{t0+j}: the block's keys decayed to its end */
+static void PA_FN(ll_decayed_keys)(const PA_FN(ll_unit) *u, int64_t t0, int64_t n, double A,
+                                   const double *a, int64_t K, real *Kd)
+{
+    for (int64_t j = 0; j < n; j++) {
+        const real e = (real)exp(A - a[j]), *kt = u->k + (t0 + j) * u->sk;
+        for (int64_t r = 0; r < K; r++) Kd[j * K + r] = e * kt[r];
+    }
+}
+
+/* The end of the run of rows j0.. (of n, positions P0..P1) that enter one level at the block's
+ * end, that level into *lev */
+static inline int64_t PA_FN(ll_level_run)(int64_t P0, int64_t P1, int64_t j0, int64_t n, int *lev)
+{
+    *lev = PA_FN(ll_bits)((uint64_t)(P1 ^ (P0 + j0)));
+    int64_t j1 = j0 + 1;
+    while (j1 < n && PA_FN(ll_bits)((uint64_t)(P1 ^ (P0 + j1))) == *lev) j1++;
+    return j1;
+}
+
 /* Rows t0 .. t0+n-1 as one block: outputs (when write_o), then the levels leave it */
 static void PA_FN(ll_block_forward)(const PA_FN(ll_unit) *u, int64_t t0, int64_t n, double scale,
                                     PA_FN(ll_levels) *lv, PA_FN(ll_scratch) *sc, int write_o)
@@ -367,13 +387,10 @@ static void PA_FN(ll_block_forward)(const PA_FN(ll_unit) *u, int64_t t0, int64_t
             memset(Sl, 0, sizeof(real) * (size_t)KV);
         }
     if (lv->occ & below) lv->occ = (lv->occ & ~below) | ((uint64_t)1 << m);
-    for (int64_t j = 0; j < n; j++) {
-        const real e = (real)exp(A - a[j]), *kt = u->k + (t0 + j) * u->sk;
-        for (int64_t r = 0; r < K; r++) Kd[j * K + r] = e * kt[r];
-    }
+    PA_FN(ll_decayed_keys)(u, t0, n, A, a, K, Kd);
     for (int64_t j0 = 0, j1; j0 < n; j0 = j1) {
-        const int lev = PA_FN(ll_bits)((uint64_t)(P1 ^ (P0 + j0)));
-        for (j1 = j0 + 1; j1 < n && PA_FN(ll_bits)((uint64_t)(P1 ^ (P0 + j1))) == lev; j1++) {}
+        int lev;
+        j1 = PA_FN(ll_level_run)(P0, P1, j0, n, &lev);
         PA_FN(gemm)(K, V, j1 - j0, 1, Kd + j0 * K, 1, K, u->v + (t0 + j0) * u->sv, u->sv, 1, 1,
                     S + lev * KV, V, work);
         lv->occ |= (uint64_t)1 << lev;
@@ -410,13 +427,10 @@ static void PA_FN(ll_block_backward)(const PA_FN(ll_unit) *u, int64_t t0, int64_
         for (int64_t x = 0; x < KV; x++) dl[x] = eA * dto[x];
         if (occ >> l & 1) dA += (double)PA_FN(dot)(dl, S + l * KV, KV);
     }
-    for (int64_t j = 0; j < n; j++) {
-        const real e = (real)exp(A - a[j]), *kt = u->k + (t0 + j) * u->sk;
-        for (int64_t r = 0; r < K; r++) Kd[j * K + r] = e * kt[r];
-    }
+    PA_FN(ll_decayed_keys)(u, t0, n, A, a, K, Kd);
     for (int64_t j0 = 0, j1; j0 < n; j0 = j1) {
-        const int lev = PA_FN(ll_bits)((uint64_t)(P1 ^ (P0 + j0)));
-        for (j1 = j0 + 1; j1 < n && PA_FN(ll_bits)((uint64_t)(P1 ^ (P0 + j1))) == lev; j1++) {}
+        int lev;
+        j1 = PA_FN(ll_level_run)(P0, P1, j0, n, &lev);
         const real *D = dS + lev * KV;
         PA_FN(gemm)(j1 - j0, K, V, 1, u->v + (t0 + j0) * u->sv, u->sv, 1, D, 1, V, 0, Y, K, work);
         for (int64_t j = j0; j < j1; j++) {
