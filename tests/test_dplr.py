@@ -9,8 +9,6 @@ serves both dtypes.
 """
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from pyattn import reference
 from pyattn.dplr import FORMS
 from pyattn.testing import TOLERANCES, assert_close, gradcheck
 
+import fla_naive
 from conftest import f32_exact, raises
 
 DTYPES = (np.float64, np.float32)
@@ -231,19 +230,10 @@ def test_rwkv7_gradients_match_finite_differences():
 
 
 def _fla_naive():
-    """fla's naive DPLR recurrence, loaded from its file (``import fla`` needs Triton)."""
+    """fla's naive DPLR recurrence and torch, or a skip."""
     pytest.importorskip("einops")
     torch = pytest.importorskip("torch")
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("fla-core is not installed")
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "ops/generalized_delta_rule/dplr/naive.py"
-    if not path.exists():
-        pytest.skip(f"fla-core has no {path}")
-    module_spec = importlib.util.spec_from_file_location("fla_dplr_naive", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return torch, module
+    return torch, fla_naive.load("ops/generalized_delta_rule/dplr/naive.py")
 
 
 def test_oracle_equals_fla_s_naive_recurrence():

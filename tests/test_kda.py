@@ -27,8 +27,6 @@ so an output or gradient the kernels forget to write shows up here as NaN.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
@@ -37,6 +35,7 @@ import pyattn
 from pyattn import _core, reference
 from pyattn.testing import TOLERANCES, assert_close, check_forms, gradcheck, rel_rms
 
+import fla_naive
 from conftest import f32_exact, raises
 
 DTYPES = (np.float64, np.float32)
@@ -242,21 +241,10 @@ def test_adjoint_oracle_matches_finite_differences(spec):
         np.testing.assert_allclose(g[name], num[name], rtol=1e-6, atol=1e-8, err_msg=name)
 
 
-FLA_NAIVE = pathlib.Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/fla/ops/kda/naive.py")
-
-
 def _fla_naive():
-    """fla's naive KDA module loaded from its file (``import fla`` needs Triton), or a skip"""
-    pytest.importorskip("torch")
+    """fla's naive KDA module, or a skip"""
     pytest.importorskip("einops")
-    spec = importlib.util.find_spec("fla")
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py" if spec else FLA_NAIVE
-    if not path.exists():
-        pytest.skip("fla's ops/kda/naive.py is not installed")
-    mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return fla_naive.load("ops/kda/naive.py")
 
 
 @pytest.mark.parametrize("gates", ["normal", "spread"])

@@ -9,8 +9,6 @@ serves both dtypes.
 """
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
@@ -20,12 +18,13 @@ from pyattn import reference
 from pyattn.log_linear import FORMS, levels_needed
 from pyattn.testing import TOLERANCES, assert_close, gradcheck
 
+import fla_naive
 from conftest import f32_exact, raises
 
 DTYPES = (np.float64, np.float32)
 DT_IDS = ["f64", "f32"]
 GATES = {"weak": (-1e-3, 0.0), "mid": (-1.0, 0.0), "strong": (-21.0, -19.0)}
-FLA_NAIVE = pathlib.Path("/tmp/fla-src/fla/ops/log_linear_attn/naive.py")
+FLA_SOURCE = "/tmp/fla-src/fla"  # a fetched copy of fla's source
 
 
 def state_at(h0, position):
@@ -278,14 +277,9 @@ def test_bad_arguments():
 
 
 def _fla_naive():
-    """fla's naive_log_linear_attn module, loaded from its file (``import fla`` needs Triton)."""
+    """fla's naive_log_linear_attn module and torch, or a skip."""
     torch = pytest.importorskip("torch")
-    if not FLA_NAIVE.exists():
-        pytest.skip(f"fla's source is not at {FLA_NAIVE}")
-    spec = importlib.util.spec_from_file_location("fla_log_linear_naive", FLA_NAIVE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return torch, module
+    return torch, fla_naive.load("ops/log_linear_attn/naive.py", fallback_root=FLA_SOURCE)
 
 
 def test_levels_match_fla_s_level_mask():
