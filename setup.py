@@ -35,6 +35,7 @@ SOURCES = [
     "csrc/dispatch.c",
     "csrc/core/parallel.c",
     "csrc/core/bf16_convert.c",
+    "csrc/core/gemm_bf16.c",
     "csrc/isa/avx512.c",
     "csrc/isa/avx2.c",
     "csrc/isa/generic.c",

@@ -16,7 +16,10 @@ enum { PA_FORM_PARALLEL = 0, PA_FORM_FLASH = 1, PA_FORM_RECURRENT = 2, PA_FORM_C
  * NULL or g [rows, H] of the call's dtype (the Forgetting Transformer's log forget gate per
  * position and query head): adds G_i - G_j to the score of query i and key j, G the running
  * sum of g along each sequence; it needs the queries at the keys' positions (cu_q = cu_k), a
- * causal mask with at most a left window, and the flash or parallel form. */
+ * causal mask with at most a left window, and the flash or parallel form. bf16: the inputs
+ * are bfloat16 values (widened to float) and the products may round to bf16 (the softmax's P,
+ * core/gemm_bf16.h), where the CPU multiplies bf16; the float forward of flash and parallel
+ * forms honours it, other kernels ignore it. */
 typedef struct {
     int64_t nseq;
     const int64_t *cu_q, *cu_k;
@@ -27,6 +30,7 @@ typedef struct {
     double softcap, scale;
     int form;
     const void *gate;
+    int bf16;
 } pa_softmax_desc;
 
 /* Where the keys of a decode live (softmax_decode): sequence n has the end[n] - start[n] keys
@@ -313,6 +317,10 @@ typedef struct {
                                const void *s, void *dx, void *dw, void *dbias);
 } pa_kernels;
 
+/* The kernel paths, widest first: amx, avx512_bf16 (the AVX-512 tables with bf16 products of
+ * that kind), avx512, avx2, generic. */
+#define PA_ISA_COUNT 5
+extern const char *const pa_isa_names[PA_ISA_COUNT];
 /* Chooses the tables once (at import): the widest ISA this CPU runs, or PYATTN_ISA's. */
 void pa_dispatch_init(void);
 /* The chosen table, for float (is_double = 0) or double; and its ISA's name. */

@@ -9,11 +9,16 @@ attention. The arrays of such a call may be bfloat16 or float32 (keep states and
 parameters in float32 if you like); float64 is refused. Under ``pyattn.vjp`` each gradient
 takes its argument's dtype and the cotangent may be bf16 or float32.
 
-This is the portable path: it runs on every CPU. The flash form of softmax attention takes
-bf16 natively where the kernels have it (``_engines.softmax_forward``).
+That is the portable path, on every CPU. Where the CPU multiplies bf16 in hardware
+(AVX512-BF16 or AMX; ``pyattn.build_info()["isa"]`` says which path runs), the forward of
+softmax attention's flash and parallel forms multiplies in bf16 when q, k and v are all bf16:
+their values are exactly bf16, and the softmax's probabilities are rounded to bf16 for their
+product with v (as PyTorch's bf16 flash attention does). ``products()`` tells the kernels
+that they may.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 from typing import Any, Callable, Dict, Tuple
@@ -25,6 +30,15 @@ from . import _core
 # the in-place writes of an op: arguments it modifies, which must be written back into the
 # caller's bf16 arrays after the float32 call
 _WRITTEN = {"attention_with_kvcache": ("k_cache", "v_cache")}
+
+# set while an op runs for a bf16 call whose q, k and v are all bf16
+_PRODUCTS: contextvars.ContextVar[bool] = contextvars.ContextVar("pyattn_bf16_products", default=False)
+
+
+def products() -> bool:
+    """Whether the running op's q, k and v are bf16 values, so that its float32 kernels may
+    multiply them (and the softmax's probabilities) in bf16."""
+    return _PRODUCTS.get()
 
 
 def is_bf16(a: Any) -> bool:
@@ -115,6 +129,15 @@ class _Call:
         lowered = _bound(op, self.args, self.kwargs)
         self.written = [(self.named[name], lowered[name]) for name in _WRITTEN.get(fn, ())
                         if is_bf16(self.named.get(name))]
+        self.products = all(is_bf16(self.named.get(name)) for name in ("q", "k", "v"))
+
+    def run(self, fn: Callable):
+        """fn on the lowered arguments, with products() telling whether q, k, v are bf16."""
+        token = _PRODUCTS.set(self.products)
+        try:
+            return fn(*self.args, **self.kwargs)
+        finally:
+            _PRODUCTS.reset(token)
 
     def finish(self, out):
         """The float32 call's result with its main output rounded to bf16; the caller's bf16
@@ -158,7 +181,7 @@ def calls(op: Callable) -> Callable:
         if not has_bf16(args, kwargs):
             return op(*args, **kwargs)
         c = _Call(op, args, kwargs)
-        return c.finish(op(*c.args, **c.kwargs))
+        return c.finish(c.run(op))
 
     return call
 
@@ -172,7 +195,7 @@ def vjp(op: Callable, rule: Callable, args: tuple, kwargs: dict) -> Tuple[Any, C
     """``rule``'s (out, pullback) for a bf16 call of ``op``: computed in float32, the output as
     ``calls`` gives it, each gradient in its argument's dtype."""
     c = _Call(op, args, kwargs)
-    out, pullback = rule(*c.args, **c.kwargs)
+    out, pullback = c.run(rule)
 
     def bf16_pullback(cot):
         grads = pullback(_lower(c.fn, "cotangent", cot))

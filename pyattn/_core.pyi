@@ -35,9 +35,11 @@ def softmax_forward(
     q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float,
     cu_q: _Int64, cu_k: _Int64, form: int, causal: bool,
     window_left: int, window_right: int, sinks: int,
-    alibi_slopes: Optional[_Float], softcap: float, scale: float, /,
+    alibi_slopes: Optional[_Float], softcap: float, scale: float, bf16: bool, /,
 ) -> None:
-    """Writes o [B, Tq, H, Dv] and lse [B, Tq, H] in place."""
+    """Writes o [B, Tq, H, Dv] and lse [B, Tq, H] in place. bf16: q, k, v (float32) hold
+    bfloat16 values, and the flash and parallel forms may multiply in bf16 (rounding the
+    softmax's probabilities to bf16) where the CPU has AVX512-BF16 or AMX."""
 
 def forgetting_forward(
     q: _Float, k: _Float, v: _Float, g: _Float, o: _Float, lse: _Float,

@@ -7,7 +7,7 @@ import contextlib
 
 import numpy as np
 
-from . import _core
+from . import _bf16, _core
 from . import _validate as V
 from .autodiff import split_cotangent
 
@@ -161,7 +161,7 @@ def softmax_forward(q, k, v, opts):
     B, Tq, H, _ = q.shape
     o = np.empty((B, Tq, H, v.shape[3]), dtype=q.dtype)
     lse = np.empty((B, Tq, H), dtype=q.dtype)
-    _core.softmax_forward(q, k, v, o, lse, *opts)
+    _core.softmax_forward(q, k, v, o, lse, *opts, _bf16.products())
     return o, lse
 
 

@@ -10,6 +10,11 @@ from typing import Any, Dict, Iterator
 from . import _core, _validate
 
 
+# the kernel paths, widest first: amx and avx512_bf16 are the AVX-512 kernels with bf16
+# products on AMX tiles or AVX512-BF16 (bf16 calls), avx512 and the others compute bf16 in float
+ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "generic")
+
+
 def check_isa_request() -> None:
     """PYATTN_ISA names the kernel path to run; one this build or CPU lacks is not silently
     replaced."""
@@ -17,8 +22,8 @@ def check_isa_request() -> None:
     if not want:
         return
     info = _core.build_info()
-    if want not in ("avx512", "avx2", "generic"):
-        warnings.warn(f"PYATTN_ISA={want!r} is not a kernel path (avx512, avx2, generic); "
+    if want not in ISAS:
+        warnings.warn(f"PYATTN_ISA={want!r} is not a kernel path ({', '.join(ISAS)}); "
                       f"ignored, running {info['isa']}", RuntimeWarning, stacklevel=3)
     elif want != info["isa"]:
         warnings.warn(f"PYATTN_ISA={want!r}: this CPU runs only {', '.join(info['isas_available'])}; "

@@ -324,12 +324,13 @@ def fwd_args(dtype=F64):
     o = np.zeros((B, T, H, DV), dtype)
     lse = np.zeros((B, T, H), dtype)
     cu = np.arange(B + 1, dtype=np.int64) * T
-    return [q, k, v, o, lse, cu, cu.copy(), _core.FORM_FLASH, True, -1, -1, 0, None, 0.0, DK ** -0.5]
+    return [q, k, v, o, lse, cu, cu.copy(), _core.FORM_FLASH, True, -1, -1, 0, None, 0.0, DK ** -0.5,
+            False]
 
 
 def bwd_args(dtype=F64):
-    q, k, v, o, lse, cu, cu2, *opts = fwd_args(dtype)
-    _core.softmax_forward(q, k, v, o, lse, cu, cu2, *opts)
+    q, k, v, o, lse, cu, cu2, *opts, bf16 = fwd_args(dtype)
+    _core.softmax_forward(q, k, v, o, lse, cu, cu2, *opts, bf16)
     do = np.ones_like(o)
     dlse = np.zeros_like(lse)
     return [q, k, v, o, lse, do, dlse, np.zeros_like(q), np.zeros_like(k), np.zeros_like(v),
@@ -337,8 +338,8 @@ def bwd_args(dtype=F64):
 
 
 FWD_NAMES = ["q", "k", "v", "o", "lse", "cu_q", "cu_k", "form", "causal", "window_left",
-             "window_right", "sinks", "alibi_slopes", "softcap", "scale"]
-BWD_NAMES = ["q", "k", "v", "o", "lse", "do", "dlse", "dq", "dk", "dv"] + FWD_NAMES[5:]
+             "window_right", "sinks", "alibi_slopes", "softcap", "scale", "bf16"]
+BWD_NAMES = ["q", "k", "v", "o", "lse", "do", "dlse", "dq", "dk", "dv"] + FWD_NAMES[5:-1]
 
 
 def test_core_direct_good_calls_work():
@@ -358,11 +359,11 @@ def test_core_direct_good_calls_work():
     np.testing.assert_array_equal(args[9], g["v"])
 
 
-@pytest.mark.parametrize("fn,n", [(_core.softmax_forward, 15), (_core.softmax_backward, 20),
+@pytest.mark.parametrize("fn,n", [(_core.softmax_forward, 16), (_core.softmax_backward, 20),
                                   (_core.gemm, 7), (_core.exp, 2), (_core.exp_nonpos, 2),
                                   (_core.fma_peak, 3)])
 def test_core_wrong_argument_count(fn, n):
-    args = {15: fwd_args, 20: bwd_args}.get(n, lambda: [None] * n)()
+    args = {16: fwd_args, 20: bwd_args}.get(n, lambda: [None] * n)()
     for m in (0, n - 1, n + 1):
         call = (args + [None])[:m] if m > n else args[:m]
         raises(TypeError, fn, *call, must=(f"{n} positional arguments", f"got {m}"))

@@ -45,7 +45,7 @@ def _small_calls(n, q, k, v, alibi, cu, do):
                 pass
             try:
                 _core.softmax_forward(q, k, v, np.zeros((1, 4, 2, 9), q.dtype), np.zeros((1, 4, 2), q.dtype), cu, cu,
-                                      0, False, -1, -1, 0, None, 0.0, 1.0)
+                                      0, False, -1, -1, 0, None, 0.0, 1.0, False)
             except ValueError:
                 pass
 
@@ -162,13 +162,13 @@ def test_no_references_kept():
     objs = (q, k, v, o, lse, cu, alibi, bad_o, a, b, c)
     counts = [sys.getrefcount(x) for x in objs]
     for _ in range(500):
-        _core.softmax_forward(q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5)
+        _core.softmax_forward(q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5, False)
         _core.softmax_backward(q, k, v, o, lse, o, lse, np.zeros_like(q), np.zeros_like(k),
                                np.zeros_like(v), cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5)
-        for bad in ((q, k, v, bad_o, lse, cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5),
-                    (q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi.astype(np.float32), 0.0, 0.5),
-                    (q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi, float("nan"), 0.5),
-                    (q, k, v, o, lse, cu.astype(np.int32), cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5)):
+        for bad in ((q, k, v, bad_o, lse, cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5, False),
+                    (q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi.astype(np.float32), 0.0, 0.5, False),
+                    (q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi, float("nan"), 0.5, False),
+                    (q, k, v, o, lse, cu.astype(np.int32), cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5, False)):
             with pytest.raises((TypeError, ValueError)):
                 _core.softmax_forward(*bad)
         _core.gemm(a, b, c, False, True, 1.0, 0.0)

@@ -374,7 +374,7 @@ def core_forward_backward(q, k, v, do, form, causal, left, right, sinks):
     opts = (cu_q, cu_k, form, causal, left, right, sinks, None, 0.0, Dk ** -0.5)
     o = np.empty(q.shape[:3] + (v.shape[3],), q.dtype)
     lse = np.empty(q.shape[:3], q.dtype)
-    _core.softmax_forward(q, k, v, o, lse, *opts)
+    _core.softmax_forward(q, k, v, o, lse, *opts, False)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     _core.softmax_backward(q, k, v, o, lse, do, None, dq, dk, dv, *opts)
     return o, lse, dq, dk, dv

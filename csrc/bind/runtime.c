@@ -102,10 +102,9 @@ static PyObject *py_build_info(PyObject *self, PyObject *const *args, Py_ssize_t
     if (expect_nargs("build_info", nargs, 0)) return NULL;
     PyObject *isas = PyList_New(0);
     if (!isas) return NULL;
-    static const char *const all[] = {"avx512", "avx2", "generic"};
-    for (int i = 0; i < 3; i++) {
-        if (!pa_kernels_for_isa(all[i], 0)) continue;
-        PyObject *s = PyUnicode_FromString(all[i]);
+    for (int i = 0; i < PA_ISA_COUNT; i++) {
+        if (!pa_kernels_for_isa(pa_isa_names[i], 0)) continue;
+        PyObject *s = PyUnicode_FromString(pa_isa_names[i]);
         if (!s || PyList_Append(isas, s)) {
             Py_XDECREF(s);
             Py_DECREF(isas);

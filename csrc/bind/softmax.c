@@ -128,9 +128,9 @@ static PyObject *flash_backward(int t, PyArrayObject *q, PyArrayObject *k, PyArr
 }
 
 /* softmax_forward(q, k, v, o, lse, cu_q, cu_k, form, causal, window_left, window_right,
- *                 sinks, alibi_slopes, softcap, scale) */
+ *                 sinks, alibi_slopes, softcap, scale, bf16) */
 enum { SF_Q, SF_K, SF_V, SF_O, SF_LSE, SF_CU_Q, SF_CU_K, SF_FORM, SF_CAUSAL, SF_WINDOW_LEFT,
-       SF_WINDOW_RIGHT, SF_SINKS, SF_ALIBI_SLOPES, SF_SOFTCAP, SF_SCALE, SF_NARGS };
+       SF_WINDOW_RIGHT, SF_SINKS, SF_ALIBI_SLOPES, SF_SOFTCAP, SF_SCALE, SF_BF16, SF_NARGS };
 
 static PyObject *py_softmax_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -140,6 +140,9 @@ static PyObject *py_softmax_forward(PyObject *self, PyObject *const *args, Py_ss
     PyArrayObject *q, *k, *v;
     pa_softmax_desc d;
     if (softmax_desc(fn, args + SF_Q, args + SF_CU_Q, &t, &q, &k, &v, &d)) return NULL;
+    int bf16 = PyObject_IsTrue(args[SF_BF16]);
+    if (bf16 < 0) return NULL;
+    d.bf16 = bf16 && t == NPY_FLOAT32;
     return flash_forward(fn, args[SF_O], args[SF_LSE], t, q, k, v, &d);
 }
 
@@ -384,7 +387,8 @@ static PyObject *py_softmax_decode_backward(PyObject *self, PyObject *const *arg
 PyMethodDef pyattn_softmax_methods[] = {
     {"softmax_forward", (PyCFunction)(void (*)(void))py_softmax_forward, METH_FASTCALL,
      "softmax_forward(q, k, v, o, lse, cu_q, cu_k, form, causal, window_left, window_right, "
-     "sinks, alibi_slopes, softcap, scale)"},
+     "sinks, alibi_slopes, softcap, scale, bf16): bf16 true when q, k, v (float32) hold "
+     "bfloat16 values and the products may round to bf16"},
     {"softmax_backward", (PyCFunction)(void (*)(void))py_softmax_backward, METH_FASTCALL,
      "softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu_q, cu_k, form, causal, "
      "window_left, window_right, sinks, alibi_slopes, softcap, scale)"},

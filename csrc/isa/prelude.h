@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/gemm_bf16.h"
 #include "../core/parallel.h"
 #include "../kernels.h"
 

@@ -436,6 +436,8 @@ typedef struct {
     real *S, *O, *m, *l, *dP, *dcap, *dK, *dV, *work;
     real *colsum;   /* a backward tile's column sums of dS (with a gate) */
     real *finite_b; /* a tile's B operand without its non-finite rows (sm_pack_finite_rows) */
+    uint32_t *pt;   /* bf16 products: P^T as a B-form operand (sm_forward_block_bf16) */
+    real *orow;     /* bf16 products: a row of O */
     int64_t lds;    /* leading dimension of S */
 } PA_FN(sm_scratch);
 
@@ -452,16 +454,18 @@ static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
     free(s->work);
     free(s->finite_b);
     free(s->colsum);
+    free(s->pt);
+    free(s->orow);
 }
 
 /* Per-thread buffers for tiles of bq queries x bk keys: forward S^T [bk x lds] (lds = bq
- * rounded up to MR), O, m, l; backward S and dP [bq x lds] (lds = bk rounded up to MR), dK,
+ * rounded up to MR), O (with bf16 products O^T [Dv x lds], P^T and a row of O), m, l; backward S and dP [bq x lds] (lds = bk rounded up to MR), dK,
  * dV (and dcap with softcap, colsum with a gate); both a B operand of the tile's keys or
  * queries. S (and the
  * backward's dP) are zeroed: the GEMMs that read them in place read whole panels. Returns 0
  * when an allocation failed (all freed then). */
 static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc *d, int64_t bq,
-                                   int64_t bk, int backward)
+                                   int64_t bk, int backward, int bf16)
 {
     memset(s, 0, sizeof *s);
     s->lds = ((backward ? bk : bq) + MR - 1) / MR * MR;
@@ -470,7 +474,12 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
     int ok = s->S != NULL;
     if (s->S) memset(s->S, 0, tile);
     if (!backward) {
-        s->O = pa_alloc(sizeof(real) * bq * d->Dv);
+        s->O = pa_alloc(sizeof(real) * s->lds * d->Dv);
+        if (bf16) {
+            s->pt = pa_alloc(sizeof(uint32_t) * (bk + PA_BF16_PAD) / 2 * (s->lds + PA_BF16_PAD));
+            s->orow = pa_alloc(sizeof(real) * d->Dv);
+            ok = ok && s->pt && s->orow;
+        }
         s->m = pa_alloc(sizeof(real) * bq);
         s->l = pa_alloc(sizeof(real) * bq);
         s->dP = pa_alloc(sizeof(real) * 2 * s->lds); /* the new and the finite column maxima */
@@ -603,6 +612,150 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_gat
                             PA_FN(sm_sees_keys)(d, i0 + r + off, tk));
     }
 }
+
+#if !PA_DOUBLE && PA_VBYTES == 64
+/* bf16 products (d->bf16, on a CPU with a pa_bf16 kind: AVX512-BF16 or AMX). The inputs are
+ * bf16 values widened to float, so packing them as bf16 is exact; P is rounded to bf16 for
+ * its product with V, as PyTorch's bf16 flash kernel does; scores, the softmax and the
+ * accumulator stay float. The tile loop is sm_forward_block's with the accumulator kept
+ * transposed, O^T [Dv x queries] += V^T P^T, so that P^T is the B operand straight from the
+ * columns of S^T (pairs of its rows) and V^T, packed once, the A operand. Key blocks start at
+ * multiples of PA_BF16_PAD, where the packed keys' pairs and AMX's K steps begin. A call whose
+ * v is not all finite takes the float kernel: a masked pair's 0 times a non-finite v must not
+ * reach the output (see sm_add_nonfinite_rows). */
+typedef struct {
+    uint32_t *q, *k, *vt; /* per (sequence, head): Q B-form; per (sequence, KV head): K A-form, V^T A-form */
+    int64_t *qoff, *koff, *voff;
+    int64_t kw;           /* words per packed K row (and per query pair-row of Q) */
+} sm_bf16_packs;
+
+static void sm_bf16_packs_free(sm_bf16_packs *pk)
+{
+    free(pk->q);
+    free(pk->k);
+    free(pk->vt);
+    free(pk->qoff);
+    pk->q = pk->k = pk->vt = NULL;
+    pk->qoff = NULL;
+}
+
+static int sm_bf16_packs_alloc(sm_bf16_packs *pk, const pa_softmax_desc *d)
+{
+    memset(pk, 0, sizeof *pk);
+    const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk;
+    pk->kw = pa_bf16_dp(d->Dk) / 2;
+    pk->qoff = malloc(sizeof(int64_t) * (nseq * (H + 2 * Hk) + 3));
+    if (!pk->qoff) return 0;
+    pk->koff = pk->qoff + nseq * H + 1;
+    pk->voff = pk->koff + nseq * Hk + 1;
+    int64_t nq = 0, nk = 0, nv = 0;
+    for (int64_t n = 0; n < nseq; n++) {
+        const int64_t tq = pa_bf16_round(d->cu_q[n + 1] - d->cu_q[n], PA_BF16_PAD);
+        const int64_t tk = pa_bf16_round(d->cu_k[n + 1] - d->cu_k[n], PA_BF16_PAD);
+        for (int64_t h = 0; h < H; h++, nq += tq * pk->kw) pk->qoff[n * H + h] = nq;
+        for (int64_t h = 0; h < Hk; h++, nk += tk * pk->kw, nv += pa_bf16_round(d->Dv, PA_BF16_PAD) * tk / 2) {
+            pk->koff[n * Hk + h] = nk;
+            pk->voff[n * Hk + h] = nv;
+        }
+    }
+    pk->q = pa_alloc(sizeof(uint32_t) * (nq + 1));
+    pk->k = pa_alloc(sizeof(uint32_t) * (nk + 1));
+    pk->vt = pa_alloc(sizeof(uint32_t) * (nv + 1));
+    if (pk->q && pk->k && pk->vt) return 1;
+    sm_bf16_packs_free(pk);
+    return 0;
+}
+
+/* Fills the packings, one (sequence, head) of Q, K or V per iteration of a work-shared loop
+ * (every thread of the region calls it; it ends with the loop's barrier). */
+static void sm_bf16_packs_fill(const sm_bf16_packs *pk, const pa_softmax_desc *d, const real *q,
+                               const real *k, const real *v)
+{
+    const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < nseq * (H + 2 * Hk); t++) {
+        if (t < nseq * H) {
+            const int64_t n = t / H, h = t % H, r0 = d->cu_q[n], len = d->cu_q[n + 1] - r0;
+            pa_bf16_rows_b(len, pa_bf16_round(len, PA_BF16_PAD), Dk, q + (r0 * H + h) * Dk,
+                           H * Dk, pk->q + pk->qoff[t]);
+            continue;
+        }
+        const int64_t u = (t - nseq * H) % (nseq * Hk), n = u / Hk, h = u % Hk;
+        const int64_t r0 = d->cu_k[n], len = d->cu_k[n + 1] - r0, pad = pa_bf16_round(len, PA_BF16_PAD);
+        if (t < nseq * (H + Hk))
+            pa_bf16_rows_a(len, pad, Dk, k + (r0 * Hk + h) * Dk, Hk * Dk, pk->k + pk->koff[u]);
+        else
+            pa_bf16_pairs_a(len, pad, Dv, v + (r0 * Hk + h) * Dv, Hk * Dv, pk->vt + pk->voff[u]);
+    }
+}
+
+/* sm_softmax_columns for a transposed accumulator OT [Dv x ldo] (query c in column c): the
+ * columns of the queries whose max grew scaled in one pass over OT. */
+static void sm_softmax_columns_t(real *ST, int64_t lds, int64_t bk, int64_t n, real *m, real *l,
+                                 real *OT, int64_t ldo, int64_t Dv, real *factor, real *msafe)
+{
+    memcpy(factor, m, sizeof(real) * n);
+    PA_FN(col_max_into)(factor, ST, lds, bk, n);
+    int grew = 0;
+    for (int64_t c = 0; c < n; c++) {
+        real f = 1;
+        if (factor[c] > m[c]) {
+            f = (real)exp((double)m[c] - (double)factor[c]);
+            l[c] *= f;
+            m[c] = factor[c];
+            grew = 1;
+        }
+        factor[c] = f;
+        msafe[c] = m[c] == -(real)INFINITY ? 0 : m[c];
+    }
+    for (int64_t x = 0; x < Dv && grew; x++)
+        for (int64_t c = 0; c < n; c++) OT[x * ldo + c] *= factor[c];
+    PA_FN(col_exp_sub_acc)(ST, lds, bk, msafe, l, n);
+}
+
+/* sm_forward_block with bf16 products */
+static void sm_forward_block_bf16(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
+                                  const sm_bf16_packs *pk, real *o, real *lse, int64_t n,
+                                  int64_t h, int64_t i0, int64_t bq, int64_t bkmax,
+                                  PA_FN(sm_scratch) * s)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dv = d->Dv, lds = s->lds, ldo = lds;
+    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
+    const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - q0);
+    const int64_t u = n * Hk + h / (H / Hk), vw = pa_bf16_round(tk, PA_BF16_PAD) / 2;
+    const uint32_t *Q = pk->q + pk->qoff[n * H + h] + i0 / 16 * pk->kw * 16;
+    const uint32_t *K = pk->k + pk->koff[u], *VT = pk->vt + pk->voff[u];
+    uint32_t *PT = s->pt;
+    real *OT = s->O, *m = s->m, *l = s->l, *ST = s->S;
+    for (int64_t r = 0; r < bq; r++) {
+        m[r] = -(real)INFINITY;
+        l[r] = 0;
+    }
+    memset(OT, 0, sizeof(real) * Dv * ldo);
+    for (int64_t jblk = 0; jblk < tk; jblk += bkmax) {
+        int64_t j0, j1;
+        int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, jblk,
+                                       tk - jblk < bkmax ? tk : jblk + bkmax, tk, PA_BF16_PAD,
+                                       &j0, &j1);
+        if (vis == SM_HIDDEN) continue;
+        const int64_t bk = j1 - j0;
+        pa_bf16_gemm(bk, bq, (d->Dk + 1) / 2, (float)d->scale, K + j0 * pk->kw, pk->kw, Q,
+                     pk->kw * 16, 0, ST, lds);
+        if (vis != SM_VISIBLE || d->softcap > 0 || d->alibi || gt->G)
+            PA_FN(sm_transform_tile)(d, gt, h, ST, 1, lds, bq, bk, i0 + off, j0, tk, k0, vis, NULL);
+        sm_softmax_columns_t(ST, lds, bk, bq, m, l, OT, ldo, Dv, s->dP, s->dP + lds);
+        const int64_t pairs_pad = pa_bf16_round(bk, PA_BF16_PAD);
+        pa_bf16_pairs_b(bk, pairs_pad, bq, ST, lds, PT);
+        pa_bf16_gemm(Dv, bq, (bk + 1) / 2, 1, VT + j0 / 2, vw, PT, pairs_pad / 2 * 16, 1, OT, ldo);
+    }
+    for (int64_t r = 0; r < bq; r++) {
+        const int64_t row = (q0 + i0 + r) * H + h;
+        for (int64_t x = 0; x < Dv; x++) s->orow[x] = OT[x * ldo + r];
+        PA_FN(sm_write_row)(o + row * Dv, lse + row, s->orow, Dv, m[r], l[r],
+                            PA_FN(sm_sees_keys)(d, i0 + r + off, tk));
+    }
+}
+#endif
 
 /* One query (row i of sequence n, head h), keys streamed one at a time. acc: Dv scratch. */
 static void PA_FN(sm_forward_row)(const pa_softmax_desc *d, const real *q, const real *k,
@@ -1114,12 +1267,22 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t bqmax = bq_form < maxq ? bq_form : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL || maxk < SM_BK ? (maxk > 0 ? maxk : 1) : SM_BK;
     if (maxq == 0) return PA_OK;
+#if !PA_DOUBLE && PA_VBYTES == 64
+    const int bf16 = tiled && d->bf16 && pa_bf16_kind() != PA_BF16_NONE &&
+                     PA_FN(sm_all_finite)(v, d->cu_k[nseq] * d->Hk * d->Dv);
+    sm_bf16_packs bp = {0};
+#else
+    const int bf16 = 0;
+#endif
     PA_FN(sm_packed) Qp = {0}, Kp = {0}, Vp = {0};
     PA_FN(sm_packed) *const packs[] = {&Qp, &Kp, &Vp};
-    const int npacks = tiled ? 3 : 0;
+    const int npacks = tiled && !bf16 ? 3 : 0;
     PA_FN(sm_gate) gt;
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
     if (!PA_FN(sm_gate_alloc)(&gt, d, 0) || !first ||
+#if !PA_DOUBLE && PA_VBYTES == 64
+        (bf16 && !sm_bf16_packs_alloc(&bp, d)) ||
+#endif
         (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS, 0) &&
                      PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS, 0) &&
                      PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, 0, SM_B_ROWS, 1)))) {
@@ -1128,6 +1291,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
         PA_FN(sm_packed_free)(&Qp);
         PA_FN(sm_packed_free)(&Kp);
         PA_FN(sm_packed_free)(&Vp);
+#if !PA_DOUBLE && PA_VBYTES == 64
+        sm_bf16_packs_free(&bp);
+#endif
         return PA_ENOMEM;
     }
     const int64_t items = PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first);
@@ -1135,10 +1301,13 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
 #pragma omp parallel num_threads(PA_FN(sm_threads)(d, items))
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
+#if !PA_DOUBLE && PA_VBYTES == 64
+        if (bf16) sm_bf16_packs_fill(&bp, d, q, k, v);
+#endif
         PA_FN(sm_gate_fill)(&gt, d);
         PA_FN(sm_scratch) s;
         real *acc = NULL; /* the recurrent form's scratch */
-        int ok = pa_scratch_ok(tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0)
+        int ok = pa_scratch_ok(tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0, bf16)
                                      : (acc = pa_alloc(sizeof(real) * d->Dv)) != NULL,
                                &failed);
         int64_t n = 0;
@@ -1151,6 +1320,10 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
             if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
+#if !PA_DOUBLE && PA_VBYTES == 64
+            else if (bf16)
+                sm_forward_block_bf16(d, &gt, &bp, o, lse, n, h, i0, bq, bkmax, &s);
+#endif
             else
                 PA_FN(sm_forward_block)(d, &gt, &Qp, &Kp, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
         }
@@ -1164,6 +1337,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     PA_FN(sm_packed_free)(&Qp);
     PA_FN(sm_packed_free)(&Kp);
     PA_FN(sm_packed_free)(&Vp);
+#if !PA_DOUBLE && PA_VBYTES == 64
+    sm_bf16_packs_free(&bp);
+#endif
     return failed ? PA_ENOMEM : PA_OK;
 }
 
@@ -1410,7 +1586,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
             memset(dq + r * Dk, 0, sizeof(real) * Dk);
         }
         PA_FN(sm_scratch) s;
-        int ok = pa_scratch_ok(!tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1), &failed);
+        int ok = pa_scratch_ok(!tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1, 0), &failed);
         if (form == PA_FORM_RECURRENT) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < nseq * Hk; u++)
