@@ -18,8 +18,9 @@ interleaved, sample by sample):
   fwd+bwd  ``out, pb = pyattn.vjp(op, ...); pb(do)`` (do bf16 for the bf16 call); torch: the
            forward on bf16 leaves, then ``.backward(do)``.
 "f32/bf16" = float32 time / bf16 time (> 1: the bf16 call is faster); "torch/bf16" = torch bf16
-time / pyattn bf16 time. The kernel each bf16 call ran on is named in the header (the
-portable path widens bf16 to float32 around the float32 kernels, so it cannot beat them).
+time / pyattn bf16 time. The kernels the bf16 calls ran on are named in the header (the
+portable path widens bf16 to float32 around the float32 kernels, so it cannot beat them; on
+the amx and avx512_bf16 paths softmax's forward multiplies in bf16). PYATTN_ISA picks the path.
 """
 from __future__ import annotations
 
@@ -90,8 +91,11 @@ def run(args, bf16):
     Ds = args.D or ([64] if args.quick else [64, 128])
     timing = common.timing_from_args(args)
     wall0 = time.perf_counter()
-    common.print_header(timing, f"shape: B={B} H={H} Hk={H}; bf16 kernels: portable (bf16 widened to "
-                                f"float32 around the float32 kernels, isa {pyattn.build_info()['isa']})")
+    isa = pyattn.build_info()["isa"]
+    native = (f"softmax's forward multiplies in bf16 ({isa}); the rest is " if isa in ("amx", "avx512_bf16")
+              else "")
+    common.print_header(timing, f"shape: B={B} H={H} Hk={H}; bf16 kernels: {native}portable (bf16 widened "
+                                f"to float32 around the float32 kernels, isa {isa})")
     rng = np.random.default_rng(0)
     rows, others = [], []
     for op in args.ops:
