@@ -53,11 +53,15 @@ static inline __attribute__((always_inline)) void avx512_tile(
     int64_t kp, const uint32_t *a, int64_t lda, const uint32_t *b0, const uint32_t *b1,
     float *C, int64_t ldc, int64_t mr, int64_t nr, float alpha, float beta, const int rows)
 {
+    /* every loop over the rows unrolled (rows is a constant of each caller), so that acc stays
+     * in registers */
     __m512 acc[BF_MR][2];
+#pragma GCC unroll 12
     for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kp; p++) {
         __m512bh x0 = (__m512bh)_mm512_loadu_si512(b0 + p * 16);
         __m512bh x1 = (__m512bh)_mm512_loadu_si512(b1 + p * 16);
+#pragma GCC unroll 12
         for (int i = 0; i < rows; i++) {
             __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i * lda + p]);
             acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, x0);
@@ -65,10 +69,14 @@ static inline __attribute__((always_inline)) void avx512_tile(
         }
     }
     const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-    for (int i = 0; i < mr; i++)
-        for (int v = 0; v < 2 && v * 16 < nr; v++) {
-            int64_t w = nr - v * 16 < 16 ? nr - v * 16 : 16;
-            __mmask16 m = (__mmask16)((1u << w) - 1);
+    const int64_t w0 = nr < 16 ? nr : 16, w1 = nr > 16 ? nr - 16 : 0;
+    const __mmask16 mask[2] = {(__mmask16)((1u << w0) - 1), (__mmask16)((1u << w1) - 1)};
+#pragma GCC unroll 12
+    for (int i = 0; i < rows; i++)
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; v++) {
+            const __mmask16 m = mask[v];
+            if (i >= mr || !m) continue;
             float *c = C + i * ldc + v * 16;
             __m512 r = _mm512_mul_ps(acc[i][v], va);
             if (beta != 0) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, c), r);
