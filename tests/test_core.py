@@ -313,7 +313,7 @@ def test_build_info():
     assert set(info) >= {"isa", "isas_available", "compiler", "openmp", "num_threads"}
     avail = info["isas_available"]
     assert "generic" in avail
-    assert avail == [i for i in ("avx512", "avx2", "generic") if i in avail]
+    assert avail == [i for i in pyattn._runtime.ISAS if i in avail]
     assert info["isa"] in avail
     if os.environ.get("PYATTN_ISA") is None:
         assert info["isa"] == avail[0]  # the widest path the CPU has
@@ -374,8 +374,26 @@ def isa_selfcheck(expected):
                 g = pullback((do.astype(dtype), dlse.astype(dtype)))
                 for name in "qkv":
                     assert_close(g[name], g_ref[name], gtol, name=f"{expected} {form} d{name}")
+        check_bf16_softmax(expected, q, k, v, kw64)
     check_chunk_engines(expected)
     print("ISA-OK", expected)
+
+
+def check_bf16_softmax(isa, q, k, v, kw64):
+    """A bf16 call (the bf16 products of the amx and avx512_bf16 paths) within relative RMS 1e-2
+    of the float64 result on the same bf16 inputs, in the flash and parallel forms."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return
+    bf16 = [x.astype(ml_dtypes.bfloat16) for x in (q, k, v)]
+    o_ref = reference.softmax_attention(*(x.astype(np.float64) for x in bf16), **kw64)
+    kw = dict(kw64)
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = kw["alibi_slopes"].astype(np.float32)
+    for form in ("parallel", "flash"):
+        o = pyattn.softmax_attention(*bf16, form=form, **kw).astype(np.float64)
+        assert_close(o, o_ref, 1e-2, name=f"{isa} {form} bf16 o")
 
 
 def check_chunk_engines(expected):
@@ -666,7 +684,7 @@ def test_isa_path(isa):
     assert f"ISA-OK {isa}" in res.stdout
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("isa", ["amx", "avx512_bf16", "avx512", "avx2"])
 def test_isa_unavailable_path_is_not_listed(isa):
     """An ISA this CPU lacks is not offered; asking for it falls back to the best one."""
     avail = pyattn.build_info()["isas_available"]
