@@ -131,11 +131,11 @@ class _Call:
                         if is_bf16(self.named.get(name))]
         self.products = all(is_bf16(self.named.get(name)) for name in ("q", "k", "v"))
 
-    def run(self, fn: Callable):
-        """fn on the lowered arguments, with products() telling whether q, k, v are bf16."""
+    def run(self, fn: Callable, *args, **kwargs):
+        """fn(*args, **kwargs) with products() telling whether q, k, v are bf16."""
         token = _PRODUCTS.set(self.products)
         try:
-            return fn(*self.args, **self.kwargs)
+            return fn(*args, **kwargs)
         finally:
             _PRODUCTS.reset(token)
 
@@ -181,7 +181,7 @@ def calls(op: Callable) -> Callable:
         if not has_bf16(args, kwargs):
             return op(*args, **kwargs)
         c = _Call(op, args, kwargs)
-        return c.finish(c.run(op))
+        return c.finish(c.run(op, *c.args, **c.kwargs))
 
     return call
 
@@ -195,10 +195,10 @@ def vjp(op: Callable, rule: Callable, args: tuple, kwargs: dict) -> Tuple[Any, C
     """``rule``'s (out, pullback) for a bf16 call of ``op``: computed in float32, the output as
     ``calls`` gives it, each gradient in its argument's dtype."""
     c = _Call(op, args, kwargs)
-    out, pullback = c.run(rule)
+    out, pullback = c.run(rule, *c.args, **c.kwargs)
 
     def bf16_pullback(cot):
-        grads = pullback(_lower(c.fn, "cotangent", cot))
+        grads = c.run(pullback, _lower(c.fn, "cotangent", cot))
         return {name: c.grad(name, g) for name, g in grads.items()}
 
     return c.finish(out), bf16_pullback

@@ -39,7 +39,8 @@ def softmax_forward(
 ) -> None:
     """Writes o [B, Tq, H, Dv] and lse [B, Tq, H] in place. bf16: q, k, v (float32) hold
     bfloat16 values, and the flash and parallel forms may multiply in bf16 (rounding the
-    softmax's probabilities to bf16) where the CPU has AVX512-BF16 or AMX."""
+    softmax's probabilities to bf16) where the CPU has AVX512-BF16 or AMX (build_info's isa
+    amx or avx512_bf16); a call with a non-finite input computes in float."""
 
 def forgetting_forward(
     q: _Float, k: _Float, v: _Float, g: _Float, o: _Float, lse: _Float,
@@ -110,9 +111,10 @@ def softmax_backward(
     dlse: Optional[_Float], dq: _Float, dk: _Float, dv: _Float,
     cu_q: _Int64, cu_k: _Int64, form: int, causal: bool,
     window_left: int, window_right: int, sinks: int,
-    alibi_slopes: Optional[_Float], softcap: float, scale: float, /,
+    alibi_slopes: Optional[_Float], softcap: float, scale: float, bf16: bool, /,
 ) -> None:
-    """Writes dq, dk, dv in place from the forward's o and lse."""
+    """Writes dq, dk, dv in place from the forward's o and lse. bf16: as softmax_forward's
+    (the probabilities and dS are then rounded to bf16 for their products)."""
 
 def forgetting_backward(
     q: _Float, k: _Float, v: _Float, g: _Float, o: _Float, lse: _Float, do: _Float,

@@ -168,7 +168,7 @@ def softmax_forward(q, k, v, opts):
 def softmax_backward(q, k, v, o, lse, do, dlse, opts):
     """(dq, dk, dv) of the flash backward for the call softmax_forward(q, k, v, opts) made."""
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    _core.softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, *opts)
+    _core.softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, *opts, _bf16.products())
     return dq, dk, dv
 
 

@@ -312,9 +312,9 @@ def test_set_num_threads_errors():
 # ======================================================================= pyattn._core directly
 #
 # softmax_forward(q, k, v, o, lse, cu_q, cu_k, form, causal, window_left, window_right,
-#                 sinks, alibi_slopes, softcap, scale)
+#                 sinks, alibi_slopes, softcap, scale, bf16)
 # softmax_backward(q, k, v, o, lse, do, dlse_or_None, dq, dk, dv, cu_q, cu_k, form, causal,
-#                  window_left, window_right, sinks, alibi_slopes, softcap, scale)
+#                  window_left, window_right, sinks, alibi_slopes, softcap, scale, bf16)
 
 B, T, H, HK, DK, DV = 2, 7, 4, 2, 8, 6
 
@@ -329,8 +329,8 @@ def fwd_args(dtype=F64):
 
 
 def bwd_args(dtype=F64):
-    q, k, v, o, lse, cu, cu2, *opts, bf16 = fwd_args(dtype)
-    _core.softmax_forward(q, k, v, o, lse, cu, cu2, *opts, bf16)
+    q, k, v, o, lse, cu, cu2, *opts = fwd_args(dtype)
+    _core.softmax_forward(q, k, v, o, lse, cu, cu2, *opts)
     do = np.ones_like(o)
     dlse = np.zeros_like(lse)
     return [q, k, v, o, lse, do, dlse, np.zeros_like(q), np.zeros_like(k), np.zeros_like(v),
@@ -339,7 +339,7 @@ def bwd_args(dtype=F64):
 
 FWD_NAMES = ["q", "k", "v", "o", "lse", "cu_q", "cu_k", "form", "causal", "window_left",
              "window_right", "sinks", "alibi_slopes", "softcap", "scale", "bf16"]
-BWD_NAMES = ["q", "k", "v", "o", "lse", "do", "dlse", "dq", "dk", "dv"] + FWD_NAMES[5:-1]
+BWD_NAMES = ["q", "k", "v", "o", "lse", "do", "dlse", "dq", "dk", "dv"] + FWD_NAMES[5:]
 
 
 def test_core_direct_good_calls_work():
@@ -359,11 +359,11 @@ def test_core_direct_good_calls_work():
     np.testing.assert_array_equal(args[9], g["v"])
 
 
-@pytest.mark.parametrize("fn,n", [(_core.softmax_forward, 16), (_core.softmax_backward, 20),
+@pytest.mark.parametrize("fn,n", [(_core.softmax_forward, 16), (_core.softmax_backward, 21),
                                   (_core.gemm, 7), (_core.exp, 2), (_core.exp_nonpos, 2),
                                   (_core.fma_peak, 3)])
 def test_core_wrong_argument_count(fn, n):
-    args = {16: fwd_args, 20: bwd_args}.get(n, lambda: [None] * n)()
+    args = {16: fwd_args, 21: bwd_args}.get(n, lambda: [None] * n)()
     for m in (0, n - 1, n + 1):
         call = (args + [None])[:m] if m > n else args[:m]
         raises(TypeError, fn, *call, must=(f"{n} positional arguments", f"got {m}"))
@@ -611,7 +611,7 @@ def test_memory_error_for_unallocatable_scratch():
     z = lambda: np.zeros((1, n, 1, 1))
     with pytest.raises(MemoryError):
         _core.softmax_backward(q, q, q, z(), np.zeros((1, n, 1)), z(), None, z(), z(), z(), cu, cu,
-                               _core.FORM_PARALLEL, False, -1, -1, 0, None, 0.0, 1.0)
+                               _core.FORM_PARALLEL, False, -1, -1, 0, None, 0.0, 1.0, False)
     # the process is fine afterwards
     small = np.ones((1, 3, 1, 1))
     np.testing.assert_allclose(pyattn.softmax_attention(small, small, small, form="parallel"), small)

@@ -164,7 +164,7 @@ def test_no_references_kept():
     for _ in range(500):
         _core.softmax_forward(q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5, False)
         _core.softmax_backward(q, k, v, o, lse, o, lse, np.zeros_like(q), np.zeros_like(k),
-                               np.zeros_like(v), cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5)
+                               np.zeros_like(v), cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5, False)
         for bad in ((q, k, v, bad_o, lse, cu, cu, 1, True, -1, -1, 0, alibi, 0.0, 0.5, False),
                     (q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi.astype(np.float32), 0.0, 0.5, False),
                     (q, k, v, o, lse, cu, cu, 1, True, -1, -1, 0, alibi, float("nan"), 0.5, False),

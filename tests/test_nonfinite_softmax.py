@@ -376,7 +376,7 @@ def core_forward_backward(q, k, v, do, form, causal, left, right, sinks):
     lse = np.empty(q.shape[:3], q.dtype)
     _core.softmax_forward(q, k, v, o, lse, *opts, False)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    _core.softmax_backward(q, k, v, o, lse, do, None, dq, dk, dv, *opts)
+    _core.softmax_backward(q, k, v, o, lse, do, None, dq, dk, dv, *opts, False)
     return o, lse, dq, dk, dv
 
 

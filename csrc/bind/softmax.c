@@ -94,6 +94,16 @@ static int softmax_desc(const char *fn, PyObject *const *a, PyObject *const *opt
     return softmax_options(fn, opt + SEQ_MASK, *t, d);
 }
 
+/* d->bf16 from the last argument of softmax_forward and softmax_backward: whether the float32
+ * arrays hold bfloat16 values, which the kernels may then multiply in bf16 */
+static int bf16_products(PyObject *obj, int typenum, pa_softmax_desc *d)
+{
+    int bf16 = PyObject_IsTrue(obj);
+    if (bf16 < 0) return -1;
+    d->bf16 = bf16 && typenum == NPY_FLOAT32;
+    return 0;
+}
+
 /* The flash kernel's forward into the checked o [B, Tq, H, Dv] and lse arrays: softmax
  * attention's and FoX's (the gate rides in d). */
 static PyObject *flash_forward(const char *fn, PyObject *o_arg, PyObject *lse_arg, int t,
@@ -139,18 +149,17 @@ static PyObject *py_softmax_forward(PyObject *self, PyObject *const *args, Py_ss
     int t;
     PyArrayObject *q, *k, *v;
     pa_softmax_desc d;
-    if (softmax_desc(fn, args + SF_Q, args + SF_CU_Q, &t, &q, &k, &v, &d)) return NULL;
-    int bf16 = PyObject_IsTrue(args[SF_BF16]);
-    if (bf16 < 0) return NULL;
-    d.bf16 = bf16 && t == NPY_FLOAT32;
+    if (softmax_desc(fn, args + SF_Q, args + SF_CU_Q, &t, &q, &k, &v, &d) ||
+        bf16_products(args[SF_BF16], t, &d))
+        return NULL;
     return flash_forward(fn, args[SF_O], args[SF_LSE], t, q, k, v, &d);
 }
 
 /* softmax_backward(q, k, v, o, lse, do, dlse_or_None, dq, dk, dv, cu_q, cu_k, form, causal,
- *                  window_left, window_right, sinks, alibi_slopes, softcap, scale) */
+ *                  window_left, window_right, sinks, alibi_slopes, softcap, scale, bf16) */
 enum { SB_Q, SB_K, SB_V, SB_O, SB_LSE, SB_DO, SB_DLSE, SB_DQ, SB_DK, SB_DV, SB_CU_Q, SB_CU_K,
        SB_FORM, SB_CAUSAL, SB_WINDOW_LEFT, SB_WINDOW_RIGHT, SB_SINKS, SB_ALIBI_SLOPES,
-       SB_SOFTCAP, SB_SCALE, SB_NARGS };
+       SB_SOFTCAP, SB_SCALE, SB_BF16, SB_NARGS };
 
 static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -159,7 +168,9 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
     int t;
     PyArrayObject *q, *k, *v;
     pa_softmax_desc d;
-    if (softmax_desc(fn, args + SB_Q, args + SB_CU_Q, &t, &q, &k, &v, &d)) return NULL;
+    if (softmax_desc(fn, args + SB_Q, args + SB_CU_Q, &t, &q, &k, &v, &d) ||
+        bf16_products(args[SB_BF16], t, &d))
+        return NULL;
     npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
     attn_grads g;
     if (attn_grad_arrays(fn, args + SB_O, args + SB_DQ, t, 4, oshape, q, k, v, &g)) return NULL;
@@ -391,7 +402,7 @@ PyMethodDef pyattn_softmax_methods[] = {
      "bfloat16 values and the products may round to bf16"},
     {"softmax_backward", (PyCFunction)(void (*)(void))py_softmax_backward, METH_FASTCALL,
      "softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu_q, cu_k, form, causal, "
-     "window_left, window_right, sinks, alibi_slopes, softcap, scale)"},
+     "window_left, window_right, sinks, alibi_slopes, softcap, scale, bf16)"},
     {"forgetting_forward", (PyCFunction)(void (*)(void))py_forgetting_forward, METH_FASTCALL,
      "forgetting_forward(q, k, v, g, o, lse, cu_seqlens, form, window_left, scale): causal softmax "
      "attention with the scores biased by G_i - G_j, G the running sum of the log forget gate g "

@@ -459,7 +459,8 @@ static void PA_FN(sm_scratch_free)(PA_FN(sm_scratch) * s)
 }
 
 /* Per-thread buffers for tiles of bq queries x bk keys: forward S^T [bk x lds] (lds = bq
- * rounded up to MR), O (with bf16 products O^T [Dv x lds], P^T and a row of O), m, l; backward S and dP [bq x lds] (lds = bk rounded up to MR), dK,
+ * rounded up to MR), O (with bf16 products O^T [Dv x lds], P^T and a row of O), m, l; backward
+ * (with bf16 products the packing of P or dS) S and dP [bq x lds] (lds = bk rounded up to MR), dK,
  * dV (and dcap with softcap, colsum with a gate); both a B operand of the tile's keys or
  * queries. S (and the
  * backward's dP) are zeroed: the GEMMs that read them in place read whole panels. Returns 0
@@ -492,6 +493,10 @@ static int PA_FN(sm_scratch_alloc)(PA_FN(sm_scratch) * s, const pa_softmax_desc 
         s->work = pa_alloc(sizeof(real) * (w1 > w2 ? w1 : w2));
         s->dP = pa_alloc(tile);
         if (s->dP) memset(s->dP, 0, tile);
+        if (bf16) {
+            s->pt = pa_alloc(sizeof(uint32_t) * (bk + PA_BF16_PAD) * (bq + PA_BF16_PAD));
+            ok = ok && s->pt;
+        }
         s->dK = pa_alloc(sizeof(real) * bk * d->Dk);
         s->dV = pa_alloc(sizeof(real) * bk * d->Dv);
         int64_t b1 = PA_FN(packed_b_elems)(bk, d->Dk), b2 = PA_FN(packed_b_elems)(bq, D);
@@ -613,148 +618,72 @@ static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_gat
     }
 }
 
-#if !PA_DOUBLE && PA_VBYTES == 64
-/* bf16 products (d->bf16, on a CPU with a pa_bf16 kind: AVX512-BF16 or AMX). The inputs are
- * bf16 values widened to float, so packing them as bf16 is exact; P is rounded to bf16 for
- * its product with V, as PyTorch's bf16 flash kernel does; scores, the softmax and the
- * accumulator stay float. The tile loop is sm_forward_block's with the accumulator kept
- * transposed, O^T [Dv x queries] += V^T P^T, so that P^T is the B operand straight from the
- * columns of S^T (pairs of its rows) and V^T, packed once, the A operand. Key blocks start at
- * multiples of PA_BF16_PAD, where the packed keys' pairs and AMX's K steps begin. A call whose
- * v is not all finite takes the float kernel: a masked pair's 0 times a non-finite v must not
- * reach the output (see sm_add_nonfinite_rows). */
-typedef struct {
-    uint32_t *q, *k, *vt; /* per (sequence, head): Q B-form; per (sequence, KV head): K A-form, V^T A-form */
-    int64_t *qoff, *koff, *voff;
-    int64_t kw;           /* words per packed K row (and per query pair-row of Q) */
-} sm_bf16_packs;
-
-static void sm_bf16_packs_free(sm_bf16_packs *pk)
+/* A backward tile's probabilities: S [bq x w] (queries i0.. of head h of sequence n, keys
+ * ja..jb-1, lds apart) becomes P = exp(S - lse); 0 for a query that sees no key, and at the
+ * hidden pairs of a NaN row of a partial tile (exp(-inf - NaN) is NaN there too). */
+static void PA_FN(sm_bwd_probs)(const pa_softmax_desc *d, const real *lse, real *S, int64_t lds,
+                                int64_t n, int64_t h, int64_t i0, int64_t bq, int64_t ja,
+                                int64_t jb, int partial)
 {
-    free(pk->q);
-    free(pk->k);
-    free(pk->vt);
-    free(pk->qoff);
-    pk->q = pk->k = pk->vt = NULL;
-    pk->qoff = NULL;
-}
-
-static int sm_bf16_packs_alloc(sm_bf16_packs *pk, const pa_softmax_desc *d)
-{
-    memset(pk, 0, sizeof *pk);
-    const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk;
-    pk->kw = pa_bf16_dp(d->Dk) / 2;
-    pk->qoff = malloc(sizeof(int64_t) * (nseq * (H + 2 * Hk) + 3));
-    if (!pk->qoff) return 0;
-    pk->koff = pk->qoff + nseq * H + 1;
-    pk->voff = pk->koff + nseq * Hk + 1;
-    int64_t nq = 0, nk = 0, nv = 0;
-    for (int64_t n = 0; n < nseq; n++) {
-        const int64_t tq = pa_bf16_round(d->cu_q[n + 1] - d->cu_q[n], PA_BF16_PAD);
-        const int64_t tk = pa_bf16_round(d->cu_k[n + 1] - d->cu_k[n], PA_BF16_PAD);
-        for (int64_t h = 0; h < H; h++, nq += tq * pk->kw) pk->qoff[n * H + h] = nq;
-        for (int64_t h = 0; h < Hk; h++, nk += tk * pk->kw, nv += pa_bf16_round(d->Dv, PA_BF16_PAD) * tk / 2) {
-            pk->koff[n * Hk + h] = nk;
-            pk->voff[n * Hk + h] = nv;
-        }
-    }
-    pk->q = pa_alloc(sizeof(uint32_t) * (nq + 1));
-    pk->k = pa_alloc(sizeof(uint32_t) * (nk + 1));
-    pk->vt = pa_alloc(sizeof(uint32_t) * (nv + 1));
-    if (pk->q && pk->k && pk->vt) return 1;
-    sm_bf16_packs_free(pk);
-    return 0;
-}
-
-/* Fills the packings, one (sequence, head) of Q, K or V per iteration of a work-shared loop
- * (every thread of the region calls it; it ends with the loop's barrier). */
-static void sm_bf16_packs_fill(const sm_bf16_packs *pk, const pa_softmax_desc *d, const real *q,
-                               const real *k, const real *v)
-{
-    const int64_t nseq = d->nseq, H = d->H, Hk = d->Hk, Dk = d->Dk, Dv = d->Dv;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < nseq * (H + 2 * Hk); t++) {
-        if (t < nseq * H) {
-            const int64_t n = t / H, h = t % H, r0 = d->cu_q[n], len = d->cu_q[n + 1] - r0;
-            pa_bf16_rows_b(len, pa_bf16_round(len, PA_BF16_PAD), Dk, q + (r0 * H + h) * Dk,
-                           H * Dk, pk->q + pk->qoff[t]);
+    const int64_t H = d->H, q0 = d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n], w = jb - ja;
+    const int64_t ip0 = i0 + tk - (d->cu_q[n + 1] - q0);
+    for (int64_t r = 0; r < bq; r++) {
+        real L = lse[(q0 + i0 + r) * H + h];
+        if (L == -(real)INFINITY) {
+            memset(S + r * lds, 0, sizeof(real) * w);
             continue;
         }
-        const int64_t u = (t - nseq * H) % (nseq * Hk), n = u / Hk, h = u % Hk;
-        const int64_t r0 = d->cu_k[n], len = d->cu_k[n + 1] - r0, pad = pa_bf16_round(len, PA_BF16_PAD);
-        if (t < nseq * (H + Hk))
-            pa_bf16_rows_a(len, pad, Dk, k + (r0 * Hk + h) * Dk, Hk * Dk, pk->k + pk->koff[u]);
-        else
-            pa_bf16_pairs_a(len, pad, Dv, v + (r0 * Hk + h) * Dv, Hk * Dv, pk->vt + pk->voff[u]);
-    }
-}
-
-/* sm_softmax_columns for a transposed accumulator OT [Dv x ldo] (query c in column c): the
- * columns of the queries whose max grew scaled in one pass over OT. */
-static void sm_softmax_columns_t(real *ST, int64_t lds, int64_t bk, int64_t n, real *m, real *l,
-                                 real *OT, int64_t ldo, int64_t Dv, real *factor, real *msafe)
-{
-    memcpy(factor, m, sizeof(real) * n);
-    PA_FN(col_max_into)(factor, ST, lds, bk, n);
-    int grew = 0;
-    for (int64_t c = 0; c < n; c++) {
-        real f = 1;
-        if (factor[c] > m[c]) {
-            f = (real)exp((double)m[c] - (double)factor[c]);
-            l[c] *= f;
-            m[c] = factor[c];
-            grew = 1;
+        PA_FN(row_exp_sum)(S + r * lds, w, L);
+        if (partial && L - L != 0) {
+            int64_t rg[2][2];
+            PA_FN(sm_row_ranges)(d, ip0 + r, tk, ja, jb, rg);
+            PA_FN(sm_fill_hidden)(S + r * lds, 1, w, rg, 0);
         }
-        factor[c] = f;
-        msafe[c] = m[c] == -(real)INFINITY ? 0 : m[c];
     }
-    for (int64_t x = 0; x < Dv && grew; x++)
-        for (int64_t c = 0; c < n; c++) OT[x * ldo + c] *= factor[c];
-    PA_FN(col_exp_sub_acc)(ST, lds, bk, msafe, l, n);
 }
 
-/* sm_forward_block with bf16 products */
-static void sm_forward_block_bf16(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
-                                  const sm_bf16_packs *pk, real *o, real *lse, int64_t n,
-                                  int64_t h, int64_t i0, int64_t bq, int64_t bkmax,
-                                  PA_FN(sm_scratch) * s)
+/* A backward tile's dS = P (dP - D) (times the softcap derivative s->dcap) in place of dP, 0
+ * at the pairs hidden in a partial tile; with a gate the diagonal pair leaves the tile
+ * (sm_gate_finish) and the rest is summed: its rows' sums with_dq, its columns' with_dk. */
+static void PA_FN(sm_bwd_dscores)(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
+                                  const real *Drow, const real *S, real *dP,
+                                  const PA_FN(sm_scratch) * s, int with_dq, int with_dk,
+                                  int64_t n, int64_t h, int64_t i0, int64_t bq, int64_t ja,
+                                  int64_t jb, int partial)
 {
-    const int64_t H = d->H, Hk = d->Hk, Dv = d->Dv, lds = s->lds, ldo = lds;
-    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
-    const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - q0);
-    const int64_t u = n * Hk + h / (H / Hk), vw = pa_bf16_round(tk, PA_BF16_PAD) / 2;
-    const uint32_t *Q = pk->q + pk->qoff[n * H + h] + i0 / 16 * pk->kw * 16;
-    const uint32_t *K = pk->k + pk->koff[u], *VT = pk->vt + pk->voff[u];
-    uint32_t *PT = s->pt;
-    real *OT = s->O, *m = s->m, *l = s->l, *ST = s->S;
+    const int64_t H = d->H, q0 = d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n], w = jb - ja;
+    const int64_t ip0 = i0 + tk - (d->cu_q[n + 1] - q0), lds = s->lds;
     for (int64_t r = 0; r < bq; r++) {
-        m[r] = -(real)INFINITY;
-        l[r] = 0;
+        real Dr = Drow[(q0 + i0 + r) * H + h];
+        const real *pr = S + r * lds;
+        real *dpr = dP + r * lds;
+        if (s->dcap) {
+            const real *dcr = s->dcap + r * lds;
+            for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr) * dcr[c];
+        } else {
+            for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr);
+        }
+        if (partial) { /* dcap is unset at the hidden pairs, and dP, D may be anything there */
+            int64_t rg[2][2];
+            PA_FN(sm_row_ranges)(d, ip0 + r, tk, ja, jb, rg);
+            PA_FN(sm_fill_hidden)(dpr, 1, w, rg, 0);
+        }
+        if (gt->G) {
+            if (ip0 + r >= ja && ip0 + r < jb) dpr[ip0 + r - ja] = 0;
+            if (with_dq) gt->drow[h * gt->rows + d->cu_k[n] + ip0 + r] += PA_FN(row_sum)(dpr, w);
+        }
     }
-    memset(OT, 0, sizeof(real) * Dv * ldo);
-    for (int64_t jblk = 0; jblk < tk; jblk += bkmax) {
-        int64_t j0, j1;
-        int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, jblk,
-                                       tk - jblk < bkmax ? tk : jblk + bkmax, tk, PA_BF16_PAD,
-                                       &j0, &j1);
-        if (vis == SM_HIDDEN) continue;
-        const int64_t bk = j1 - j0;
-        pa_bf16_gemm(bk, bq, (d->Dk + 1) / 2, (float)d->scale, K + j0 * pk->kw, pk->kw, Q,
-                     pk->kw * 16, 0, ST, lds);
-        if (vis != SM_VISIBLE || d->softcap > 0 || d->alibi || gt->G)
-            PA_FN(sm_transform_tile)(d, gt, h, ST, 1, lds, bq, bk, i0 + off, j0, tk, k0, vis, NULL);
-        sm_softmax_columns_t(ST, lds, bk, bq, m, l, OT, ldo, Dv, s->dP, s->dP + lds);
-        const int64_t pairs_pad = pa_bf16_round(bk, PA_BF16_PAD);
-        pa_bf16_pairs_b(bk, pairs_pad, bq, ST, lds, PT);
-        pa_bf16_gemm(Dv, bq, (bk + 1) / 2, 1, VT + j0 / 2, vw, PT, pairs_pad / 2 * 16, 1, OT, ldo);
-    }
-    for (int64_t r = 0; r < bq; r++) {
-        const int64_t row = (q0 + i0 + r) * H + h;
-        for (int64_t x = 0; x < Dv; x++) s->orow[x] = OT[x * ldo + r];
-        PA_FN(sm_write_row)(o + row * Dv, lse + row, s->orow, Dv, m[r], l[r],
-                            PA_FN(sm_sees_keys)(d, i0 + r + off, tk));
+    if (with_dk && gt->G) { /* the tile's column sums in the working dtype, then into double */
+        real *cs = s->colsum;
+        double *dcol = gt->dcol + h * gt->rows + d->cu_k[n] + ja;
+        memset(cs, 0, sizeof(real) * w);
+        for (int64_t r = 0; r < bq; r++) PA_FN(axpy)(cs, dP + r * lds, w, 1);
+        for (int64_t c = 0; c < w; c++) dcol[c] += cs[c];
     }
 }
+
+#if !PA_DOUBLE && PA_VBYTES == 64
+#include "softmax_bf16.h"
 #endif
 
 /* One query (row i of sequence n, head h), keys streamed one at a time. acc: Dv scratch. */
@@ -1268,9 +1197,12 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t bkmax = form == PA_FORM_PARALLEL || maxk < SM_BK ? (maxk > 0 ? maxk : 1) : SM_BK;
     if (maxq == 0) return PA_OK;
 #if !PA_DOUBLE && PA_VBYTES == 64
+    const float *arrays[] = {v};
+    const int64_t elems[] = {d->cu_k[nseq] * d->Hk * d->Dv};
     const int bf16 = tiled && d->bf16 && pa_bf16_kind() != PA_BF16_NONE &&
-                     PA_FN(sm_all_finite)(v, d->cu_k[nseq] * d->Hk * d->Dv);
-    sm_bf16_packs bp = {0};
+                     sm_bf16_finite(arrays, elems, 1);
+    sm_bf16_fwd bp = {{0}, {0}, {0}};
+    sm_bf16_pack *const bpacks[] = {&bp.q, &bp.k, &bp.vt};
 #else
     const int bf16 = 0;
 #endif
@@ -1281,7 +1213,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
     if (!PA_FN(sm_gate_alloc)(&gt, d, 0) || !first ||
 #if !PA_DOUBLE && PA_VBYTES == 64
-        (bf16 && !sm_bf16_packs_alloc(&bp, d)) ||
+        (bf16 && !(sm_bf16_pack_alloc(&bp.q, d, q, d->Dk, 1, SM_BF16_ROWS_B, 0) &&
+                   sm_bf16_pack_alloc(&bp.k, d, k, d->Dk, 0, SM_BF16_ROWS_A, 0) &&
+                   sm_bf16_pack_alloc(&bp.vt, d, v, d->Dv, 0, SM_BF16_PAIRS_A, 0))) ||
 #endif
         (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS, 0) &&
                      PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS, 0) &&
@@ -1292,7 +1226,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
         PA_FN(sm_packed_free)(&Kp);
         PA_FN(sm_packed_free)(&Vp);
 #if !PA_DOUBLE && PA_VBYTES == 64
-        sm_bf16_packs_free(&bp);
+        for (int i = 0; i < 3; i++) sm_bf16_pack_free(bpacks[i]);
 #endif
         return PA_ENOMEM;
     }
@@ -1302,7 +1236,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
 #if !PA_DOUBLE && PA_VBYTES == 64
-        if (bf16) sm_bf16_packs_fill(&bp, d, q, k, v);
+        sm_bf16_pack_fill(bpacks, bf16 ? 3 : 0, d);
 #endif
         PA_FN(sm_gate_fill)(&gt, d);
         PA_FN(sm_scratch) s;
@@ -1338,7 +1272,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     PA_FN(sm_packed_free)(&Kp);
     PA_FN(sm_packed_free)(&Vp);
 #if !PA_DOUBLE && PA_VBYTES == 64
-    sm_bf16_packs_free(&bp);
+    for (int i = 0; i < 3; i++) sm_bf16_pack_free(bpacks[i]);
 #endif
     return failed ? PA_ENOMEM : PA_OK;
 }
@@ -1347,6 +1281,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
  * K (dQ), dO and Q as B operands (dV = P^T dO, dK = dS^T Q, with P and dS read in place). */
 typedef struct {
     PA_FN(sm_packed) Q, KT, dO, VT, K, dOr, Qr;
+#if !PA_DOUBLE && PA_VBYTES == 64
+    const sm_bf16_bwd *bf16; /* the operands of bf16 products (then the others are unused) */
+#endif
 } PA_FN(sm_bwd_packs);
 
 static void PA_FN(sm_bwd_packs_free)(PA_FN(sm_bwd_packs) * pk)
@@ -1378,6 +1315,12 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
     const real scale = (real)d->scale;
     real *S = s->S, *dP = s->dP;
     int64_t ja, jb, vt_bps, k_bps, do_ars, lo, hi;
+#if !PA_DOUBLE && PA_VBYTES == 64
+    if (pk->bf16) {
+        sm_backward_tile_bf16(d, pk->bf16, gt, lse, Drow, dq, with_dq, dK, dV, n, h, i0, bq, j0, bk, s);
+        return;
+    }
+#endif
     int vis = PA_FN(sm_block_keys)(d, ip0, ip0 + bq - 1, j0, j0 + bk, tk, NR, &ja, &jb);
     if (vis == SM_HIDDEN) return;
     const int partial = vis == SM_PARTIAL;
@@ -1387,19 +1330,7 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
     const real *Q = PA_FN(sm_raw_row)(&pk->Q, d, n, h, i0);
     const real *dO = PA_FN(sm_raw_row)(&pk->dO, d, n, h, i0);
     PA_FN(sm_scores)(d, gt, n, h, &pk->Q, &pk->KT, 0, S, lds, i0, bq, ja, w, off, tk, vis, s->dcap);
-    for (int64_t r = 0; r < bq; r++) {
-        real L = lse[(q0 + i0 + r) * H + h];
-        if (L == -(real)INFINITY) {
-            memset(S + r * lds, 0, sizeof(real) * w);
-            continue;
-        }
-        PA_FN(row_exp_sum)(S + r * lds, w, L);
-        if (partial && L - L != 0) { /* a NaN row: exp(-inf - NaN) is NaN at hidden pairs too */
-            int64_t rg[2][2];
-            PA_FN(sm_row_ranges)(d, ip0 + r, tk, ja, jb, rg);
-            PA_FN(sm_fill_hidden)(S + r * lds, 1, w, rg, 0);
-        }
-    }
+    PA_FN(sm_bwd_probs)(d, lse, S, lds, n, h, i0, bq, ja, jb, partial);
     if (dV && partial && PA_FN(sm_bad_rows)(&pk->dO, d, n, h, i0, i0 + bq, &lo, &hi)) {
         PA_FN(sm_pack_finite_rows)(bq, Dv, dO, H * Dv, lo, hi, s->finite_b);
         PA_FN(gemm_packed_b)(w, Dv, bq, 1, S, 1, lds, s->finite_b, bq * NR, 1, dV + (ja - j0) * Dv,
@@ -1412,32 +1343,7 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
         PA_FN(gemm_packed_ab)(w, Dv, bq, 1, S, MR, lds, dOr, bps, 1, dV + (ja - j0) * Dv, Dv);
     }
     PA_FN(gemm_packed_ab)(bq, w, Dv, 1, dOp, do_ars, MR, VT, vt_bps, 0, dP, lds);
-    for (int64_t r = 0; r < bq; r++) {
-        real Dr = Drow[(q0 + i0 + r) * H + h];
-        real *pr = S + r * lds, *dpr = dP + r * lds;
-        if (s->dcap) {
-            const real *dcr = s->dcap + r * lds;
-            for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr) * dcr[c];
-        } else {
-            for (int64_t c = 0; c < w; c++) dpr[c] = pr[c] * (dpr[c] - Dr);
-        }
-        if (partial) { /* dS = 0 where hidden, whatever dP and D hold (dcap is unset there) */
-            int64_t rg[2][2];
-            PA_FN(sm_row_ranges)(d, ip0 + r, tk, ja, jb, rg);
-            PA_FN(sm_fill_hidden)(dpr, 1, w, rg, 0);
-        }
-        if (gt->G) { /* the diagonal pair leaves the tile (sm_gate_finish), the rest is summed */
-            if (ip0 + r >= ja && ip0 + r < jb) dpr[ip0 + r - ja] = 0;
-            if (with_dq) gt->drow[h * gt->rows + d->cu_k[n] + ip0 + r] += PA_FN(row_sum)(dpr, w);
-        }
-    }
-    if (dK && gt->G) { /* the tile's column sums in the working dtype, then into double */
-        real *cs = s->colsum;
-        double *dcol = gt->dcol + h * gt->rows + d->cu_k[n] + ja;
-        memset(cs, 0, sizeof(real) * w);
-        for (int64_t r = 0; r < bq; r++) PA_FN(axpy)(cs, dP + r * lds, w, 1);
-        for (int64_t c = 0; c < w; c++) dcol[c] += cs[c];
-    }
+    PA_FN(sm_bwd_dscores)(d, gt, Drow, S, dP, s, with_dq, dK != NULL, n, h, i0, bq, ja, jb, partial);
     if (with_dq) {
         real *dQ = dq + ((q0 + i0) * H + h) * Dk;
         const real *Kp = PA_FN(sm_packed_at)(&pk->K, d, n, kh, ja, &k_bps);
@@ -1538,9 +1444,22 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     const int form = d->form, tiled = form != PA_FORM_RECURRENT && maxq > 0 && maxk > 0;
     const int64_t bqmax = form == PA_FORM_PARALLEL ? maxq : SM_BWD_BQ < maxq ? SM_BWD_BQ : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL ? maxk : SM_BK < maxk ? SM_BK : maxk;
-    PA_FN(sm_bwd_packs) pk = {{0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    PA_FN(sm_bwd_packs) pk;
+    memset(&pk, 0, sizeof pk);
     PA_FN(sm_packed) *const packs[] = {&pk.Q, &pk.KT, &pk.dO, &pk.VT, &pk.K, &pk.dOr, &pk.Qr};
-    const int npacks = tiled ? 7 : 0;
+#if !PA_DOUBLE && PA_VBYTES == 64
+    const float *arrays[] = {q, k, v, dout};
+    const int64_t elems[] = {rows_q * H * Dk, rows_k * Hk * Dk, rows_k * Hk * Dv, rows_q * H * Dv};
+    const int bf16 = tiled && d->bf16 && pa_bf16_kind() != PA_BF16_NONE &&
+                     sm_bf16_finite(arrays, elems, 4);
+    sm_bf16_bwd bb;
+    memset(&bb, 0, sizeof bb);
+    sm_bf16_pack *const bpacks[] = {&bb.q, &bb.dout, &bb.kt, &bb.vt, &bb.k, &bb.dout_pairs, &bb.q_pairs};
+    if (bf16) pk.bf16 = &bb;
+#else
+    const int bf16 = 0;
+#endif
+    const int npacks = tiled && !bf16 ? 7 : 0;
     /* Work: one unit per (sequence, KV head) owns its dK, dV and its heads' dQ rows and does
      * 5 GEMMs a tile. With fewer units than threads can use, split instead: items (sequence,
      * KV head, key block) make dK and dV (4 GEMMs a tile), items (sequence, head, query block)
@@ -1550,7 +1469,16 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
     PA_FN(sm_gate) gt;
     if (!PA_FN(sm_gate_alloc)(&gt, d, 1) || !Drow || !first_k || !first_q ||
-        (tiled && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS, 1) &&
+#if !PA_DOUBLE && PA_VBYTES == 64
+        (bf16 && !(sm_bf16_pack_alloc(&bb.q, d, q, Dk, 1, SM_BF16_ROWS_A, PA_BF16_PAD) &&
+                   sm_bf16_pack_alloc(&bb.dout, d, dout, Dv, 1, SM_BF16_ROWS_A, PA_BF16_PAD) &&
+                   sm_bf16_pack_alloc(&bb.kt, d, k, Dk, 0, SM_BF16_ROWS_B, 0) &&
+                   sm_bf16_pack_alloc(&bb.vt, d, v, Dv, 0, SM_BF16_ROWS_B, 0) &&
+                   sm_bf16_pack_alloc(&bb.k, d, k, Dk, 0, SM_BF16_PAIRS_B, 0) &&
+                   sm_bf16_pack_alloc(&bb.dout_pairs, d, dout, Dv, 1, SM_BF16_PAIRS_B, PA_BF16_PAD) &&
+                   sm_bf16_pack_alloc(&bb.q_pairs, d, q, Dk, 1, SM_BF16_PAIRS_B, PA_BF16_PAD))) ||
+#endif
+        (npacks && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS, 1) &&
                     PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS, 0) &&
                     PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS, 1) &&
                     PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS, 0) &&
@@ -1562,6 +1490,9 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
         free(first_q);
         PA_FN(sm_gate_free)(&gt);
         PA_FN(sm_bwd_packs_free)(&pk);
+#if !PA_DOUBLE && PA_VBYTES == 64
+        for (int i = 0; i < 7; i++) sm_bf16_pack_free(bpacks[i]);
+#endif
         return PA_ENOMEM;
     }
     /* the blocks are empty (0) when a side has no rows at all: then no tile is made */
@@ -1578,6 +1509,9 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
 #pragma omp parallel num_threads(nthreads)
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
+#if !PA_DOUBLE && PA_VBYTES == 64
+        sm_bf16_pack_fill(bpacks, bf16 ? 7 : 0, d);
+#endif
         PA_FN(sm_gate_fill)(&gt, d);
         /* D = rowsum(dO * O) - dlse; dq is accumulated */
 #pragma omp for schedule(static)
@@ -1586,7 +1520,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
             memset(dq + r * Dk, 0, sizeof(real) * Dk);
         }
         PA_FN(sm_scratch) s;
-        int ok = pa_scratch_ok(!tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1, 0), &failed);
+        int ok = pa_scratch_ok(!tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1, bf16), &failed);
         if (form == PA_FORM_RECURRENT) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < nseq * Hk; u++)
@@ -1631,5 +1565,8 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     free(first_q);
     PA_FN(sm_gate_free)(&gt);
     PA_FN(sm_bwd_packs_free)(&pk);
+#if !PA_DOUBLE && PA_VBYTES == 64
+    for (int i = 0; i < 7; i++) sm_bf16_pack_free(bpacks[i]);
+#endif
     return failed ? PA_ENOMEM : PA_OK;
 }
