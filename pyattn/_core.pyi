@@ -44,11 +44,11 @@ def softmax_forward(
 
 def forgetting_forward(
     q: _Float, k: _Float, v: _Float, g: _Float, o: _Float, lse: _Float,
-    cu_seqlens: _Int64, form: int, window_left: int, scale: float, /,
+    cu_seqlens: _Int64, form: int, window_left: int, scale: float, bf16: bool, /,
 ) -> None:
     """Writes o [B, T, H, Dv] and lse [B, T, H] in place: causal softmax attention with the
     scores biased by G_i - G_j, G the running sum of g [B, T, H] per sequence (FORM_FLASH or
-    FORM_PARALLEL)."""
+    FORM_PARALLEL). bf16 as softmax_forward's."""
 
 def softmax_decode(
     q: _Float, k: _Float, v: _Float, o: _Float, lse: _Float, cu_q: _Int64,
@@ -119,9 +119,10 @@ def softmax_backward(
 def forgetting_backward(
     q: _Float, k: _Float, v: _Float, g: _Float, o: _Float, lse: _Float, do: _Float,
     dq: _Float, dk: _Float, dv: _Float, dg: _Float,
-    cu_seqlens: _Int64, form: int, window_left: int, scale: float, /,
+    cu_seqlens: _Int64, form: int, window_left: int, scale: float, bf16: bool, /,
 ) -> None:
-    """Writes dq, dk, dv, dg in place from forgetting_forward's o and lse."""
+    """Writes dq, dk, dv, dg in place from forgetting_forward's o and lse. bf16 as
+    softmax_forward's."""
 
 def feature_map_forward(
     x: _Float, y: _Float, kind: int, p: int, max_len: float,

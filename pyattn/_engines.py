@@ -371,7 +371,7 @@ def forgetting_forward(q, k, v, g, opts):
     B, T, H, _ = q.shape
     o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
     lse = np.empty((B, T, H), dtype=q.dtype)
-    _core.forgetting_forward(q, k, v, g, o, lse, *opts)
+    _core.forgetting_forward(q, k, v, g, o, lse, *opts, _bf16.products())
     return o, lse
 
 
@@ -379,7 +379,7 @@ def forgetting_backward(q, k, v, g, o, lse, do, opts):
     """(dq, dk, dv, dg) of the flash backward for the call forgetting_forward(q, k, v, g, opts)
     made."""
     dq, dk, dv, dg = np.empty_like(q), np.empty_like(k), np.empty_like(v), np.empty_like(g)
-    _core.forgetting_backward(q, k, v, g, o, lse, do, dq, dk, dv, dg, *opts)
+    _core.forgetting_backward(q, k, v, g, o, lse, do, dq, dk, dv, dg, *opts, _bf16.products())
     return dq, dk, dv, dg
 
 

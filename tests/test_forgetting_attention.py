@@ -441,17 +441,17 @@ def test_core_checks_its_arguments():
 
     q, k, v, g = _args()
     o, lse, cu = np.empty((1, 9, 2, 3)), np.empty((1, 9, 2)), np.array([0, 9])
-    assert _core.forgetting_forward(q, k, v, g, o, lse, cu, _core.FORM_FLASH, -1, 0.5) is None
-    raises(ValueError, _core.forgetting_forward, q, k, v, g, o, lse, cu, _core.FORM_RECURRENT, -1, 0.5,
+    assert _core.forgetting_forward(q, k, v, g, o, lse, cu, _core.FORM_FLASH, -1, 0.5, False) is None
+    raises(ValueError, _core.forgetting_forward, q, k, v, g, o, lse, cu, _core.FORM_RECURRENT, -1, 0.5, False,
            must=("'form'", "[0, 1]"))
-    raises(ValueError, _core.forgetting_forward, q, k, v, g[..., :1].copy(), o, lse, cu, 1, -1, 0.5,
+    raises(ValueError, _core.forgetting_forward, q, k, v, g[..., :1].copy(), o, lse, cu, 1, -1, 0.5, False,
            must=("'g'", "(1, 9, 2)"))
     raises(ValueError, _core.forgetting_forward, q, k[:, :5].copy(), v[:, :5].copy(), g, o, lse, cu, 1, -1, 0.5,
-           must=("same length",))
-    raises(TypeError, _core.forgetting_backward, q, k, v, g, o, lse, must=("15 positional arguments",))
+           False, must=("same length",))
+    raises(TypeError, _core.forgetting_backward, q, k, v, g, o, lse, must=("16 positional arguments",))
     dg = np.empty_like(g)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     raises(ValueError, _core.forgetting_backward, q, k, v, g, o, lse, o, dq, dk, dv, dg[..., :1].copy(), cu, 1,
-           -1, 0.5, must=("'dg'", "(1, 9, 2)"))
-    assert _core.forgetting_backward(q, k, v, g, o, lse, np.ones_like(o), dq, dk, dv, dg, cu, 1, -1, 0.5) is None
+           -1, 0.5, False, must=("'dg'", "(1, 9, 2)"))
+    assert _core.forgetting_backward(q, k, v, g, o, lse, np.ones_like(o), dq, dk, dv, dg, cu, 1, -1, 0.5, False) is None
     assert np.all(np.isfinite(dg)) and np.all(dg[0, 0] == 0)

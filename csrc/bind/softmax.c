@@ -213,8 +213,9 @@ static int forgetting_desc(const char *fn, PyObject *const *a, PyObject *const *
     return 0;
 }
 
-/* forgetting_forward(q, k, v, g, o, lse, cu_seqlens, form, window_left, scale) */
-enum { FF_Q, FF_K, FF_V, FF_G, FF_O, FF_LSE, FF_CU, FF_FORM, FF_WINDOW_LEFT, FF_SCALE, FF_NARGS };
+/* forgetting_forward(q, k, v, g, o, lse, cu_seqlens, form, window_left, scale, bf16) */
+enum { FF_Q, FF_K, FF_V, FF_G, FF_O, FF_LSE, FF_CU, FF_FORM, FF_WINDOW_LEFT, FF_SCALE, FF_BF16,
+       FF_NARGS };
 
 static PyObject *py_forgetting_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -225,14 +226,16 @@ static PyObject *py_forgetting_forward(PyObject *self, PyObject *const *args, Py
     pa_softmax_desc d;
     PyObject *const opt[] = {args[FF_G], args[FF_CU], args[FF_FORM], args[FF_WINDOW_LEFT],
                              args[FF_SCALE]};
-    if (forgetting_desc(fn, args + FF_Q, opt, &t, &q, &k, &v, &d)) return NULL;
+    if (forgetting_desc(fn, args + FF_Q, opt, &t, &q, &k, &v, &d) ||
+        bf16_products(args[FF_BF16], t, &d))
+        return NULL;
     return flash_forward(fn, args[FF_O], args[FF_LSE], t, q, k, v, &d);
 }
 
 /* forgetting_backward(q, k, v, g, o, lse, do, dq, dk, dv, dg, cu_seqlens, form, window_left,
- *                     scale): no lse cotangent (the op returns o alone) */
+ *                     scale, bf16): no lse cotangent (the op returns o alone) */
 enum { FB_Q, FB_K, FB_V, FB_G, FB_O, FB_LSE, FB_DO, FB_DQ, FB_DK, FB_DV, FB_DG, FB_CU, FB_FORM,
-       FB_WINDOW_LEFT, FB_SCALE, FB_NARGS };
+       FB_WINDOW_LEFT, FB_SCALE, FB_BF16, FB_NARGS };
 
 static PyObject *py_forgetting_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -243,7 +246,9 @@ static PyObject *py_forgetting_backward(PyObject *self, PyObject *const *args, P
     pa_softmax_desc d;
     PyObject *const opt[] = {args[FB_G], args[FB_CU], args[FB_FORM], args[FB_WINDOW_LEFT],
                              args[FB_SCALE]};
-    if (forgetting_desc(fn, args + FB_Q, opt, &t, &q, &k, &v, &d)) return NULL;
+    if (forgetting_desc(fn, args + FB_Q, opt, &t, &q, &k, &v, &d) ||
+        bf16_products(args[FB_BF16], t, &d))
+        return NULL;
     npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
     PyObject *const grad_in[] = {args[FB_O], args[FB_LSE], args[FB_DO], Py_None};
     attn_grads g;
@@ -404,12 +409,12 @@ PyMethodDef pyattn_softmax_methods[] = {
      "softmax_backward(q, k, v, o, lse, do, dlse, dq, dk, dv, cu_q, cu_k, form, causal, "
      "window_left, window_right, sinks, alibi_slopes, softcap, scale, bf16)"},
     {"forgetting_forward", (PyCFunction)(void (*)(void))py_forgetting_forward, METH_FASTCALL,
-     "forgetting_forward(q, k, v, g, o, lse, cu_seqlens, form, window_left, scale): causal softmax "
-     "attention with the scores biased by G_i - G_j, G the running sum of the log forget gate g "
+     "forgetting_forward(q, k, v, g, o, lse, cu_seqlens, form, window_left, scale, bf16): causal "
+     "softmax attention with the scores biased by G_i - G_j, G the running sum of the log forget gate g "
      "(the Forgetting Transformer)"},
     {"forgetting_backward", (PyCFunction)(void (*)(void))py_forgetting_backward, METH_FASTCALL,
      "forgetting_backward(q, k, v, g, o, lse, do, dq, dk, dv, dg, cu_seqlens, form, window_left, "
-     "scale)"},
+     "scale, bf16)"},
     {"softmax_decode", (PyCFunction)(void (*)(void))py_softmax_decode, METH_FASTCALL,
      "softmax_decode(q, k, v, o, lse, cu_q, start, end, block_table, num_splits, colsum, causal, "
      "window_left, window_right, sinks, alibi_slopes, softcap, scale): few queries against keys "
