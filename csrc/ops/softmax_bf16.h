@@ -133,16 +133,20 @@ static int sm_bf16_finite(const float *const *x, const int64_t *elems, int count
     return finite;
 }
 
-/* sm_softmax_columns for a transposed accumulator OT [Dv x ldo] (query c in column c): the
- * columns of the queries whose max grew scaled in one pass over OT. */
-static void sm_softmax_columns_t(real *ST, int64_t lds, int64_t bk, int64_t n, real *m, real *l,
-                                 real *OT, int64_t ldo, int64_t Dv, real *factor, real *msafe)
+/* sm_softmax_columns' new maxima for a transposed accumulator OT [Dv x ldo] (query c in
+ * column c) and scores xs ST (xs > 0): m, l and the columns of OT of the queries whose max
+ * grew rescaled (OT in one pass), msafe = m with -inf as 0. The exponentials are left to
+ * sm_bf16_exp_pairs. */
+static void sm_bf16_raise_max(const real *ST, int64_t lds, int64_t bk, int64_t n, real xs,
+                              real *m, real *l, real *OT, int64_t ldo, int64_t Dv, real *factor,
+                              real *msafe)
 {
-    memcpy(factor, m, sizeof(real) * n);
+    for (int64_t c = 0; c < n; c++) factor[c] = -(real)INFINITY;
     PA_FN(col_max_into)(factor, ST, lds, bk, n);
     int grew = 0;
     for (int64_t c = 0; c < n; c++) {
         real f = 1;
+        factor[c] *= xs;
         if (factor[c] > m[c]) {
             f = (real)exp((double)m[c] - (double)factor[c]);
             l[c] *= f;
@@ -154,7 +158,46 @@ static void sm_softmax_columns_t(real *ST, int64_t lds, int64_t bk, int64_t n, r
     }
     for (int64_t x = 0; x < Dv && grew; x++)
         for (int64_t c = 0; c < n; c++) OT[x * ldo + c] *= factor[c];
-    PA_FN(col_exp_sub_acc)(ST, lds, bk, msafe, l, n);
+}
+
+/* The probabilities of a score tile straight into the B operand of O^T += V^T P^T: P^T [bk x
+ * n] = exp(xs ST - m) (m: sm_bf16_raise_max's msafe) as pa_bf16_pairs_b lays it out (pad / 2
+ * pairs of key rows, columns up to n rounded to PA_BF16_PAD, zeros past bk and n), and l[c]
+ * += column c's sum. One pass over ST; the bf16 rounding is to nearest, ties to even, as the
+ * packings' (P lies in [0, 1], or is NaN, which stays NaN). */
+static void sm_bf16_exp_pairs(const real *ST, int64_t lds, int64_t bk, int64_t pad, int64_t n,
+                              real xs, const real *m, real *l, uint32_t *PT)
+{
+    const int64_t bps = pad / 2 * 16;
+    for (int64_t c0 = 0; c0 < pa_bf16_round(n, PA_BF16_PAD); c0 += VL) {
+        uint32_t *dst = PT + c0 / 16 * bps;
+        if (c0 >= n) {
+            memset(dst, 0, sizeof(uint32_t) * bps);
+            continue;
+        }
+        const int w = n - c0 < VL ? (int)(n - c0) : VL;
+        const vreal mv = PA_FN(vload_part)(m + c0, w, 0);
+        vreal sum = PA_FN(vset)(0);
+        for (int64_t p = 0; p < pad / 2; p++) {
+            vuint half[2];
+            for (int odd = 0; odd < 2; odd++) {
+                const int64_t row = 2 * p + odd;
+                vreal e = PA_FN(vset)(0);
+                if (row < bk)
+                    e = PA_FN(vexp_nonpos)(PA_FN(vload_part)(ST + row * lds + c0, w, -(real)INFINITY) * xs - mv);
+                sum += e;
+                vuint bits;
+                memcpy(&bits, &e, sizeof bits);
+                vuint rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+                half[odd] = (vuint)PA_FN(vselect)(e == e, (vreal)rounded, (vreal)((bits >> 16) | 0x40));
+            }
+            vuint pair = half[0] | (half[1] << 16);
+            memcpy(dst + p * 16, &pair, sizeof pair);
+        }
+        real s[VL];
+        PA_FN(vstore)(s, sum);
+        for (int c = 0; c < w; c++) l[c0 + c] += s[c];
+    }
 }
 
 /* The forward's operands: Q as B columns, K as A rows, V^T as A rows (pairs of keys) */
@@ -188,11 +231,17 @@ static void sm_forward_block_bf16(const pa_softmax_desc *d, const PA_FN(sm_gate)
         const int64_t bk = j1 - j0, pad = pa_bf16_round(bk, PA_BF16_PAD);
         const uint32_t *K = sm_bf16_at(&pk->k, n, kh, j0, &lda_k);
         const uint32_t *VT = sm_bf16_at(&pk->vt, n, kh, j0, &lda_v);
-        pa_bf16_gemm(bk, bq, (d->Dk + 1) / 2, (float)d->scale, K, lda_k, Q, bps_q, 0, ST, lds);
-        if (vis != SM_VISIBLE || d->softcap > 0 || d->alibi || gt->G)
+        /* the scores unscaled, which AMX stores straight from its tiles; the scale rides in the
+         * exponentials, or is applied first where a transform needs the true scores */
+        pa_bf16_gemm(bk, bq, (d->Dk + 1) / 2, 1, K, lda_k, Q, bps_q, 0, ST, lds);
+        real xs = (real)d->scale;
+        if (vis != SM_VISIBLE || d->softcap > 0 || d->alibi || gt->G || !(xs > 0)) {
+            for (int64_t x = 0; x < bk; x++) PA_FN(row_scale)(ST + x * lds, bq, xs);
             PA_FN(sm_transform_tile)(d, gt, h, ST, 1, lds, bq, bk, i0 + off, j0, tk, k0, vis, NULL);
-        sm_softmax_columns_t(ST, lds, bk, bq, m, l, OT, ldo, Dv, s->dP, s->dP + lds);
-        pa_bf16_pairs_b(bk, pad, bq, ST, lds, s->pt);
+            xs = 1;
+        }
+        sm_bf16_raise_max(ST, lds, bk, bq, xs, m, l, OT, ldo, Dv, s->dP, s->dP + lds);
+        sm_bf16_exp_pairs(ST, lds, bk, pad, bq, xs, s->dP + lds, l, s->pt);
         pa_bf16_gemm(Dv, bq, (bk + 1) / 2, 1, VT, lda_v, s->pt, pad / 2 * 16, 1, OT, ldo);
     }
     for (int64_t r = 0; r < bq; r++) {
