@@ -176,15 +176,17 @@ static void sm_bf16_exp_pairs(const real *ST, int64_t lds, int64_t bk, int64_t p
             continue;
         }
         const int w = n - c0 < VL ? (int)(n - c0) : VL;
-        const vreal mv = PA_FN(vload_part)(m + c0, w, 0);
+        const vreal mv = w == VL ? PA_FN(vload)(m + c0) : PA_FN(vload_part)(m + c0, w, 0);
         vreal sum = PA_FN(vset)(0);
         for (int64_t p = 0; p < pad / 2; p++) {
             vuint half[2];
             for (int odd = 0; odd < 2; odd++) {
                 const int64_t row = 2 * p + odd;
                 vreal e = PA_FN(vset)(0);
-                if (row < bk)
-                    e = PA_FN(vexp_nonpos)(PA_FN(vload_part)(ST + row * lds + c0, w, -(real)INFINITY) * xs - mv);
+                if (row < bk) {
+                    const real *x = ST + row * lds + c0;
+                    e = PA_FN(vexp_nonpos)((w == VL ? PA_FN(vload)(x) : PA_FN(vload_part)(x, w, -(real)INFINITY)) * xs - mv);
+                }
                 sum += e;
                 vuint bits;
                 memcpy(&bits, &e, sizeof bits);
