@@ -43,6 +43,11 @@
  * makes the diagonal's terms and dg (sm_gate: the gate's layout, precision and gradient).
  */
 
+/* bf16 products (softmax_bf16.h) live in the float AVX-512 instantiation, which the amx and
+ * avx512_bf16 paths run */
+#undef SM_BF16
+#define SM_BF16 (!PA_DOUBLE && PA_VBYTES == 64)
+
 #define SM_BQ 96     /* forward query block: a multiple of every NR and MR */
 #define SM_BWD_BQ 48 /* backward query block: a multiple of every MR */
 #define SM_BK 192    /* key block: a multiple of every NR and MR */
@@ -682,7 +687,7 @@ static void PA_FN(sm_bwd_dscores)(const pa_softmax_desc *d, const PA_FN(sm_gate)
     }
 }
 
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
 #include "softmax_bf16.h"
 #endif
 
@@ -1196,7 +1201,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int64_t bqmax = bq_form < maxq ? bq_form : maxq;
     const int64_t bkmax = form == PA_FORM_PARALLEL || maxk < SM_BK ? (maxk > 0 ? maxk : 1) : SM_BK;
     if (maxq == 0) return PA_OK;
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
     const float *arrays[] = {v};
     const int64_t elems[] = {d->cu_k[nseq] * d->Hk * d->Dv};
     const int bf16 = tiled && d->bf16 && pa_bf16_kind() != PA_BF16_NONE &&
@@ -1212,7 +1217,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     PA_FN(sm_gate) gt;
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
     if (!PA_FN(sm_gate_alloc)(&gt, d, 0) || !first ||
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
         (bf16 && !(sm_bf16_pack_alloc(&bp.q, d, q, d->Dk, 1, SM_BF16_ROWS_B, 0) &&
                    sm_bf16_pack_alloc(&bp.k, d, k, d->Dk, 0, SM_BF16_ROWS_A, 0) &&
                    sm_bf16_pack_alloc(&bp.vt, d, v, d->Dv, 0, SM_BF16_PAIRS_A, 0))) ||
@@ -1225,7 +1230,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
         PA_FN(sm_packed_free)(&Qp);
         PA_FN(sm_packed_free)(&Kp);
         PA_FN(sm_packed_free)(&Vp);
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
         for (int i = 0; i < 3; i++) sm_bf16_pack_free(bpacks[i]);
 #endif
         return PA_ENOMEM;
@@ -1235,7 +1240,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
 #pragma omp parallel num_threads(PA_FN(sm_threads)(d, items))
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
         sm_bf16_pack_fill(bpacks, bf16 ? 3 : 0, d);
 #endif
         PA_FN(sm_gate_fill)(&gt, d);
@@ -1254,7 +1259,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
             if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
             else if (bf16)
                 sm_forward_block_bf16(d, &gt, &bp, o, lse, n, h, i0, bq, bkmax, &s);
 #endif
@@ -1271,7 +1276,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     PA_FN(sm_packed_free)(&Qp);
     PA_FN(sm_packed_free)(&Kp);
     PA_FN(sm_packed_free)(&Vp);
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
     for (int i = 0; i < 3; i++) sm_bf16_pack_free(bpacks[i]);
 #endif
     return failed ? PA_ENOMEM : PA_OK;
@@ -1281,7 +1286,7 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
  * K (dQ), dO and Q as B operands (dV = P^T dO, dK = dS^T Q, with P and dS read in place). */
 typedef struct {
     PA_FN(sm_packed) Q, KT, dO, VT, K, dOr, Qr;
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
     const sm_bf16_bwd *bf16; /* the operands of bf16 products (then the others are unused) */
 #endif
 } PA_FN(sm_bwd_packs);
@@ -1315,7 +1320,7 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
     const real scale = (real)d->scale;
     real *S = s->S, *dP = s->dP;
     int64_t ja, jb, vt_bps, k_bps, do_ars, lo, hi;
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
     if (pk->bf16) {
         sm_backward_tile_bf16(d, pk->bf16, gt, lse, Drow, dq, with_dq, dK, dV, n, h, i0, bq, j0, bk, s);
         return;
@@ -1447,7 +1452,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     PA_FN(sm_bwd_packs) pk;
     memset(&pk, 0, sizeof pk);
     PA_FN(sm_packed) *const packs[] = {&pk.Q, &pk.KT, &pk.dO, &pk.VT, &pk.K, &pk.dOr, &pk.Qr};
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
     const float *arrays[] = {q, k, v, dout};
     const int64_t elems[] = {rows_q * H * Dk, rows_k * Hk * Dk, rows_k * Hk * Dv, rows_q * H * Dv};
     const int bf16 = tiled && d->bf16 && pa_bf16_kind() != PA_BF16_NONE &&
@@ -1469,7 +1474,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
     PA_FN(sm_gate) gt;
     if (!PA_FN(sm_gate_alloc)(&gt, d, 1) || !Drow || !first_k || !first_q ||
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
         (bf16 && !(sm_bf16_pack_alloc(&bb.q, d, q, Dk, 1, SM_BF16_ROWS_A, PA_BF16_PAD) &&
                    sm_bf16_pack_alloc(&bb.dout, d, dout, Dv, 1, SM_BF16_ROWS_A, PA_BF16_PAD) &&
                    sm_bf16_pack_alloc(&bb.kt, d, k, Dk, 0, SM_BF16_ROWS_B, 0) &&
@@ -1490,7 +1495,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
         free(first_q);
         PA_FN(sm_gate_free)(&gt);
         PA_FN(sm_bwd_packs_free)(&pk);
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
         for (int i = 0; i < 7; i++) sm_bf16_pack_free(bpacks[i]);
 #endif
         return PA_ENOMEM;
@@ -1509,7 +1514,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
 #pragma omp parallel num_threads(nthreads)
     {
         PA_FN(sm_pack_fill)(packs, npacks, d);
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
         sm_bf16_pack_fill(bpacks, bf16 ? 7 : 0, d);
 #endif
         PA_FN(sm_gate_fill)(&gt, d);
@@ -1565,7 +1570,7 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     free(first_q);
     PA_FN(sm_gate_free)(&gt);
     PA_FN(sm_bwd_packs_free)(&pk);
-#if !PA_DOUBLE && PA_VBYTES == 64
+#if SM_BF16
     for (int i = 0; i < 7; i++) sm_bf16_pack_free(bpacks[i]);
 #endif
     return failed ? PA_ENOMEM : PA_OK;
