@@ -1320,16 +1320,17 @@ static void PA_FN(sm_backward_tile)(const pa_softmax_desc *d, const PA_FN(sm_bwd
     const real scale = (real)d->scale;
     real *S = s->S, *dP = s->dP;
     int64_t ja, jb, vt_bps, k_bps, do_ars, lo, hi;
-#if SM_BF16
-    if (pk->bf16) {
-        sm_backward_tile_bf16(d, pk->bf16, gt, lse, Drow, dq, with_dq, dK, dV, n, h, i0, bq, j0, bk, s);
-        return;
-    }
-#endif
     int vis = PA_FN(sm_block_keys)(d, ip0, ip0 + bq - 1, j0, j0 + bk, tk, NR, &ja, &jb);
     if (vis == SM_HIDDEN) return;
     const int partial = vis == SM_PARTIAL;
     const int64_t w = jb - ja; /* the keys ja..jb-1 this query block may see */
+#if SM_BF16
+    if (pk->bf16) {
+        sm_backward_tile_bf16(d, pk->bf16, gt, lse, Drow, dq, with_dq, dK, dV, n, h, i0, bq, j0,
+                              ja, jb, vis, s);
+        return;
+    }
+#endif
     const real *VT = PA_FN(sm_packed_at)(&pk->VT, d, n, kh, ja, &vt_bps);
     const real *dOp = PA_FN(sm_packed_at)(&pk->dO, d, n, h, i0, &do_ars);
     const real *Q = PA_FN(sm_raw_row)(&pk->Q, d, n, h, i0);

@@ -16,6 +16,10 @@
  * steps begin. A call whose inputs are not all finite takes the float kernels: a masked
  * pair's 0 times a non-finite value must not reach the output (sm_add_nonfinite_rows). */
 
+/* the backward's key blocks start at multiples of NR (sm_backward_tile), where the packed
+ * keys' panels of 16 and pairs begin */
+_Static_assert(NR % PA_BF16_PAD == 0, "key blocks must start on the bf16 packings' panels");
+
 /* How an array [rows, heads, D] is packed, per (sequence, head), for pa_bf16_gemm */
 enum {
     SM_BF16_ROWS_A,  /* rows as A rows, pairs along D (pa_bf16_rows_a) */
@@ -261,21 +265,21 @@ typedef struct {
     sm_bf16_pack q, dout, kt, vt, k, dout_pairs, q_pairs;
 } sm_bf16_bwd;
 
-/* sm_backward_tile with bf16 products (s->pt: the packed P^T, dS or dS^T) */
+/* sm_backward_tile's products in bf16 (s->pt: the packed P^T, dS or dS^T), for the keys
+ * [ja, jb) of the block at j0 that its queries may see (ja a multiple of NR, which is
+ * PA_BF16_PAD here), visibility vis */
 static void sm_backward_tile_bf16(const pa_softmax_desc *d, const sm_bf16_bwd *pk,
                                   const PA_FN(sm_gate) * gt, const real *lse, const real *Drow,
                                   real *dq, int with_dq, real *dK, real *dV, int64_t n,
-                                  int64_t h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
-                                  PA_FN(sm_scratch) * s)
+                                  int64_t h, int64_t i0, int64_t bq, int64_t j0, int64_t ja,
+                                  int64_t jb, int vis, PA_FN(sm_scratch) * s)
 {
     const int64_t H = d->H, Dk = d->Dk, Dv = d->Dv, kh = h / (H / d->Hk), lds = s->lds;
     const int64_t q0 = d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
-    const int64_t off = tk - (d->cu_q[n + 1] - q0), ip0 = i0 + off;
+    const int64_t ip0 = i0 + tk - (d->cu_q[n + 1] - q0);
     const float scale = (float)d->scale;
     real *S = s->S, *dP = s->dP;
-    int64_t ja, jb, ld_q, ld_kt, ld_do, ld_vt, ld;
-    int vis = PA_FN(sm_block_keys)(d, ip0, ip0 + bq - 1, j0, j0 + bk, tk, PA_BF16_PAD, &ja, &jb);
-    if (vis == SM_HIDDEN) return;
+    int64_t ld_q, ld_kt, ld_do, ld_vt, ld;
     const int partial = vis == SM_PARTIAL;
     const int64_t w = jb - ja, qpad = pa_bf16_round(bq, PA_BF16_PAD);
     const uint32_t *Q = sm_bf16_at(&pk->q, n, h, i0, &ld_q);
