@@ -55,7 +55,6 @@ def main():
     Ts = args.T or ([256] if args.quick else [256, 1024, 4096])
     B, H, D, C = args.batch, args.heads, args.dim, args.chunk_size
     common.print_header(timing, f"dplr_delta_rule: B={B} H={H} K=V={D} float32, chunk size {C}")
-    print(common.build_line())
     rows = []
     for T in Ts:
         x, do = inputs(B, T, H, D)

@@ -1,33 +1,50 @@
 /* The diagonal-plus-low-rank (DPLR) delta rule (fla's generalized delta rule; RWKV-7), forward
- * and backward. Template body (see core/dtype.h); needs core/vmath.h, ops/decay.h and the
- * linear engine's description (kernels.h) before it.
+ * and backward. Template body (see core/dtype.h); needs core/vmath.h, core/gemm.c, ops/rows.h,
+ * ops/decay.h, ops/linear_engine.h (a block's gate side and the gated Grams and triangular
+ * products over it) and ops/delta_rule.c (its blocked triangular solves) before it.
  *
  * Per (sequence, head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a log decay
  * gk_t per key channel:
  *   S_t = (diag(e^gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,   o_t = S_t^T q~_t,
- * i.e. with w_t = S_{t-1}^T a_t:  S_t = diag(e^gk_t) S_{t-1} + b_t w_t^T + k_t v_t^T.
+ * i.e. with u_t = S_{t-1}^T a_t:  S_t = diag(e^gk_t) S_{t-1} + b_t u_t^T + k_t v_t^T.
  *
- * Forms: recurrent, one pass over S per step (the pass that writes S_t also forms S_t^T a_{t+1}
- * for the next step); chunk, per chunk of rows with G_i the inclusive cumulative gate from the
- * chunk's start (G_{-1} = 0) and S_0 the state entering it, u_i = S_{i-1}^T a_i solves
- *   (I - A_ab) U = A_a0 S_0 + A_ak V,   A_ab[i,j] = sum_c a_ic e^(G_{i-1,c} - G_jc) b_jc (j < i),
- * A_ak likewise with k_j, A_a0 rows a_i e^G_{i-1}; then
- *   o_t = (q~_t e^G_t)^T S_0 + sum_{j<=t} A_qb[t,j] u_j + A_qk[t,j] v_j   (exponent G_t - G_j),
- *   S_C = e^G_C S_0 + sum_j (b_j e^(G_C - G_j)) u_j^T + (k_j e^(G_C - G_j)) v_j^T.
- * Every exponent is a difference taken per pair, never above 0, so no strong decay overflows.
- * The chunk form's backward is the recurrent one (the same function's gradients).
+ * Forms. recurrent: one pass over S per step (the pass that writes S_t also forms S_t^T a_{t+1}
+ * for the next step). chunk (the WY form): blocks of l rows with S the state entering one, G
+ * the inclusive cumulative gate inside the block (per channel), f_i = e^G_i, f'_i =
+ * e^(G_last - G_i), E_ij = e^(G_i - G_j) (j <= i) inside the sums over channels. Row i reads
+ * S_{i-1}, whose decay from row j is E_{i-1,j}: the a side's Grams pair a_{m+1} with G_m, the
+ * rows Xa_m = a_{m+1} (Xa_{l-1} = 0) shifted down a row after the product:
+ *   A_ab = shift(lower(Gram(Xa, b))),  A_ak = shift(lower(Gram(Xa, k)))   (strictly lower),
+ *   Z = [W | U] = (I - A_ab)^-1 [a_i f_{i-1} | A_ak V]   (f_{-1} = 1; the blocked solves),
+ *   u = U + W S,
+ *   O = (Q~ f) S + Pk V + Pb u,   Pk = lower(Gram(Q~, K)), Pb = lower(Gram(Q~, B)),
+ *   S' = diag(e^G_last) S + (K f')^T V + (B f')^T u.
+ * The Grams and triangular products are the linear engine's, which keep every factor bounded
+ * however strong the gate (factored, or by sub-blocks, or pair by pair).
  *
- * Backward: states kept every DP_PIECE steps; each piece's states recomputed forward, then
+ * Backward. chunk: a forward pass over the blocks keeps the state entering each; blocks in
+ * reverse then recompute Z, u and the Grams and, with dS' the gradient reaching S':
+ *   du = Pb^T dO + (B f') dS',  dv = Pk^T dO + (K f') dS',  dW = du S^T,
+ *   dS = diag(e^G_last) dS' + (Q~ f)^T dO + W^T du,
+ *   dR = (I - A_ab)^-T [dW | du],  d(-A_ab) = -strictly-lower(dR Z^T),
+ *   dA_ak = strictly-lower(dR_U V^T),  dv += A_ak^T dR_U,
+ * and the Grams' gradients (dPk = dO V^T, dPb = dO u^T, the shifted ones shifted back up)
+ * reach their two ends through the gated triangular products. The gate's gradient dG_i, per
+ * channel, is the derivative of every factor with respect to G_i: a factor x e^(+G_i) adds
+ * x dx, one x e^(-G_i) subtracts it (the Grams' pairs from their two ends, q~ f, a f_{i-1},
+ * the f' of k and b, and e^G_last on S); dgk is dG summed in reverse inside the block. A Gram's
+ * diagonal pairs (E = 1) are added after the gate's terms, which they would only cancel.
+ * recurrent: states kept every DP_PIECE steps; each piece's states recomputed forward, then
  * stepped back one row at a time with dS, the gradient reaching S_t:
- *   dS += q~ do^T,  dq = scale S_t do,  dk = dS v,  dv = dS^T k,  db = dS w,  dw = dS^T b,
- *   da = S_{t-1} dw,  dgk = e^gk (S_{t-1} * dS) summed over V,
- *   dS_{t-1} = diag(e^gk) dS + a dw^T.
+ *   dS += q~ do^T,  dq = scale S_t do,  dk = dS v,  dv = dS^T k,  db = dS u,  du = dS^T b,
+ *   da = S_{t-1} du,  dgk = e^gk (S_{t-1} * dS) summed over V,
+ *   dS_{t-1} = diag(e^gk) dS + a du^T.
  * Only e^gk <= 1 is ever formed, so strong decays cannot overflow.
  *
  * Work is split over (sequence, head) units, each on one thread.
  */
 
-#define DP_PIECE 64 /* backward: steps between kept states */
+#define DP_PIECE 64 /* recurrent backward: steps between kept states */
 
 typedef struct {
     int64_t T;      /* rows of the sequence */
@@ -70,7 +87,7 @@ static void PA_FN(dp_unit_of)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_un
 typedef struct {
     int64_t L, K, V;
     real *e;       /* K: a step's decays e^gk */
-    real *w, *dw;  /* V each: S_{t-1}^T a, its gradient */
+    real *w, *dw;  /* V each: u = S_{t-1}^T a, its gradient */
     real *S, *dS;  /* K x V each */
     real *states;  /* backward: the state entering each block (or piece), then a piece's states */
     PA_FN(la_side) ks;  /* the block's gate as the products take it */
