@@ -3,8 +3,9 @@
 One C kernel computes, per (sequence, head), with S_0 = initial_state (zeros if None):
 ``S_t = (diag(exp(gk_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
 The wrappers here check arguments and call the kernel's forward and backward; they never loop
-over time. Forms: ``"chunk"`` (default; rows in chunks of ``chunk_size``, the DPLR WY form)
-and ``"recurrent"`` (step by step); both share one C backward, the recurrent one.
+over time. Forms: ``"recurrent"`` (default; step by step) and ``"chunk"`` (rows in chunks of
+``chunk_size``, the DPLR WY form); each has its own C backward (chunk: per chunk from the
+state kept at its start; recurrent: step by step from states kept every 64 steps).
 """
 from __future__ import annotations
 
@@ -90,9 +91,9 @@ def dplr_delta_rule(q, k, v, a, b, gk, *, scale=None, initial_state=None, output
     (``gk <= 0``; ``-inf`` a full reset of the channel). ``scale`` defaults to ``K ** -0.5``;
     ``initial_state`` ``[N, H, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``,
     which restarts the recurrence at each boundary; B must then be 1). Forms: ``"recurrent"``
-    (default; step by step) and ``"chunk"`` (``chunk_size`` rows at a time, one of 16, 32, 64,
-    128: a forward kernel of its own, still slower than the recurrent one; its gradient runs
-    the recurrent backward). Returns
+    (default; step by step, and its backward step by step) and ``"chunk"`` (``chunk_size`` rows
+    at a time, one of 16, 32, 64, 128: the WY form with GEMMs, forward and backward, its
+    backward recomputing each chunk from the state kept at its start). Returns
     ``(o [B, T, H, V], final_state or None)``.
     """
     return _engine("dplr_delta_rule", _DPLR_NAMES, dict(q=q, k=k, v=v, a=a, b=b, gk=gk), scale,

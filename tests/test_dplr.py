@@ -82,11 +82,13 @@ def test_gradients_match_finite_differences(form, gate):
               dict(initial_state=h0, output_final_state=True, form=form))
 
 
-def test_gradients_match_finite_differences_with_cu_seqlens():
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_match_finite_differences_with_cu_seqlens(form):
     q, k, v, a, b, gk, _ = inputs(5, B=1, T=20, H=1, K=3, V=2)
     h0 = f32_exact(np.random.default_rng(5).standard_normal((3, 1, 3, 2)))
     gradcheck("dplr_delta_rule", (q, k, v, a, b, gk),
-              dict(initial_state=h0, output_final_state=True, cu_seqlens=np.array([0, 7, 7, 20])))
+              dict(initial_state=h0, output_final_state=True, cu_seqlens=np.array([0, 7, 7, 20]),
+                   form=form, chunk_size=16))
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -297,16 +299,41 @@ def test_full_reset_and_extreme_decays_stay_finite(form):
 @pytest.mark.parametrize("chunk_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("gate", list(GATES))
 def test_chunk_equals_recurrent(chunk_size, gate):
-    """The chunk form against the recurrent one in float64, T = 150 dividing by none of the
-    chunk sizes, with cu_seqlens cutting sequences inside chunks."""
+    """The chunk form against the recurrent one in float64, forward and backward (the chunk
+    form has its own), T = 150 dividing by none of the chunk sizes, with cu_seqlens cutting
+    sequences inside chunks."""
     q, k, v, a, b, gk, _ = inputs(31, B=1, T=150, H=2, K=7, V=5, gate=gate)
     cu = np.array([0, 40, 41, 150])
-    h0 = np.random.default_rng(31).standard_normal((3, 2, 7, 5))
+    rng = np.random.default_rng(31)
+    h0 = rng.standard_normal((3, 2, 7, 5))
+    do, dS = rng.standard_normal(v.shape), rng.standard_normal(h0.shape)
     kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    o, S = pyattn.dplr_delta_rule(q, k, v, a, b, gk, form="chunk", chunk_size=chunk_size, **kw)
-    ro, rS = pyattn.dplr_delta_rule(q, k, v, a, b, gk, form="recurrent", **kw)
+    (o, S), pull = pyattn.vjp(pyattn.dplr_delta_rule, q, k, v, a, b, gk, form="chunk",
+                              chunk_size=chunk_size, **kw)
+    (ro, rS), rpull = pyattn.vjp(pyattn.dplr_delta_rule, q, k, v, a, b, gk, form="recurrent", **kw)
     assert_close(o, ro, 1e-12, name="o")
     assert_close(S, rS, 1e-12, name="final_state")
+    grads, want = pull((do, dS)), rpull((do, dS))
+    assert set(grads) == set(want) == {"q", "k", "v", "a", "b", "gk", "initial_state"}
+    for name in want:
+        assert_close(grads[name], want[name], 1e-12, name=f"d{name}")
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 300])
+def test_chunk_gradients_equal_recurrent(T):
+    """The chunk backward against the recurrent one (which the finite differences check) in
+    float64 around the chunk size: a lone row, one row short of a chunk, a chunk, one over,
+    several with a ragged last."""
+    q, k, v, a, b, gk, h0 = inputs(33, T=T, K=6, V=4)
+    rng = np.random.default_rng(33)
+    do, dS = rng.standard_normal(v.shape), rng.standard_normal(h0.shape)
+    grads = {}
+    for form in FORMS:
+        _, pull = pyattn.vjp(pyattn.dplr_delta_rule, q, k, v, a, b, gk, initial_state=h0,
+                             output_final_state=True, form=form)
+        grads[form] = pull((do, dS))
+    for name, want in grads["recurrent"].items():
+        assert_close(grads["chunk"][name], want, 1e-12, name=f"d{name}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)

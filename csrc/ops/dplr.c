@@ -1,33 +1,50 @@
 /* The diagonal-plus-low-rank (DPLR) delta rule (fla's generalized delta rule; RWKV-7), forward
- * and backward. Template body (see core/dtype.h); needs core/vmath.h, ops/decay.h and the
- * linear engine's description (kernels.h) before it.
+ * and backward. Template body (see core/dtype.h); needs core/vmath.h, core/gemm.c, ops/rows.h,
+ * ops/decay.h, ops/linear_engine.h (a block's gate side and the gated Grams and triangular
+ * products over it) and ops/delta_rule.c (its blocked triangular solves) before it.
  *
  * Per (sequence, head) unit, with S_0 = h0 (zeros when absent), q~ = scale q and a log decay
  * gk_t per key channel:
  *   S_t = (diag(e^gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,   o_t = S_t^T q~_t,
- * i.e. with w_t = S_{t-1}^T a_t:  S_t = diag(e^gk_t) S_{t-1} + b_t w_t^T + k_t v_t^T.
+ * i.e. with u_t = S_{t-1}^T a_t:  S_t = diag(e^gk_t) S_{t-1} + b_t u_t^T + k_t v_t^T.
  *
- * Forms: recurrent, one pass over S per step (the pass that writes S_t also forms S_t^T a_{t+1}
- * for the next step); chunk, per chunk of rows with G_i the inclusive cumulative gate from the
- * chunk's start (G_{-1} = 0) and S_0 the state entering it, u_i = S_{i-1}^T a_i solves
- *   (I - A_ab) U = A_a0 S_0 + A_ak V,   A_ab[i,j] = sum_c a_ic e^(G_{i-1,c} - G_jc) b_jc (j < i),
- * A_ak likewise with k_j, A_a0 rows a_i e^G_{i-1}; then
- *   o_t = (q~_t e^G_t)^T S_0 + sum_{j<=t} A_qb[t,j] u_j + A_qk[t,j] v_j   (exponent G_t - G_j),
- *   S_C = e^G_C S_0 + sum_j (b_j e^(G_C - G_j)) u_j^T + (k_j e^(G_C - G_j)) v_j^T.
- * Every exponent is a difference taken per pair, never above 0, so no strong decay overflows.
- * The chunk form's backward is the recurrent one (the same function's gradients).
+ * Forms. recurrent: one pass over S per step (the pass that writes S_t also forms S_t^T a_{t+1}
+ * for the next step). chunk (the WY form): blocks of l rows with S the state entering one, G
+ * the inclusive cumulative gate inside the block (per channel), f_i = e^G_i, f'_i =
+ * e^(G_last - G_i), E_ij = e^(G_i - G_j) (j <= i) inside the sums over channels. Row i reads
+ * S_{i-1}, whose decay from row j is E_{i-1,j}: the a side's Grams pair a_{m+1} with G_m, the
+ * rows Xa_m = a_{m+1} (Xa_{l-1} = 0) shifted down a row after the product:
+ *   A_ab = shift(lower(Gram(Xa, b))),  A_ak = shift(lower(Gram(Xa, k)))   (strictly lower),
+ *   Z = [W | U] = (I - A_ab)^-1 [a_i f_{i-1} | A_ak V]   (f_{-1} = 1; the blocked solves),
+ *   u = U + W S,
+ *   O = (Q~ f) S + Pk V + Pb u,   Pk = lower(Gram(Q~, K)), Pb = lower(Gram(Q~, B)),
+ *   S' = diag(e^G_last) S + (K f')^T V + (B f')^T u.
+ * The Grams and triangular products are the linear engine's, which keep every factor bounded
+ * however strong the gate (factored, or by sub-blocks, or pair by pair).
  *
- * Backward: states kept every DP_PIECE steps; each piece's states recomputed forward, then
+ * Backward. chunk: a forward pass over the blocks keeps the state entering each; blocks in
+ * reverse then recompute Z, u and the Grams and, with dS' the gradient reaching S':
+ *   du = Pb^T dO + (B f') dS',  dv = Pk^T dO + (K f') dS',  dW = du S^T,
+ *   dS = diag(e^G_last) dS' + (Q~ f)^T dO + W^T du,
+ *   dR = (I - A_ab)^-T [dW | du],  d(-A_ab) = -strictly-lower(dR Z^T),
+ *   dA_ak = strictly-lower(dR_U V^T),  dv += A_ak^T dR_U,
+ * and the Grams' gradients (dPk = dO V^T, dPb = dO u^T, the shifted ones shifted back up)
+ * reach their two ends through the gated triangular products. The gate's gradient dG_i, per
+ * channel, is the derivative of every factor with respect to G_i: a factor x e^(+G_i) adds
+ * x dx, one x e^(-G_i) subtracts it (the Grams' pairs from their two ends, q~ f, a f_{i-1},
+ * the f' of k and b, and e^G_last on S); dgk is dG summed in reverse inside the block. A Gram's
+ * diagonal pairs (E = 1) are added after the gate's terms, which they would only cancel.
+ * recurrent: states kept every DP_PIECE steps; each piece's states recomputed forward, then
  * stepped back one row at a time with dS, the gradient reaching S_t:
- *   dS += q~ do^T,  dq = scale S_t do,  dk = dS v,  dv = dS^T k,  db = dS w,  dw = dS^T b,
- *   da = S_{t-1} dw,  dgk = e^gk (S_{t-1} * dS) summed over V,
- *   dS_{t-1} = diag(e^gk) dS + a dw^T.
+ *   dS += q~ do^T,  dq = scale S_t do,  dk = dS v,  dv = dS^T k,  db = dS u,  du = dS^T b,
+ *   da = S_{t-1} du,  dgk = e^gk (S_{t-1} * dS) summed over V,
+ *   dS_{t-1} = diag(e^gk) dS + a du^T.
  * Only e^gk <= 1 is ever formed, so strong decays cannot overflow.
  *
  * Work is split over (sequence, head) units, each on one thread.
  */
 
-#define DP_PIECE 64 /* backward: steps between kept states */
+#define DP_PIECE 64 /* recurrent backward: steps between kept states */
 
 typedef struct {
     int64_t T;      /* rows of the sequence */
@@ -66,36 +83,61 @@ static void PA_FN(dp_unit_of)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_un
     u->dgk = c->dgk ? c->dgk + ok : NULL;
 }
 
-/* Per-thread scratch */
+/* Per-thread scratch; the chunk form's parts for blocks of up to L rows (L = 0: recurrent) */
 typedef struct {
-    int64_t K, V;
+    int64_t L, K, V;
     real *e;       /* K: a step's decays e^gk */
-    real *w, *dw;  /* V each: S_{t-1}^T a, its gradient */
+    real *w, *dw;  /* V each: u = S_{t-1}^T a, its gradient */
     real *S, *dS;  /* K x V each */
-    real *states;  /* backward: the state entering each piece, then one piece's states */
-    int64_t C;     /* chunk form: rows per chunk (0: recurrent) */
-    double *G, *Gl; /* K x C: the chunk's cumulative gate per channel, hi and lo parts */
-    real *Aab, *Aak, *Aqb, *Aqk; /* C x C each: the chunk's four matrices */
-    real *U;       /* C x V: u_i = S_{i-1}^T a_i */
+    real *states;  /* backward: the state entering each block (or piece), then a piece's states */
+    PA_FN(la_side) ks;  /* the block's gate as the products take it */
+    real *Gk, *Ek;      /* 2 L K, (2 L + 1) K: its cumulative gate (hi, lo), its factors */
+    double *acc;        /* 2 K: the cumulative gate's running sums */
+    double *dG;         /* L K: the gate's gradient per row and channel */
+    real *dp;           /* L: a Gram gradient's diagonal */
+    real *Xa;           /* L x K: the shifted a rows, Xa_m = a_{m+1} (the last one 0) */
+    real *A, *Mk, *Pb, *Pk, *E; /* L x L each: -A_ab, A_ak (shifted), the two output Grams,
+                                 * a Gram's gradient */
+    real *Z, *R;        /* L x (K + V) each: [W | U], then [dW | dU] and its solve */
+    real *Un;           /* L x V: the rows' u */
+    real *Tk, *Tq, *Tr; /* L x K each */
+    real *f;            /* K: the block's total decay */
+    real *Bp;           /* one operand packed once */
+    int64_t *rows;      /* L: the non-finite rows of a triangular product's operand */
+    real *work;         /* GEMM packing */
+    PA_FN(la_bufs) bufs;
     void *block;
 } PA_FN(dp_scratch);
 
-static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t K, int64_t V, int64_t nstates,
-                                   int64_t C)
+static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t L, int64_t K, int64_t V,
+                                   int64_t nstates)
 {
-    const size_t r = sizeof(real), dd = sizeof(double);
-    size_t bytes[] = {K * r,     V * r,     V * r,     K * V * r, K * V * r, nstates * K * V * r,
-                      K * C * dd, K * C * dd, C * C * r, C * C * r, C * C * r, C * C * r,
-                      C * V * r};
-    void **const parts[] = {(void **)&s->e,   (void **)&s->w,   (void **)&s->dw,
-                            (void **)&s->S,   (void **)&s->dS,  (void **)&s->states,
-                            (void **)&s->G,   (void **)&s->Gl,  (void **)&s->Aab,
-                            (void **)&s->Aak, (void **)&s->Aqb, (void **)&s->Aqk,
-                            (void **)&s->U};
+    const int64_t W = K + V, big = L > W ? L : W;
+    const size_t r = sizeof(real), dbl = sizeof(double);
+    const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
+    const size_t packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * r : 0;
+    const size_t LL = L * L * r, LK = L * K * r;
+    size_t bytes[] = {K * r, V * r, V * r, K * V * r, K * V * r, nstates * K * V * r,
+                      2 * LK, (2 * L + 1) * K * r, 2 * K * dbl, L * K * dbl, L * r, LK,
+                      LL, LL, LL, LL, LL, L * W * r, L * W * r, L * V * r, LK, LK, LK, K * r,
+                      packed, L * sizeof(int64_t), work, LK, LK, LL};
+    void **const parts[] = {(void **)&s->e,   (void **)&s->w,     (void **)&s->dw,
+                            (void **)&s->S,   (void **)&s->dS,    (void **)&s->states,
+                            (void **)&s->Gk,  (void **)&s->Ek,    (void **)&s->acc,
+                            (void **)&s->dG,  (void **)&s->dp,    (void **)&s->Xa,
+                            (void **)&s->A,   (void **)&s->Mk,    (void **)&s->Pb,
+                            (void **)&s->Pk,  (void **)&s->E,     (void **)&s->Z,
+                            (void **)&s->R,   (void **)&s->Un,    (void **)&s->Tk,
+                            (void **)&s->Tq,  (void **)&s->Tr,    (void **)&s->f,
+                            (void **)&s->Bp,  (void **)&s->rows,  (void **)&s->work,
+                            (void **)&s->bufs.Tm, (void **)&s->bufs.U, (void **)&s->bufs.M};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
+    s->L = L;
     s->K = K;
     s->V = V;
-    s->C = C;
+    s->bufs.Bp = s->Bp;
+    s->bufs.rows = s->rows;
+    s->bufs.work = s->work;
     return s->block != NULL;
 }
 
@@ -161,76 +203,6 @@ static void PA_FN(dp_recurrent)(const PA_FN(dp_unit) *u, int64_t t0, int64_t n, 
     }
 }
 
-/* e^(G_i - G_j) of channel c's cumulative gate (j < 0: e^G_i; i < 0: 1, the chunk's start) */
-static inline double PA_FN(dp_chunk_decay)(const PA_FN(dp_scratch) *sc, int64_t c, int64_t i,
-                                           int64_t j)
-{
-    const double *G = sc->G + c * sc->C, *Gl = sc->Gl + c * sc->C;
-    return i < 0 ? 1 : exp(PA_FN(gate_diff)(G, Gl, i, j));
-}
-
-/* Rows t0 .. t0+n-1 (n <= sc->C) as one chunk on S in place (S holds the entering state); o
- * rows written when u->o. */
-static void PA_FN(dp_chunk)(const PA_FN(dp_unit) *u, int64_t t0, int64_t n, double scale,
-                            real *restrict S, PA_FN(dp_scratch) *sc)
-{
-    const int64_t K = sc->K, V = sc->V, C = sc->C, sk = u->sk, sv = u->sv;
-    const real *q = u->q + t0 * sk, *k = u->k + t0 * sk, *a = u->a + t0 * sk, *b = u->b + t0 * sk;
-    const real *v = u->v + t0 * sv;
-    real *restrict U = sc->U;
-    for (int64_t c = 0; c < K; c++)
-        PA_FN(gate_cumsum)(u->gk + t0 * sk + c, sk, n, 0, sc->G + c * C, sc->Gl + c * C);
-    /* the four matrices: rows read S_{i-1} (A_ab, A_ak, strictly lower) or S_t (A_qb, A_qk) */
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j <= i; j++) {
-            double ab = 0, ak = 0, qb = 0, qk = 0;
-            for (int64_t c = 0; c < K; c++) {
-                const double et = PA_FN(dp_chunk_decay)(sc, c, i, j);
-                const double ex = j < i ? PA_FN(dp_chunk_decay)(sc, c, i - 1, j) : 0;
-                const double bj = b[j * sk + c], kj = k[j * sk + c];
-                qb += q[i * sk + c] * et * bj;
-                qk += q[i * sk + c] * et * kj;
-                ab += a[i * sk + c] * ex * bj;
-                ak += a[i * sk + c] * ex * kj;
-            }
-            sc->Aqb[i * C + j] = (real)(scale * qb);
-            sc->Aqk[i * C + j] = (real)(scale * qk);
-            sc->Aab[i * C + j] = (real)ab;
-            sc->Aak[i * C + j] = (real)ak;
-        }
-    /* U by forward substitution; o_t from S_0, U and V */
-    for (int64_t i = 0; i < n; i++) {
-        real *restrict ui = U + i * V, *restrict ot = u->o ? u->o + (t0 + i) * sv : NULL;
-        for (int64_t x = 0; x < V; x++) ui[x] = 0;
-        for (int64_t c = 0; c < K; c++)
-            PA_FN(axpy)(ui, S + c * V, V, (real)(a[i * sk + c] * PA_FN(dp_chunk_decay)(sc, c, i - 1, -1)));
-        for (int64_t j = 0; j < i; j++) {
-            PA_FN(axpy)(ui, v + j * sv, V, sc->Aak[i * C + j]);
-            PA_FN(axpy)(ui, U + j * V, V, sc->Aab[i * C + j]);
-        }
-        if (!ot) continue;
-        for (int64_t x = 0; x < V; x++) ot[x] = 0;
-        for (int64_t c = 0; c < K; c++)
-            PA_FN(axpy)(ot, S + c * V, V,
-                        (real)(scale * q[i * sk + c] * PA_FN(dp_chunk_decay)(sc, c, i, -1)));
-        for (int64_t j = 0; j <= i; j++) {
-            PA_FN(axpy)(ot, v + j * sv, V, sc->Aqk[i * C + j]);
-            PA_FN(axpy)(ot, U + j * V, V, sc->Aqb[i * C + j]);
-        }
-    }
-    /* the state leaving the chunk, row by row (row c reads only row c of S_0) */
-    for (int64_t c = 0; c < K; c++) {
-        real *restrict row = S + c * V;
-        const real e = (real)PA_FN(dp_chunk_decay)(sc, c, n - 1, -1);
-        for (int64_t x = 0; x < V; x++) row[x] *= e;
-        for (int64_t j = 0; j < n; j++) {
-            const double ej = PA_FN(dp_chunk_decay)(sc, c, n - 1, j);
-            PA_FN(axpy)(row, U + j * V, V, (real)(b[j * sk + c] * ej));
-            PA_FN(axpy)(row, v + j * sv, V, (real)(k[j * sk + c] * ej));
-        }
-    }
-}
-
 /* Steps t0+n-1 down to t0 in reverse, from their states (trail: the state entering t0, then
  * the state after each step) and dS, the gradient reaching the last one (on return, the one
  * reaching the state entering t0). */
@@ -273,42 +245,314 @@ static void PA_FN(dp_recurrent_reverse)(const PA_FN(dp_unit) *u, int64_t t0, int
     }
 }
 
+/* ---- the chunk form ---- */
+
+/* dst (l x l) = sign W shifted down a row, strictly lower: dst_ij = sign W_{i-1,j} (j < i);
+ * the shifted Grams' rows m = i - 1 pair a_{m+1} with G_m */
+static void PA_FN(dp_shift_down)(const real *W, int64_t l, real sign, real *dst)
+{
+    for (int64_t i = l - 1; i >= 0; i--)
+        for (int64_t j = 0; j < l; j++) dst[i * l + j] = j < i ? sign * W[(i - 1) * l + j] : 0;
+}
+
+/* W (l x l) = sign dst shifted up a row, lower with its diagonal: W_mj = sign dst_{m+1,j}
+ * (j <= m), in place (W may be dst) */
+static void PA_FN(dp_shift_up)(real *W, int64_t l, real sign)
+{
+    for (int64_t m = 0; m < l; m++)
+        for (int64_t j = 0; j < l; j++) W[m * l + j] = m + 1 < l && j <= m ? sign * W[(m + 1) * l + j] : 0;
+}
+
+/* dG_i += alpha x * y over the K channels */
+static void PA_FN(dp_gate_terms)(PA_FN(dp_scratch) *sc, int64_t i, const real *x, const real *y,
+                                 double alpha)
+{
+    double *dG = sc->dG + i * sc->K;
+    for (int64_t c = 0; c < sc->K; c++) dG[c] += alpha * ((double)x[c] * y[c]);
+}
+
+/* Y_i = alpha X_i f_i for the block's l rows (X rows of ldx, Y rows of K), f_i the row's factor
+ * from the block's start (to_end = 0) or to its end (to_end = 1) */
+static void PA_FN(dp_gate_rows)(const PA_FN(dp_scratch) *sc, int64_t l, int to_end, real alpha,
+                                const real *X, int64_t ldx, real *Y)
+{
+    for (int64_t i = 0; i < l; i++)
+        PA_FN(la_side_row)(&sc->ks, l, to_end, i, Y + i * sc->K, X + i * ldx, alpha, 0);
+}
+
+/* A lower Gram's gradient Wm (l x l; its diagonal taken out into sc->dp and zeroed) reaching
+ * its two ends: the rows' x_i (Tx_i = alpha sum_{j<i} Wm_ij E_ij Y_j, Y the columns' rows) and
+ * the columns' y_j (Ty_j = alpha sum_{i>j} Wm_ij E_ij X_i), with the gate's terms: +x_i Tx_i at
+ * row i, -y_j Ty_j at row j. The diagonal's pairs (E = 1) are added by the caller. */
+static void PA_FN(dp_gram_grads)(PA_FN(dp_scratch) *sc, int64_t l, real alpha, real *Wm,
+                                 const real *X, int64_t ldx, const real *Y, int64_t ldy)
+{
+    const int64_t K = sc->K;
+    for (int64_t i = 0; i < l; i++) {
+        sc->dp[i] = Wm[i * l + i];
+        Wm[i * l + i] = 0;
+    }
+    memset(sc->Tq, 0, sizeof(real) * l * K);
+    memset(sc->Tr, 0, sizeof(real) * l * K);
+    PA_FN(la_apply)(&sc->ks, l, alpha, Wm, 0, Y, ldy, sc->Tq, K, &sc->bufs);
+    PA_FN(la_apply)(&sc->ks, l, alpha, Wm, 1, X, ldx, sc->Tr, K, &sc->bufs);
+    for (int64_t i = 0; i < l; i++) {
+        PA_FN(dp_gate_terms)(sc, i, X + i * ldx, sc->Tq + i * K, 1);
+        PA_FN(dp_gate_terms)(sc, i, Y + i * ldy, sc->Tr + i * K, -1);
+    }
+}
+
+/* The block of rows c0 .. c0+l-1: its gate side, the shifted a rows, -A_ab (in A), A_ak (in
+ * Mk) and Z = [W | U] = (I - A_ab)^-1 [a e^G_{i-1} | A_ak V]. */
+static void PA_FN(dp_block)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, PA_FN(dp_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, W = K + V, sk = u->sk, sv = u->sv;
+    const real *a = u->a + c0 * sk, *b = u->b + c0 * sk, *k = u->k + c0 * sk;
+    PA_FN(la_side) *s = &sc->ks;
+    *s = (PA_FN(la_side)){.kind = PA_GATE_VECTOR, .D = K, .G = sc->Gk, .lo = sc->L * K};
+    PA_FN(la_cumsum_hilo)(u->gk + c0 * sk, sk, l, K, 0, sc->Gk, s->lo, sc->acc);
+    PA_FN(la_factor)(s, l, sc->Ek);
+    for (int64_t m = 0; m + 1 < l; m++) memcpy(sc->Xa + m * K, a + (m + 1) * sk, sizeof(real) * K);
+    memset(sc->Xa + (l - 1) * K, 0, sizeof(real) * K);
+    PA_FN(la_gram)(s, l, 1, sc->Xa, K, b, sk, 0, sc->E, &sc->bufs);
+    PA_FN(dp_shift_down)(sc->E, l, -1, sc->A);
+    PA_FN(la_gram)(s, l, 1, sc->Xa, K, k, sk, 0, sc->E, &sc->bufs);
+    PA_FN(dp_shift_down)(sc->E, l, 1, sc->Mk);
+    memcpy(sc->Z, a, sizeof(real) * K);
+    for (int64_t i = 1; i < l; i++)
+        PA_FN(la_side_row)(s, l, 0, i - 1, sc->Z + i * W, a + i * sk, 1, 0);
+    PA_FN(la_tri_product)(l, V, 1, sc->Mk, 0, 0, sc->Z + K, W, u->v + c0 * sv, sv, &sc->bufs);
+    PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->Bp, sc->work);
+}
+
+/* The rows' u = U + W S, S the state entering the block */
+static void PA_FN(dp_values)(int64_t l, const real *S, PA_FN(dp_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, W = K + V;
+    for (int64_t i = 0; i < l; i++) memcpy(sc->Un + i * V, sc->Z + i * W + K, sizeof(real) * V);
+    PA_FN(gemm)(l, V, K, 1, sc->Z, W, 1, S, V, 1, 1, sc->Un, V, sc->work);
+}
+
+/* The output Grams of scale q with k (Pk) and with b (Pb), lower with the diagonal */
+static void PA_FN(dp_scores)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, double scale,
+                             PA_FN(dp_scratch) *sc)
+{
+    const int64_t sk = u->sk;
+    const real *q = u->q + c0 * sk;
+    PA_FN(la_gram)(&sc->ks, l, (real)scale, q, sk, u->k + c0 * sk, sk, 0, sc->Pk, &sc->bufs);
+    PA_FN(la_gram)(&sc->ks, l, (real)scale, q, sk, u->b + c0 * sk, sk, 0, sc->Pb, &sc->bufs);
+}
+
+/* The block's o rows: (q~ f) S + Pk V + Pb u */
+static void PA_FN(dp_output)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, double scale,
+                             const real *S, PA_FN(dp_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, sv = u->sv;
+    real *o = u->o + c0 * sv;
+    PA_FN(dp_gate_rows)(sc, l, 0, (real)scale, u->q + c0 * u->sk, u->sk, sc->Tk);
+    PA_FN(gemm)(l, V, K, 1, sc->Tk, K, 1, S, V, 1, 0, o, sv, sc->work);
+    PA_FN(dp_scores)(u, c0, l, scale, sc);
+    PA_FN(la_tri_product)(l, V, 1, sc->Pk, 0, 1, o, sv, u->v + c0 * sv, sv, &sc->bufs);
+    PA_FN(la_tri_product)(l, V, 1, sc->Pb, 0, 1, o, sv, sc->Un, V, &sc->bufs);
+}
+
+/* rows c of X (K x V) times the block's total decay (into sc->f) */
+static void PA_FN(dp_decay_state)(PA_FN(dp_scratch) *sc, int64_t l, real *X)
+{
+    PA_FN(la_total_decay)(&sc->ks, l, sc->f);
+    for (int64_t c = 0; c < sc->K; c++) PA_FN(row_scale)(X + c * sc->V, sc->V, sc->f[c]);
+}
+
+/* S <- diag(e^G_last) S + (K f')^T V + (B f')^T u */
+static void PA_FN(dp_state)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, real *S,
+                            PA_FN(dp_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, sk = u->sk;
+    PA_FN(dp_decay_state)(sc, l, S);
+    PA_FN(dp_gate_rows)(sc, l, 1, 1, u->k + c0 * sk, sk, sc->Tk);
+    PA_FN(gemm)(K, V, l, 1, sc->Tk, 1, K, u->v + c0 * u->sv, u->sv, 1, 1, S, V, sc->work);
+    PA_FN(dp_gate_rows)(sc, l, 1, 1, u->b + c0 * sk, sk, sc->Tk);
+    PA_FN(gemm)(K, V, l, 1, sc->Tk, 1, K, sc->Un, V, 1, 1, S, V, sc->work);
+}
+
+/* The end state's term through x f' (x: k with V, or b with u; Y l x V): dx = f' (Y dS'^T),
+ * the gate's through f' at both ends, and dY += (x f') dS' */
+static void PA_FN(dp_end_grads)(PA_FN(dp_scratch) *sc, int64_t l, const real *x, int64_t sk,
+                                const real *Y, int64_t ldy, const real *dS, real *dx, real *dY,
+                                int64_t lddy)
+{
+    const int64_t K = sc->K, V = sc->V;
+    PA_FN(dp_gate_rows)(sc, l, 1, 1, x, sk, sc->Tk);
+    PA_FN(gemm)(l, V, K, 1, sc->Tk, K, 1, dS, V, 1, 1, dY, lddy, sc->work);
+    PA_FN(gemm)(l, K, V, 1, Y, ldy, 1, dS, 1, V, 0, sc->Tq, K, sc->work);
+    for (int64_t i = 0; i < l; i++) {
+        const real *tq = sc->Tq + i * K, *xf = sc->Tk + i * K;
+        PA_FN(la_side_row)(&sc->ks, l, 1, i, dx + i * sk, tq, 1, 0);
+        if (i < l - 1) { /* the last row's f' is e^0: its two terms cancel */
+            PA_FN(dp_gate_terms)(sc, l - 1, xf, tq, 1);
+            PA_FN(dp_gate_terms)(sc, i, xf, tq, -1);
+        }
+    }
+}
+
+/* A shifted Gram's gradient (in sc->E as the gradient of its l x l strictly lower form, sign
+ * as dp_block gave it) reaching a (rows, shifted) and y (columns; dy rows of sk) */
+static void PA_FN(dp_shifted_grads)(PA_FN(dp_scratch) *sc, int64_t l, real sign, const real *y,
+                                    int64_t sk, real *da, real *dy)
+{
+    const int64_t K = sc->K;
+    PA_FN(dp_shift_up)(sc->E, l, sign);
+    PA_FN(dp_gram_grads)(sc, l, 1, sc->E, sc->Xa, K, y, sk);
+    for (int64_t m = 0; m < l; m++) {
+        if (m + 1 < l) {
+            PA_FN(axpy)(da + (m + 1) * sk, sc->Tq + m * K, K, 1);
+            PA_FN(axpy)(da + (m + 1) * sk, y + m * sk, K, sc->dp[m]);
+        }
+        PA_FN(axpy)(dy + m * sk, sc->Tr + m * K, K, 1);
+        PA_FN(axpy)(dy + m * sk, sc->Xa + m * K, K, sc->dp[m]);
+    }
+}
+
+/* The block's gradients: dq, dk, dv, da, db, dgk of its rows from its entering state S and dS,
+ * the gradient reaching its end state (on return, the one reaching S). */
+static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, double scale,
+                                  const real *S, real *dS, PA_FN(dp_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, W = K + V, sk = u->sk, sv = u->sv;
+    const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
+    const real *a = u->a + c0 * sk, *b = u->b + c0 * sk, *dO = u->dout + c0 * sv;
+    real *dq = u->dq + c0 * sk, *dk = u->dk + c0 * sk, *dv = u->dv + c0 * sv;
+    real *da = u->da + c0 * sk, *db = u->db + c0 * sk;
+    real *work = sc->work, *du = sc->R + K;
+    const real sc_ = (real)scale;
+    const PA_FN(la_side) plain_v = {.kind = PA_GATE_NONE, .D = V}, plain_w = {.kind = PA_GATE_NONE, .D = W};
+    double *dG = sc->dG;
+    PA_FN(dp_block)(u, c0, l, sc);
+    PA_FN(dp_values)(l, S, sc);
+    PA_FN(dp_scores)(u, c0, l, scale, sc);
+    memset(dG, 0, sizeof(double) * l * K);
+
+    /* du = Pb^T dO + (B f') dS', dv = Pk^T dO + (K f') dS', and the end state's terms */
+    PA_FN(la_tri_product)(l, V, 1, sc->Pb, 1, 0, du, W, dO, sv, &sc->bufs);
+    PA_FN(la_tri_product)(l, V, 1, sc->Pk, 1, 0, dv, sv, dO, sv, &sc->bufs);
+    PA_FN(dp_end_grads)(sc, l, b, sk, sc->Un, V, dS, db, du, W);
+    PA_FN(dp_end_grads)(sc, l, k, sk, v, sv, dS, dk, dv, sv);
+    PA_FN(la_total_decay)(&sc->ks, l, sc->f);
+    for (int64_t c = 0; c < K; c++)
+        dG[(l - 1) * K + c] += sc->f[c] * PA_FN(dot)(S + c * V, dS + c * V, V);
+
+    /* dq = scale f (dO S^T), and the gate's term through f */
+    PA_FN(gemm)(l, K, V, sc_, dO, sv, 1, S, 1, V, 0, dq, sk, work);
+    for (int64_t i = 0; i < l; i++) {
+        PA_FN(la_side_row)(&sc->ks, l, 0, i, dq + i * sk, dq + i * sk, 1, 0);
+        PA_FN(dp_gate_terms)(sc, i, q + i * sk, dq + i * sk, 1);
+    }
+
+    /* dPk = dO V^T and dPb = dO u^T: their pairs below the diagonal through the gated products,
+     * then their diagonals, whose gate factor is 1 */
+    PA_FN(la_gram_rows)(&plain_v, l, 1, dO, sv, v, sv, 0, sc->E, &sc->bufs);
+    PA_FN(dp_gram_grads)(sc, l, sc_, sc->E, q, sk, k, sk);
+    for (int64_t i = 0; i < l; i++) {
+        PA_FN(axpy)(dq + i * sk, sc->Tq + i * K, K, 1);
+        PA_FN(axpy)(dq + i * sk, k + i * sk, K, sc_ * sc->dp[i]);
+        PA_FN(axpy)(dk + i * sk, sc->Tr + i * K, K, 1);
+        PA_FN(axpy)(dk + i * sk, q + i * sk, K, sc_ * sc->dp[i]);
+    }
+    PA_FN(la_gram_rows)(&plain_v, l, 1, dO, sv, sc->Un, V, 0, sc->E, &sc->bufs);
+    PA_FN(dp_gram_grads)(sc, l, sc_, sc->E, q, sk, b, sk);
+    for (int64_t i = 0; i < l; i++) {
+        PA_FN(axpy)(dq + i * sk, sc->Tq + i * K, K, 1);
+        PA_FN(axpy)(dq + i * sk, b + i * sk, K, sc_ * sc->dp[i]);
+        PA_FN(axpy)(db + i * sk, sc->Tr + i * K, K, 1);
+        PA_FN(axpy)(db + i * sk, q + i * sk, K, sc_ * sc->dp[i]);
+    }
+
+    /* dW = du S^T, then dS = diag(e^G_last) dS' + (Q~ f)^T dO + W^T du */
+    PA_FN(gemm)(l, K, V, 1, du, W, 1, S, 1, V, 0, sc->R, W, work);
+    PA_FN(dp_decay_state)(sc, l, dS);
+    PA_FN(dp_gate_rows)(sc, l, 0, sc_, q, sk, sc->Tk);
+    PA_FN(gemm)(K, V, l, 1, sc->Tk, 1, K, dO, sv, 1, 1, dS, V, work);
+    PA_FN(gemm)(K, V, l, 1, sc->Z, 1, W, du, W, 1, 1, dS, V, work);
+
+    /* dR = (I - A_ab)^-T [dW | dU]; the gradient of -A_ab, -strictly-lower(dR Z^T) */
+    PA_FN(dr_solve_upper)(sc->A, l, sc->R, W, sc->Bp, work);
+    /* the right-hand side's a e^G_{i-1}: a's term and the gate's */
+    memcpy(da, sc->R, sizeof(real) * K);
+    for (int64_t i = 1; i < l; i++) {
+        real *t = sc->Tk + i * K;
+        PA_FN(la_side_row)(&sc->ks, l, 0, i - 1, t, sc->R + i * W, 1, 0);
+        memcpy(da + i * sk, t, sizeof(real) * K);
+        PA_FN(dp_gate_terms)(sc, i - 1, a + i * sk, t, 1);
+    }
+    /* A_ak V: dA_ak = strictly-lower(dRv V^T), dv += A_ak^T dRv */
+    PA_FN(la_gram_rows)(&plain_v, l, 1, sc->R + K, W, v, sv, 1, sc->E, &sc->bufs);
+    PA_FN(la_tri_product)(l, V, 1, sc->Mk, 1, 1, dv, sv, sc->R + K, W, &sc->bufs);
+    PA_FN(dp_shifted_grads)(sc, l, 1, k, sk, da, dk);
+    PA_FN(la_gram_rows)(&plain_w, l, -1, sc->R, W, sc->Z, W, 1, sc->E, &sc->bufs);
+    PA_FN(dp_shifted_grads)(sc, l, -1, b, sk, da, db);
+
+    /* gk_s enters G_i for every i >= s of the block */
+    for (int64_t c = 0; c < K; c++) {
+        double acc = 0;
+        for (int64_t i = l - 1; i >= 0; i--) {
+            acc += dG[i * K + c];
+            const int64_t at = (c0 + i) * sk + c;
+            u->dgk[at] = u->gk[at] < -PA_GATE_RESET ? 0 : (real)acc;
+        }
+    }
+}
+
 static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)
 {
     const pa_linear_desc *d = c->d;
-    const int64_t KV = d->K * d->V;
+    const int64_t KV = d->K * d->V, L = sc->L;
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
     PA_FN(dp_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, sc->S, KV);
-    if (sc->C)
-        for (int64_t t0 = 0; t0 < u.T; t0 += sc->C)
-            PA_FN(dp_chunk)(&u, t0, u.T - t0 < sc->C ? u.T - t0 : sc->C, d->scale, sc->S, sc);
+    if (L)
+        for (int64_t c0 = 0; c0 < u.T; c0 += L) {
+            const int64_t l = u.T - c0 < L ? u.T - c0 : L;
+            PA_FN(dp_block)(&u, c0, l, sc);
+            PA_FN(dp_values)(l, sc->S, sc);
+            PA_FN(dp_output)(&u, c0, l, d->scale, sc->S, sc);
+            PA_FN(dp_state)(&u, c0, l, sc->S, sc);
+        }
     else
         PA_FN(dp_recurrent)(&u, 0, u.T, d->scale, sc->S, NULL, sc);
     if (c->ht) memcpy(c->ht + unit * KV, sc->S, sizeof(real) * KV);
 }
 
-/* The backward of one unit: the states entering its pieces, then one reverse pass carrying
- * dS. */
+/* The backward of one unit: the states entering its blocks (chunk) or pieces (recurrent),
+ * then one reverse pass carrying dS. */
 static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)
 {
     const pa_linear_desc *d = c->d;
-    const int64_t KV = d->K * d->V;
+    const int64_t KV = d->K * d->V, L = sc->L, P = L ? L : DP_PIECE;
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
-    const int64_t np = (u.T + DP_PIECE - 1) / DP_PIECE;
+    const int64_t np = (u.T + P - 1) / P;
     real *states = sc->states, *dS = sc->dS;
     PA_FN(dp_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
     for (int64_t p = 0; p < np; p++) {
-        const int64_t r0 = p * DP_PIECE, n = u.T - r0 < DP_PIECE ? u.T - r0 : DP_PIECE;
+        const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
         memcpy(S, S - KV, sizeof(real) * KV);
-        PA_FN(dp_recurrent)(&u, r0, n, d->scale, S, NULL, sc);
+        if (L) {
+            PA_FN(dp_block)(&u, r0, n, sc);
+            PA_FN(dp_values)(n, S, sc);
+            PA_FN(dp_state)(&u, r0, n, S, sc);
+        } else {
+            PA_FN(dp_recurrent)(&u, r0, n, d->scale, S, NULL, sc);
+        }
     }
     PA_FN(dp_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
-    real *trail = states + (np + 1) * KV; /* a piece's states */
+    real *trail = states + (np + 1) * KV; /* recurrent: a piece's states */
     for (int64_t p = np - 1; p >= 0; p--) {
-        const int64_t r0 = p * DP_PIECE, n = u.T - r0 < DP_PIECE ? u.T - r0 : DP_PIECE;
+        const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+        if (L) {
+            PA_FN(dp_block_grads)(&u, r0, n, d->scale, states + p * KV, dS, sc);
+            continue;
+        }
         memcpy(trail, states + p * KV, sizeof(real) * KV);
         memcpy(sc->S, trail, sizeof(real) * KV);
         PA_FN(dp_recurrent)(&u, r0, n, d->scale, sc->S, trail + KV, sc);
@@ -322,20 +566,22 @@ static int PA_FN(dp_run)(const PA_FN(dp_call) *c, int backward)
     const pa_linear_desc *d = c->d;
     const int64_t units = d->nseq * d->H;
     if (units == 0) return PA_OK;
-    const int64_t maxlen = pa_linear_max_len(d);
-    /* backward: the state entering each piece and the last, then one piece's states */
-    const int64_t nstates = backward ? (maxlen + DP_PIECE - 1) / DP_PIECE + 1 + DP_PIECE + 1 : 0;
+    const int rec = d->form == PA_FORM_RECURRENT;
+    const int64_t L = rec ? 0 : pa_linear_block_rows(d), maxlen = pa_linear_max_len(d);
+    const int64_t P = rec ? DP_PIECE : L;
+    /* backward: the state entering each block or piece and the last; recurrent: also a
+     * piece's states */
+    const int64_t nstates = backward ? (maxlen + P - 1) / P + 1 + (rec ? DP_PIECE + 1 : 0) : 0;
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);
-    /* multiply-adds; a step streams its state through memory, so it weighs more */
-    const double work = rows * KV * 10;
+    /* multiply-adds; a recurrent step streams its state through memory, so it weighs more */
+    const double work = rec ? rows * KV * 10 : rows * (KV * 4 + (double)L * (5 * d->K + 2 * d->V));
     const int nthreads = pa_threads_for(backward ? 3 * work : work, units);
-    const int64_t C = !backward && d->form == PA_FORM_CHUNK ? d->chunk : 0;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = pa_subnormals_flush();
         PA_FN(dp_scratch) sc;
-        int ok = pa_scratch_ok(PA_FN(dp_scratch_alloc)(&sc, d->K, d->V, nstates, C), &failed);
+        int ok = pa_scratch_ok(PA_FN(dp_scratch_alloc)(&sc, L, d->K, d->V, nstates), &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
             if (!ok) continue;
