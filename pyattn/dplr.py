@@ -3,8 +3,8 @@
 One C kernel computes, per (sequence, head), with S_0 = initial_state (zeros if None):
 ``S_t = (diag(exp(gk_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
 The wrappers here check arguments and call the kernel's forward and backward; they never loop
-over time. Forms: ``"recurrent"`` (default; step by step) and ``"chunk"`` (rows in chunks of
-``chunk_size``, the DPLR WY form); each has its own C backward (chunk: per chunk from the
+over time. Forms: ``"chunk"`` (default; rows in chunks of ``chunk_size``, the DPLR WY form)
+and ``"recurrent"`` (step by step); each has its own C backward (chunk: per chunk from the
 state kept at its start; recurrent: step by step from states kept every 64 steps).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from . import _validate as V
 from ._engines import LinearEngine, sequences
 from .autodiff import register_vjp
 
-FORMS = ("recurrent", "chunk")
+FORMS = ("chunk", "recurrent")
 
 
 class _DplrEngine(LinearEngine):
@@ -83,17 +83,17 @@ def _pullback(eng, names):
 
 @_bf16.calls
 def dplr_delta_rule(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, form="recurrent", chunk_size=64):
+                    cu_seqlens=None, form="chunk", chunk_size=64):
     """The diagonal-plus-low-rank delta rule (fla's generalized delta rule):
     ``S_t = (diag(exp(gk_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``.
 
     q, k, a, b, gk ``[B, T, H, K]``, v ``[B, T, H, V]``; gk a log-space decay per key channel
     (``gk <= 0``; ``-inf`` a full reset of the channel). ``scale`` defaults to ``K ** -0.5``;
     ``initial_state`` ``[N, H, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``,
-    which restarts the recurrence at each boundary; B must then be 1). Forms: ``"recurrent"``
-    (default; step by step, and its backward step by step) and ``"chunk"`` (``chunk_size`` rows
-    at a time, one of 16, 32, 64, 128: the WY form with GEMMs, forward and backward, its
-    backward recomputing each chunk from the state kept at its start). Returns
+    which restarts the recurrence at each boundary; B must then be 1). Forms: ``"chunk"``
+    (default; ``chunk_size`` rows at a time, one of 16, 32, 64, 128: the WY form with GEMMs,
+    forward and backward, its backward recomputing each chunk from the state kept at its start)
+    and ``"recurrent"`` (step by step, and its backward step by step). Returns
     ``(o [B, T, H, V], final_state or None)``.
     """
     return _engine("dplr_delta_rule", _DPLR_NAMES, dict(q=q, k=k, v=v, a=a, b=b, gk=gk), scale,
@@ -106,7 +106,7 @@ _DPLR_GRADS = {"q": "q", "k": "k", "v": "v", "a": "a", "b": "b", "gk": "gk", "h0
 
 @register_vjp(dplr_delta_rule)
 def _dplr_delta_rule_vjp(q, k, v, a, b, gk, *, scale=None, initial_state=None,
-                         output_final_state=False, cu_seqlens=None, form="recurrent", chunk_size=64):
+                         output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     eng = _engine("dplr_delta_rule", _DPLR_NAMES, dict(q=q, k=k, v=v, a=a, b=b, gk=gk), scale,
                   initial_state, output_final_state, cu_seqlens, form, chunk_size)
     return eng.forward(), _pullback(eng, _DPLR_GRADS)
@@ -114,7 +114,7 @@ def _dplr_delta_rule_vjp(q, k, v, a, b, gk, *, scale=None, initial_state=None,
 
 @_bf16.calls
 def rwkv7(r, w, k, v, a, b, *, scale=1.0, initial_state=None, output_final_state=False,
-          cu_seqlens=None, form="recurrent", chunk_size=64):
+          cu_seqlens=None, form="chunk", chunk_size=64):
     """RWKV-7 (Goose) time mixing: ``dplr_delta_rule`` with the receptance r as the query and w
     as the log decay, in fla's ``chunk_rwkv7`` argument order:
     ``S_t = (diag(exp(w_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale r_t)``.
@@ -131,7 +131,7 @@ _RWKV7_GRADS = {"q": "r", "k": "k", "v": "v", "a": "a", "b": "b", "gk": "w", "h0
 
 @register_vjp(rwkv7)
 def _rwkv7_vjp(r, w, k, v, a, b, *, scale=1.0, initial_state=None, output_final_state=False,
-               cu_seqlens=None, form="recurrent", chunk_size=64):
+               cu_seqlens=None, form="chunk", chunk_size=64):
     eng = _engine("rwkv7", _RWKV7_NAMES, dict(r=r, w=w, k=k, v=v, a=a, b=b), scale,
                   initial_state, output_final_state, cu_seqlens, form, chunk_size)
     return eng.forward(), _pullback(eng, _RWKV7_GRADS)
