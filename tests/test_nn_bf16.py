@@ -134,3 +134,15 @@ def test_ops_run_their_bf16_path(monkeypatch):
     _, bf = pair("softmax")
     bf.forward(batch()[0])
     assert seen == [(2, T, H, D // H)] * 3 * L  # q, k, v of each layer
+
+
+def test_to_torch_takes_the_masters():
+    pytest.importorskip("torch")
+    _, bf = pair("gated_deltanet")
+    for p in bf.params.values():  # masters that bf16 cannot hold
+        p += np.float32(1e-4)
+    bf.forward(batch()[0])
+    module = bf.to_torch()
+    assert {n: t.detach().numpy().tolist() for n, t in module.named_parameters()} == \
+        {n: p.tolist() for n, p in bf.params.items()}
+    assert HybridLM.from_torch(module).config["dtype"] == "float32"
