@@ -128,9 +128,9 @@ class HybridLM(Module):
         super().__init__(dtype)
         specs = _mixer_specs(mixers, n_layers)
         d_ff = default_d_ff(d_model) if d_ff is None else d_ff
-        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
-                           mixers=[[n, o] for n, o in specs], n_heads=n_heads, d_ff=d_ff,
-                           tie_embeddings=tie_embeddings, dtype=(self.bf16 or dtype).name, seed=seed)
+        self.config: Dict[str, Any] = dict(
+            vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, mixers=[[n, o] for n, o in specs],
+            n_heads=n_heads, d_ff=d_ff, tie_embeddings=tie_embeddings, dtype=(self.bf16 or dtype).name, seed=seed)
         rng = np.random.default_rng(seed)
         out_std = 0.02 / np.sqrt(2 * n_layers)
         self.embed = self.add_module("embed", Embedding(vocab_size, d_model, dtype=dtype, rng=rng))
