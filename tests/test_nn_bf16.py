@@ -146,3 +146,15 @@ def test_to_torch_takes_the_masters():
     assert {n: t.detach().numpy().tolist() for n, t in module.named_parameters()} == \
         {n: p.tolist() for n, p in bf.params.items()}
     assert HybridLM.from_torch(module).config["dtype"] == "float32"
+
+
+def test_command_line_trains_a_bf16_model(tmp_path, capsys):
+    from pyattn.selfcheck import main
+
+    out = tmp_path / "m.npz"
+    rc = main(["train", "--steps", "3", "--examples", "32", "--seq-len", "16", "--kv-pairs", "2",
+               "--vocab", "16", "--d-model", "16", "--heads", "2", "--mixers", "gated_deltanet,softmax",
+               "--dtype", "bfloat16", "--out", str(out), "--no-progress"])
+    assert rc == 0 and "held-out accuracy" in capsys.readouterr().out
+    model = HybridLM.load(str(out))
+    assert model.config["dtype"] == "bfloat16" and model.params["embed.w"].dtype == np.float32
