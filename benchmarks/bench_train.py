@@ -4,6 +4,7 @@ same models written in PyTorch CPU eager, float32, same process, same thread cou
     python benchmarks/bench_train.py [--threads N] [--markdown] [--models hybrid softmax]
                                      [--batch 8] [--T 512] [--d-model 256] [--heads 4]
                                      [--layers 4] [--vocab 512] [--profile-steps 2] [--no-check]
+                                     [--bf16]
 
 Models (4 layers, d_model 256, 4 heads of 64, SwiGLU width 704, vocabulary 512, tied
 embeddings, batch 8 x T 512 = 4096 tokens a step):
@@ -50,6 +51,12 @@ convolutions, AdamW's update; the NumPy around them in the op wrappers is not co
 elementwise work (residuals, gates, the loss), copies, allocation and Python. The bar (the
 issue): pyattn's tokens/s >= 1.5x torch's for the hybrid and >= 1.2x for the all-softmax
 model, and "other" <= 30% of a step, at 2 threads.
+
+--bf16 adds a row per model: the same model made with ``dtype="bfloat16"`` (float32 master
+weights in AdamW, bf16 weights and q, k, v in the forward; the same initial parameters),
+timed interleaved with the float32 one on the same threads; "vs f32" = its tokens/s / the
+float32 model's, and the bar (the issue's, for the hybrid): >= 1.7x. It is profiled as well
+(``bf16_convert`` is the C conversion to and from bf16).
 """
 from __future__ import annotations
 
@@ -73,6 +80,7 @@ MODELS = {
     "softmax": ["softmax"] * 4,
 }
 BARS = {"hybrid": 1.5, "softmax": 1.2}
+BAR_BF16 = {"hybrid": 1.7}
 BAR_OTHER = 0.30
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 CHECK_TOL = 1e-4
@@ -369,6 +377,7 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--profile-steps", type=int, default=2, help="pyattn steps profiled (0: none)")
     p.add_argument("--no-check", action="store_true", help="skip the check against torch")
+    p.add_argument("--bf16", action="store_true", help="also time each model in bfloat16 (float32 masters)")
     p.set_defaults(target=None)
     args = p.parse_args(argv)
     if args.layers != 4:
@@ -383,7 +392,7 @@ def main(argv=None):
     common.print_header(
         timing,
         f"models: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
-        f"tied embeddings, float32; batch {args.batch} x T {args.T} = {tokens} tokens a step; "
+        f"tied embeddings, float32{' and bfloat16' if args.bf16 else ''}; batch {args.batch} x T {args.T} = {tokens} tokens a step; "
         "step = forward + cross-entropy + backward + AdamW",
         "pyattn.nn's matmuls: pyattn's threaded GEMM on pyattn's threads")
     if torch is None:
@@ -394,7 +403,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     data = rng.integers(0, args.vocab, (args.batch, args.T + 1))
     x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
-    rows, others, profiles, bars = [], [], [], []
+    rows, others, profiles, bars, bf16_bars = [], [], [], [], []
     for name in args.models:
         mixers = MODELS[name]
         pm = HybridLM(args.vocab, args.d_model, args.layers, mixers, n_heads=args.heads, seed=0)
@@ -423,25 +432,38 @@ def main(argv=None):
             print(f"{name}: mixers {mixers}; parameters: pyattn {nparams:,}")
         popt = AdamW(pm.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         pstep = pyattn_step(pm, popt, x, y)
-        cases.append(Case("pyattn", pstep))
+        pcase = Case("pyattn", pstep)
+        cases.append(pcase)
+        tcase = bcase = None
         if torch is not None:
-            cases.append(Case("torch", tstep))
+            tcase = Case("torch", tstep)
+            cases.append(tcase)
+        if args.bf16:
+            bm = HybridLM(args.vocab, args.d_model, args.layers, mixers, n_heads=args.heads, dtype="bfloat16",
+                          seed=0)
+            bstep = pyattn_step(bm, AdamW(bm.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD), x, y)
+            bcase = Case("pyattn bf16", bstep)
+            cases.append(bcase)
         other = common.measure(cases, timing)
         others.append(other)
-        tp = cases[0].median
+        tp = pcase.median
         for c in cases:
             t = c.median
-            ratio = f"{cases[1].median / tp:.2f}x" if (c is cases[0] and len(cases) > 1) else ""
+            vs_torch = f"{tcase.median / t:.2f}x" if tcase is not None and c is not tcase else ""
+            vs_f32 = f"{tp / t:.2f}x" if c is bcase else ""
             rows.append([name, c.name, fmt(t * 1e3, ".0f"), fmt(c.min * 1e3, ".0f"), fmt(tokens / t, ".0f"),
-                         ratio, c.samples_cell, common.load_cell(other)])
+                         vs_torch, vs_f32, c.samples_cell, common.load_cell(other)])
         if args.profile_steps > 0:
-            total, core, matmul = profile(pstep, args.profile_steps)
-            line, frac = profile_line(name, args.threads, total, core, matmul, args.profile_steps)
-            profiles.append((name, line, frac))
-        if len(cases) > 1:
-            bars.append((name, cases[1].median / tp, other))
+            for label, step in [(name, pstep)] + ([(name + " bf16", bstep)] if bcase is not None else []):
+                total, core, matmul = profile(step, args.profile_steps)
+                line, frac = profile_line(label, args.threads, total, core, matmul, args.profile_steps)
+                profiles.append((label, line, frac))
+        if tcase is not None:
+            bars.append((name, tcase.median / tp, other))
+        if bcase is not None and name in BAR_BF16:
+            bf16_bars.append((name, tp / bcase.median, other))
     print()
-    print_table(["model", "impl", "ms/step", "min ms", "tokens/s", "vs torch", "samples", "other %"],
+    print_table(["model", "impl", "ms/step", "min ms", "tokens/s", "vs torch", "vs f32", "samples", "other %"],
                 rows, markdown=args.markdown)
     print(common.load_footer(others))
     for _, line, _ in profiles:
@@ -453,6 +475,11 @@ def main(argv=None):
         if other is not None and other > common.QUIET["max_other"]:
             verdict = f"not judged: row disturbed ({100 * other:.0f}% other load)"
         print(f"  {name}: pyattn tokens/s = {r:.2f}x torch's, need >= {need}x: {verdict}")
+    for name, r, other in bf16_bars:
+        verdict = "PASS" if r >= BAR_BF16[name] else "FAIL"
+        if other is not None and other > common.QUIET["max_other"]:
+            verdict = f"not judged: row disturbed ({100 * other:.0f}% other load)"
+        print(f"  {name}: bf16 tokens/s = {r:.2f}x float32's, need >= {BAR_BF16[name]}x: {verdict}")
     for name, _, frac in profiles:
         print(f"  {name}: other (outside C ops and matmuls) {100 * frac:.1f}% of a step, need <= "
               f"{100 * BAR_OTHER:.0f}%: {'PASS' if frac <= BAR_OTHER else 'FAIL'}")

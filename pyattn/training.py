@@ -417,7 +417,8 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--eval-every", type=positive, default=None,
                         help="measure the held-out accuracy (and save the checkpoint) every N steps "
                              "and at the end (default: a tenth of the run)")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="of the model")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+                        help="of the model (bfloat16: float32 master weights, needs ml_dtypes)")
     parser.add_argument("--seed", type=_number(int, 0), default=0, help="of the data, weights and batches")
     parser.add_argument("--threads", type=positive, default=None,
                         help="threads for the kernels (default: pyattn's, from OMP_NUM_THREADS or the CPUs)")

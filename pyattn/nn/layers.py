@@ -15,11 +15,14 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 
 from .. import _core
+from .._bf16 import _signature, is_bf16, to_bf16, to_float32
 from .._rownorm import normalize_rows, normalize_rows_backward
 from ..rope import rotate, tables
 from ..autodiff import vjp
 
 INIT_STD = 0.02  # GPT-2 / fla's initializer_range
+QKV_ARGS = frozenset("q k v r x B C".split())  # the ops' query, key and value arguments (r: RWKV's
+# receptance; x, B, C: Mamba2's value, key and query)
 
 
 class Parameters(MutableMapping):
@@ -401,6 +404,13 @@ def grow_cache(cache: dict, names: Sequence[str], rows: int) -> None:
         cache[name] = np.concatenate([a, np.zeros((a.shape[0], extra) + a.shape[2:], a.dtype)], axis=1)
 
 
+def _widened(out):
+    """out with its bf16 arrays (at the top, or in a tuple or list) as float32 ones."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_widened(a) for a in out)
+    return to_float32(out) if is_bf16(out) else out
+
+
 class Mixer(Module):
     """A sequence mixer ``[B, T, d] -> [B, T, d]`` around one pyattn op.
 
@@ -408,10 +418,14 @@ class Mixer(Module):
     ``backward(dy) -> dx``; ``prefill(x, max_len) -> (y, cache)`` runs a prompt and returns
     what decoding needs; ``step(x [B, d], cache, pos) -> y [B, d]`` runs one more token at
     position ``pos``, updating ``cache`` in place. A subclass implements ``_mix(x, cache,
-    pos)`` (cache None in training) and ``new_cache(batch, max_len)``.
+    pos)`` (cache None in training) and ``new_cache(batch, max_len)``, and calls its op
+    through ``run_op``, ``op_vjp`` or ``op_call``: in a bf16 model (``bf16`` set) these pass
+    the op's query, key and value arguments as bfloat16 arrays, so that it runs its bf16 path,
+    and give its output and gradients back as float32 arrays.
     """
 
     _mix: Callable[[np.ndarray, Optional[dict], int], np.ndarray]
+    bf16: Optional[np.dtype] = None  # the bfloat16 dtype in a bf16 HybridLM (which sets it)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         return self._mix(x, None, 0)
@@ -439,12 +453,40 @@ class Mixer(Module):
         pullback for backward. Decoding: from the cached recurrent state, which is replaced by
         the final one; one token runs the recurrent form."""
         if cache is None:
-            (o, _), self.pullback = vjp(op, *args, **kwargs)
+            (o, _), self.pullback = self.op_vjp(op, *args, **kwargs)
             return o
         if args[0].shape[1] == 1:
             kwargs = dict(kwargs, form="recurrent")
-        o, cache["state"] = op(*args, initial_state=cache["state"], output_final_state=True, **kwargs)
+        o, cache["state"] = self.op_call(op, *args, initial_state=cache["state"], output_final_state=True,
+                                         **kwargs)
         return o
+
+    def _lowered(self, op, args, kwargs):
+        """(args, kwargs) with the op's query, key and value arguments (``QKV_ARGS``) rounded
+        to bfloat16 in a bf16 model, so that the op runs its bf16 path."""
+        if self.bf16 is None:
+            return args, kwargs
+        names = list(_signature(op).parameters)
+
+        def low(name, a):
+            return to_bf16(a, self.bf16) if name in QKV_ARGS and isinstance(a, np.ndarray) else a
+        return (tuple(low(n, a) for n, a in zip(names, args)),
+                {n: low(n, a) for n, a in kwargs.items()})
+
+    def op_call(self, op, *args, **kwargs):
+        """``op(*args, **kwargs)``, in a bf16 model with its q, k, v in bfloat16 and its
+        output widened back to float32 (the states stay float32)."""
+        args, kwargs = self._lowered(op, args, kwargs)
+        return _widened(op(*args, **kwargs))
+
+    def op_vjp(self, op, *args, **kwargs):
+        """``pyattn.vjp(op, *args, **kwargs)`` as ``op_call`` computes it: in a bf16 model the
+        output and every gradient come back float32 (the q, k, v ones being bf16 values)."""
+        args, kwargs = self._lowered(op, args, kwargs)
+        out, pullback = vjp(op, *args, **kwargs)
+        if self.bf16 is None:
+            return out, pullback
+        return _widened(out), lambda cot: {n: _widened(g) for n, g in pullback(cot).items()}
 
     def add_qkv(self, rng, d_model: int, widths: Sequence[int], short_conv: bool) -> None:
         """The q, k, v projections ``w_q, w_k, w_v`` (output widths ``widths``), each followed

@@ -9,7 +9,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .layers import Embedding, Linear, Module, RMSNorm, SwiGLU, linear, linear_backward
+from .._bf16 import to_bf16, to_float32
+from .layers import Embedding, Linear, Module, Parameters, RMSNorm, SwiGLU, linear, linear_backward
 from .memory import with_cached_arrays
 from .mixers import MIXERS
 from .npz import mismatch, read_npz, write_npz
@@ -68,6 +69,21 @@ def _mixer_specs(mixers, n_layers) -> List[Tuple[str, dict]]:
     return specs
 
 
+def _dtypes(dtype) -> Tuple[np.dtype, Optional[np.dtype]]:
+    """(the dtype of the model's arrays, the bfloat16 dtype or None) for HybridLM's dtype."""
+    if not (isinstance(dtype, str) and dtype == "bfloat16"):
+        dtype = np.dtype(dtype)
+        if dtype.name != "bfloat16":
+            if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+                raise TypeError(f"HybridLM: dtype must be float32, float64 or bfloat16, got {dtype}")
+            return dtype, None
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ImportError("HybridLM: dtype bfloat16 needs ml_dtypes: pip install 'pyattn[bf16]'") from None
+    return np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
+
+
 def default_d_ff(d_model: int) -> int:
     """Llama's SwiGLU width, 8/3 d_model, rounded up to a multiple of 32."""
     return -(-8 * d_model // 3 // 32) * 32
@@ -85,6 +101,17 @@ class HybridLM(Module):
     ``w_down``) with ``0.02 / sqrt(2 n_layers)`` (GPT-2); norms start at 1. ``dtype``
     "float32" or "float64": every parameter, activation and gradient has it.
 
+    ``dtype="bfloat16"`` (or ``ml_dtypes.bfloat16``; needs ``pip install 'pyattn[bf16]'``) is
+    mixed precision with float32 master weights: ``params`` (what AdamW updates and ``save``
+    writes) and ``grads`` are float32; ``forward`` and ``prefill`` first round every parameter
+    to bfloat16 into the copies that the layers compute with, and every mixer passes its op's
+    query, key and value arguments as bfloat16 arrays (the op's bf16 path, its output rounded
+    to bfloat16). Everything else is float32 arithmetic: the projections multiply the rounded
+    weights with float32 activations (NumPy has no bfloat16 matmul), and the norms, gates,
+    residual stream, logits and loss are float32. The gradients reaching the bf16 q, k, v
+    are rounded to bfloat16 by the op, as an autocast backward gives them; the others are
+    float32. ``step`` decodes with the weights rounded by the ``prefill`` that made its cache.
+
     ``params`` / ``grads`` map dotted names (``"blocks.0.mixer.w_q"``) to the model's own
     arrays; ``forward(tokens [B, T]) -> logits [B, T, V]`` keeps what ``backward(dlogits)``
     needs, which adds into ``grads`` (``zero_grad()`` clears them); ``prefill``, ``step`` and
@@ -97,15 +124,13 @@ class HybridLM(Module):
     def __init__(self, vocab_size: int, d_model: int, n_layers: int,
                  mixers: Union[str, Sequence], *, n_heads: int = 4, d_ff: Optional[int] = None,
                  tie_embeddings: bool = True, dtype="float32", seed: int = 0):
-        dtype = np.dtype(dtype)
-        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise TypeError(f"HybridLM: dtype must be float32 or float64, got {dtype}")
+        dtype, self.bf16 = _dtypes(dtype)
         super().__init__(dtype)
         specs = _mixer_specs(mixers, n_layers)
         d_ff = default_d_ff(d_model) if d_ff is None else d_ff
-        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
-                           mixers=[[n, o] for n, o in specs], n_heads=n_heads, d_ff=d_ff,
-                           tie_embeddings=tie_embeddings, dtype=dtype.name, seed=seed)
+        self.config: Dict[str, Any] = dict(
+            vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, mixers=[[n, o] for n, o in specs],
+            n_heads=n_heads, d_ff=d_ff, tie_embeddings=tie_embeddings, dtype=(self.bf16 or dtype).name, seed=seed)
         rng = np.random.default_rng(seed)
         out_std = 0.02 / np.sqrt(2 * n_layers)
         self.embed = self.add_module("embed", Embedding(vocab_size, d_model, dtype=dtype, rng=rng))
@@ -123,7 +148,25 @@ class HybridLM(Module):
         self.lm_head = None if tie_embeddings else self.add_module(
             "lm_head", Linear(d_model, vocab_size, dtype=dtype, rng=rng))
         self._forward_shape: Optional[Tuple[int, ...]] = None  # the last forward's logits, for backward
+        # the parameters by dotted name: the arrays the layers compute with, or in a bf16 model
+        # their float32 masters, of which the layers' arrays are the bf16 roundings
+        self.master = dict(self._named("p"))
+        if self.bf16 is not None:
+            self.master = {name: a.copy() for name, a in self.master.items()}
+            for block in self.blocks:
+                block.mixer.bf16 = self.bf16
         self.vocab: Optional[List[str]] = None
+
+    @property
+    def params(self) -> Parameters:
+        """The parameters by dotted name (a bf16 model's float32 masters)."""
+        return Parameters(self.master)
+
+    def _round_weights(self) -> None:
+        """A bf16 model's layer weights = its masters rounded to bfloat16."""
+        if self.bf16 is not None:
+            for name, a in self._named("p"):
+                a[...] = to_float32(to_bf16(self.master[name], self.bf16))
 
     @property
     def vocab_size(self) -> int:
@@ -146,7 +189,9 @@ class HybridLM(Module):
     @with_cached_arrays
     def forward(self, tokens) -> np.ndarray:
         """logits ``[B, T, vocab_size]`` of the next token at every position."""
-        x = self.embed.forward(self._tokens(tokens, 2))
+        tokens = self._tokens(tokens, 2)
+        self._round_weights()
+        x = self.embed.forward(tokens)
         for block in self.blocks:
             x = block.forward(x)
         logits = self._head(x)
@@ -190,6 +235,7 @@ class HybridLM(Module):
         self._forward_shape = None  # the layers' saved state becomes the decode's
         T = tokens.shape[1]
         max_len = 2 * T if max_len is None else max(max_len, T)
+        self._round_weights()
         x = self.embed.forward(tokens)
         layers = []
         for block in self.blocks:
@@ -288,7 +334,8 @@ class HybridLM(Module):
         """This model as a ``torch.nn.Module`` (``pyattn.torch.nn.HybridLM``): the same layers
         computing the same logits with ``pyattn.torch``'s ops, differentiable by autograd, its
         parameters copied under the same dotted names as ``params``; it carries ``config`` and
-        ``vocab`` for ``from_torch``. Needs torch (``pip install 'pyattn[torch]'``)."""
+        ``vocab`` for ``from_torch``. A bf16 model gives its float32 master weights, in a float32
+        module. Needs torch (``pip install 'pyattn[torch]'``)."""
         from ..torch.nn import HybridLM as TorchHybridLM
 
         return TorchHybridLM(self)

@@ -545,6 +545,10 @@ class HybridLM(torch.nn.Module):
             m.first = rwkv7[:1]
         self.norm = mirror(source.norm)
         self.lm_head = None if source.lm_head is None else mirror(source.lm_head)
+        if source.bf16 is not None:  # a bf16 model's parameters: its float32 masters
+            with torch.no_grad():
+                for name, t in self.named_parameters():
+                    t.copy_(torch.from_numpy(source.params[name]))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)

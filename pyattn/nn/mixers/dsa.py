@@ -59,12 +59,12 @@ class DeepSeekSparseAttention(SoftmaxAttention):
 
     def attention_vjp(self, q, k, v):
         self.qk = q, k
-        return vjp(dsa_attention, q, k, v, *self.index, top_k=self.top_k)
+        return self.op_vjp(dsa_attention, q, k, v, *self.index, top_k=self.top_k)
 
     def attend_cache(self, q, k, v, cache):
         iq, ik, iw = self.index
         kc, vc, ikc = self.append_cache(cache, k=k, v=v, ik=ik)
-        return dsa_attention(q, kc, vc, iq, ikc, iw, top_k=self.top_k)
+        return self.op_call(dsa_attention, q, kc, vc, iq, ikc, iw, top_k=self.top_k)
 
     def index_distillation(self, index, q, k):
         """(the indexer's loss, its gradient in the scores [B, T, T], the scores' pullback)

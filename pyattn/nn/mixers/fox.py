@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...autodiff import vjp
 from ...softmax import forgetting_attention
 from ..layers import linear, logsigmoid, normal, sigmoid
 from .softmax import SoftmaxAttention
@@ -42,7 +41,7 @@ class ForgettingAttention(SoftmaxAttention):
         fpre = self.proj(x, "w_f") + self.p["b_f"]
         f = logsigmoid(fpre)
         if cache is None:
-            o, self.pullback = vjp(forgetting_attention, q, k, v, f, window=self.window)
+            o, self.pullback = self.op_vjp(forgetting_attention, q, k, v, f, window=self.window)
         else:
             o = self.attend_gated_cache(q, k, v, f, cache)
         self.x, self.fpre, self.on = x, fpre, o.reshape(B, T, -1)
@@ -57,7 +56,7 @@ class ForgettingAttention(SoftmaxAttention):
         F = start[:, None] + np.cumsum(f, axis=1, dtype=np.float64)
         K, Vc, Fk = self.append_cache(cache, k=k, v=v, F=F)
         if n == 0:  # a prompt: the flash kernel, no T x T scores
-            return forgetting_attention(q, k, v, f, window=self.window)
+            return self.op_call(forgetting_attention, q, k, v, f, window=self.window)
         groups = self.H // self.Hk
         Kh, Vh = np.repeat(K, groups, axis=2), np.repeat(Vc, groups, axis=2)
         s = np.einsum("bthd,bshd->bhts", q, Kh) * self.D ** -0.5

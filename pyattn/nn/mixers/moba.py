@@ -1,7 +1,6 @@
 """MoBA: the softmax layer with mixture-of-block attention (Lu et al., 2025)."""
 from __future__ import annotations
 
-from ...autodiff import vjp
 from ...sparse import moba_attention
 from .softmax import SoftmaxAttention
 
@@ -26,7 +25,7 @@ class MoBAAttention(SoftmaxAttention):
         self.moba = dict(block_size=block_size, top_k=top_k)
 
     def attention_vjp(self, q, k, v):
-        return vjp(moba_attention, q, k, v, **self.moba)
+        return self.op_vjp(moba_attention, q, k, v, **self.moba)
 
     def attend_cache(self, q, k, v, cache):
-        return moba_attention(q, *self.append_cache(cache, k=k, v=v), **self.moba)
+        return self.op_call(moba_attention, q, *self.append_cache(cache, k=k, v=v), **self.moba)

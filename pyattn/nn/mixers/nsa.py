@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...autodiff import vjp
 from ...sparse import nsa_attention
 from ..layers import linear, normal, sigmoid
 from .softmax import SoftmaxAttention
@@ -39,7 +38,7 @@ class NativeSparseAttention(SoftmaxAttention):
         return super()._mix(x, cache, pos)
 
     def attention_vjp(self, q, k, v):
-        o, pullback = vjp(nsa_attention, q, k, v, *self.gates, **self.nsa)
+        o, pullback = self.op_vjp(nsa_attention, q, k, v, *self.gates, **self.nsa)
 
         def gates_too(do):
             grads = pullback(do)
@@ -49,7 +48,7 @@ class NativeSparseAttention(SoftmaxAttention):
         return o, gates_too
 
     def attend_cache(self, q, k, v, cache):
-        return nsa_attention(q, *self.append_cache(cache, k=k, v=v), *self.gates, **self.nsa)
+        return self.op_call(nsa_attention, q, *self.append_cache(cache, k=k, v=v), *self.gates, **self.nsa)
 
     def backward(self, dy):
         dx = super().backward(dy)

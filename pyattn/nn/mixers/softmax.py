@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...autodiff import vjp
 from ...softmax import attention_with_kvcache, softmax_attention
 from ..layers import Mixer, Rotary, grow_cache, linear, normal
 
@@ -66,7 +65,7 @@ class SoftmaxAttention(Mixer):
 
     def attention_vjp(self, q, k, v):
         """The training path's attention and its pullback."""
-        return vjp(softmax_attention, q, k, v, **self.mask)
+        return self.op_vjp(softmax_attention, q, k, v, **self.mask)
 
     def attend_cache(self, q, k, v, cache):
         """Writes k, v into the cache rows after its filled part and attends q over all
@@ -74,8 +73,8 @@ class SoftmaxAttention(Mixer):
         that decoding touches the cache."""
         n, T = cache["len"], k.shape[1]
         grow_cache(cache, ("k", "v"), n + T)
-        o = attention_with_kvcache(q, cache["k"], cache["v"], np.full(q.shape[0], n), k=k, v=v,
-                                   **self.mask)
+        o = self.op_call(attention_with_kvcache, q, cache["k"], cache["v"], np.full(q.shape[0], n), k=k,
+                         v=v, **self.mask)
         cache["len"] = n + T
         return o
 
