@@ -1,9 +1,13 @@
 /* The process-wide thread count, fork handling, the failed-allocation record and a wall
  * clock (see parallel.h). */
+#define _GNU_SOURCE /* sysconf(_SC_PHYS_PAGES) */
 #include "parallel.h"
 
 #include <pthread.h>
 #include <time.h>
+#include <unistd.h>
+
+size_t pa_alloc_limit = SIZE_MAX - 63;
 
 static int pa_threads = 0; /* 0: not chosen yet, use OpenMP's default (OMP_NUM_THREADS) */
 
@@ -55,6 +59,11 @@ void pa_parallel_init(void)
 {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, pa_register_fork_handlers);
+#ifdef _SC_PHYS_PAGES
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0 && (size_t)pages <= (SIZE_MAX - 63) / (size_t)page)
+        pa_alloc_limit = (size_t)pages * (size_t)page;
+#endif
 }
 
 /* The size of the last scratch allocation that failed, 0 when none has since the last
