@@ -420,7 +420,7 @@ def rwkv6(r: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, u: ArrayLike, 
 def dplr_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, a: ArrayLike, b: ArrayLike, gk: ArrayLike, *,
                     scale: Optional[float] = None, initial_state: Optional[ArrayLike] = None,
                     output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None,
-                    form: Literal["chunk", "recurrent"] = "recurrent", chunk_size: _ChunkSize = 64) -> _WithState:
+                    form: Literal["chunk", "recurrent"] = "chunk", chunk_size: _ChunkSize = 64) -> _WithState:
     """``pyattn.dplr_delta_rule`` on jax arrays: (o, final_state or None)."""
     return _call("dplr_delta_rule", locals())
 
@@ -428,7 +428,7 @@ def dplr_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, a: ArrayLike, b: A
 def rwkv7(r: ArrayLike, w: ArrayLike, k: ArrayLike, v: ArrayLike, a: ArrayLike, b: ArrayLike, *,
           scale: Optional[float] = 1.0, initial_state: Optional[ArrayLike] = None,
           output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None,
-          form: Literal["chunk", "recurrent"] = "recurrent", chunk_size: _ChunkSize = 64) -> _WithState:
+          form: Literal["chunk", "recurrent"] = "chunk", chunk_size: _ChunkSize = 64) -> _WithState:
     """``pyattn.rwkv7`` on jax arrays: (o, final_state or None)."""
     return _call("rwkv7", locals())
 
