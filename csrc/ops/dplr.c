@@ -302,6 +302,21 @@ static void PA_FN(dp_gram_grads)(PA_FN(dp_scratch) *sc, int64_t l, real alpha, r
     }
 }
 
+/* dp_gram_grads of a Gram of the rows of X and Y (both ld apart), added into their gradients
+ * dX and dY, its diagonal's pairs too (gate factor 1) */
+static void PA_FN(dp_gram_add)(PA_FN(dp_scratch) *sc, int64_t l, real alpha, real *Wm,
+                               const real *X, const real *Y, int64_t ld, real *dX, real *dY)
+{
+    const int64_t K = sc->K;
+    PA_FN(dp_gram_grads)(sc, l, alpha, Wm, X, ld, Y, ld);
+    for (int64_t i = 0; i < l; i++) {
+        PA_FN(axpy)(dX + i * ld, sc->Tq + i * K, K, 1);
+        PA_FN(axpy)(dX + i * ld, Y + i * ld, K, alpha * sc->dp[i]);
+        PA_FN(axpy)(dY + i * ld, sc->Tr + i * K, K, 1);
+        PA_FN(axpy)(dY + i * ld, X + i * ld, K, alpha * sc->dp[i]);
+    }
+}
+
 /* The block of rows c0 .. c0+l-1: its gate side, the shifted a rows, -A_ab (in A), A_ak (in
  * Mk) and Z = [W | U] = (I - A_ab)^-1 [a e^G_{i-1} | A_ak V]. */
 static void PA_FN(dp_block)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, PA_FN(dp_scratch) *sc)
@@ -451,21 +466,9 @@ static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l
     /* dPk = dO V^T and dPb = dO u^T: their pairs below the diagonal through the gated products,
      * then their diagonals, whose gate factor is 1 */
     PA_FN(la_gram_rows)(&plain_v, l, 1, dO, sv, v, sv, 0, sc->E, &sc->bufs);
-    PA_FN(dp_gram_grads)(sc, l, sc_, sc->E, q, sk, k, sk);
-    for (int64_t i = 0; i < l; i++) {
-        PA_FN(axpy)(dq + i * sk, sc->Tq + i * K, K, 1);
-        PA_FN(axpy)(dq + i * sk, k + i * sk, K, sc_ * sc->dp[i]);
-        PA_FN(axpy)(dk + i * sk, sc->Tr + i * K, K, 1);
-        PA_FN(axpy)(dk + i * sk, q + i * sk, K, sc_ * sc->dp[i]);
-    }
+    PA_FN(dp_gram_add)(sc, l, sc_, sc->E, q, k, sk, dq, dk);
     PA_FN(la_gram_rows)(&plain_v, l, 1, dO, sv, sc->Un, V, 0, sc->E, &sc->bufs);
-    PA_FN(dp_gram_grads)(sc, l, sc_, sc->E, q, sk, b, sk);
-    for (int64_t i = 0; i < l; i++) {
-        PA_FN(axpy)(dq + i * sk, sc->Tq + i * K, K, 1);
-        PA_FN(axpy)(dq + i * sk, b + i * sk, K, sc_ * sc->dp[i]);
-        PA_FN(axpy)(db + i * sk, sc->Tr + i * K, K, 1);
-        PA_FN(axpy)(db + i * sk, q + i * sk, K, sc_ * sc->dp[i]);
-    }
+    PA_FN(dp_gram_add)(sc, l, sc_, sc->E, q, b, sk, dq, db);
 
     /* dW = du S^T, then dS = diag(e^G_last) dS' + (Q~ f)^T dO + W^T du */
     PA_FN(gemm)(l, K, V, 1, du, W, 1, S, 1, V, 0, sc->R, W, work);
