@@ -807,3 +807,30 @@ def test_decode_group_path(dtype, kw):
                                          return_lse=True, **kw)
     assert_close(o, ro, tol)
     assert_close(lse, rl, tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize("slope", [3.0, -3.0, 0.02], ids=["climbing", "falling", "gentle"])
+@pytest.mark.parametrize("T", [7, 200, 301])
+def test_running_max_moves(T, slope, dtype):
+    """The online softmax's running max moving: scores that climb by 3 per key raise it in
+    every key block and inside every micro-tile of one, falling scores never do, and an
+    offset of 100 (exp(100) overflows float32) holds only if exp never sees a raw score.
+    Non-causal (tiles every query sees whole) and causal, against the float64 oracle on the
+    same (rounded) inputs."""
+    rng = np.random.default_rng(T)
+    D = 4
+    q = np.zeros((1, T, 2, D))
+    q[..., 0] = 1.0
+    q[..., 1:] = 0.1 * rng.standard_normal((1, T, 2, D - 1))
+    k = np.zeros((1, T, 2, D))
+    k[..., 0] = (100.0 + slope * np.arange(T))[None, :, None]
+    k[..., 1:] = rng.standard_normal((1, T, 2, D - 1))
+    v = rng.standard_normal((1, T, 2, 5))
+    q, k, v = as_dtype((q, k, v), dtype)
+    for causal in (False, True):
+        ro, rl = reference.softmax_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                             scale=1.0, causal=causal, return_lse=True)
+        o, lse = pyattn.softmax_attention(q, k, v, scale=1.0, causal=causal, return_lse=True)
+        assert_close(o, ro, tol_out(dtype), name="o")
+        assert_close(lse, rl, tol_out(dtype), name="lse")
