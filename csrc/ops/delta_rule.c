@@ -125,14 +125,34 @@ typedef struct {
     void *block;
 } PA_FN(dr_scratch);
 
+/* Bytes of the two GEMM buffers of a delta-family chunk scratch (this engine's and dplr's),
+ * blocks of L rows by K + V columns: one packed operand (*packed) and a GEMM's packing
+ * workspace (*work) for products up to max(L, K + V) square; none for L = 0 (no chunks). */
+static void PA_FN(dr_gemm_bytes)(int64_t L, int64_t K, int64_t V, size_t *packed, size_t *work)
+{
+    const int64_t big = L > K + V ? L : K + V;
+    *packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * sizeof(real) : 0;
+    *work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * sizeof(real) : 0;
+}
+
+/* The end of a delta-family scratch allocation: the gated products' buffers (la_bufs) share
+ * the scratch's packed operand, row list and workspace. 1 when the block was allocated. */
+static int PA_FN(dr_scratch_link)(const void *block, PA_FN(la_bufs) *bufs, real *Bp,
+                                  int64_t *rows, real *work)
+{
+    bufs->Bp = Bp;
+    bufs->rows = rows;
+    bufs->work = work;
+    return block != NULL;
+}
+
 static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, int64_t V,
                                    int64_t nstates)
 {
-    const int64_t W = K + V, big = L > W ? L : W;
-    const size_t r = sizeof(real), dbl = sizeof(double);
-    const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
-    const size_t packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * r : 0;
-    const size_t LL = L * L * r, LK = L * K * r;
+    const int64_t W = K + V;
+    const size_t r = sizeof(real), dbl = sizeof(double), LL = L * L * r, LK = L * K * r;
+    size_t packed, work;
+    PA_FN(dr_gemm_bytes)(L, K, V, &packed, &work);
     size_t bytes[] = {2 * L * dbl, 2 * LK, (2 * L + 1) * K * r, 2 * K * dbl, L * K * dbl,
                       L * r, L * r, LL, LL, LL, LL, LL, L * W * r, L * W * r, L * V * r,
                       LK, LK, LK, 2 * K * r, K * r, K * r, V * r, V * r, V * r,
@@ -151,10 +171,7 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
     s->L = L;
     s->K = K;
     s->V = V;
-    s->bufs.Bp = s->Bp;
-    s->bufs.rows = s->rows;
-    s->bufs.work = s->work;
-    return s->block != NULL;
+    return PA_FN(dr_scratch_link)(s->block, &s->bufs, s->Bp, s->rows, s->work);
 }
 
 /* dst = src (K V reals), or zeros when src is NULL */

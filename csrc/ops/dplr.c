@@ -112,11 +112,10 @@ typedef struct {
 static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t L, int64_t K, int64_t V,
                                    int64_t nstates)
 {
-    const int64_t W = K + V, big = L > W ? L : W;
-    const size_t r = sizeof(real), dbl = sizeof(double);
-    const size_t work = L ? (size_t)PA_FN(gemm_work_elems)(big, big, big) * r : 0;
-    const size_t packed = L ? (size_t)PA_FN(packed_b_elems)(big, big) * r : 0;
-    const size_t LL = L * L * r, LK = L * K * r;
+    const int64_t W = K + V;
+    const size_t r = sizeof(real), dbl = sizeof(double), LL = L * L * r, LK = L * K * r;
+    size_t packed, work;
+    PA_FN(dr_gemm_bytes)(L, K, V, &packed, &work);
     size_t bytes[] = {K * r, V * r, V * r, K * V * r, K * V * r, nstates * K * V * r,
                       2 * LK, (2 * L + 1) * K * r, 2 * K * dbl, L * K * dbl, L * r, LK,
                       LL, LL, LL, LL, LL, L * W * r, L * W * r, L * V * r, LK, LK, LK, K * r,
@@ -135,19 +134,7 @@ static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t L, int64_t K, i
     s->L = L;
     s->K = K;
     s->V = V;
-    s->bufs.Bp = s->Bp;
-    s->bufs.rows = s->rows;
-    s->bufs.work = s->work;
-    return s->block != NULL;
-}
-
-/* dst = src (K V reals), or zeros when src is NULL */
-static void PA_FN(dp_copy_state)(const real *src, real *dst, int64_t KV)
-{
-    if (src)
-        memcpy(dst, src, sizeof(real) * KV);
-    else
-        memset(dst, 0, sizeof(real) * KV);
+    return PA_FN(dr_scratch_link)(s->block, &s->bufs, s->Bp, s->rows, s->work);
 }
 
 /* e = e^gk_t over the K channels, each step clamped as the gate engines clamp it */
@@ -511,7 +498,7 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
     const int64_t KV = d->K * d->V, L = sc->L;
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
-    PA_FN(dp_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, sc->S, KV);
+    PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, sc->S, KV);
     if (L)
         for (int64_t c0 = 0; c0 < u.T; c0 += L) {
             const int64_t l = u.T - c0 < L ? u.T - c0 : L;
@@ -535,7 +522,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
     PA_FN(dp_unit_of)(c, unit, &u);
     const int64_t np = (u.T + P - 1) / P;
     real *states = sc->states, *dS = sc->dS;
-    PA_FN(dp_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
+    PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
     for (int64_t p = 0; p < np; p++) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
@@ -548,7 +535,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
             PA_FN(dp_recurrent)(&u, r0, n, d->scale, S, NULL, sc);
         }
     }
-    PA_FN(dp_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
+    PA_FN(dr_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
     real *trail = states + (np + 1) * KV; /* recurrent: a piece's states */
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;

@@ -441,7 +441,7 @@ typedef struct {
     real *S, *O, *m, *l, *dP, *dcap, *dK, *dV, *work;
     real *colsum;   /* a backward tile's column sums of dS (with a gate) */
     real *finite_b; /* a tile's B operand without its non-finite rows (sm_pack_finite_rows) */
-    uint32_t *pt;   /* bf16 products: P^T as a B-form operand (sm_forward_block_bf16) */
+    uint32_t *pt;   /* bf16 products: P^T as a B-form operand (sm_forward_keys_bf16) */
     real *orow;     /* bf16 products: a row of O */
     int64_t lds;    /* leading dimension of S */
 } PA_FN(sm_scratch);
@@ -578,51 +578,6 @@ static void PA_FN(sm_add_nonfinite_rows)(const pa_softmax_desc *d, int64_t ip0, 
     }
 }
 
-/* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax,
- * from Q (SM_B_COLUMNS), K (SM_A_ROWS) and V (SM_B_ROWS). */
-static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
-                                    const PA_FN(sm_packed) * Qp, const PA_FN(sm_packed) * Kp,
-                                    const PA_FN(sm_packed) * Vp, real *o, real *lse, int64_t n,
-                                    int64_t h, int64_t i0, int64_t bq, int64_t bkmax,
-                                    PA_FN(sm_scratch) * s)
-{
-    const int64_t H = d->H, Hk = d->Hk, Dv = d->Dv, lds = s->lds;
-    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
-    const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - q0);
-    const int64_t kh = h / (H / Hk);
-    real *O = s->O, *m = s->m, *l = s->l, *ST = s->S;
-    for (int64_t r = 0; r < bq; r++) {
-        m[r] = -(real)INFINITY;
-        l[r] = 0;
-    }
-    memset(O, 0, sizeof(real) * bq * Dv);
-    for (int64_t jblk = 0; jblk < tk; jblk += bkmax) {
-        int64_t j0, j1;
-        int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, jblk,
-                                       tk - jblk < bkmax ? tk : jblk + bkmax, tk, MR, &j0, &j1);
-        if (vis == SM_HIDDEN) continue;
-        const int64_t bk = j1 - j0;
-        PA_FN(sm_scores)(d, gt, n, h, Qp, Kp, 1, ST, lds, i0, bq, j0, bk, off, tk, vis, NULL);
-        PA_FN(sm_softmax_columns)(ST, lds, bk, bq, m, l, O, NULL, Dv, s->dP, s->dP + lds);
-        int64_t bps, lo, hi;
-        const real *Vb = PA_FN(sm_packed_at)(Vp, d, n, kh, j0, &bps);
-        if (vis == SM_PARTIAL && PA_FN(sm_bad_rows)(Vp, d, n, kh, j0, j1, &lo, &hi)) {
-            const real *V = PA_FN(sm_raw_row)(Vp, d, n, kh, j0);
-            PA_FN(sm_pack_finite_rows)(bk, Dv, V, Hk * Dv, lo, hi, s->finite_b);
-            PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, s->finite_b, bk * NR, 1, O, Dv);
-            PA_FN(sm_add_nonfinite_rows)(d, i0 + off, bq, j0, bk, tk, ST, 1, lds, V, Hk * Dv, Dv,
-                                         lo, hi, 0, 1, O, Dv);
-        } else {
-            PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, Vb, bps, 1, O, Dv);
-        }
-    }
-    for (int64_t r = 0; r < bq; r++) {
-        const int64_t row = (q0 + i0 + r) * H + h;
-        PA_FN(sm_write_row)(o + row * Dv, lse + row, O + r * Dv, Dv, m[r], l[r],
-                            PA_FN(sm_sees_keys)(d, i0 + r + off, tk));
-    }
-}
-
 /* A backward tile's probabilities: S [bq x w] (queries i0.. of head h of sequence n, keys
  * ja..jb-1, lds apart) becomes P = exp(S - lse); 0 for a query that sees no key, and at the
  * hidden pairs of a NaN row of a partial tile (exp(-inf - NaN) is NaN there too). */
@@ -690,6 +645,68 @@ static void PA_FN(sm_bwd_dscores)(const pa_softmax_desc *d, const PA_FN(sm_gate)
 #if SM_BF16
 #include "softmax_bf16.h"
 #endif
+
+/* One (sequence n, head h, query rows i0 .. i0+bq-1) of the forward, key blocks of bkmax,
+ * with float products from Q (SM_B_COLUMNS), K (SM_A_ROWS) and V (SM_B_ROWS), or where bf16
+ * (an sm_bf16_fwd) is given with its products (sm_forward_keys_bf16: O kept transposed). */
+static void PA_FN(sm_forward_block)(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
+                                    const PA_FN(sm_packed) * Qp, const PA_FN(sm_packed) * Kp,
+                                    const PA_FN(sm_packed) * Vp, const void *bf16, real *o,
+                                    real *lse, int64_t n, int64_t h, int64_t i0, int64_t bq,
+                                    int64_t bkmax, PA_FN(sm_scratch) * s)
+{
+    const int64_t H = d->H, Hk = d->Hk, Dv = d->Dv, lds = s->lds;
+    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
+    const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - q0);
+    const int64_t kh = h / (H / Hk);
+#if SM_BF16
+    const int64_t align = bf16 ? PA_BF16_PAD : MR; /* where the packed keys' blocks start */
+#else
+    const int64_t align = MR;
+#endif
+    real *O = s->O, *m = s->m, *l = s->l, *ST = s->S;
+    for (int64_t r = 0; r < bq; r++) {
+        m[r] = -(real)INFINITY;
+        l[r] = 0;
+    }
+    memset(O, 0, sizeof(real) * (bf16 ? Dv * lds : bq * Dv));
+    for (int64_t jblk = 0; jblk < tk; jblk += bkmax) {
+        int64_t j0, j1;
+        int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, jblk,
+                                       tk - jblk < bkmax ? tk : jblk + bkmax, tk, align, &j0, &j1);
+        if (vis == SM_HIDDEN) continue;
+#if SM_BF16
+        if (bf16) {
+            sm_forward_keys_bf16(d, gt, bf16, n, h, i0, bq, j0, j1, vis, s);
+            continue;
+        }
+#endif
+        const int64_t bk = j1 - j0;
+        PA_FN(sm_scores)(d, gt, n, h, Qp, Kp, 1, ST, lds, i0, bq, j0, bk, off, tk, vis, NULL);
+        PA_FN(sm_softmax_columns)(ST, lds, bk, bq, m, l, O, NULL, Dv, s->dP, s->dP + lds);
+        int64_t bps, lo, hi;
+        const real *Vb = PA_FN(sm_packed_at)(Vp, d, n, kh, j0, &bps);
+        if (vis == SM_PARTIAL && PA_FN(sm_bad_rows)(Vp, d, n, kh, j0, j1, &lo, &hi)) {
+            const real *V = PA_FN(sm_raw_row)(Vp, d, n, kh, j0);
+            PA_FN(sm_pack_finite_rows)(bk, Dv, V, Hk * Dv, lo, hi, s->finite_b);
+            PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, s->finite_b, bk * NR, 1, O, Dv);
+            PA_FN(sm_add_nonfinite_rows)(d, i0 + off, bq, j0, bk, tk, ST, 1, lds, V, Hk * Dv, Dv,
+                                         lo, hi, 0, 1, O, Dv);
+        } else {
+            PA_FN(gemm_packed_ab)(bq, Dv, bk, 1, ST, MR, lds, Vb, bps, 1, O, Dv);
+        }
+    }
+    for (int64_t r = 0; r < bq; r++) {
+        const int64_t row = (q0 + i0 + r) * H + h;
+        const real *acc = O + r * Dv;
+        if (bf16) { /* a column of O^T */
+            for (int64_t x = 0; x < Dv; x++) s->orow[x] = O[x * lds + r];
+            acc = s->orow;
+        }
+        PA_FN(sm_write_row)(o + row * Dv, lse + row, acc, Dv, m[r], l[r],
+                            PA_FN(sm_sees_keys)(d, i0 + r + off, tk));
+    }
+}
 
 /* One query (row i of sequence n, head h), keys streamed one at a time. acc: Dv scratch. */
 static void PA_FN(sm_forward_row)(const pa_softmax_desc *d, const real *q, const real *k,
@@ -1208,8 +1225,10 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
                      sm_bf16_finite(arrays, elems, 1);
     sm_bf16_fwd bp = {{0}, {0}, {0}};
     sm_bf16_pack *const bpacks[] = {&bp.q, &bp.k, &bp.vt};
+    const void *bf16_packs = bf16 ? &bp : NULL;
 #else
     const int bf16 = 0;
+    const void *bf16_packs = NULL;
 #endif
     PA_FN(sm_packed) Qp = {0}, Kp = {0}, Vp = {0};
     PA_FN(sm_packed) *const packs[] = {&Qp, &Kp, &Vp};
@@ -1259,12 +1278,9 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
             int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
             if (form == PA_FORM_RECURRENT)
                 PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
-#if SM_BF16
-            else if (bf16)
-                sm_forward_block_bf16(d, &gt, &bp, o, lse, n, h, i0, bq, bkmax, &s);
-#endif
             else
-                PA_FN(sm_forward_block)(d, &gt, &Qp, &Kp, &Vp, o, lse, n, h, i0, bq, bkmax, &s);
+                PA_FN(sm_forward_block)(d, &gt, &Qp, &Kp, &Vp, bf16_packs, o, lse, n, h, i0, bq,
+                                        bkmax, &s);
         }
         if (!tiled)
             free(acc);

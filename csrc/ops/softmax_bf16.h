@@ -211,51 +211,33 @@ typedef struct {
     sm_bf16_pack q, k, vt;
 } sm_bf16_fwd;
 
-/* sm_forward_block with bf16 products (s->pt: P^T, s->orow: a row of O) */
-static void sm_forward_block_bf16(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
-                                  const sm_bf16_fwd *pk, real *o, real *lse, int64_t n,
-                                  int64_t h, int64_t i0, int64_t bq, int64_t bkmax,
-                                  PA_FN(sm_scratch) * s)
+/* sm_forward_block's key block [j0, j1) (visibility vis) with bf16 products, into the
+ * transposed accumulator O^T [Dv x lds] (s->O; s->pt: P^T) */
+static void sm_forward_keys_bf16(const pa_softmax_desc *d, const PA_FN(sm_gate) * gt,
+                                 const sm_bf16_fwd *pk, int64_t n, int64_t h, int64_t i0,
+                                 int64_t bq, int64_t j0, int64_t j1, int vis,
+                                 PA_FN(sm_scratch) * s)
 {
-    const int64_t H = d->H, Dv = d->Dv, lds = s->lds, ldo = lds, kh = h / (H / d->Hk);
-    const int64_t q0 = d->cu_q[n], k0 = d->cu_k[n];
-    const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - q0);
+    const int64_t Dv = d->Dv, lds = s->lds, kh = h / (d->H / d->Hk), k0 = d->cu_k[n];
+    const int64_t tk = d->cu_k[n + 1] - k0, off = tk - (d->cu_q[n + 1] - d->cu_q[n]);
+    const int64_t bk = j1 - j0, pad = pa_bf16_round(bk, PA_BF16_PAD);
     int64_t bps_q, lda_k, lda_v;
     const uint32_t *Q = sm_bf16_at(&pk->q, n, h, i0, &bps_q);
-    real *OT = s->O, *m = s->m, *l = s->l, *ST = s->S;
-    for (int64_t r = 0; r < bq; r++) {
-        m[r] = -(real)INFINITY;
-        l[r] = 0;
+    const uint32_t *K = sm_bf16_at(&pk->k, n, kh, j0, &lda_k);
+    const uint32_t *VT = sm_bf16_at(&pk->vt, n, kh, j0, &lda_v);
+    real *ST = s->S;
+    /* the scores unscaled, which AMX stores straight from its tiles; the scale rides in the
+     * exponentials, or is applied first where a transform needs the true scores */
+    pa_bf16_gemm(bk, bq, (d->Dk + 1) / 2, 1, K, lda_k, Q, bps_q, 0, ST, lds);
+    real xs = (real)d->scale;
+    if (vis != SM_VISIBLE || d->softcap > 0 || d->alibi || gt->G || !(xs > 0)) {
+        for (int64_t x = 0; x < bk; x++) PA_FN(row_scale)(ST + x * lds, bq, xs);
+        PA_FN(sm_transform_tile)(d, gt, h, ST, 1, lds, bq, bk, i0 + off, j0, tk, k0, vis, NULL);
+        xs = 1;
     }
-    memset(OT, 0, sizeof(real) * Dv * ldo);
-    for (int64_t jblk = 0; jblk < tk; jblk += bkmax) {
-        int64_t j0, j1;
-        int vis = PA_FN(sm_block_keys)(d, i0 + off, i0 + bq - 1 + off, jblk,
-                                       tk - jblk < bkmax ? tk : jblk + bkmax, tk,
-                                       PA_BF16_PAD, &j0, &j1);
-        if (vis == SM_HIDDEN) continue;
-        const int64_t bk = j1 - j0, pad = pa_bf16_round(bk, PA_BF16_PAD);
-        const uint32_t *K = sm_bf16_at(&pk->k, n, kh, j0, &lda_k);
-        const uint32_t *VT = sm_bf16_at(&pk->vt, n, kh, j0, &lda_v);
-        /* the scores unscaled, which AMX stores straight from its tiles; the scale rides in the
-         * exponentials, or is applied first where a transform needs the true scores */
-        pa_bf16_gemm(bk, bq, (d->Dk + 1) / 2, 1, K, lda_k, Q, bps_q, 0, ST, lds);
-        real xs = (real)d->scale;
-        if (vis != SM_VISIBLE || d->softcap > 0 || d->alibi || gt->G || !(xs > 0)) {
-            for (int64_t x = 0; x < bk; x++) PA_FN(row_scale)(ST + x * lds, bq, xs);
-            PA_FN(sm_transform_tile)(d, gt, h, ST, 1, lds, bq, bk, i0 + off, j0, tk, k0, vis, NULL);
-            xs = 1;
-        }
-        sm_bf16_raise_max(ST, lds, bk, bq, xs, m, l, OT, ldo, Dv, s->dP, s->dP + lds);
-        sm_bf16_exp_pairs(ST, lds, bk, pad, bq, xs, s->dP + lds, l, s->pt);
-        pa_bf16_gemm(Dv, bq, (bk + 1) / 2, 1, VT, lda_v, s->pt, pad / 2 * 16, 1, OT, ldo);
-    }
-    for (int64_t r = 0; r < bq; r++) {
-        const int64_t row = (q0 + i0 + r) * H + h;
-        for (int64_t x = 0; x < Dv; x++) s->orow[x] = OT[x * ldo + r];
-        PA_FN(sm_write_row)(o + row * Dv, lse + row, s->orow, Dv, m[r], l[r],
-                            PA_FN(sm_sees_keys)(d, i0 + r + off, tk));
-    }
+    sm_bf16_raise_max(ST, lds, bk, bq, xs, s->m, s->l, s->O, lds, Dv, s->dP, s->dP + lds);
+    sm_bf16_exp_pairs(ST, lds, bk, pad, bq, xs, s->dP + lds, s->l, s->pt);
+    pa_bf16_gemm(Dv, bq, (bk + 1) / 2, 1, VT, lda_v, s->pt, pad / 2 * 16, 1, s->O, lds);
 }
 
 /* The backward's operands: Q and dO as A rows (S, dP), K and V as B columns (S, dP), K as
