@@ -123,10 +123,13 @@ typedef struct {
     int64_t rows; /* rows_k */
 } PA_FN(sm_gate);
 
+/* Frees gt's buffers; a second call (after sm_gate_alloc failed and freed them) does nothing */
 static void PA_FN(sm_gate_free)(PA_FN(sm_gate) * gt)
 {
     free(gt->G);
     free(gt->dcol);
+    gt->G = NULL;
+    gt->dcol = gt->drow = NULL;
 }
 
 /* gt for d (nothing to do without a gate); 0 if out of memory */
@@ -1235,57 +1238,49 @@ static int PA_FN(softmax_forward)(const pa_softmax_desc *d, const void *qv, cons
     const int npacks = tiled && !bf16 ? 3 : 0;
     PA_FN(sm_gate) gt;
     int64_t *first = malloc(sizeof(int64_t) * (nseq + 1));
-    if (!PA_FN(sm_gate_alloc)(&gt, d, 0) || !first ||
+    /* failed: an allocation here, or a thread's scratch below (every buffer freed at the end) */
+    int failed = !PA_FN(sm_gate_alloc)(&gt, d, 0) || !first ||
 #if SM_BF16
-        (bf16 && !(sm_bf16_pack_alloc(&bp.q, d, q, d->Dk, 1, SM_BF16_ROWS_B, 0) &&
-                   sm_bf16_pack_alloc(&bp.k, d, k, d->Dk, 0, SM_BF16_ROWS_A, 0) &&
-                   sm_bf16_pack_alloc(&bp.vt, d, v, d->Dv, 0, SM_BF16_PAIRS_A, 0))) ||
+                 (bf16 && !(sm_bf16_pack_alloc(&bp.q, d, q, d->Dk, 1, SM_BF16_ROWS_B, 0) &&
+                            sm_bf16_pack_alloc(&bp.k, d, k, d->Dk, 0, SM_BF16_ROWS_A, 0) &&
+                            sm_bf16_pack_alloc(&bp.vt, d, v, d->Dv, 0, SM_BF16_PAIRS_A, 0))) ||
 #endif
-        (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS, 0) &&
-                     PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS, 0) &&
-                     PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, 0, SM_B_ROWS, 1)))) {
-        free(first);
-        PA_FN(sm_gate_free)(&gt);
-        PA_FN(sm_packed_free)(&Qp);
-        PA_FN(sm_packed_free)(&Kp);
-        PA_FN(sm_packed_free)(&Vp);
-#if SM_BF16
-        for (int i = 0; i < 3; i++) sm_bf16_pack_free(bpacks[i]);
-#endif
-        return PA_ENOMEM;
-    }
-    const int64_t items = PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first);
-    int failed = 0;
+                 (npacks && !(PA_FN(sm_pack_alloc)(&Qp, d, q, d->Dk, 1, SM_B_COLUMNS, 0) &&
+                              PA_FN(sm_pack_alloc)(&Kp, d, k, d->Dk, 0, SM_A_ROWS, 0) &&
+                              PA_FN(sm_pack_alloc)(&Vp, d, v, d->Dv, 0, SM_B_ROWS, 1)));
+    if (!failed) {
+        const int64_t items = PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first);
 #pragma omp parallel num_threads(PA_FN(sm_threads)(d, items))
-    {
-        PA_FN(sm_pack_fill)(packs, npacks, d);
+        {
+            PA_FN(sm_pack_fill)(packs, npacks, d);
 #if SM_BF16
-        sm_bf16_pack_fill(bpacks, bf16 ? 3 : 0, d);
+            sm_bf16_pack_fill(bpacks, bf16 ? 3 : 0, d);
 #endif
-        PA_FN(sm_gate_fill)(&gt, d);
-        PA_FN(sm_scratch) s;
-        real *acc = NULL; /* the recurrent form's scratch */
-        int ok = pa_scratch_ok(tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0, bf16)
-                                     : (acc = pa_alloc(sizeof(real) * d->Dv)) != NULL,
-                               &failed);
-        int64_t n = 0;
+            PA_FN(sm_gate_fill)(&gt, d);
+            PA_FN(sm_scratch) s;
+            real *acc = NULL; /* the recurrent form's scratch */
+            int ok = pa_scratch_ok(tiled ? PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 0, bf16)
+                                         : (acc = pa_alloc(sizeof(real) * d->Dv)) != NULL,
+                                   &failed);
+            int64_t n = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < items; t++) {
-            if (!ok) continue;
-            int64_t h, b;
-            PA_FN(sm_item)(first, t, H, 1, &n, &h, &b);
-            int64_t tq = d->cu_q[n + 1] - d->cu_q[n], i0 = b * bqmax;
-            int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
-            if (form == PA_FORM_RECURRENT)
-                PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
-            else
-                PA_FN(sm_forward_block)(d, &gt, &Qp, &Kp, &Vp, bf16_packs, o, lse, n, h, i0, bq,
-                                        bkmax, &s);
+            for (int64_t t = 0; t < items; t++) {
+                if (!ok) continue;
+                int64_t h, b;
+                PA_FN(sm_item)(first, t, H, 1, &n, &h, &b);
+                int64_t tq = d->cu_q[n + 1] - d->cu_q[n], i0 = b * bqmax;
+                int64_t bq = tq - i0 < bqmax ? tq - i0 : bqmax;
+                if (form == PA_FORM_RECURRENT)
+                    PA_FN(sm_forward_row)(d, q, k, v, o, lse, n, h, i0, acc);
+                else
+                    PA_FN(sm_forward_block)(d, &gt, &Qp, &Kp, &Vp, bf16_packs, o, lse, n, h, i0, bq,
+                                            bkmax, &s);
+            }
+            if (!tiled)
+                free(acc);
+            else if (ok)
+                PA_FN(sm_scratch_free)(&s);
         }
-        if (!tiled)
-            free(acc);
-        else if (ok)
-            PA_FN(sm_scratch_free)(&s);
     }
     free(first);
     PA_FN(sm_gate_free)(&gt);
