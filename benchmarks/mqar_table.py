@@ -2,7 +2,7 @@
 and width, each the best of a small learning-rate sweep, all under one training budget.
 
     python benchmarks/mqar_table.py [--jobs N] [--threads N] [--steps 3000] [--batch-size 32]
-        [--examples 20000] [--lrs 3e-4,5e-4,7e-4,1e-3,3e-3] [--widths 64,128]
+        [--examples 20000] [--lrs 3e-4,5e-4,7e-4,1e-3,3e-3] [--widths 64,128] [--dtype bfloat16]
         [--models softmax,linear,retnet,mamba2,gla,deltanet,gated_deltanet,hybrid]
         [--shard K/N] [--out DIR]
     python benchmarks/mqar_table.py --merge DIR_OR_JSONL [...]      # the table of earlier runs
@@ -10,7 +10,8 @@ and width, each the best of a small learning-rate sweep, all under one training 
 Task (defaults): sequences of 128 tokens, 16 key-value pairs, vocabulary 512
 (``pyattn.data.mqar``); ``--examples`` training rows (seed 0) and ``--eval-examples``
 held-out rows (seed 1, a different draw). Model: ``HybridLM(vocab, d_model, 2, mixers,
-n_heads=4)``, float32, every mixer with its defaults ("linear": feature map elu1, its
+n_heads=4)``, float32 (or ``--dtype bfloat16``: the bf16 model, float32 master weights),
+every mixer with its defaults ("linear": feature map elu1, its
 default); "hybrid" is ``["gated_deltanet", "softmax"]`` (a Gated DeltaNet layer, then a
 softmax layer). Training: ``pyattn.train`` (AdamW, weight decay 0.1, clip 1.0, cosine
 schedule with 10% warm-up), the same ``--steps`` x ``--batch-size`` rows drawn from the same
@@ -47,11 +48,12 @@ LABELS = {"softmax": "Softmax attention", "linear": "Linear attention (elu+1)",
           "retnet": "RetNet", "mamba2": "Mamba2", "gla": "GLA", "deltanet": "DeltaNet",
           "gated_deltanet": "Gated DeltaNet", "hybrid": "Hybrid (Gated DeltaNet + softmax)"}
 HYBRID = ["gated_deltanet", "softmax"]
+DTYPES = ("float32", "bfloat16")
 CHECKPOINT_EVERY = 50  # steps; a killed run redoes at most this many
 # the settings every run of a table shares, recorded with each result; a result counts as done
 # for a later command only when they all match
 BUDGET = ("steps", "batch_size", "examples", "eval_examples", "seq_len", "kv_pairs", "vocab",
-          "layers", "heads", "seed")
+          "layers", "heads", "seed", "dtype")
 # ms per training step (forward + backward, batch 32, T 128, one thread), measured with this
 # script's settings on a 2-core x86-64 machine; only the order and balance of the runs use it.
 COST = {64: {"softmax": 133, "linear": 90, "retnet": 141, "mamba2": 207, "gla": 139,
@@ -85,7 +87,7 @@ def one_run(opts) -> Dict:
     eval_data = pyattn.data.mqar(opts.eval_examples, opts.seq_len, opts.kv_pairs, opts.vocab,
                                  seed=opts.seed + 1)
     model = HybridLM(opts.vocab, d_model, opts.layers, mixers_of(model_name, opts.layers), n_heads=opts.heads,
-                     seed=opts.seed)
+                     dtype=opts.dtype, seed=opts.seed)
     # the curve on the first 256 held-out rows; the final figure on all of them
     probe = (eval_data[0][:256], eval_data[1][:256])
     ckpt = opts.checkpoint
@@ -225,20 +227,24 @@ def load_results(paths: List[str]) -> List[Dict]:
             p = os.path.join(p, "results.jsonl")
         with open(p) as f:
             results += [json.loads(l) for l in f if l.strip()]
+    for r in results:  # results from before --dtype were all float32
+        r.setdefault("dtype", "float32")
     return results
 
 
 def table(results: List[Dict], models=None, widths=None) -> str:
-    """Markdown: a row per model, per width the best accuracy over the lrs and that lr."""
+    """Markdown: a row per model (and dtype, where a model ran in more than float32), per
+    width the best accuracy over the lrs and that lr."""
     models = models or [m for m in MODELS if any(r["model"] == m for r in results)]
     widths = widths or sorted({r["d_model"] for r in results})
     head = "| model | " + " | ".join(f"d_model {d}: accuracy (lr) | lrs tried" for d in widths) + " |"
     rule = "|---|" + "---:|---|" * len(widths)
     rows = [head, rule]
-    for m in models:
+    for m, dtype in [(m, t) for m in models for t in DTYPES if any(r["model"] == m and r.get("dtype", "float32") == t
+                                                                 for r in results)]:
         cells = []
         for d in widths:
-            rs = [r for r in results if r["model"] == m and r["d_model"] == d]
+            rs = [r for r in results if r["model"] == m and r["d_model"] == d and r.get("dtype", "float32") == dtype]
             ok = [r for r in rs if r.get("accuracy") is not None]
             tried = ", ".join(f"{r['lr']:g}: {r['accuracy']:.3f}" if r.get("accuracy") is not None
                               else f"{r['lr']:g}: failed" for r in sorted(rs, key=lambda r: r["lr"]))
@@ -247,7 +253,8 @@ def table(results: List[Dict], models=None, widths=None) -> str:
                 cells.append(f"{best['accuracy']:.4f} ({best['lr']:g}) | {tried}")
             else:
                 cells.append(f"{'failed' if rs else 'not run'} | {tried}")
-        rows.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
+        label = LABELS.get(m, m) + ("" if dtype == "float32" else f", {dtype}")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -286,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--evals", type=int, default=10, help="points of each run's accuracy curve")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="the models' dtype (bfloat16: HybridLM's bf16 layers, float32 master weights)")
     ap.add_argument("--threads", type=int, default=1,
                     help="pyattn's threads for each run (a run's results do not depend on it)")
     ap.add_argument("--shard", type=parse_shard, default=None, help="K/N: the K-th of N subsets")
