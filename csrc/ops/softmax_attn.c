@@ -1485,97 +1485,91 @@ static int PA_FN(softmax_backward)(const pa_softmax_desc *d, const void *qv, con
     int64_t *first_k = malloc(sizeof(int64_t) * (nseq + 1)), *first_q = malloc(sizeof(int64_t) * (nseq + 1));
     real *Drow = pa_alloc(sizeof(real) * (rows_q * H + 1));
     PA_FN(sm_gate) gt;
-    if (!PA_FN(sm_gate_alloc)(&gt, d, 1) || !Drow || !first_k || !first_q ||
+    /* failed: an allocation here, or a thread's scratch below (every buffer freed at the end) */
+    int failed = !PA_FN(sm_gate_alloc)(&gt, d, 1) || !Drow || !first_k || !first_q ||
 #if SM_BF16
-        (bf16 && !(sm_bf16_pack_alloc(&bb.q, d, q, Dk, 1, SM_BF16_ROWS_A, PA_BF16_PAD) &&
-                   sm_bf16_pack_alloc(&bb.dout, d, dout, Dv, 1, SM_BF16_ROWS_A, PA_BF16_PAD) &&
-                   sm_bf16_pack_alloc(&bb.kt, d, k, Dk, 0, SM_BF16_ROWS_B, 0) &&
-                   sm_bf16_pack_alloc(&bb.vt, d, v, Dv, 0, SM_BF16_ROWS_B, 0) &&
-                   sm_bf16_pack_alloc(&bb.k, d, k, Dk, 0, SM_BF16_PAIRS_B, 0) &&
-                   sm_bf16_pack_alloc(&bb.dout_pairs, d, dout, Dv, 1, SM_BF16_PAIRS_B, PA_BF16_PAD) &&
-                   sm_bf16_pack_alloc(&bb.q_pairs, d, q, Dk, 1, SM_BF16_PAIRS_B, PA_BF16_PAD))) ||
+                 (bf16 && !(sm_bf16_pack_alloc(&bb.q, d, q, Dk, 1, SM_BF16_ROWS_A, PA_BF16_PAD) &&
+                            sm_bf16_pack_alloc(&bb.dout, d, dout, Dv, 1, SM_BF16_ROWS_A, PA_BF16_PAD) &&
+                            sm_bf16_pack_alloc(&bb.kt, d, k, Dk, 0, SM_BF16_ROWS_B, 0) &&
+                            sm_bf16_pack_alloc(&bb.vt, d, v, Dv, 0, SM_BF16_ROWS_B, 0) &&
+                            sm_bf16_pack_alloc(&bb.k, d, k, Dk, 0, SM_BF16_PAIRS_B, 0) &&
+                            sm_bf16_pack_alloc(&bb.dout_pairs, d, dout, Dv, 1, SM_BF16_PAIRS_B,
+                                               PA_BF16_PAD) &&
+                            sm_bf16_pack_alloc(&bb.q_pairs, d, q, Dk, 1, SM_BF16_PAIRS_B,
+                                               PA_BF16_PAD))) ||
 #endif
-        (npacks && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS, 1) &&
-                    PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS, 0) &&
-                    PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS, 1) &&
-                    PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS, 0) &&
-                    PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS, 1) &&
-                    PA_FN(sm_pack_alloc)(&pk.dOr, d, dout, Dv, 1, SM_B_ROWS, 0) &&
-                    PA_FN(sm_pack_alloc)(&pk.Qr, d, q, Dk, 1, SM_B_ROWS, 0)))) {
-        free(Drow);
-        free(first_k);
-        free(first_q);
-        PA_FN(sm_gate_free)(&gt);
-        PA_FN(sm_bwd_packs_free)(&pk);
-#if SM_BF16
-        for (int i = 0; i < 7; i++) sm_bf16_pack_free(bpacks[i]);
-#endif
-        return PA_ENOMEM;
-    }
-    /* the blocks are empty (0) when a side has no rows at all: then no tile is made */
-    const int64_t items_k = tiled ? PA_FN(sm_items)(d->cu_k, nseq, bkmax, Hk, first_k) : 0;
-    const int64_t items_q = tiled ? PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first_q) : 0;
-    const int nthreads = PA_FN(sm_threads)(d, tiled ? (items_k > items_q ? items_k : items_q)
-                                                    : nseq * Hk);
-    const int split = tiled && nseq * Hk < 2 * nthreads;
-    if (!tiled) { /* accumulated in place (recurrent), or no tile touches them */
-        memset(dk, 0, sizeof(real) * rows_k * Hk * Dk);
-        memset(dv, 0, sizeof(real) * rows_k * Hk * Dv);
-    }
-    int failed = 0;
+                 (npacks && !(PA_FN(sm_pack_alloc)(&pk.Q, d, q, Dk, 1, SM_A_ROWS, 1) &&
+                              PA_FN(sm_pack_alloc)(&pk.KT, d, k, Dk, 0, SM_B_COLUMNS, 0) &&
+                              PA_FN(sm_pack_alloc)(&pk.dO, d, dout, Dv, 1, SM_A_ROWS, 1) &&
+                              PA_FN(sm_pack_alloc)(&pk.VT, d, v, Dv, 0, SM_B_COLUMNS, 0) &&
+                              PA_FN(sm_pack_alloc)(&pk.K, d, k, Dk, 0, SM_B_ROWS, 1) &&
+                              PA_FN(sm_pack_alloc)(&pk.dOr, d, dout, Dv, 1, SM_B_ROWS, 0) &&
+                              PA_FN(sm_pack_alloc)(&pk.Qr, d, q, Dk, 1, SM_B_ROWS, 0)));
+    if (!failed) {
+        /* the blocks are empty (0) when a side has no rows at all: then no tile is made */
+        const int64_t items_k = tiled ? PA_FN(sm_items)(d->cu_k, nseq, bkmax, Hk, first_k) : 0;
+        const int64_t items_q = tiled ? PA_FN(sm_items)(d->cu_q, nseq, bqmax, H, first_q) : 0;
+        const int nthreads = PA_FN(sm_threads)(d, tiled ? (items_k > items_q ? items_k : items_q)
+                                                        : nseq * Hk);
+        const int split = tiled && nseq * Hk < 2 * nthreads;
+        if (!tiled) { /* accumulated in place (recurrent), or no tile touches them */
+            memset(dk, 0, sizeof(real) * rows_k * Hk * Dk);
+            memset(dv, 0, sizeof(real) * rows_k * Hk * Dv);
+        }
 #pragma omp parallel num_threads(nthreads)
-    {
-        PA_FN(sm_pack_fill)(packs, npacks, d);
+        {
+            PA_FN(sm_pack_fill)(packs, npacks, d);
 #if SM_BF16
-        sm_bf16_pack_fill(bpacks, bf16 ? 7 : 0, d);
+            sm_bf16_pack_fill(bpacks, bf16 ? 7 : 0, d);
 #endif
-        PA_FN(sm_gate_fill)(&gt, d);
-        /* D = rowsum(dO * O) - dlse; dq is accumulated */
+            PA_FN(sm_gate_fill)(&gt, d);
+            /* D = rowsum(dO * O) - dlse; dq is accumulated */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows_q * H; r++) {
-            Drow[r] = PA_FN(dot)(dout + r * Dv, o + r * Dv, Dv) - (dlse ? dlse[r] : 0);
-            memset(dq + r * Dk, 0, sizeof(real) * Dk);
-        }
-        PA_FN(sm_scratch) s;
-        int ok = pa_scratch_ok(!tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1, bf16), &failed);
-        if (form == PA_FORM_RECURRENT) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < nseq * Hk; u++)
-                PA_FN(sm_backward_unit_recurrent)(d, q, k, v, lse, dout, Drow, dq, dk, dv, u / Hk,
-                                                  u % Hk);
-        } else if (tiled && !split) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < nseq * Hk; u++) {
-                int64_t n = u / Hk, tk = d->cu_k[n + 1] - d->cu_k[n];
-                for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
-                    PA_FN(sm_backward_keys)(d, &pk, &gt, lse, Drow, dq, 1, dk, dv, n, u % Hk, j0,
-                                            tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
+            for (int64_t r = 0; r < rows_q * H; r++) {
+                Drow[r] = PA_FN(dot)(dout + r * Dv, o + r * Dv, Dv) - (dlse ? dlse[r] : 0);
+                memset(dq + r * Dk, 0, sizeof(real) * Dk);
             }
-        } else if (tiled) {
-            int64_t n = 0;
+            PA_FN(sm_scratch) s;
+            int ok = pa_scratch_ok(!tiled || PA_FN(sm_scratch_alloc)(&s, d, bqmax, bkmax, 1, bf16), &failed);
+            if (form == PA_FORM_RECURRENT) {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t u = 0; u < nseq * Hk; u++)
+                    PA_FN(sm_backward_unit_recurrent)(d, q, k, v, lse, dout, Drow, dq, dk, dv, u / Hk,
+                                                      u % Hk);
+            } else if (tiled && !split) {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t u = 0; u < nseq * Hk; u++) {
+                    int64_t n = u / Hk, tk = d->cu_k[n + 1] - d->cu_k[n];
+                    for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
+                        PA_FN(sm_backward_keys)(d, &pk, &gt, lse, Drow, dq, 1, dk, dv, n, u % Hk, j0,
+                                                tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
+                }
+            } else if (tiled) {
+                int64_t n = 0;
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t t = 0; t < items_k; t++) {
-                int64_t kh, b;
-                PA_FN(sm_item)(first_k, t, Hk, 0, &n, &kh, &b);
-                int64_t tk = d->cu_k[n + 1] - d->cu_k[n], j0 = b * bkmax;
-                if (ok)
-                    PA_FN(sm_backward_keys)(d, &pk, &gt, lse, Drow, dq, 0, dk, dv, n, kh, j0,
-                                            tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
-            }
-            n = 0;
+                for (int64_t t = 0; t < items_k; t++) {
+                    int64_t kh, b;
+                    PA_FN(sm_item)(first_k, t, Hk, 0, &n, &kh, &b);
+                    int64_t tk = d->cu_k[n + 1] - d->cu_k[n], j0 = b * bkmax;
+                    if (ok)
+                        PA_FN(sm_backward_keys)(d, &pk, &gt, lse, Drow, dq, 0, dk, dv, n, kh, j0,
+                                                tk - j0 < bkmax ? tk - j0 : bkmax, bqmax, &s);
+                }
+                n = 0;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < items_q; t++) {
-                int64_t h, b;
-                PA_FN(sm_item)(first_q, t, H, 1, &n, &h, &b);
-                int64_t tq = d->cu_q[n + 1] - d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
-                int64_t i0 = b * bqmax, bq = tq - i0 < bqmax ? tq - i0 : bqmax;
-                for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
-                    PA_FN(sm_backward_tile)(d, &pk, &gt, lse, Drow, dq, 1, NULL, NULL, n, h, i0, bq,
-                                            j0, tk - j0 < bkmax ? tk - j0 : bkmax, &s);
+                for (int64_t t = 0; t < items_q; t++) {
+                    int64_t h, b;
+                    PA_FN(sm_item)(first_q, t, H, 1, &n, &h, &b);
+                    int64_t tq = d->cu_q[n + 1] - d->cu_q[n], tk = d->cu_k[n + 1] - d->cu_k[n];
+                    int64_t i0 = b * bqmax, bq = tq - i0 < bqmax ? tq - i0 : bqmax;
+                    for (int64_t j0 = 0; ok && j0 < tk; j0 += bkmax)
+                        PA_FN(sm_backward_tile)(d, &pk, &gt, lse, Drow, dq, 1, NULL, NULL, n, h, i0, bq,
+                                                j0, tk - j0 < bkmax ? tk - j0 : bkmax, &s);
+                }
             }
+            PA_FN(sm_gate_finish)(&gt, d, q, k, dq, dk, dg);
+            if (ok && tiled) PA_FN(sm_scratch_free)(&s);
         }
-        PA_FN(sm_gate_finish)(&gt, d, q, k, dq, dk, dg);
-        if (ok && tiled) PA_FN(sm_scratch_free)(&s);
     }
     free(Drow);
     free(first_k);
