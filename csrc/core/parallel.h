@@ -71,14 +71,14 @@ static inline int pa_scratch_ok(int ok, int *failed)
     return ok;
 }
 
-/* 64-byte aligned allocation; NULL on failure (the caller reports PA_ENOMEM), its size
- * noted for the MemoryError. */
 /* The most bytes one allocation may ask for: the machine's physical memory (set at import).
  * Where the OS overcommits (Linux's vm.overcommit_memory = 1) it grants any size and kills
  * the process when the pages are touched; a scratch buffer larger than the machine is a
  * MemoryError instead. */
 extern size_t pa_alloc_limit;
 
+/* 64-byte aligned allocation; NULL on failure (the caller reports PA_ENOMEM), its size
+ * noted for the MemoryError. */
 static inline void *pa_alloc(size_t bytes)
 {
     void *p = bytes <= pa_alloc_limit ? aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64) : NULL;
