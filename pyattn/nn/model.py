@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .._bf16 import to_bf16, to_float32
+from .. import _core
 from .layers import Embedding, Linear, Module, Parameters, RMSNorm, SwiGLU, linear, linear_backward
 from .memory import with_cached_arrays
 from .mixers import MIXERS
@@ -153,6 +153,8 @@ class HybridLM(Module):
         self.master = dict(self._named("p"))
         if self.bf16 is not None:
             self.master = {name: a.copy() for name, a in self.master.items()}
+            # one parameter's bf16 bits at a time, for _round_weights
+            self._bits = np.empty(max(a.size for a in self.master.values()), np.uint16)
             for block in self.blocks:
                 block.mixer.bf16 = self.bf16
         self.vocab: Optional[List[str]] = None
@@ -163,10 +165,13 @@ class HybridLM(Module):
         return Parameters(self.master)
 
     def _round_weights(self) -> None:
-        """A bf16 model's layer weights = its masters rounded to bfloat16."""
+        """A bf16 model's layer weights = its masters rounded to bfloat16, in place (through
+        one buffer of bf16 bits: no array is allocated)."""
         if self.bf16 is not None:
             for name, a in self._named("p"):
-                a[...] = to_float32(to_bf16(self.master[name], self.bf16))
+                bits = self._bits[:a.size]
+                _core.bf16_convert(self.master[name].reshape(-1), bits)
+                _core.bf16_convert(bits, a.reshape(-1))
 
     @property
     def vocab_size(self) -> int:
