@@ -203,7 +203,7 @@ def launch(opts, runs, out_dir: Optional[str]) -> List[Dict]:
                 tail = out.strip()[-400:]
                 print(f"[{time.perf_counter() - t0:7.1f} s] FAILED {m} d={d} lr={lr:g} (exit "
                       f"{p.returncode}): {tail}", file=sys.stderr, flush=True)
-                r = {"model": m, "d_model": d, "lr": lr, "accuracy": None, "error": tail}
+                r = {"model": m, "d_model": d, "lr": lr, "dtype": opts.dtype, "accuracy": None, "error": tail}
             else:
                 r = json.loads(lines[-1])
                 if ckpt_dir:  # the result is kept; the run's checkpoint is no longer needed
@@ -233,18 +233,18 @@ def load_results(paths: List[str]) -> List[Dict]:
 
 
 def table(results: List[Dict], models=None, widths=None) -> str:
-    """Markdown: a row per model (and dtype, where a model ran in more than float32), per
-    width the best accuracy over the lrs and that lr."""
+    """Markdown: a row per model and dtype (results as load_results gives them), per width
+    the best accuracy over the lrs and that lr."""
     models = models or [m for m in MODELS if any(r["model"] == m for r in results)]
     widths = widths or sorted({r["d_model"] for r in results})
     head = "| model | " + " | ".join(f"d_model {d}: accuracy (lr) | lrs tried" for d in widths) + " |"
     rule = "|---|" + "---:|---|" * len(widths)
     rows = [head, rule]
-    for m, dtype in [(m, t) for m in models for t in DTYPES if any(r["model"] == m and r.get("dtype", "float32") == t
-                                                                 for r in results)]:
+    present = {(r["model"], r["dtype"]) for r in results}
+    for m, dtype in [(m, t) for m in models for t in DTYPES if (m, t) in present]:
         cells = []
         for d in widths:
-            rs = [r for r in results if r["model"] == m and r["d_model"] == d and r.get("dtype", "float32") == dtype]
+            rs = [r for r in results if r["model"] == m and r["d_model"] == d and r["dtype"] == dtype]
             ok = [r for r in rs if r.get("accuracy") is not None]
             tried = ", ".join(f"{r['lr']:g}: {r['accuracy']:.3f}" if r.get("accuracy") is not None
                               else f"{r['lr']:g}: failed" for r in sorted(rs, key=lambda r: r["lr"]))
