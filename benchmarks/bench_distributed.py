@@ -26,8 +26,9 @@ on the whole sequence ("one process"), the baseline of the speed-ups. The bar (i
 ring: ring_attention causal forward+backward, zigzag, B1 H8 D64 float32 (benchmarks/
 distributed_ring.py is one rank's side), median of 3 calls between barriers, with the share of
 the step rank 0 (and the rank most) waited on transfers the flash kernel did not hide; the
-first configuration also times one process with --single-threads threads running
-softmax_attention and its backward on the whole sequence. The bars (issue 31): 4 ranks x 4
+baseline, one process with --single-threads threads running softmax_attention and its
+backward on the whole sequence, runs first as a job of one rank (so a binding launcher gives
+it cores of its own). The bars (issue 31): 4 ranks x 4
 threads within 10% of 1 rank x 16 threads; 8 x 8 on 64 cores at least 3.5x 1 x 16.
 
 Every job gets OMP_NUM_THREADS = threads and OPENBLAS_NUM_THREADS = 1; the ranks share the
@@ -118,11 +119,13 @@ def context(args) -> int:
 
 
 def ring(args) -> int:
-    rows, one = [], None
-    for i, (ranks, threads) in enumerate(args.configs):
-        extra = ["--T", str(args.T)] + (["--single", "--single-threads", str(args.single_threads)] if i == 0 else [])
-        r = run(args.launcher, "distributed_ring.py", ranks, threads, extra)
-        one = one or r["single_s"]
+    # the baseline is a job of its own, so that a binding launcher gives it its own
+    # --single-threads cores (inside a ring job it would share rank 0's)
+    one = run(args.launcher, "distributed_ring.py", 1, args.single_threads, ["--T", str(args.T), "--single"])["single_s"]
+    print(f"  1 x {args.single_threads}, one process: {one * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    rows = []
+    for ranks, threads in args.configs:
+        r = run(args.launcher, "distributed_ring.py", ranks, threads, ["--T", str(args.T)])
         rows.append((ranks, threads, r))
         print(f"  {ranks} x {threads}: {r['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     print(f"ring_attention causal fwd+bwd, zigzag, B1 T {args.T} H8 D64 float32; machine: {os.cpu_count()} CPUs")

@@ -2,15 +2,15 @@
 
 Run under mpiexec, one process per rank, each with its threads:
 
-    OMP_NUM_THREADS=4 mpiexec -n 4 python benchmarks/distributed_ring.py --T 65536 --single
+    OMP_NUM_THREADS=4 mpiexec -n 4 python benchmarks/distributed_ring.py --T 65536
 
 Every rank times ``repeats`` forward+backward calls, each between two ``comm.Barrier()``
 calls, and rank 0 prints the median (the step is as slow as its slowest rank, so the time
-is taken after the closing barrier), the share of the step this rank spent waiting for ring
-transfers (communication the flash kernel did not hide), and with ``--single`` the median
-of one process on the whole sequence (``softmax_attention`` and its backward on rank 0, with
-the threads of all ranks unless ``--single-threads`` says otherwise, while the other ranks
-sleep). Its last line is the figures as one JSON object (for benchmarks/bench_distributed.py).
+is taken after the closing barrier) and the share of the step this rank spent waiting for
+ring transfers (communication the flash kernel did not hide). ``--single`` instead times one
+process (run it as a job of one rank with the baseline's threads and cores) running
+``softmax_attention`` and its backward on the whole sequence. The last line printed is the
+figures as one JSON object (for benchmarks/bench_distributed.py).
 """
 from __future__ import annotations
 
@@ -44,14 +44,6 @@ def _single_step(q, k, v, do):
     pullback(do)
 
 
-def _idle_barrier(comm):
-    """A barrier that sleeps while it waits: MPI's own spins on a core, which the one-process
-    run on rank 0 needs."""
-    done = comm.Ibarrier()
-    while not done.Test():
-        time.sleep(0.005)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--T", type=int, default=65536, help="sequence length (divides by 2 x ranks)")
@@ -60,15 +52,30 @@ def main(argv=None):
     p.add_argument("--D", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="pyattn threads per rank (default: OMP_NUM_THREADS)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
-    p.add_argument("--single", action="store_true", help="also time one process on the whole sequence")
-    p.add_argument("--single-threads", type=int, default=None,
-                   help="threads of that one process (default: ranks x this rank's threads)")
+    p.add_argument("--single", action="store_true",
+                   help="time one process on the whole sequence instead of the ring")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if args.threads:
         pyattn.set_num_threads(args.threads)
     threads = pyattn.get_num_threads()
+
+    if args.single:
+        if size != 1:
+            raise SystemExit("--single times one process: run it as a job of one rank")
+        whole = _inputs(args.T, args.B, args.H, args.D)
+        single = []
+        for run in range(args.repeats + 1):
+            start = time.perf_counter()
+            _single_step(*whole)
+            if run:  # the first run warms up
+                single.append(time.perf_counter() - start)
+        one = statistics.median(single)
+        print(f"1 rank x {threads} threads on the whole sequence: {one * 1e3:.1f} ms (median of "
+              f"{args.repeats})", flush=True)
+        print(json.dumps(dict(threads=threads, T=args.T, B=args.B, H=args.H, D=args.D, single_s=one)), flush=True)
+        return
 
     q, k, v, do = (zigzag_split(x, comm) for x in _inputs(args.T, args.B, args.H, args.D))
     times, waits = [], []
@@ -89,24 +96,7 @@ def main(argv=None):
               f"waiting on communication: rank 0 {wait_share:.1%}, most {max(shares):.1%}", flush=True)
 
     result = dict(ranks=size, threads=threads, T=args.T, B=args.B, H=args.H, D=args.D, step_s=median,
-                  wait_share=wait_share, wait_share_max=max(shares) if rank == 0 else None, single_s=None)
-    if args.single:
-        if rank == 0:
-            single_threads = args.single_threads or size * threads
-            pyattn.set_num_threads(single_threads)
-            whole = _inputs(args.T, args.B, args.H, args.D)
-            single = []
-            for run in range(args.repeats + 1):
-                start = time.perf_counter()
-                _single_step(*whole)
-                if run:
-                    single.append(time.perf_counter() - start)
-            pyattn.set_num_threads(threads)
-            one = statistics.median(single)
-            result.update(single_s=one, single_threads=single_threads)
-            print(f"1 rank x {single_threads} threads on the whole sequence: {one * 1e3:.1f} ms; "
-                  f"ring / one process: {median / one:.2f}", flush=True)
-        _idle_barrier(comm)
+                  wait_share=wait_share, wait_share_max=max(shares) if rank == 0 else None)
     if rank == 0:
         print(json.dumps(result), flush=True)
 

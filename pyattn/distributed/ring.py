@@ -2,13 +2,16 @@
 
 Each rank keeps its queries; the key/value blocks travel the ring (rank r sends to r + 1 and
 receives from r - 1) by non-blocking send/receive, the next transfer started before the flash
-kernel runs on the block in hand. The parts merge by their log-sum-exps. The backward reruns
+kernel runs on the block in hand, and a helper thread keeps MPI moving it while the kernel
+runs. The parts merge by their log-sum-exps. The backward reruns
 the flash backward per block with the global output and log-sum-exp (so every block's
 probabilities are the global ones and nothing drifts), keeps dq, and carries dK/dV around the
 ring with the blocks until they reach their owner.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import numpy as np
@@ -32,6 +35,45 @@ def _wait(requests):
     start = time.perf_counter()
     MPI.Request.Waitall(requests)
     _waited_s[0] += time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _progressing(requests):
+    """Moves ``requests`` while the block's kernels run. MPI advances a large message only
+    inside MPI calls (the receiver copies it once it has matched the sender's header), so
+    without help a transfer would start only in the wait after the kernel, and each rank's
+    sends would complete only when its successor got there. A helper thread tests the
+    requests every millisecond until they complete; the main thread makes no MPI call in the
+    meantime, so MPI_THREAD_SERIALIZED is enough (below it, nothing is started)."""
+    if not requests or MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        yield
+        return
+    stop = threading.Event()
+
+    def poll():
+        while not MPI.Request.Testall(requests) and not stop.wait(1e-3):
+            pass
+
+    helper = threading.Thread(target=poll, name="pyattn-ring-progress", daemon=True)
+    helper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        helper.join()
+
+
+class _Hop:
+    """One ring transfer in flight: the arrays arriving from the previous rank and the
+    requests moving them; the sends' requests are the call's to finish (``_Call.sends``)."""
+
+    def __init__(self, got, recvs, sends):
+        self.got, self.recvs, self.requests = got, recvs, recvs + sends
+
+    def received(self):
+        """The arrays from the previous rank, once they are all here."""
+        _wait(self.recvs)
+        return self.got
 
 
 def _segments(layout, rank, size, lengths):
@@ -96,6 +138,7 @@ class _Call:
         if error is not None:  # the same on every rank
             raise error
         self.lengths = comm.allgather(self.q.shape[1])
+        self.sends = {}  # tag -> the requests of the last hop's sends under it
         self.segments = [_segments(layout, s, self.size, self.lengths) for s in range(self.size)]
 
     def _local_facts(self, fn, q, k, v, causal, scale, window, softcap, layout):
@@ -153,12 +196,20 @@ class _Call:
 
     def ring_transfer(self, arrays, shapes, tag=0):
         """Start sending ``arrays`` to the next rank and receiving arrays of ``shapes`` from the
-        previous one, with tags from ``tag`` on: (received arrays, requests)."""
+        previous one, with tags from ``tag`` on: a ``_Hop``. The sends of the previous hop
+        under the same tags are finished first (a step's compute after they started, they
+        are done but for the bookkeeping), which bounds the buffers held to two hops each."""
+        _wait(self.sends.pop(tag, []))
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         got = [np.empty(s, dtype=a.dtype) for a, s in zip(arrays, shapes)]
-        reqs = [self.comm.Isend(np.ascontiguousarray(a), dest=nxt, tag=tag + i) for i, a in enumerate(arrays)]
-        reqs += [self.comm.Irecv(g, source=prv, tag=tag + i) for i, g in enumerate(got)]
-        return got, reqs
+        sends = [self.comm.Isend(np.ascontiguousarray(a), dest=nxt, tag=tag + i) for i, a in enumerate(arrays)]
+        self.sends[tag] = sends
+        return _Hop(got, [self.comm.Irecv(g, source=prv, tag=tag + i) for i, g in enumerate(got)], sends)
+
+    def finish_sends(self):
+        """Waits for every send still in flight (their buffers may then go)."""
+        _wait([r for reqs in self.sends.values() for r in reqs])
+        self.sends.clear()
 
     def kv_shapes(self, source):
         B, _, Hk, Dk = self.k.shape
@@ -167,8 +218,8 @@ class _Call:
 
 
 def _merge_into(o_acc, lse_acc, o, lse):
-    """Fold the part (o, lse) into the float64 running (o_acc, lse_acc) in place."""
-    lse = lse.astype(np.float64)
+    """Fold the part (o, lse) into the running (o_acc, lse_acc) in place (in the inputs'
+    dtype: a handful of parts, each exact to the dtype, lose no more than rounding)."""
     new = np.logaddexp(lse_acc, lse)
     empty = new == -np.inf
     with np.errstate(invalid="ignore"):
@@ -182,56 +233,54 @@ def _merge_into(o_acc, lse_acc, o, lse):
 def _forward(call):
     q, k, v = call.q, call.k, call.v
     B, T, H, _ = q.shape
-    o_acc = np.zeros((B, T, H, v.shape[3]))
-    lse_acc = np.full((B, T, H), -np.inf)
+    o_acc = np.zeros((B, T, H, v.shape[3]), dtype=q.dtype)
+    lse_acc = np.full((B, T, H), -np.inf, dtype=q.dtype)
     for step in range(call.size):
         source = (call.rank - step) % call.size
-        if step < call.size - 1:
-            nxt_kv, reqs = call.ring_transfer((k, v), call.kv_shapes((source - 1) % call.size))
-        for (qa, lq), (ka, lk), causal, window in call.blocks(call.rank, source):
-            qb, kb, vb, opts = call.opts(q[:, qa:qa + lq], k[:, ka:ka + lk], v[:, ka:ka + lk], causal, window)
-            o, lse = softmax_forward(qb, kb, vb, opts)
-            _merge_into(o_acc[:, qa:qa + lq], lse_acc[:, qa:qa + lq], o, lse)
-        if step < call.size - 1:
-            _wait(reqs)
-            k, v = nxt_kv
-    return o_acc.astype(q.dtype), lse_acc.astype(q.dtype)
+        hop = call.ring_transfer((k, v), call.kv_shapes((source - 1) % call.size)) if step < call.size - 1 else None
+        with _progressing(hop.requests if hop else []):
+            for (qa, lq), (ka, lk), causal, window in call.blocks(call.rank, source):
+                qb, kb, vb, opts = call.opts(q[:, qa:qa + lq], k[:, ka:ka + lk], v[:, ka:ka + lk], causal, window)
+                o, lse = softmax_forward(qb, kb, vb, opts)
+                _merge_into(o_acc[:, qa:qa + lq], lse_acc[:, qa:qa + lq], o, lse)
+        if hop:
+            k, v = hop.received()
+    call.finish_sends()
+    return o_acc, lse_acc
 
 
 def _backward(call, o, lse, do, dlse):
     q = call.q
-    dq = np.zeros(q.shape)
+    dq = np.zeros_like(q)
     k, v = call.k, call.v
-    dkv_reqs, dkv_in = [], None
+    dkv = None  # the hop bringing this step's block's dK/dV so far from the previous rank
     for step in range(call.size):
         source = (call.rank - step) % call.size
-        if step < call.size - 1:
-            nxt_kv, kv_reqs = call.ring_transfer((k, v), call.kv_shapes((source - 1) % call.size))
-        dk, dv = np.zeros(k.shape), np.zeros(v.shape)
-        for (qa, lq), (ka, lk), causal, window in call.blocks(call.rank, source):
-            rows = slice(qa, qa + lq)
-            qb, kb, vb, opts = call.opts(q[:, rows], k[:, ka:ka + lk], v[:, ka:ka + lk], causal, window)
-            dqb, dkb, dvb = softmax_backward(
-                qb, kb, vb, np.ascontiguousarray(o[:, rows]), np.ascontiguousarray(lse[:, rows]),
-                np.ascontiguousarray(do[:, rows]),
-                None if dlse is None else np.ascontiguousarray(dlse[:, rows]), opts)
-            dq[:, rows] += dqb
-            dk[:, ka:ka + lk] += dkb
-            dv[:, ka:ka + lk] += dvb
-        # this block's dK/dV so far arrive from the previous rank while the kernel above ran
-        if dkv_in is not None:
-            _wait(dkv_reqs)
-            dk += dkv_in[0]
-            dv += dkv_in[1]
+        kv = call.ring_transfer((k, v), call.kv_shapes((source - 1) % call.size)) if step < call.size - 1 else None
+        dk, dv = np.zeros_like(k), np.zeros_like(v)
+        with _progressing((kv.requests if kv else []) + (dkv.requests if dkv else [])):
+            for (qa, lq), (ka, lk), causal, window in call.blocks(call.rank, source):
+                rows = slice(qa, qa + lq)
+                qb, kb, vb, opts = call.opts(q[:, rows], k[:, ka:ka + lk], v[:, ka:ka + lk], causal, window)
+                dqb, dkb, dvb = softmax_backward(
+                    qb, kb, vb, np.ascontiguousarray(o[:, rows]), np.ascontiguousarray(lse[:, rows]),
+                    np.ascontiguousarray(do[:, rows]),
+                    None if dlse is None else np.ascontiguousarray(dlse[:, rows]), opts)
+                dq[:, rows] += dqb
+                dk[:, ka:ka + lk] += dkb
+                dv[:, ka:ka + lk] += dvb
+        if dkv is not None:
+            dk_in, dv_in = dkv.received()
+            dk += dk_in
+            dv += dv_in
         # on to the next rank (after the last step, the block's owner), under tags of their own
         # since the next hop's K/V are on the way at the same time
-        dkv_in, dkv_reqs = call.ring_transfer((dk, dv), call.kv_shapes((source - 1) % call.size), tag=2)
-        if step < call.size - 1:
-            _wait(kv_reqs)
-            k, v = nxt_kv
-    _wait(dkv_reqs)
-    dk, dv = dkv_in
-    return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
+        dkv = call.ring_transfer((dk, dv), call.kv_shapes((source - 1) % call.size), tag=2)
+        if kv:
+            k, v = kv.received()
+    dk, dv = dkv.received()
+    call.finish_sends()
+    return dq, dk, dv
 
 
 def ring_attention(q, k, v, *, comm, causal=True, scale=None, window=None, softcap=None,
