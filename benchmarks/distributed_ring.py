@@ -7,9 +7,10 @@ Run under mpiexec, one process per rank, each with its threads:
 Every rank times ``repeats`` forward+backward calls, each between two ``comm.Barrier()``
 calls, and rank 0 prints the median (the step is as slow as its slowest rank, so the time
 is taken after the closing barrier) and the share of the step this rank spent waiting for
-ring transfers (communication the flash kernel did not hide). ``--single`` instead times one
-process (run it as a job of one rank with the baseline's threads and cores) running
-``softmax_attention`` and its backward on the whole sequence. The last line printed is the
+ring transfers (communication the flash kernel did not hide). ``--single`` instead has each
+rank time ``softmax_attention`` and its backward on a whole sequence of its own, with no
+communication: as a job of one rank, the ring's baseline; as a job of several, what sharing
+the machine costs each process. The last line printed is the
 figures as one JSON object (for benchmarks/bench_distributed.py).
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="pyattn threads per rank (default: OMP_NUM_THREADS)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
     p.add_argument("--single", action="store_true",
-                   help="time one process on the whole sequence instead of the ring")
+                   help="each rank times one process on a whole sequence of its own instead of the ring")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -62,19 +63,22 @@ def main(argv=None):
     threads = pyattn.get_num_threads()
 
     if args.single:
-        if size != 1:
-            raise SystemExit("--single times one process: run it as a job of one rank")
-        whole = _inputs(args.T, args.B, args.H, args.D)
+        # every rank its own whole problem, no communication: one rank gives the ring's
+        # baseline; several show what running at once on one machine costs each of them
+        whole = _inputs(args.T, args.B, args.H, args.D, seed=rank)
         single = []
         for run in range(args.repeats + 1):
+            comm.Barrier()
             start = time.perf_counter()
             _single_step(*whole)
             if run:  # the first run warms up
                 single.append(time.perf_counter() - start)
-        one = statistics.median(single)
-        print(f"1 rank x {threads} threads on the whole sequence: {one * 1e3:.1f} ms (median of "
-              f"{args.repeats})", flush=True)
-        print(json.dumps(dict(threads=threads, T=args.T, B=args.B, H=args.H, D=args.D, single_s=one)), flush=True)
+        each = comm.gather(statistics.median(single))
+        if rank == 0:
+            print(f"{size} independent process(es) x {threads} threads on a whole sequence each: "
+                  + " ".join(f"{t * 1e3:.1f}" for t in each) + f" ms (medians of {args.repeats})", flush=True)
+            print(json.dumps(dict(ranks=size, threads=threads, T=args.T, B=args.B, H=args.H, D=args.D,
+                                  single_s=each[0], each_s=each)), flush=True)
         return
 
     q, k, v, do = (zigzag_split(x, comm) for x in _inputs(args.T, args.B, args.H, args.D))
