@@ -3,7 +3,7 @@ and width, each the best of a small learning-rate sweep, all under one training 
 
     python benchmarks/mqar_table.py [--jobs N] [--threads N] [--steps 3000] [--batch-size 32]
         [--examples 20000] [--lrs 3e-4,5e-4,7e-4,1e-3,3e-3] [--widths 64,128] [--dtype bfloat16]
-        [--models softmax,linear,retnet,mamba2,gla,deltanet,gated_deltanet,hybrid]
+        [--models softmax,linear,retnet,mamba2,gla,deltanet,gated_deltanet,hybrid,kda,...]
         [--shard K/N] [--out DIR]
     python benchmarks/mqar_table.py --merge DIR_OR_JSONL [...]      # the table of earlier runs
 
@@ -43,10 +43,14 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-MODELS = ["softmax", "linear", "retnet", "mamba2", "gla", "deltanet", "gated_deltanet", "hybrid"]
+MODELS = ["softmax", "linear", "retnet", "mamba2", "gla", "deltanet", "gated_deltanet", "hybrid",
+          "kda", "rwkv7", "rwkv6", "hgrn2", "gated_deltaproduct", "fox", "log_linear_mamba2"]
 LABELS = {"softmax": "Softmax attention", "linear": "Linear attention (elu+1)",
           "retnet": "RetNet", "mamba2": "Mamba2", "gla": "GLA", "deltanet": "DeltaNet",
-          "gated_deltanet": "Gated DeltaNet", "hybrid": "Hybrid (Gated DeltaNet + softmax)"}
+          "gated_deltanet": "Gated DeltaNet", "hybrid": "Hybrid (Gated DeltaNet + softmax)",
+          "kda": "Kimi Delta Attention", "rwkv7": "RWKV-7", "rwkv6": "RWKV-6", "hgrn2": "HGRN2",
+          "gated_deltaproduct": "Gated DeltaProduct", "fox": "Forgetting Transformer",
+          "log_linear_mamba2": "Log-linear Mamba2"}
 HYBRID = ["gated_deltanet", "softmax"]
 DTYPES = ("float32", "bfloat16")
 CHECKPOINT_EVERY = 50  # steps; a killed run redoes at most this many
@@ -55,15 +59,21 @@ CHECKPOINT_EVERY = 50  # steps; a killed run redoes at most this many
 BUDGET = ("steps", "batch_size", "examples", "eval_examples", "seq_len", "kv_pairs", "vocab",
           "layers", "heads", "seed", "dtype")
 # ms per training step (forward + backward, batch 32, T 128, one thread), measured with this
-# script's settings on a 2-core x86-64 machine; only the order and balance of the runs use it.
+# script's settings on a 2-core x86-64 machine (the last seven measured while the machine was
+# busy and scaled by gated_deltanet's time then and here); only the order and balance of the
+# runs use it.
 COST = {64: {"softmax": 133, "linear": 90, "retnet": 141, "mamba2": 207, "gla": 139,
-             "deltanet": 137, "gated_deltanet": 155, "hybrid": 134},
+             "deltanet": 137, "gated_deltanet": 155, "hybrid": 134, "kda": 132, "rwkv7": 184,
+             "rwkv6": 265, "hgrn2": 103, "gated_deltaproduct": 140, "fox": 91, "log_linear_mamba2": 210},
         128: {"softmax": 206, "linear": 183, "retnet": 252, "mamba2": 360, "gla": 205,
-              "deltanet": 265, "gated_deltanet": 290, "hybrid": 248}}
+              "deltanet": 265, "gated_deltanet": 290, "hybrid": 248, "kda": 333, "rwkv7": 388,
+              "rwkv6": 709, "hgrn2": 318, "gated_deltaproduct": 364, "fox": 224, "log_linear_mamba2": 473}}
 
 
 # Zoology puts a short convolution before the sequence mixer of every MQAR model; the mixers
-# that have none by default get theirs through their short_conv option.
+# that have none by default get theirs through their short_conv option. The newer mixers run
+# as their published layers are: kda, gated_deltaproduct and log_linear_mamba2 with their short
+# convolutions, the RWKVs with their token shift, hgrn2 and fox without either.
 SHORT_CONV = ("softmax", "linear", "retnet", "gla")
 
 
