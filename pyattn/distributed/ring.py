@@ -37,6 +37,11 @@ def _wait(requests):
     _waited_s[0] += time.perf_counter() - start
 
 
+def _polling_allowed() -> bool:
+    """Whether the MPI library lets a helper thread make MPI calls (one thread at a time)."""
+    return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+
+
 @contextlib.contextmanager
 def _progressing(requests):
     """Moves ``requests`` while the block's kernels run. MPI advances a large message only
@@ -45,7 +50,7 @@ def _progressing(requests):
     sends would complete only when its successor got there. A helper thread tests the
     requests every millisecond until they complete; the main thread makes no MPI call in the
     meantime, so MPI_THREAD_SERIALIZED is enough (below it, nothing is started)."""
-    if not requests or MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+    if not requests or not _polling_allowed():
         yield
         return
     stop = threading.Event()

@@ -2,13 +2,14 @@
 sequence (run under mpiexec by tests/test_distributed_ring.py)."""
 import importlib.util
 import sys
+import threading
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
 import pyattn
-from pyattn.distributed import ring_attention, zigzag_merge, zigzag_split
+from pyattn.distributed import ring, ring_attention, zigzag_merge, zigzag_split
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -102,6 +103,7 @@ def expect_error(name, fn, words, kind=ValueError):
 
 
 T4 = 16 * size  # divides by 2N for zigzag
+threads_before = threading.active_count()
 for dtype in (np.float64, np.float32):
     case(f"contiguous causal {dtype.__name__}", dtype=dtype, T=T4)
     case(f"contiguous full {dtype.__name__}", dtype=dtype, T=T4, causal=False)
@@ -122,6 +124,15 @@ case("no lse", T=T4, layout="zigzag", return_lse=False, B=1)
 if importlib.util.find_spec("torch") is not None:
     case("torch zigzag", T=T4, layout="zigzag", torch_wrapper=True)
     case("torch contiguous float32 no lse", T=50, unequal=True, dtype=np.float32, return_lse=False, torch_wrapper=True)
+
+# the helper threads that move the transfers are all gone after the calls
+assert threading.active_count() == threads_before, (threading.active_count(), threads_before)
+# where the MPI library allows no helper thread, the transfers move in the waits alone
+assert ring._polling_allowed()  # mpi4py asks for MPI_THREAD_MULTIPLE
+ring._polling_allowed = lambda: False
+for dtype in (np.float64, np.float32):
+    case(f"no helper thread zigzag {dtype.__name__}", dtype=dtype, T=T4, layout="zigzag", H=6, Hk=2)
+    case(f"no helper thread contiguous {dtype.__name__}", dtype=dtype, T=50, unequal=True, causal=False)
 
 # zigzag_merge inverts zigzag_split
 x = np.arange(2 * 3 * T4 * 2, dtype=np.float64).reshape(2, T4, 3, 2)
