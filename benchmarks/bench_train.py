@@ -57,6 +57,11 @@ weights in AdamW, bf16 weights and q, k, v in the forward; the same initial para
 timed interleaved with the float32 one on the same threads; "vs f32" = its tokens/s / the
 float32 model's, and the bar (the issue's, for the hybrid): >= 1.7x. It is profiled as well
 (``bf16_convert`` is the C conversion to and from bf16).
+
+--glue [MIXER ...] profiles, instead, one pyattn model per mixer of ``pyattn.nn.MIXERS`` (all
+of them when none is named): --layers layers of that mixer alone, the same sizes, batch and
+step, one untimed step and then --profile-steps profiled ones; a row per mixer with the step
+time and the shares of C ops, matmuls and "other", against the same 30% bar on "other".
 """
 from __future__ import annotations
 
@@ -72,7 +77,7 @@ from common import Case, fmt, print_table, torch  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pyattn import _core  # noqa: E402
-from pyattn.nn import AdamW, HybridLM, cross_entropy  # noqa: E402
+from pyattn.nn import MIXERS, AdamW, HybridLM, cross_entropy  # noqa: E402
 from pyattn.nn import layers as nn_layers  # noqa: E402
 
 MODELS = {
@@ -363,6 +368,29 @@ def profile_line(name, threads, total, core, matmul, steps):
             f"other (NumPy glue, copies, Python) {100 * other / total:.1f}%"), other / total
 
 
+def glue_sweep(args, names, x, y):
+    """--glue: the C-op / matmul / other shares of a step of each mixer's own model."""
+    rows, failed = [], []
+    for name in names:
+        model = HybridLM(args.vocab, args.d_model, args.layers, [name] * args.layers, n_heads=args.heads, seed=0)
+        step = pyattn_step(model, AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD), x, y)
+        step()
+        total, core, matmul = profile(step, args.profile_steps)
+        c = sum(core.values())
+        other = (total - c - matmul) / total
+        top = max(core, key=core.get)
+        rows.append([name, fmt(total * 1e3, ".0f"), fmt(x.size / total, ".0f"), f"{100 * c / total:.1f}",
+                     f"{100 * matmul / total:.1f}", f"{100 * other:.1f}", f"{top} {100 * core[top] / total:.0f}%"])
+        if other > BAR_OTHER:
+            failed.append(name)
+        print(f"{name}: {1e3 * total:.0f} ms a step", flush=True)
+    print()
+    print_table(["mixer", "ms/step", "tokens/s", "C ops %", "matmuls %", "other %", "largest C op"], rows,
+                markdown=args.markdown)
+    print(f"bar: other <= {100 * BAR_OTHER:.0f}% of a step: "
+          + ("PASS for every mixer" if not failed else "FAIL for " + ", ".join(failed)))
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 
@@ -378,6 +406,8 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=2, help="pyattn steps profiled (0: none)")
     p.add_argument("--no-check", action="store_true", help="skip the check against torch")
     p.add_argument("--bf16", action="store_true", help="also time each model in bfloat16 (float32 masters)")
+    p.add_argument("--glue", nargs="*", choices=list(MIXERS), default=None, metavar="MIXER",
+                   help="profile one model per mixer (all when none is named) instead")
     p.set_defaults(target=None)
     args = p.parse_args(argv)
     if args.layers != 4:
@@ -395,14 +425,18 @@ def main(argv=None):
         f"tied embeddings, float32{' and bfloat16' if args.bf16 else ''}; batch {args.batch} x T {args.T} = {tokens} tokens a step; "
         "step = forward + cross-entropy + backward + AdamW",
         "pyattn.nn's matmuls: pyattn's threaded GEMM on pyattn's threads")
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, args.vocab, (args.batch, args.T + 1))
+    x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
+    if args.glue is not None:
+        glue_sweep(args, args.glue or list(MIXERS), x, y)
+        print(f"wall time {time.perf_counter() - wall0:.0f} s")
+        return 0
     if torch is None:
         print("torch is not installed: pyattn only")
     else:
         print(f"torch delta rule: bench_delta.torch_chunk, chunk {bench_delta.C}")
     print()
-    rng = np.random.default_rng(0)
-    data = rng.integers(0, args.vocab, (args.batch, args.T + 1))
-    x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
     rows, others, profiles, bars, bf16_bars = [], [], [], [], []
     for name in args.models:
         mixers = MODELS[name]

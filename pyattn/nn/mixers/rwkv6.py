@@ -10,6 +10,12 @@ from ..layers import (GroupNorm, Mixer, gated_product, gated_product_backward, l
 
 # the five data-dependent interpolations, in fla's order: r, w, k, v, g
 _PARTS = "rwkvg"
+_I = {c: i for i, c in enumerate(_PARTS)}
+
+
+def _parts_first(t, rank):
+    """``[B, T, 5 rank]`` -> the view ``[5, B T, rank]``."""
+    return t.reshape(-1, 5, rank).transpose(1, 0, 2)
 
 
 def token_shift(x, cache):
@@ -67,20 +73,27 @@ class RWKV6Attention(Mixer):
         """The recurrent state and the last token (the next one's shift)."""
         return {"state": None, "prev": np.zeros((batch, self.p["mu_x"].shape[0]), self.dtype)}
 
+    def _w_x2_parts(self):
+        """w_x2 ``[d, 5 rank]`` as the five parts' ``[5, rank, d]``."""
+        return self.p["w_x2"].reshape(-1, 5, self.rank).transpose(1, 2, 0)
+
     def _mix(self, x, cache, pos):
         B, T, d = x.shape
         H, K, Vd, r = self.H, self.K, self.Vd, self.rank
         delta = token_shift(x, cache)
         xx = x + delta * self.p["mu_x"]
-        t1 = np.tanh(linear(xx, self.p["w_x1"])).reshape(B, T, 5, r)
-        mus = np.einsum("btnr,dnr->btnd", t1, self.p["w_x2"].reshape(d, 5, r)) + self.p["x_bias"]
-        inp = {c: x + delta * mus[:, :, i] for i, c in enumerate(_PARTS)}
-        lw = np.tanh(self.proj(inp["w"], "w_w1"))
+        t1 = np.tanh(linear(xx, self.p["w_x1"]))
+        # the five parts' low-rank products as one batched matmul, parts first: each part's
+        # input inp[i] is then contiguous for its projection
+        mus = (_parts_first(t1, r) @ self._w_x2_parts()).reshape(5, B, T, d) + self.p["x_bias"][:, None, None]
+        inp = delta * mus
+        inp += x
+        lw = np.tanh(self.proj(inp[_I["w"]], "w_w1"))
         w = -np.exp(linear(lw, self.p["w_w2"]) + self.p["b_w2"]).reshape(B, T, H, K)
-        rr, k = (self.proj(inp[c], "w_" + c).reshape(B, T, H, K) for c in "rk")
-        v = self.proj(inp["v"], "w_v").reshape(B, T, H, Vd)
+        rr, k = (self.proj(inp[_I[c]], "w_" + c).reshape(B, T, H, K) for c in "rk")
+        v = self.proj(inp[_I["v"]], "w_v").reshape(B, T, H, Vd)
         o = self.run_op(rwkv6, (rr, k, v, w, self.p["u"]), dict(scale=1.0, chunk_size=self.chunk_size), cache)
-        gpre = self.proj(inp["g"], "w_g")
+        gpre = self.proj(inp[_I["g"]], "w_g")
         normed = self.g_norm.forward(o.reshape(B, T, H * Vd))
         on, sg = gated_product(gpre, normed)
         self.saved = (x, delta, xx, t1, mus, inp, lw, w, gpre, normed, sg, on)
@@ -94,19 +107,24 @@ class RWKV6Attention(Mixer):
         dgpre, dnormed = gated_product_backward(don, gpre, normed, sg)
         gr = self.pullback(self.g_norm.backward(dnormed).reshape(B, T, self.H, self.Vd))
         self.g["u"] += gr["u"]
-        dinp = {c: self.proj_backward(gr[c].reshape(B, T, -1), inp[c], "w_" + c) for c in "rkv"}
-        dinp["g"] = self.proj_backward(dgpre, inp["g"], "w_g")
+        dinp = [None] * 5
+        for c in "rkv":
+            dinp[_I[c]] = self.proj_backward(gr[c].reshape(B, T, -1), inp[_I[c]], "w_" + c)
+        dinp[_I["g"]] = self.proj_backward(dgpre, inp[_I["g"]], "w_g")
         dwpre = (gr["w"] * w).reshape(B, T, -1)  # d(-exp(a))/da = -exp(a) = w
         self.g["b_w2"] += dwpre.sum(axis=(0, 1))
         dlw = linear_backward(dwpre, lw, self.p["w_w2"], self.g["w_w2"]) * (1 - lw * lw)
-        dinp["w"] = self.proj_backward(dlw, inp["w"], "w_w1")
-        dx = sum(dinp.values())
-        dmus = np.stack([dinp[c] * delta for c in _PARTS], axis=2)
-        ddelta = sum(dinp[c] * mus[:, :, i] for i, c in enumerate(_PARTS))
-        self.g["x_bias"] += dmus.sum(axis=(0, 1))
-        self.g["w_x2"] += np.einsum("btnd,btnr->dnr", dmus, t1).reshape(d, 5 * r)
-        dt1 = np.einsum("btnd,dnr->btnr", dmus, self.p["w_x2"].reshape(d, 5, r)) * (1 - t1 * t1)
-        dxx = linear_backward(dt1.reshape(B, T, 5 * r), xx, self.p["w_x1"], self.g["w_x1"])
+        dinp[_I["w"]] = self.proj_backward(dlw, inp[_I["w"]], "w_w1")
+        dx = sum(dinp)
+        dmus = np.empty_like(mus)
+        for i, di in enumerate(dinp):
+            np.multiply(di, delta, out=dmus[i])
+        ddelta = sum(di * mus[i] for i, di in enumerate(dinp))
+        self.g["x_bias"] += dmus.sum(axis=(1, 2))
+        dmus = dmus.reshape(5, B * T, d)
+        self.g["w_x2"] += (dmus.transpose(0, 2, 1) @ _parts_first(t1, r)).transpose(1, 0, 2).reshape(d, 5 * r)
+        dt1 = (dmus @ self._w_x2_parts().transpose(0, 2, 1)).transpose(1, 0, 2).reshape(t1.shape) * (1 - t1 * t1)
+        dxx = linear_backward(dt1, xx, self.p["w_x1"], self.g["w_x1"])
         self.g["mu_x"] += np.einsum("btd,btd->d", dxx, delta)
         dx += dxx
         ddelta += dxx * self.p["mu_x"]
