@@ -59,14 +59,14 @@ class ForgettingAttention(SoftmaxAttention):
             return self.op_call(forgetting_attention, q, k, v, f, window=self.window)
         groups = self.H // self.Hk
         Kh, Vh = np.repeat(K, groups, axis=2), np.repeat(Vc, groups, axis=2)
-        s = np.einsum("bthd,bshd->bhts", q, Kh) * self.D ** -0.5
+        s = (q.transpose(0, 2, 1, 3) @ Kh.transpose(0, 2, 3, 1)) * self.D ** -0.5  # [B, H, T, S]
         s = s + (F.transpose(0, 2, 1)[..., :, None] - Fk.transpose(0, 2, 1)[..., None, :])
         i, j = n + np.arange(T)[:, None], np.arange(n + T)[None]
         visible = (j <= i) & (True if self.window is None else i - j < self.window)
         s = np.where(visible, s, -np.inf)
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
-        return np.einsum("bhts,bshd->bthd", p, Vh).astype(q.dtype)
+        return (p @ Vh.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3).astype(q.dtype)
 
     def backward(self, dy):
         B, T, _ = dy.shape
