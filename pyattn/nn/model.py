@@ -137,8 +137,9 @@ class HybridLM(Module):
         self.blocks = []
         first_rwkv7 = None
         for i, (name, options) in enumerate(specs):
-            if name == "rwkv7":  # RWKV-7's value residual: the first rwkv7 mixer's values reach the others
-                options = dict(options, value_residual=first_rwkv7 is not None)
+            if name == "rwkv7":  # RWKV-7's value residual: the first rwkv7 mixer's values reach the others;
+                # its starting values depend on the block's depth
+                options = dict(options, value_residual=first_rwkv7 is not None, layer_idx=i, n_layers=n_layers)
             mixer = MIXERS[name](d_model, n_heads, dtype=dtype, rng=rng, out_std=out_std, **options)
             if name == "rwkv7":
                 first_rwkv7 = mixer.first = first_rwkv7 or mixer

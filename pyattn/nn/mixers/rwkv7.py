@@ -16,6 +16,27 @@ _PARTS = "rwkvag"
 _W_SCALE = -math.exp(-0.5)
 
 
+def _depth_init(d_model: int, H: int, K: int, layer_idx: int, n_layers: int) -> dict:
+    """RWKV-7's starting values (as fla's layer sets them) for block ``layer_idx`` of
+    ``n_layers``: token-shift weights that shift less with depth, and per channel a linear
+    ramp and a "zigzag" within each head that spread the decay, a and v biases."""
+    deep = layer_idx / max(n_layers - 1, 1)     # 0 in the first block, 1 in the last
+    shallow = 1 - layer_idx / n_layers          # 1 in the first block, towards 0
+    n = np.arange(H * K)
+    ramp = n / max(H * K - 1, 1) - 0.5
+    half = max(K - 1, 1) / 2
+    zigzag = ((n % K) - (K - 1) / 2) / half
+    zigzag *= np.abs(zigzag)
+    frac = np.arange(d_model) / d_model
+    # r, w, k, v, a, g as _PARTS
+    mu = np.stack([1 - frac ** (c * shallow) for c in (0.2, 0.9, 0.7, 0.7, 0.9, 0.2)])
+    decay = -6 + 6 * (n / max(H * K - 1, 1)) ** (1 + deep ** 0.3)
+    return {"mu": mu, "k_k": 0.71 - 0.1 * ramp, "k_a": np.full(H * K, 1.02), "r_k": np.full((H, K), -0.04),
+            # the + 0.5 as fla's (its note: from RWKV-7's softplus form of the decay)
+            "b_w2": decay + 0.5 + 2.5 * zigzag, "b_a2": -0.19 + 0.3 * zigzag + 0.4 * ramp,
+            "b_v2": 0.73 - 0.4 * ramp, "g_norm": ((layer_idx + 1) / n_layers) ** 0.7}
+
+
 def _low_rank(d_model: int, weight: float, factor: float) -> int:
     """fla's default rank of a LoRA: a multiple of 32, at least 32, growing as sqrt(d_model)."""
     return max(32, int(round(weight * math.sqrt(d_model) * factor / 32) * 32))
@@ -37,14 +58,18 @@ class RWKV7Attention(Mixer):
 
     Options: ``head_dim`` fixed by the model's ``n_heads``; ``decay_low_rank_dim``,
     ``a_low_rank_dim``, ``v_low_rank_dim``, ``gate_low_rank_dim`` (None: fla's defaults from
-    d_model, at least 32), ``norm_eps`` (1e-5), ``chunk_size`` (64). Differs from fla in the
-    initialisation: pyattn's normal(0.02) weights and zero mu and biases, where fla's depend on
-    the layer's depth; k_k, k_a and r_k start at fla's values.
+    d_model, at least 32), ``norm_eps`` (1e-5), ``chunk_size`` (64), ``layer_idx`` and
+    ``n_layers`` (0 and 1; HybridLM passes the block's index and the model's depth). As fla's
+    layer, the token-shift weights mu, the biases of the decay, a and v, the key scales k_k,
+    k_a, r_k and the GroupNorm weight start at RWKV-7's values for that depth: the decay's bias
+    spread over the channels, so that some keep almost all of their state a token and others
+    little. Differs from fla in the other weights: pyattn's normal(0.02), where fla takes
+    orthogonal r, k, v projections, a zero output projection and zero first LoRA matrices.
     """
 
     def __init__(self, d_model, n_heads, *, dtype, rng, out_std, decay_low_rank_dim=None,
                  a_low_rank_dim=None, v_low_rank_dim=None, gate_low_rank_dim=None, norm_eps=1e-5,
-                 chunk_size=64, value_residual=False):
+                 chunk_size=64, value_residual=False, layer_idx=0, n_layers=1):
         super().__init__(dtype)
         H = n_heads
         K = d_model // H
@@ -55,21 +80,21 @@ class RWKV7Attention(Mixer):
                  "g": gate_low_rank_dim or _low_rank(d_model, 5.0, 1.0)}
         self.H, self.K, self.chunk_size, self.value_residual = H, K, chunk_size, value_residual
         self.first: "RWKV7Attention" = self
-        self.add_param("mu", np.zeros((6, d_model)))
-        # fla's starting values of the key scales and the bonus (zero k_k would leave kk zero:
-        # no low-rank term, no gradient to start it)
-        self.add_param("k_k", 0.71 - 0.1 * (np.arange(H * K) / max(H * K - 1, 1) - 0.5))
-        self.add_param("k_a", np.full(H * K, 1.02))
-        self.add_param("r_k", np.full((H, K), -0.04))
+        start = _depth_init(d_model, H, K, layer_idx, n_layers)
+        self.add_param("mu", start["mu"])
+        # (a zero k_k would leave kk zero: no low-rank term, no gradient to start it)
+        for name in ("k_k", "k_a", "r_k"):
+            self.add_param(name, start[name])
         for name in "rkv":
             self.add_param("w_" + name, normal(rng, (H * K, d_model)))
         for part in "wav"[:3 if value_residual else 2] + "g":
             self.add_param(f"w_{part}1", normal(rng, (ranks[part], d_model)))
             self.add_param(f"w_{part}2", normal(rng, (H * K, ranks[part])))
             if part != "g":
-                self.add_param(f"b_{part}2", np.zeros(H * K))
+                self.add_param(f"b_{part}2", start[f"b_{part}2"])
         self.add_param("w_o", normal(rng, (d_model, H * K), out_std))
         self.g_norm = self.add_module("g_norm", GroupNorm(H * K, H, dtype=dtype, eps=K * norm_eps))
+        self.g_norm.p["w"][...] = start["g_norm"]
 
     def new_cache(self, batch, max_len):
         """The recurrent state and the last token (the next one's shift)."""
