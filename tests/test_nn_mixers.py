@@ -184,3 +184,23 @@ def test_mixer_is_its_published_layer(rng, name):
         p += rng.standard_normal(p.shape) * 0.1
     x = rng.standard_normal((B, T, D))
     assert_close(mixer.forward(x), literal(name, dict(mixer.params), x))
+
+
+def test_rwkv7_starts_at_its_depth_values():
+    """RWKV-7's starting values follow the block's depth as fla's layer sets them: every
+    block's decay spread from channels that keep almost all of their state a token to ones
+    that keep about half, shifting less and normalising more strongly deeper down."""
+    from pyattn.nn import HybridLM
+    model = HybridLM(64, 32, 3, "rwkv7", n_heads=2, seed=0)
+    p = [{k.split(".", 3)[3]: v for k, v in model.params.items() if k.startswith(f"blocks.{i}.mixer.")}
+         for i in range(3)]
+    for block in p:
+        keep = np.exp(-np.exp(-0.5) / (1 + np.exp(-block["b_w2"])))  # exp(w) at zero LoRA input
+        assert keep.max() > 0.999 and keep.min() < 0.6
+    # channel 0, the first of its head: -6 + 0.5 and a zigzag of -1 times 2.5
+    assert p[0]["b_w2"][0] == pytest.approx(-8.0)
+    assert np.all(p[2]["mu"] <= p[0]["mu"]) and np.any(p[2]["mu"] < p[0]["mu"])
+    assert [b["g_norm.w"][0] for b in p] == pytest.approx([(i / 3) ** 0.7 for i in (1, 2, 3)])
+    assert "b_v2" not in p[0] and p[1]["b_v2"][0] == pytest.approx(0.93)  # 0.73 + 0.4 * 0.5
+    alone = MIXERS["rwkv7"](32, 2, dtype=np.float64, rng=np.random.default_rng(0), out_std=0.02)
+    assert_close(alone.params["b_w2"], p[0]["b_w2"])
