@@ -359,13 +359,18 @@ def profile(step, steps):
     return total / steps, {k: v / steps for k, v in prof.core.items()}, prof.matmul / steps
 
 
-def profile_line(name, threads, total, core, matmul, steps):
+def shares(total, core, matmul):
+    """(C-op seconds, the fraction of the step outside the C ops and the matmuls)."""
     c = sum(core.values())
-    other = total - c - matmul
+    return c, (total - c - matmul) / total
+
+
+def profile_line(name, threads, total, core, matmul, steps):
+    c, other = shares(total, core, matmul)
     parts = ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(core.items(), key=lambda kv: -kv[1]))
     return (f"profile {name}, {threads} thread(s), {steps} steps of {1e3 * total:.0f} ms: "
             f"C ops {100 * c / total:.1f}% ({parts}); matmuls {100 * matmul / total:.1f}%; "
-            f"other (NumPy glue, copies, Python) {100 * other / total:.1f}%"), other / total
+            f"other (NumPy glue, copies, Python) {100 * other:.1f}%"), other
 
 
 def glue_sweep(args, names, x, y):
@@ -376,8 +381,7 @@ def glue_sweep(args, names, x, y):
         step = pyattn_step(model, AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD), x, y)
         step()
         total, core, matmul = profile(step, args.profile_steps)
-        c = sum(core.values())
-        other = (total - c - matmul) / total
+        c, other = shares(total, core, matmul)
         top = max(core, key=core.get)
         rows.append([name, fmt(total * 1e3, ".0f"), fmt(x.size / total, ".0f"), f"{100 * c / total:.1f}",
                      f"{100 * matmul / total:.1f}", f"{100 * other:.1f}", f"{top} {100 * core[top] / total:.0f}%"])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pyattn import reference as ref
-from pyattn.nn import MIXERS
+from pyattn.nn import MIXERS, HybridLM
 from pyattn.testing import assert_close
 
 B, T, D, H = 2, 9, 8, 2
@@ -190,7 +190,6 @@ def test_rwkv7_starts_at_its_depth_values():
     """RWKV-7's starting values follow the block's depth as fla's layer sets them: every
     block's decay spread from channels that keep almost all of their state a token to ones
     that keep about half, shifting less and normalising more strongly deeper down."""
-    from pyattn.nn import HybridLM
     model = HybridLM(64, 32, 3, "rwkv7", n_heads=2, seed=0)
     p = [{k.split(".", 3)[3]: v for k, v in model.params.items() if k.startswith(f"blocks.{i}.mixer.")}
          for i in range(3)]
