@@ -55,6 +55,14 @@ typedef struct {
     int causal;
 } pa_dsa_select_desc;
 
+/* DeepSeek sparse attention's indexer loss over chosen keys: query rows Rq of q [Rq, H, D],
+ * index_q [Rq, Hi, Di], index_w [Rq, Hi]; key rows Rk of k [Rk, Hk, D], index_k [Rk, Di];
+ * the gradients are grad_scale times those of the per-row losses' sum. */
+typedef struct {
+    int64_t Rq, Rk, H, Hk, D, Hi, Di, top_k;
+    double scale, grad_scale;
+} pa_dsa_loss_desc;
+
 /* MoBA's chosen blocks over packed rows: sequence n owns query rows cu_q[n] .. cu_q[n+1]-1
  * of q [rows_q, H, Dk] and key rows cu_k[n] .. cu_k[n+1]-1 of k [rows_k, Hk, Dk], v [rows_k,
  * Hk, Dv], its keys in blocks of block_size (the last maybe shorter), global blocks
@@ -218,6 +226,13 @@ typedef struct {
      * the last; count [rows_q] how many; nan [rows_q] 1 where a visible score is NaN */
     int (*dsa_select)(const pa_dsa_select_desc *d, const void *index_q, const void *index_k,
                       const void *index_w, int32_t *rows, int64_t *count, uint8_t *nan);
+    /* rows, count as dsa_select's (every listed row < Rk): loss [Rq] the KL of each query's
+     * indexer distribution from its main attention's over the listed keys; diq, dik, diw
+     * (overwritten) the gradients of grad_scale * sum(loss) (the target held constant) */
+    int (*dsa_index_loss)(const pa_dsa_loss_desc *d, const void *q, const void *k,
+                          const void *index_q, const void *index_k, const void *index_w,
+                          const int32_t *rows, const int64_t *count, void *loss, void *diq,
+                          void *dik, void *diw);
     /* choice [rows_q, H, slots] (d->slots picks each) from the block means kmean [nblocks, Hk,
      * Dk] */
     int (*moba_select)(const pa_moba_desc *d, const void *q, const void *kmean, int32_t *choice);

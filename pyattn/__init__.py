@@ -19,7 +19,7 @@ from .linear import (efficient_attention, gla, lightning_attention, linear_atten
 from .rope import rope
 from .rwkv import rwkv6
 from .softmax import attention_with_kvcache, forgetting_attention, merge_attention_states, softmax_attention
-from .sparse import (dsa_attention, dsa_index_scores, dsa_index_target, dsa_select, linformer_attention,
+from .sparse import (dsa_attention, dsa_index_loss, dsa_index_scores, dsa_index_target, dsa_select, linformer_attention,
                      moba_attention, nsa_attention)
 from .training import plot_history, train
 from ._ops import OpInfo
@@ -41,6 +41,7 @@ __all__ = [
     "dplr_delta_rule",
     "log_linear_attention",
     "dsa_attention",
+    "dsa_index_loss",
     "dsa_index_scores",
     "dsa_index_target",
     "dsa_select",

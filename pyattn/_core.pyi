@@ -80,6 +80,16 @@ def dsa_select(
     visible key rows (ascending, -1 after the last) into rows [Rq, top_k], their number into
     count [Rq], and 1 into nan [Rq] where a visible score is NaN."""
 
+def dsa_index_loss(
+    q: _Float, k: _Float, index_q: _Float, index_k: _Float, index_w: _Float,
+    rows: npt.NDArray[np.int32], count: _Int64, scale: float, grad_scale: float, loss: _Float,
+    d_index_q: _Float, d_index_k: _Float, d_index_w: _Float, /,
+) -> None:
+    """DeepSeek sparse attention's indexer loss over the key rows dsa_select chose (rows,
+    count): q [Rq, H, D], k [Rk, Hk, D], index_q [Rq, Hi, Di], index_k [Rk, Di], index_w
+    [Rq, Hi]; writes each query's KL(P || softmax(I)) into loss [Rq] and the gradients of
+    grad_scale * sum(loss) in the index arrays (P, the main attention's target, constant)."""
+
 def moba_select(
     q: _Float, kmean: _Float, cu_q: _Int64, cu_k: _Int64, block_size: int, causal: bool,
     slots: int, choice: npt.NDArray[np.int32], /,

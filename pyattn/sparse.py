@@ -677,3 +677,48 @@ def dsa_index_target(q, k, *, causal=True, scale=None, indices=None, cu_seqlens=
                 p = e / np.where(e.sum(-1, keepdims=True) > 0, e.sum(-1, keepdims=True), 1)
             P[r0:r1, base:base + k1 - k0] = p.reshape(Hk, L, G, -1).sum(axis=(0, 2)) / H
     return P.reshape(B, Tq, Tk)
+
+
+def dsa_index_loss(q, k, index_q, index_k, index_w, *, top_k, causal=True, scale=None,
+                   cu_seqlens=None):
+    """``(loss, grads)``: DeepSeek-V3.2's indexer distillation loss and its gradients in the
+    index arrays, in one C kernel over the chosen keys.
+
+    For every query t, over the keys ``dsa_select(index_q, index_k, index_w, top_k=top_k)``
+    chooses for it: the target ``P = dsa_index_target(q, k, indices=chosen)`` (the main
+    attention's probabilities summed over the heads and normalised), the indexer's
+    distribution ``p = softmax(I)`` of its scores ``I = dsa_index_scores(index_q, index_k,
+    index_w)`` there, and ``KL(P || p)``; ``loss`` (a float) is the mean over the ``B * Tq``
+    queries. ``grads`` maps ``"index_q"``, ``"index_k"``, ``"index_w"`` to the loss's
+    gradients (in their arrays' dtypes); the target is held constant, so q and k get none.
+    Shapes, ``causal``, ``scale`` (``Dk ** -0.5``) and ``cu_seqlens`` as ``dsa_attention``;
+    bf16 arrays are computed in float32. The ``[Tq, Tk]`` scores are never formed: the work
+    is ``B Tq top_k (H Dk + Hi Di)``. A NaN among a query's visible index scores, or in q or
+    k, makes the loss NaN.
+    """
+    fn = "dsa_index_loss"
+    given = {"q": q, "k": k, "index_q": index_q, "index_k": index_k, "index_w": index_w}
+    bf16 = {name: np.asarray(a).dtype for name, a in given.items() if _bf16.is_bf16(a)}
+    if bf16:
+        given = {name: _bf16.to_float32(a) if name in bf16 else a for name, a in given.items()}
+    arrs, dtype = V.float_arrays(fn, q=given["q"], k=given["k"])
+    q, k = arrs["q"], arrs["k"]
+    B, Tq, H, D, Tk, Hk = V.queries_keys(fn, q, k)
+    iq, ik, iw = _index_arrays(fn, given["index_q"], given["index_k"], given["index_w"], dtype)
+    V.shape(fn, "index_q", iq, (B, Tq) + iq.shape[2:], "[B, Tq, Hi, Di]")
+    V.shape(fn, "index_k", ik, (B, Tk, iq.shape[3]), "[B, Tk, Di]")
+    top_k = V.integer(fn, "top_k", top_k, 1)
+    causal = V.boolean(fn, "causal", causal)
+    scale = V.scale(fn, scale, D ** -0.5, dtype)
+    sel = _DsaSelection(iq, ik, iw, top_k, causal, *_offsets(fn, B, Tq, Tk, cu_seqlens))
+    n = B * Tq
+    Hi, Di = iq.shape[2:]
+    loss = np.empty(n, dtype)
+    diq, dik, diw = np.empty((n, Hi, Di), dtype), np.empty((B * Tk, Di), dtype), np.empty((n, Hi), dtype)
+    _core.dsa_index_loss(q.reshape(n, H, D), k.reshape(B * Tk, Hk, D), iq.reshape(n, Hi, Di),
+                         ik.reshape(B * Tk, Di), iw.reshape(n, Hi), sel.rows, sel.count, float(scale),
+                         1.0 / max(n, 1), loss, diq, dik, diw)
+    loss[sel.nan], diq[sel.nan], diw[sel.nan] = np.nan, np.nan, np.nan
+    grads = {"index_q": diq.reshape(iq.shape), "index_k": dik.reshape(ik.shape), "index_w": diw.reshape(iw.shape)}
+    grads = {name: _bf16.to_bf16(g, bf16[name]) if name in bf16 else g for name, g in grads.items()}
+    return float(np.sum(loss, dtype=np.float64) / max(n, 1)), grads

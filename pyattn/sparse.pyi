@@ -1,5 +1,5 @@
 """Type stubs of pyattn.sparse (the implementation is sparse.py)."""
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -40,3 +40,9 @@ def dsa_index_target(
     q: npt.ArrayLike, k: npt.ArrayLike, *, causal: bool = ..., scale: Optional[float] = ...,
     indices: Optional[npt.ArrayLike] = ..., cu_seqlens: Optional[npt.ArrayLike] = ...,
 ) -> npt.NDArray[np.floating]: ...
+
+def dsa_index_loss(
+    q: npt.ArrayLike, k: npt.ArrayLike, index_q: npt.ArrayLike, index_k: npt.ArrayLike,
+    index_w: npt.ArrayLike, *, top_k: int, causal: bool = ..., scale: Optional[float] = ...,
+    cu_seqlens: Optional[npt.ArrayLike] = ...,
+) -> Tuple[float, Dict[str, npt.NDArray[np.floating]]]: ...

@@ -4,6 +4,7 @@ nsa_attention and DeepSeek sparse attention (dsa_index_scores, dsa_select, dsa_a
 dsa_index_target) against their oracles, and _core.softmax_decode_backward, the kernel under
 their backward, against the flash backward."""
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -1399,3 +1400,141 @@ def test_linformer_no_keys(rng, dtype):
     for name, x in zip("qkvEF", arrays):
         assert grads[name].shape == x.shape and grads[name].dtype == dtype
         assert np.array_equal(grads[name], np.zeros_like(x)), name
+
+
+def index_loss_args(rng, layout, dtype=np.float64):
+    """(q, k, index_q, index_k, index_w) of a DSA layout, queries cut to the last Tq, and its
+    cu_seqlens."""
+    B, T, Tq, cu = layout
+    q, k, _, iq, ik, iw = last(dsa_inputs(rng, B=B, T=T, H=4, Hk=2), Tq)
+    return [x.astype(dtype) for x in (q, k, iq, ik, iw)], None if cu is None else np.array(cu)
+
+
+def literal_index_loss(q, k, index_q, index_k, index_w, *, top_k, causal=True, scale=None,
+                       cu_seqlens=None):
+    """dsa_index_loss's oracle (a loss with its gradients, not an op of OPS, so here rather
+    than in pyattn.reference), from the oracles of its pieces: per (batch, query t), P =
+    dsa_index_target over dsa_select's keys S, p = softmax of dsa_index_scores over S, KL(P
+    || p); the loss is the mean over the queries. Queries that are the last Tq of Tk
+    positions: rows of zeros fill the first Tk - Tq (each query's KL is its own). Returns the
+    loss alone (its gradients are checked by finite differences)."""
+    q, k, index_q, index_k, index_w = (np.asarray(x, np.float64) for x in (q, k, index_q, index_k, index_w))
+    Tq, Tk = q.shape[1], k.shape[1]
+    pad = lambda x: np.concatenate([np.zeros((x.shape[0], Tk - Tq) + x.shape[2:]), x], axis=1)
+    q, index_q, index_w = pad(q), pad(index_q), pad(index_w)
+    idx = reference.dsa_select(index_q, index_k, index_w, top_k=top_k, causal=causal, cu_seqlens=cu_seqlens)
+    P = reference.dsa_index_target(q, k, causal=causal, scale=scale, indices=idx, cu_seqlens=cu_seqlens)
+    scores = reference.dsa_index_scores(index_q, index_k, index_w)
+    B = scores.shape[0]
+    total = 0.0
+    for b in range(B):
+        for t in range(Tk - Tq, Tk):
+            keys = [int(s) for s in idx[b, t] if s >= 0]
+            if not keys:
+                continue
+            x = scores[b, t, keys]
+            logp = x - x.max() - math.log(sum(math.exp(v - x.max()) for v in x))
+            total += sum(P[b, t, s] * (math.log(P[b, t, s]) - lp) for s, lp in zip(keys, logp)
+                         if not P[b, t, s] <= 0)
+    return total / (B * Tq)
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("top_k", [3, 25])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", DSA_LAYOUTS.values(), ids=DSA_LAYOUTS.keys())
+def test_dsa_index_loss_against_oracle(rng, layout, causal, top_k, dtype):
+    """The loss: the oracle's KL of the indexer's distribution from the main attention's over
+    the chosen keys, mean over queries (float64 1e-10, float32 1e-5); float32 gradients within
+    1e-4 of float64's; each gradient in its array's dtype and shape."""
+    args, cu = index_loss_args(rng, layout)
+    ref = literal_index_loss(*args, top_k=top_k, causal=causal, cu_seqlens=cu)
+    low = [x.astype(dtype) for x in args]
+    loss, grads = pyattn.dsa_index_loss(*low, top_k=top_k, causal=causal, cu_seqlens=cu)
+    assert isinstance(loss, float) and ref > 0
+    assert_close(np.array([loss]), np.array([ref]), TOLERANCES[np.dtype(dtype)][0], name="loss")
+    _, g64 = pyattn.dsa_index_loss(*args, top_k=top_k, causal=causal, cu_seqlens=cu)
+    for name, x in zip(("index_q", "index_k", "index_w"), low[2:]):
+        assert grads[name].dtype == dtype and grads[name].shape == x.shape
+        assert np.any(g64[name] != 0), name
+        if dtype == np.float32:
+            assert_close(grads[name], g64[name], F32_GRAD, name=f"d{name}")
+
+
+@pytest.mark.parametrize("top_k", [3, 25])
+@pytest.mark.parametrize("layout", DSA_LAYOUTS.values(), ids=DSA_LAYOUTS.keys())
+def test_dsa_index_loss_gradients(rng, layout, top_k):
+    """The gradients in index_q, index_k, index_w: central differences of the loss (the
+    oracle's, above; the choice of keys does not move under eps); q and k get none (the
+    target is constant)."""
+    args, cu = index_loss_args(rng, layout)
+    _, grads = pyattn.dsa_index_loss(*args, top_k=top_k, cu_seqlens=cu)
+    assert set(grads) == {"index_q", "index_k", "index_w"}
+    for name, x in zip(("index_q", "index_k", "index_w"), args[2:]):
+        num = finite_differences(lambda: pyattn.dsa_index_loss(*args, top_k=top_k, cu_seqlens=cu)[0], x)
+        assert_close(grads[name], num, 1e-7, name=f"d{name}")
+
+
+def test_dsa_index_loss_is_the_composition(rng):
+    """The same loss and gradients as the three public pieces composed in NumPy: the scores'
+    vjp, dsa_select, dsa_index_target, the softmax over the chosen keys (float64 1e-12)."""
+    q, k, _, iq, ik, iw = dsa_inputs(rng, B=2, T=33, Hi=3, Di=4)
+    loss, grads = pyattn.dsa_index_loss(q, k, iq, ik, iw, top_k=7)
+    scores, pullback = pyattn.vjp(pyattn.dsa_index_scores, iq, ik, iw)
+    chosen = pyattn.dsa_select(iq, ik, iw, top_k=7)
+    target = pyattn.dsa_index_target(q, k, indices=chosen)
+    mask = np.zeros(scores.shape, bool)
+    b, t, j = np.nonzero(chosen >= 0)
+    mask[b, t, chosen[b, t, j]] = True
+    s = np.where(mask, scores, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kl = np.where(target > 0, target * (np.log(target) - np.log(p)), 0).sum() / 66
+    assert abs(loss - kl) <= 1e-12 * kl
+    for name, g in pullback((p - target) / 66).items():
+        assert_close(grads[name], g, 1e-12, name=f"d{name}")
+
+
+def test_dsa_index_loss_threads_and_nan(rng):
+    """The same bits at 1 and 2 threads (dik gathered per key in query order); a NaN in q, in
+    index_q or in index_k makes the loss NaN, never a silent 0."""
+    args = dsa_inputs(rng, B=2, T=40)
+    q, k, iq, ik, iw = args[:2] + args[3:]
+    with pyattn.num_threads(1):
+        one = pyattn.dsa_index_loss(q, k, iq, ik, iw, top_k=5)
+    with pyattn.num_threads(2):
+        two = pyattn.dsa_index_loss(q, k, iq, ik, iw, top_k=5)
+    assert one[0] == two[0]
+    for name in one[1]:
+        assert np.array_equal(one[1][name], two[1][name]), name
+    for i, at in ((0, (0, 7, 1, 2)), (2, (1, 3, 0, 0)), (3, (0, 2, 1))):
+        x = [q, k, iq, ik, iw]
+        x[i] = x[i].copy()
+        x[i][at] = np.nan
+        assert np.isnan(pyattn.dsa_index_loss(*x, top_k=5)[0]), i
+
+
+def test_dsa_index_loss_bad_input(rng):
+    """Wrong shapes and dtypes name the argument; the kernel refuses rows that are not key
+    rows and counts beyond top_k (no out-of-bounds read); T = 0 gives 0 and empty gradients."""
+    q, k, _, iq, ik, iw = dsa_inputs(rng, B=2, T=9)
+    f = pyattn.dsa_index_loss
+    raises(ValueError, f, q, k, iq, ik[..., :2], iw, top_k=3, must=["index dims must match"])
+    raises(TypeError, f, q, k, iq.astype(np.float32), ik.astype(np.float32), iw.astype(np.float32), top_k=3,
+           must=["index arrays must have q's dtype float64"])
+    raises(ValueError, f, q, k, iq[:, :4], ik, iw[:, :4], top_k=3, must=["'index_q' must have shape (2, 9, 2, 3)"])
+    raises(ValueError, f, q, k, iq, ik, iw, top_k=0, must=["'top_k' must be >= 1"])
+    raises(ValueError, f, q, k[:, :5], iq, ik[:, :5], iw, top_k=3, must=["need Tq <= Tk, got Tq=9, Tk=5"])
+    rows, count = np.zeros((18, 3), np.int32), np.full(18, 3, np.int64)
+    out = [np.empty(18), np.empty((18, 2, 3)), np.empty((18, 3)), np.empty((18, 2))]
+    call = [q.reshape(18, 4, 5), k.reshape(18, 2, 5), iq.reshape(18, 2, 3), ik.reshape(18, 3), iw.reshape(18, 2)]
+    bad = rows.copy()
+    bad[5, 1] = 18
+    raises(ValueError, _core.dsa_index_loss, *call, bad, count, 0.5, 1.0, *out, must=["rows[5, 1]=18"])
+    many = count.copy()
+    many[2] = 4
+    raises(ValueError, _core.dsa_index_loss, *call, rows, many, 0.5, 1.0, *out, must=["count[2]=4"])
+    _core.dsa_index_loss(*call, rows, count, 0.5, 1.0, *out)
+    assert np.all(np.isfinite(out[0]))
+    loss, grads = f(q[:, :0], k[:, :0], iq[:, :0], ik[:, :0], iw[:, :0], top_k=3)  # T = 0
+    assert loss == 0 and grads["index_k"].shape == (2, 0, 3)

@@ -67,6 +67,76 @@ static PyObject *py_dsa_select(PyObject *self, PyObject *const *args, Py_ssize_t
     return finish(rc);
 }
 
+/* dsa_index_loss(q, k, index_q, index_k, index_w, rows, count, scale, grad_scale, loss,
+ * d_index_q, d_index_k, d_index_w): q [Rq, H, D], k [Rk, Hk, D], index_q [Rq, Hi, Di],
+ * index_k [Rk, Di], index_w [Rq, Hi]; rows int32 [Rq, top_k] and count int64 [Rq] as
+ * dsa_select writes them; loss [Rq] and the three gradients (index arrays' shapes) written */
+enum { DL_Q, DL_K, DL_INDEX_Q, DL_INDEX_K, DL_INDEX_W, DL_ROWS, DL_COUNT, DL_SCALE, DL_GRAD_SCALE,
+       DL_LOSS, DL_D_INDEX_Q, DL_D_INDEX_K, DL_D_INDEX_W, DL_NARGS };
+
+static PyObject *py_dsa_index_loss(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *fn = "dsa_index_loss";
+    if (expect_nargs(fn, nargs, DL_NARGS)) return NULL;
+    int t;
+    PyArrayObject *q = get_float_array(fn, "q", args[DL_Q], 3, &t);
+    if (!q) return NULL;
+    const npy_intp Rq = PyArray_DIM(q, 0), H = PyArray_DIM(q, 1), D = PyArray_DIM(q, 2);
+    npy_intp kshape[3] = {-1, -1, D};
+    PyArrayObject *k = get_array(fn, "k", args[DL_K], t, 3, kshape, 0);
+    if (!k) return NULL;
+    const npy_intp Rk = PyArray_DIM(k, 0), Hk = PyArray_DIM(k, 1);
+    if (Hk == 0 || H % Hk) {
+        PyErr_Format(PyExc_ValueError, "%s(): k has Hk=%lld heads; q's H=%lld must be a multiple of it",
+                     fn, (long long)Hk, (long long)H);
+        return NULL;
+    }
+    npy_intp iqshape[3] = {Rq, -1, -1};
+    PyArrayObject *iq = get_array(fn, "index_q", args[DL_INDEX_Q], t, 3, iqshape, 0);
+    if (!iq) return NULL;
+    const npy_intp Hi = PyArray_DIM(iq, 1), Di = PyArray_DIM(iq, 2);
+    npy_intp ikshape[2] = {Rk, Di}, iwshape[2] = {Rq, Hi}, rshape[2] = {Rq, -1}, cshape[1] = {Rq};
+    PyArrayObject *ik = get_array(fn, "index_k", args[DL_INDEX_K], t, 2, ikshape, 0);
+    PyArrayObject *iw = ik ? get_array(fn, "index_w", args[DL_INDEX_W], t, 2, iwshape, 0) : NULL;
+    PyArrayObject *rows = iw ? get_array(fn, "rows", args[DL_ROWS], NPY_INT32, 2, rshape, 0) : NULL;
+    PyArrayObject *count = rows ? get_array(fn, "count", args[DL_COUNT], NPY_INT64, 1, cshape, 0) : NULL;
+    if (!count) return NULL;
+    pa_dsa_loss_desc d = {.Rq = Rq, .Rk = Rk, .H = H, .Hk = Hk, .D = D, .Hi = Hi, .Di = Di,
+                          .top_k = PyArray_DIM(rows, 1)};
+    if (get_double(fn, "scale", args[DL_SCALE], -INFINITY, &d.scale) ||
+        get_double(fn, "grad_scale", args[DL_GRAD_SCALE], -INFINITY, &d.grad_scale))
+        return NULL;
+    /* the kernel indexes k and index_k by the listed rows: each must be one of theirs */
+    const int32_t *r = PyArray_DATA(rows);
+    const int64_t *c = PyArray_DATA(count);
+    for (npy_intp i = 0; i < Rq; i++) {
+        if (c[i] < 0 || c[i] > d.top_k) {
+            PyErr_Format(PyExc_ValueError, "%s(): count[%lld]=%lld must lie in [0, %lld]", fn,
+                         (long long)i, (long long)c[i], (long long)d.top_k);
+            return NULL;
+        }
+        for (int64_t j = 0; j < c[i]; j++)
+            if (r[i * d.top_k + j] < 0 || r[i * d.top_k + j] >= Rk) {
+                PyErr_Format(PyExc_ValueError, "%s(): rows[%lld, %lld]=%d is not a key row of %lld", fn,
+                             (long long)i, (long long)j, (int)r[i * d.top_k + j], (long long)Rk);
+                return NULL;
+            }
+    }
+    PyArrayObject *loss = get_array(fn, "loss", args[DL_LOSS], t, 1, cshape, 1);
+    PyArrayObject *diq = loss ? get_array(fn, "d_index_q", args[DL_D_INDEX_Q], t, 3, PyArray_DIMS(iq), 1) : NULL;
+    PyArrayObject *dik = diq ? get_array(fn, "d_index_k", args[DL_D_INDEX_K], t, 2, ikshape, 1) : NULL;
+    PyArrayObject *diw = dik ? get_array(fn, "d_index_w", args[DL_D_INDEX_W], t, 2, iwshape, 1) : NULL;
+    if (!diw) return NULL;
+    const pa_kernels *K = kernels_for(t);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = K->dsa_index_loss(&d, PyArray_DATA(q), PyArray_DATA(k), PyArray_DATA(iq), PyArray_DATA(ik),
+                           PyArray_DATA(iw), r, c, PyArray_DATA(loss), PyArray_DATA(diq),
+                           PyArray_DATA(dik), PyArray_DATA(diw));
+    Py_END_ALLOW_THREADS
+    return finish(rc);
+}
+
 /* The blocks of d's key sequences (block_size each, the last of a sequence maybe shorter):
  * sets d->first_block and d->block_seq in one allocation, returned (NULL: MemoryError). */
 static int64_t *moba_blocks(pa_moba_desc *d)
@@ -302,6 +372,10 @@ PyMethodDef pyattn_sparse_methods[] = {
     {"dsa_select", (PyCFunction)(void (*)(void))py_dsa_select, METH_FASTCALL,
      "dsa_select(index_q, index_k, index_w, cu_q, cu_k, top_k, causal, rows, count, nan): each "
      "query's top_k visible keys by the lightning indexer's scores"},
+    {"dsa_index_loss", (PyCFunction)(void (*)(void))py_dsa_index_loss, METH_FASTCALL,
+     "dsa_index_loss(q, k, index_q, index_k, index_w, rows, count, scale, grad_scale, loss, "
+     "d_index_q, d_index_k, d_index_w): the indexer's KL loss per query over its chosen keys, "
+     "and the gradients of grad_scale times their sum"},
     {"moba_select", (PyCFunction)(void (*)(void))py_moba_select, METH_FASTCALL,
      "moba_select(q, kmean, cu_q, cu_k, block_size, causal, slots, choice): MoBA's choice of "
      "blocks"},

@@ -39,6 +39,7 @@ const pa_kernels PA_FN(pa_kernels) = {
     .softmax_decode = PA_FN(softmax_decode),
     .softmax_decode_backward = PA_FN(softmax_decode_backward),
     .dsa_select = PA_FN(dsa_select),
+    .dsa_index_loss = PA_FN(dsa_index_loss),
     .moba_select = PA_FN(moba_select),
     .moba_forward = PA_FN(moba_forward),
     .moba_backward = PA_FN(moba_backward),

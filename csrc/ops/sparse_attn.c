@@ -12,7 +12,8 @@
  *    by many rows, so each thread adds its dK and dV into a buffer of its own (the first
  *    thread into dk, dv), summed in thread order at the end. Items are dealt round robin,
  *    so the result is the same bits for a given thread count.
- * 2. dsa_select, DeepSeek sparse attention's choice of keys (below).
+ * 2. dsa_select, DeepSeek sparse attention's choice of keys, and dsa_index_loss, its
+ *    indexer's distillation loss over the chosen keys with the loss's gradient (below).
  * 3. moba_select, moba_forward / moba_backward: MoBA's choice of blocks and its attention to
  *    them (below).
  */
@@ -361,6 +362,121 @@ static int PA_FN(dsa_select)(const pa_dsa_select_desc *d, const void *qv, const 
         free(s.block);
     }
     free(first);
+    return failed ? PA_ENOMEM : PA_OK;
+}
+
+/* dsa_index_loss: per query row t over its c chosen key rows r_i (dsa_select's), the target
+ * P_i = (1/H) sum_h softmax_i(scale q_th . k_{r_i}) of the main attention, the indexer's
+ * scores I_i = sum_j w_tj relu(a_ji), a_ji = iq_tj . ik_{r_i}, p = softmax(I), the loss
+ * KL(P || p) = sum_i P_i (log P_i - log p_i) (terms with P_i = 0 are 0) and, with dI_i =
+ * grad_scale (p_i - P_i), the gradients dw_tj = sum_i dI_i relu(a_ji), diq_tj = sum_i
+ * da_ji ik_{r_i} with da_ji = w_tj dI_i [a_ji > 0], dik_s = sum over the (t, i) that chose
+ * s of sum_j da_ji iq_tj. A query row owns its loss, diq and diw (items: query rows); da is
+ * kept [rows_q, Hi, top_k] so that the second pass, over key rows, gathers dik from the
+ * rows that chose each key in query order: the same bits at any thread count, no per-thread
+ * copies of dik. Work is O(rows_q top_k (H Dk + Hi Di)), never [Tq, Tk]. */
+static void PA_FN(dl_row)(const pa_dsa_loss_desc *d, const real *q, const real *k,
+                          const real *iq, const real *ik, const real *iw, const int32_t *keys,
+                          int64_t c, real *loss, real *diq, real *diw, real *da, real *P,
+                          real *I, real *A)
+{
+    const int64_t H = d->H, G = d->H / d->Hk, Hk = d->Hk, D = d->D, Hi = d->Hi, Di = d->Di;
+    const real scale = (real)d->scale, gs = (real)d->grad_scale;
+    for (int64_t i = 0; i < c; i++) P[i] = 0;
+    for (int64_t h = 0; h < H; h++) {
+        for (int64_t i = 0; i < c; i++)
+            I[i] = scale * PA_FN(dot)(q + h * D, k + ((int64_t)keys[i] * Hk + h / G) * D, D);
+        PA_FN(softmax_inplace)(I, c);
+        PA_FN(axpy)(P, I, c, (real)1 / (real)H);
+    }
+    for (int64_t i = 0; i < c; i++) I[i] = 0;
+    for (int64_t j = 0; j < Hi; j++) {
+        real *a = A + j * c;
+        for (int64_t i = 0; i < c; i++) {
+            a[i] = PA_FN(dot)(iq + j * Di, ik + (int64_t)keys[i] * Di, Di);
+            I[i] += iw[j] * (a[i] < 0 ? 0 : a[i]); /* relu as x < 0 ? 0 : x: NaN stays NaN */
+        }
+    }
+    const real m = PA_FN(row_max)(I, c);
+    real z = 0;
+    for (int64_t i = 0; i < c; i++) z += (real)exp((double)(I[i] - m));
+    const real lse = m + (real)log((double)z);
+    real kl = 0;
+    for (int64_t i = 0; i < c; i++) {
+        const real logp = I[i] - lse, p = (real)exp((double)logp);
+        /* !(P <= 0): a NaN target counts, so that NaN in gives NaN out */
+        if (!(P[i] <= 0)) kl += P[i] * ((real)log((double)P[i]) - logp);
+        I[i] = gs * (p - P[i]); /* dI */
+    }
+    *loss = kl;
+    for (int64_t j = 0; j < Hi; j++) {
+        const real *a = A + j * c;
+        real *daj = da + j * d->top_k, dw = 0;
+        for (int64_t i = 0; i < c; i++) {
+            dw += I[i] * (a[i] < 0 ? 0 : a[i]);
+            daj[i] = a[i] > 0 ? iw[j] * I[i] : 0;
+        }
+        diw[j] = dw;
+        real *dq = diq + j * Di;
+        for (int64_t x = 0; x < Di; x++) dq[x] = 0;
+        for (int64_t i = 0; i < c; i++) PA_FN(axpy)(dq, ik + (int64_t)keys[i] * Di, Di, daj[i]);
+    }
+}
+
+static int PA_FN(dsa_index_loss)(const pa_dsa_loss_desc *d, const void *qv, const void *kv,
+                                 const void *iqv, const void *ikv, const void *iwv,
+                                 const int32_t *rows, const int64_t *count, void *lossv,
+                                 void *diqv, void *dikv, void *diwv)
+{
+    const real *q = qv, *k = kv, *iq = iqv, *ik = ikv, *iw = iwv;
+    real *loss = lossv, *diq = diqv, *dik = dikv, *diw = diwv;
+    const int64_t Rq = d->Rq, Rk = d->Rk, Hi = d->Hi, Di = d->Di, top_k = d->top_k;
+    /* da [Rq, Hi, top_k]; the (row, slot) pairs that chose each key row, in query order:
+     * by_key[first[s] .. first[s+1]-1] */
+    real *da = malloc(sizeof(real) * (size_t)(Rq * Hi * top_k + 1));
+    int64_t *first = calloc((size_t)(Rk + 2), sizeof(int64_t));
+    int64_t *by_key = malloc(sizeof(int64_t) * (size_t)(Rq * top_k + 1));
+    if (!da || !first || !by_key) {
+        free(da);
+        free(first);
+        free(by_key);
+        return PA_ENOMEM;
+    }
+    for (int64_t t = 0; t < Rq; t++)
+        for (int64_t i = 0; i < count[t]; i++) first[rows[t * top_k + i] + 2]++;
+    for (int64_t s = 0; s < Rk; s++) first[s + 2] += first[s + 1];
+    for (int64_t t = 0; t < Rq; t++)
+        for (int64_t i = 0; i < count[t]; i++) by_key[first[rows[t * top_k + i] + 1]++] = t * top_k + i;
+    const double work = (double)Rq * (double)top_k * (double)(d->H * d->D + 2 * Hi * Di);
+    const int threads = pa_threads_for(work, Rq > Rk ? Rq : Rk);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        real *P = malloc(sizeof(real) * (size_t)(top_k * (2 + Hi) + 1));
+        const int ok = pa_scratch_ok(P != NULL, &failed);
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t t = 0; t < Rq; t++) {
+            if (!ok) continue;
+            PA_FN(dl_row)(d, q + t * d->H * d->D, k, iq + t * Hi * Di, ik, iw + t * Hi,
+                          rows + t * top_k, count[t], loss + t, diq + t * Hi * Di, diw + t * Hi,
+                          da + t * Hi * top_k, P, P + top_k, P + 2 * top_k);
+        }
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t s = 0; s < Rk; s++) {
+            real *dk = dik + s * Di;
+            for (int64_t e = 0; e < Di; e++) dk[e] = 0;
+            if (!ok) continue;
+            for (int64_t n = first[s]; n < first[s + 1]; n++) {
+                const int64_t t = by_key[n] / top_k, i = by_key[n] % top_k;
+                for (int64_t j = 0; j < Hi; j++)
+                    PA_FN(axpy)(dk, iq + (t * Hi + j) * Di, Di, da[(t * Hi + j) * top_k + i]);
+            }
+        }
+        free(P);
+    }
+    free(da);
+    free(first);
+    free(by_key);
     return failed ? PA_ENOMEM : PA_OK;
 }
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...autodiff import vjp
-from ...sparse import dsa_attention, dsa_index_scores, dsa_index_target, dsa_select
+from ...sparse import dsa_attention, dsa_index_loss
 from ..layers import linear, linear_weight_grad, normal
 from .softmax import SoftmaxAttention
 
@@ -20,7 +19,8 @@ class DeepSeekSparseAttention(SoftmaxAttention):
     As in DeepSeek-V3.2 the indexer sees x detached and learns from a loss of its own: the KL
     divergence from the main attention's distribution over the selected keys
     (``pyattn.dsa_index_target``, summed over heads, normalised) to the softmax of its scores
-    there, averaged over the queries and weighted by ``index_loss_weight``. ``backward`` adds
+    there, averaged over the queries and weighted by ``index_loss_weight``
+    (``pyattn.dsa_index_loss``, over the chosen keys only). ``backward`` adds
     that loss's gradient to the indexer's parameters (the model's loss does not reach them:
     the choice of keys is not differentiable) and leaves dx as the model's loss gives it; the
     last value is ``index_loss``.
@@ -67,26 +67,15 @@ class DeepSeekSparseAttention(SoftmaxAttention):
         return self.op_call(dsa_attention, q, kc, vc, iq, ikc, iw, top_k=self.top_k)
 
     def index_distillation(self, index, q, k):
-        """(the indexer's loss, its gradient in the scores [B, T, T], the scores' pullback)
-        for the indexer's arrays (``indexer(x)``) and the main attention's rotated q, k."""
-        scores, pullback = vjp(dsa_index_scores, *index)
-        chosen = dsa_select(*index, top_k=self.top_k)
-        target = dsa_index_target(q, k, indices=chosen)
-        mask = np.zeros(scores.shape, bool)
-        b, t, j = np.nonzero(chosen >= 0)
-        mask[b, t, chosen[b, t, j]] = True
-        s = np.where(mask, scores, -np.inf)
-        p = np.exp(s - s.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True)
-        n = scores.shape[0] * scores.shape[1]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            kl = np.where(target > 0, target * (np.log(target) - np.log(p)), 0).sum() / n
-        return self.index_loss_weight * kl, self.index_loss_weight * (p - target) / n, pullback
+        """(the indexer's loss, its gradients by name: index_q, index_k, index_w) for the
+        indexer's arrays (``indexer(x)``) and the main attention's rotated q, k."""
+        loss, grads = dsa_index_loss(q, k, *index, top_k=self.top_k)
+        w = self.index_loss_weight
+        return w * loss, {name: g * np.asarray(w, g.dtype) for name, g in grads.items()}
 
     def backward(self, dy):
         dx = super().backward(dy)
-        self.index_loss, dscores, pullback = self.index_distillation(self.index, *self.qk)
-        grads = pullback(dscores.astype(self.dtype))
+        self.index_loss, grads = self.index_distillation(self.index, *self.qk)
         # the indexer's input is detached: its weights' gradients only, no dx
         for name, g in (("w_iq", grads["index_q"]), ("w_ik", grads["index_k"]),
                         ("w_iw", grads["index_w"] * self.Hi ** -0.5)):
