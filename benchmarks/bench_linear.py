@@ -259,20 +259,26 @@ def check(op, fn, arrays, names, do, scale):
     return errs
 
 
+def check_baseline(op, name, fn, arrays, names, do, scale):
+    """One torch baseline checked against pyattn's chunk form: prints the errors, stops the
+    run above TOL."""
+    errs = check(op, fn, arrays, names, do, scale)
+    worst = max(errs.values())
+    ok = worst < TOL
+    print(f"check {op} T={arrays[0].shape[1]} {name} vs pyattn chunk, rel-RMS: "
+          + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+          + f" -> {'ok' if ok else 'FAIL'} (< {TOL:g})", flush=True)
+    if not ok:
+        raise SystemExit(f"{op}: the {name} baseline disagrees with pyattn "
+                         f"(rel-RMS {worst:.1e} >= {TOL:g}); not timing it")
+
+
 def check_baselines(op, arrays, names, do, scale, chunk_fn, rec_fn, rec_T):
-    """Both torch baselines checked against pyattn's chunk form (the recurrent one on the first
-    rec_T steps); prints the errors, stops the run above TOL."""
+    """Both torch baselines checked (check_baseline), the recurrent one on the first rec_T
+    steps."""
     prefix = tuple(np.ascontiguousarray(x[:, :rec_T]) for x in arrays + (do,))
     for name, fn, xs in (("torch chunk", chunk_fn, arrays + (do,)), ("torch recurrent", rec_fn, prefix)):
-        errs = check(op, fn, xs[:-1], names, xs[-1], scale)
-        worst = max(errs.values())
-        ok = worst < TOL
-        print(f"check {op} T={xs[0].shape[1]} {name} vs pyattn chunk, rel-RMS: "
-              + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
-              + f" -> {'ok' if ok else 'FAIL'} (< {TOL:g})", flush=True)
-        if not ok:
-            raise SystemExit(f"{op}: the {name} baseline disagrees with pyattn "
-                             f"(rel-RMS {worst:.1e} >= {TOL:g}); not timing it")
+        check_baseline(op, name, fn, xs[:-1], names, xs[-1], scale)
 
 
 def sweep_op(args, timing, op, T, arrays, names, do, scale, chunk_fn, rec_fn, rec_T, flops_fn,
