@@ -17,7 +17,8 @@ The same batch of random tokens every step; the models train on it while being t
 
 pyattn: ``HybridLM(...)``, ``cross_entropy``, ``zero_grad``, ``backward``, ``AdamW.step``.
 Its matmuls (every projection, the MLPs, the LM head) are pyattn's own threaded GEMM
-(``pyattn._core.gemm``), on the same OpenMP threads as the attention kernels.
+(``pyattn._core.gemm``; in a bf16 model on a CPU with bf16 products, ``gemm_bf16``), on the
+same OpenMP threads as the attention kernels.
 torch: the same architecture written here with torch.nn.functional, parameter for parameter
 the same names and shapes as HybridLM's (checked): RMSNorm (eps 1e-5), SwiGLU, RoPE
 (half-split pairs, theta 10000), softmax attention by
@@ -40,7 +41,7 @@ steps per case), disturbed samples replaced. tokens/s = batch * T / median step 
 "vs torch" = pyattn tokens/s / torch tokens/s.
 
 Profile (pyattn only, a separate run of --profile-steps steps after the timed ones): every
-function of ``pyattn._core`` but ``gemm`` (and ``set_data_handler``, no kernel), and the two
+function of ``pyattn._core`` but ``gemm`` and ``gemm_bf16`` (and ``set_data_handler``, no kernel), and the two
 functions through which pyattn.nn does all its matmuls (``layers.linear`` and
 ``layers.linear_backward``: x @ w.T; dw += dy^T x and dy @ w, the GEMM accumulating into dw;
 reshapes of contiguous arrays being views), are wrapped with timers. "C ops" = time inside
@@ -295,7 +296,7 @@ def check(pmodel, tm, x, y):
 
 
 class Profile:
-    """Timers around the ``pyattn._core`` functions but gemm (and set_data_handler, the array
+    """Timers around the ``pyattn._core`` functions but the GEMMs (and set_data_handler, the array
     cache's switch, which is no kernel), and pyattn.nn's matmul functions."""
 
     def __init__(self):
@@ -328,7 +329,7 @@ class Profile:
     def __enter__(self):
         for name in dir(_core):
             f = getattr(_core, name)
-            if name not in ("gemm", "set_data_handler") and not name.startswith("_") and callable(f) and type(f).__name__ == "builtin_function_or_method":
+            if name not in ("gemm", "gemm_bf16", "set_data_handler") and not name.startswith("_") and callable(f) and type(f).__name__ == "builtin_function_or_method":
                 self._saved.append((_core, name, f))
                 setattr(_core, name, self._wrap_core(name, f))
         originals = {nn_layers.linear: self._wrap_matmul(nn_layers.linear),

@@ -23,6 +23,7 @@ ARRAY_CACHE: Any
 
 _Float = npt.NDArray[np.floating]
 _Int64 = npt.NDArray[np.int64]
+_F32 = npt.NDArray[np.float32]
 
 class _BuildInfo(TypedDict):
     isa: str
@@ -258,6 +259,13 @@ def gemm(a: _Float, b: _Float, c: _Float, trans_a: bool, trans_b: bool,
          alpha: float, beta: float, /) -> None:
     """c = alpha op(a) op(b) + beta c with the packed GEMM of the kernels (beta == 0: c is
     not read), on pyattn's threads (the same bits at any thread count)."""
+
+def gemm_bf16(a: _F32, b: _F32, c: _F32, trans_a: bool, trans_b: bool,
+              alpha: float, beta: float, /) -> None:
+    """gemm of float32 arrays with a and b rounded to bf16 (to nearest, ties to even) and
+    multiplied on the CPU's bf16 instructions (AVX512-BF16 or AMX-BF16), accumulating in
+    float32; beta 0 or 1 (0: c is not read); the same bits at any thread count. A RuntimeError
+    where the CPU (or PYATTN_ISA) gives no bf16 products."""
 
 # pyattn.nn's pointwise kernels: one float dtype per call, C-contiguous arrays, outputs
 # written in place and not overlapping the inputs.

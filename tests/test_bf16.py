@@ -250,3 +250,108 @@ def test_dsa_index_loss_bf16():
     for name, g in g64.items():
         assert grads[name].dtype == BF16, name
         assert rel_rms(grads[name].astype(np.float64), g) <= TOL, name
+
+
+# ---- _core.gemm_bf16: float32 operands multiplied in bf16 (a bf16 HybridLM's projections) ----
+
+PRODUCTS = pyattn.build_info()["isa"] in ("amx", "avx512_bf16")
+needs_products = pytest.mark.skipif(not PRODUCTS, reason="this CPU (or PYATTN_ISA) has no bf16 "
+                                    "products (AVX512-BF16 or AMX-BF16)")
+# past one tile of C (96 x 64) and one pass over the pairs (256, i.e. K = 512) each way
+GEMM_BF16_SIZES = [(1, 1, 1), (5, 7, 3), (33, 65, 31), (97, 130, 600), (200, 33, 513), (12, 70, 40)]
+
+
+def _rounded(a):
+    return a.astype(BF16).astype(np.float64)
+
+
+@needs_products
+@pytest.mark.parametrize("size", GEMM_BF16_SIZES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_bf16(size):
+    """gemm_bf16 is the product of its operands rounded to bf16, which is exact in float32,
+    summed in float32: within (K + 3) float32 epsilons of the magnitude |A| |B| of the float64
+    product of the rounded operands, for each op(a), op(b), and beta 0 (c not read: NaN
+    there) or 1."""
+    M, N, K = size
+    rng = np.random.default_rng(M * N + K)
+    eps = np.finfo(np.float32).eps
+    for ta in (False, True):
+        for tb in (False, True):
+            a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32)
+            b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
+            c0 = rng.standard_normal((M, N)).astype(np.float32)
+            A, B = _rounded(a.T if ta else a), _rounded(b.T if tb else b)
+            for alpha, beta in ((1.0, 0.0), (-0.75, 1.0)):
+                c = np.full((M, N), np.nan, np.float32) if beta == 0 else c0.copy()
+                assert pyattn._core.gemm_bf16(a, b, c, ta, tb, alpha, beta) is None
+                ref = alpha * (A @ B) + beta * c0
+                mag = abs(alpha) * (np.abs(A) @ np.abs(B)) + beta * np.abs(c0)
+                err = np.abs(c - ref)
+                assert np.all(err <= (K + 3) * eps * mag), (ta, tb, beta, err.max())
+                # and the bf16 rounding is there: the float32 product differs
+                if K > 1:
+                    assert not np.array_equal(c, (alpha * ((a.T if ta else a) @ (b.T if tb else b))
+                                                  + beta * c0).astype(np.float32))
+
+
+@needs_products
+def test_gemm_bf16_same_bits_at_any_thread_count_and_nan_rows():
+    """Each entry of C gets the same operations at 1 and 2 threads; a NaN in row i of A makes
+    row i of C NaN and leaves the others finite."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((300, 700)).astype(np.float32)
+    b = rng.standard_normal((150, 700)).astype(np.float32)
+    out = []
+    for n in (1, 2):
+        c = np.empty((300, 150), np.float32)
+        with pyattn.num_threads(n):
+            pyattn._core.gemm_bf16(a, b, c, False, True, 1.0, 0.0)
+        out.append(c)
+    assert np.array_equal(out[0], out[1])
+    a[7, 123] = np.nan
+    c = np.empty((300, 150), np.float32)
+    pyattn._core.gemm_bf16(a, b, c, False, True, 1.0, 0.0)
+    assert np.isnan(c[7]).all() and np.isfinite(np.delete(c, 7, axis=0)).all()
+
+
+def test_gemm_bf16_errors():
+    """float32 only, beta 0 or 1, and a RuntimeError that says why on a CPU without bf16
+    products."""
+    a = np.ones((4, 3), np.float32)
+    b = np.ones((3, 5), np.float32)
+    c = np.empty((4, 5), np.float32)
+    if not PRODUCTS:
+        with pytest.raises(RuntimeError, match="no bf16 products"):
+            pyattn._core.gemm_bf16(a, b, c, False, False, 1.0, 0.0)
+        return
+    with pytest.raises(TypeError, match="float32"):
+        pyattn._core.gemm_bf16(a.astype(np.float64), b.astype(np.float64), c.astype(np.float64),
+                               False, False, 1.0, 0.0)
+    with pytest.raises(ValueError, match="beta must be 0 or 1"):
+        pyattn._core.gemm_bf16(a, b, c, False, False, 1.0, 0.5)
+    with pytest.raises(ValueError, match="inner dimensions"):
+        pyattn._core.gemm_bf16(a, b.T.copy(), c, False, False, 1.0, 0.0)
+
+
+def test_bf16_model_projections_multiply_in_bf16(monkeypatch):
+    """A bf16 HybridLM's projections go through gemm_bf16 (forward, both gradients, decoding)
+    exactly where the CPU multiplies bf16; a float32 model's never do."""
+    from pyattn.nn import HybridLM, cross_entropy, layers
+
+    seen = []
+    real = layers._core.gemm_bf16
+    monkeypatch.setattr(layers._core, "gemm_bf16",
+                        lambda a, b, c, ta, tb, alpha, beta: seen.append((ta, tb)) or
+                        real(a, b, c, ta, tb, alpha, beta))
+    tokens = np.random.default_rng(0).integers(0, 32, (2, 9))
+    for dtype in ("float32", "bfloat16"):
+        seen.clear()
+        model = HybridLM(32, 16, 1, "gated_deltanet", n_heads=2, dtype=dtype)
+        logits = model.forward(tokens)
+        model.backward(cross_entropy(logits, tokens)[1])
+        model.generate(tokens[:, :3], 2, temperature=0)
+        kinds = set(seen)
+        if dtype == "bfloat16" and PRODUCTS:
+            assert kinds == {(False, True), (True, False), (False, False)}
+        else:
+            assert not seen

@@ -3,18 +3,29 @@
 #include "args.h"
 #include "bind.h"
 
+#include "core/gemm_bf16.h"
+
 #include <math.h>
 
-/* gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c, 2-D arrays */
+/* gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c, 2-D arrays;
+ * gemm_bf16, the same for float32 arrays multiplied in bf16 (beta 0 or 1) */
 enum { GEMM_A, GEMM_B, GEMM_C, GEMM_TRANS_A, GEMM_TRANS_B, GEMM_ALPHA, GEMM_BETA, GEMM_NARGS };
 
-static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *gemm_binding(const char *fn, PyObject *const *args, Py_ssize_t nargs, int bf16)
 {
-    const char *fn = "gemm";
     if (expect_nargs(fn, nargs, GEMM_NARGS)) return NULL;
+    if (bf16 && pa_bf16_kind() == PA_BF16_NONE) {
+        PyErr_Format(PyExc_RuntimeError, "%s(): this CPU (or PYATTN_ISA) gives no bf16 products "
+                     "(AVX512-BF16 or AMX-BF16); pyattn.build_info()['isa'] says which path runs", fn);
+        return NULL;
+    }
     int t;
     npy_intp any2[2] = {-1, -1};
     PyArrayObject *a = get_float_array(fn, "a", args[GEMM_A], 2, &t);
+    if (a && bf16 && t != NPY_FLOAT32) {
+        PyErr_Format(PyExc_TypeError, "%s(): 'a' must be float32 (it is rounded to bf16)", fn);
+        return NULL;
+    }
     PyArrayObject *b = a ? get_array(fn, "b", args[GEMM_B], t, 2, any2, 0) : NULL;
     if (!b) return NULL;
     int ta = PyObject_IsTrue(args[GEMM_TRANS_A]), tb = PyObject_IsTrue(args[GEMM_TRANS_B]);
@@ -22,7 +33,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     npy_intp M = PyArray_DIM(a, ta ? 1 : 0), Ka = PyArray_DIM(a, ta ? 0 : 1);
     npy_intp Kb = PyArray_DIM(b, tb ? 1 : 0), N = PyArray_DIM(b, tb ? 0 : 1);
     if (Ka != Kb) {
-        PyErr_Format(PyExc_ValueError, "gemm(): inner dimensions differ: %lld and %lld",
+        PyErr_Format(PyExc_ValueError, "%s(): inner dimensions differ: %lld and %lld", fn,
                      (long long)Ka, (long long)Kb);
         return NULL;
     }
@@ -32,14 +43,32 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (!c || get_double(fn, "alpha", args[GEMM_ALPHA], -INFINITY, &alpha) ||
         get_double(fn, "beta", args[GEMM_BETA], -INFINITY, &beta))
         return NULL;
+    if (bf16 && beta != 0 && beta != 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): beta must be 0 or 1, got %g", fn, beta);
+        return NULL;
+    }
     npy_intp lda = PyArray_DIM(a, 1), ldb = PyArray_DIM(b, 1);
     const pa_kernels *K = kernels_for(t);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = K->gemm(M, N, Ka, alpha, PyArray_DATA(a), ta ? 1 : lda, ta ? lda : 1, PyArray_DATA(b),
-                 tb ? 1 : ldb, tb ? ldb : 1, beta, PyArray_DATA(c), N);
+    if (bf16)
+        rc = pa_bf16_matmul(M, N, Ka, (float)alpha, PyArray_DATA(a), lda, ta, PyArray_DATA(b), ldb,
+                            tb, (float)beta, PyArray_DATA(c), N);
+    else
+        rc = K->gemm(M, N, Ka, alpha, PyArray_DATA(a), ta ? 1 : lda, ta ? lda : 1, PyArray_DATA(b),
+                     tb ? 1 : ldb, tb ? ldb : 1, beta, PyArray_DATA(c), N);
     Py_END_ALLOW_THREADS
     return finish(rc);
+}
+
+static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return gemm_binding("gemm", args, nargs, 0);
+}
+
+static PyObject *py_gemm_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return gemm_binding("gemm_bf16", args, nargs, 1);
 }
 
 /* exp(x, out), exp_nonpos(x, out): a vectorised exp (the general one, or the softmax's for
@@ -360,6 +389,10 @@ static PyObject *py_short_conv_backward(PyObject *self, PyObject *const *args, P
 PyMethodDef pyattn_nn_methods[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
      "gemm(a, b, c, trans_a, trans_b, alpha, beta): c = alpha op(a) op(b) + beta c"},
+    {"gemm_bf16", (PyCFunction)(void (*)(void))py_gemm_bf16, METH_FASTCALL,
+     "gemm_bf16(a, b, c, trans_a, trans_b, alpha, beta): gemm of float32 arrays with a and b "
+     "rounded to bf16 and multiplied on the CPU's bf16 instructions, float32 accumulation; "
+     "beta 0 or 1; a RuntimeError where the CPU has none"},
     {"exp", (PyCFunction)(void (*)(void))py_exp, METH_FASTCALL,
      "exp(x, out): the vectorised exp of the kernels"},
     {"exp_nonpos", (PyCFunction)(void (*)(void))py_exp_nonpos, METH_FASTCALL,

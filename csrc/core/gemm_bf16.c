@@ -3,6 +3,9 @@
 #define _GNU_SOURCE /* syscall() */
 #include "gemm_bf16.h"
 
+#include "kernels.h"
+#include "parallel.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -337,3 +340,86 @@ PA_NO_PACKING(pa_bf16_pairs_a)
 #endif
 
 void pa_bf16_select(int kind) { selected_kind = pa_bf16_available(kind) ? kind : PA_BF16_NONE; }
+
+/* ---- float32 operands multiplied in bf16 (pa_bf16_matmul) ---- */
+
+/* one packing of an operand, over 32 of its outer indices (rows or columns) at a time */
+typedef struct {
+    int kind;         /* 0 rows_a, 1 rows_b, 2 pairs_a, 3 pairs_b */
+    int64_t n, n_pad; /* the packing's n and n_pad (rows of X) */
+    int64_t D;        /* its D (columns of X) */
+    const float *X;
+    int64_t ldx;
+    uint32_t *out;
+    int64_t words;    /* words of out per outer index (a row of A-form, a column of B-form) */
+} bf16_packing;
+
+/* The outer indices [o0, o0 + 32) of the packing: rows of X for rows_a / rows_b, columns for
+ * pairs_a / pairs_b. o0 is a multiple of 32 below the padded outer size, so the call's own
+ * padding ends where the next one starts or at the whole operand's padded end. */
+static void bf16_pack_part(const bf16_packing *p, int64_t o0)
+{
+    uint32_t *out = p->out + o0 * p->words;
+    switch (p->kind) {
+    case 0:
+    case 1: {
+        const int64_t n = p->n - o0 < 32 ? (p->n > o0 ? p->n - o0 : 0) : 32;
+        (p->kind ? pa_bf16_rows_b : pa_bf16_rows_a)(n, 32, p->D, p->X + o0 * p->ldx, p->ldx, out);
+        break;
+    }
+    default: {
+        const int64_t d = p->D - o0 < 32 ? p->D - o0 : 32;
+        (p->kind == 2 ? pa_bf16_pairs_a : pa_bf16_pairs_b)(p->n, p->n_pad, d, p->X + o0, p->ldx, out);
+    }
+    }
+}
+
+/* tiles of C a thread computes at once, and the pairs of one pass over them: a tile's packed
+ * rows and columns (96 x 256 and 64 x 256 words) stay in L2 */
+enum { BF16_MB = 96, BF16_NB = 64, BF16_KB = 256 };
+
+int pa_bf16_matmul(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                   int ta, const float *B, int64_t ldb, int tb, float beta, float *C, int64_t ldc)
+{
+    if (M <= 0 || N <= 0) return PA_OK;
+    if (K <= 0) {
+        if (beta == 0)
+            for (int64_t i = 0; i < M; i++) memset(C + i * ldc, 0, sizeof(float) * N);
+        return PA_OK;
+    }
+    const int64_t Kp = pa_bf16_dp(K), kp = Kp / 2;
+    const int64_t Mp = pa_bf16_round(M, PA_BF16_PAD), Np = pa_bf16_round(N, PA_BF16_PAD);
+    uint32_t *a, *b;
+    void **parts[2] = {(void **)&a, (void **)&b};
+    size_t bytes[2] = {sizeof(uint32_t) * Mp * kp, sizeof(uint32_t) * Np * kp};
+    void *block = pa_alloc_parts(parts, bytes, 2);
+    if (!block) return PA_ENOMEM;
+    /* A-form of op(A): rows of A, or pairs of A's rows; B-form of op(B): rows of B (panels of
+     * 16 columns of op(B), 16 kp words each), or pairs of B's rows */
+    const bf16_packing packs[2] = {
+        ta ? (bf16_packing){2, K, Kp, M, A, lda, a, kp} : (bf16_packing){0, M, Mp, K, A, lda, a, kp},
+        tb ? (bf16_packing){1, N, Np, K, B, ldb, b, kp} : (bf16_packing){3, K, Kp, N, B, ldb, b, kp},
+    };
+    const int64_t mt = (M + BF16_MB - 1) / BF16_MB, nt = (N + BF16_NB - 1) / BF16_NB;
+    const int threads = pa_threads_for((double)M * N * K, mt * nt);
+#pragma omp parallel num_threads(threads)
+    {
+        for (int i = 0; i < 2; i++) {
+            const int64_t outer = i ? Np : Mp;
+#pragma omp for schedule(static)
+            for (int64_t o0 = 0; o0 < outer; o0 += 32) bf16_pack_part(&packs[i], o0);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < mt * nt; t++) {
+            const int64_t i0 = t / nt * BF16_MB, j0 = t % nt * BF16_NB;
+            const int64_t mb = M - i0 < BF16_MB ? M - i0 : BF16_MB;
+            const int64_t nb = N - j0 < BF16_NB ? N - j0 : BF16_NB;
+            for (int64_t p0 = 0; p0 < kp; p0 += BF16_KB)
+                pa_bf16_gemm(mb, nb, kp - p0 < BF16_KB ? kp - p0 : BF16_KB, alpha,
+                             a + i0 * kp + p0, kp, b + j0 / 16 * 16 * kp + p0 * 16, 16 * kp,
+                             p0 ? 1.0f : beta, C + i0 * ldc + j0, ldc);
+        }
+    }
+    free(block);
+    return PA_OK;
+}

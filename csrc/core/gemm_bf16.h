@@ -53,6 +53,15 @@ void pa_bf16_pairs_b(int64_t n, int64_t n_pad, int64_t D, const float *X, int64_
 void pa_bf16_pairs_a(int64_t n, int64_t n_pad, int64_t D, const float *X, int64_t ldx,
                      uint32_t *out);
 
+/* C[M x N] (row-major, ldc) = alpha op(A) op(B) + beta C for float32 operands, multiplied in
+ * bf16: op(A) = A [M x K] (lda apart) or, with ta, A^T for A [K x M]; op(B) = B [K x N] or,
+ * with tb, B^T for B [N x K]. Both are rounded to bf16 (pa_bf16_rows_a and its kin), products
+ * accumulate in float32; beta 0 (C not read) or 1. Threads of its own (pa_threads_for); every
+ * entry of C gets the same operations in the same order at any thread count. The selected
+ * kind must not be none. PA_OK, or PA_ENOMEM when the packed operands cannot be allocated. */
+int pa_bf16_matmul(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                   int ta, const float *B, int64_t ldb, int tb, float beta, float *C, int64_t ldc);
+
 static inline int64_t pa_bf16_round(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 /* bf16 per row of an A-form operand of D features */
 static inline int64_t pa_bf16_dp(int64_t D) { return pa_bf16_round(D, 2 * PA_BF16_KSTEP); }

@@ -9,6 +9,8 @@ on that and numpy's BLAS threads, which would spin while the other works.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import MutableMapping
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
 
@@ -111,18 +113,40 @@ def _rows(a: np.ndarray, width: Optional[int] = None) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1, a.shape[-1] if width is None else width)
 
 
+# set while a bf16 HybridLM runs on a CPU that multiplies bf16: its projections (linear and
+# its gradients) then round both operands to bf16 and multiply them there, float32
+# accumulation, as torch's autocast does; elsewhere they multiply float32 values
+_BF16_PRODUCTS: contextvars.ContextVar[bool] = contextvars.ContextVar("pyattn_nn_bf16_products",
+                                                                      default=False)
+BF16_PRODUCTS_AVAILABLE = _core.build_info()["isa"] in ("amx", "avx512_bf16")
+
+
+@contextlib.contextmanager
+def bf16_products(on: bool):
+    """The projections inside the block multiply in bf16 when ``on`` (and the CPU can)."""
+    token = _BF16_PRODUCTS.set(on and BF16_PRODUCTS_AVAILABLE)
+    try:
+        yield
+    finally:
+        _BF16_PRODUCTS.reset(token)
+
+
+def _gemm(a, b, c, trans_a: bool, trans_b: bool, beta: float) -> None:
+    (_core.gemm_bf16 if _BF16_PRODUCTS.get() else _core.gemm)(a, b, c, trans_a, trans_b, 1.0, beta)
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``x @ w.T`` for x ``[..., in]``, w ``[out, in]`` (C-contiguous, x's float dtype), as one
     2-D GEMM."""
     x2 = _rows(x)
     y = np.empty((x2.shape[0], w.shape[0]), x.dtype)
-    _core.gemm(x2, w, y, False, True, 1.0, 0.0)
+    _gemm(x2, w, y, False, True, 0.0)
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
 def linear_weight_grad(dy: np.ndarray, x: np.ndarray, dw: np.ndarray) -> None:
     """Adds ``dy^T x`` (over every leading axis) into dw, the gradient of ``linear``'s w."""
-    _core.gemm(_rows(dy, dw.shape[0]), _rows(x, dw.shape[1]), dw, True, False, 1.0, 1.0)
+    _gemm(_rows(dy, dw.shape[0]), _rows(x, dw.shape[1]), dw, True, False, 1.0)
 
 
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, dw: np.ndarray) -> np.ndarray:
@@ -130,7 +154,7 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, dw: np.ndarray
     linear_weight_grad(dy, x, dw)
     dy2 = _rows(dy)
     dx = np.empty((dy2.shape[0], w.shape[1]), dy.dtype)
-    _core.gemm(dy2, w, dx, False, False, 1.0, 0.0)
+    _gemm(dy2, w, dx, False, False, 0.0)
     return dx.reshape(x.shape)
 
 

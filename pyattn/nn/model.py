@@ -3,6 +3,7 @@ mixers, trained with llm.c-style forward/backward pairs and decoded through each
 cache."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -10,10 +11,21 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .. import _core
-from .layers import Embedding, Linear, Module, Parameters, RMSNorm, SwiGLU, linear, linear_backward
+from .layers import (Embedding, Linear, Module, Parameters, RMSNorm, SwiGLU, bf16_products, linear,
+                     linear_backward)
 from .memory import with_cached_arrays
 from .mixers import MIXERS
 from .npz import mismatch, read_npz, write_npz
+
+
+def _model_precision(fn):
+    """A HybridLM method run with a bf16 model's projections multiplying in bf16 where the CPU
+    can (layers.bf16_products)."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with bf16_products(self.bf16 is not None):
+            return fn(self, *args, **kwargs)
+    return wrapper
 
 
 class Block(Module):
@@ -106,9 +118,11 @@ class HybridLM(Module):
     writes) and ``grads`` are float32; ``forward`` and ``prefill`` first round every parameter
     to bfloat16 into the copies that the layers compute with, and every mixer passes its op's
     query, key and value arguments as bfloat16 arrays (the op's bf16 path, its output rounded
-    to bfloat16). Everything else is float32 arithmetic: the projections multiply the rounded
-    weights with float32 activations (NumPy has no bfloat16 matmul), and the norms, gates,
-    residual stream, logits and loss are float32. The gradients reaching the bf16 q, k, v
+    to bfloat16). The projections (every ``Linear``, the MLPs, the LM head) and their
+    gradients multiply in bf16 where the CPU can (AVX512-BF16 or AMX: ``_core.gemm_bf16``,
+    both operands rounded to bf16, float32 accumulation, as torch's autocast does), elsewhere
+    the rounded weights with float32 activations in float32. The norms, gates, residual stream,
+    logits and loss are float32. The gradients reaching the bf16 q, k, v
     are rounded to bfloat16 by the op, as an autocast backward gives them; the others are
     float32. ``step`` decodes with the weights rounded by the ``prefill`` that made its cache.
 
@@ -192,6 +206,7 @@ class HybridLM(Module):
         self.h = self.norm.forward(x)
         return linear(self.h, self.embed.w) if self.lm_head is None else self.lm_head.forward(self.h)
 
+    @_model_precision
     @with_cached_arrays
     def forward(self, tokens) -> np.ndarray:
         """logits ``[B, T, vocab_size]`` of the next token at every position."""
@@ -204,6 +219,7 @@ class HybridLM(Module):
         self._forward_shape = logits.shape
         return logits
 
+    @_model_precision
     @with_cached_arrays
     def backward(self, dlogits: np.ndarray, ready: Optional[Callable[[Module], None]] = None) -> None:
         """Adds the gradients of the loss whose gradient w.r.t. the last forward's logits
@@ -233,6 +249,7 @@ class HybridLM(Module):
         self.embed.backward(dx)
         done(self.embed)
 
+    @_model_precision
     def prefill(self, tokens, max_len: Optional[int] = None):
         """``(logits [B, T, V], cache)`` for a prompt; the cache carries every layer's state
         (recurrent states, KV caches of ``max_len`` rows, default 2 T, conv states) and the
@@ -249,6 +266,7 @@ class HybridLM(Module):
             layers.append(c)
         return self._head(x), {"pos": T, "layers": layers}
 
+    @_model_precision
     def step(self, tokens, cache: dict):
         """``(logits [B, V], cache)`` of one more token per sequence (``tokens [B]``); the cache
         is updated in place and returned. Equals the last row of ``forward`` over the whole
