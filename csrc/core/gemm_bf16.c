@@ -343,40 +343,37 @@ void pa_bf16_select(int kind) { selected_kind = pa_bf16_available(kind) ? kind :
 
 /* ---- float32 operands multiplied in bf16 (pa_bf16_matmul) ---- */
 
-/* one packing of an operand, over 32 of its outer indices (rows or columns) at a time */
-typedef struct {
-    int kind;         /* 0 rows_a, 1 rows_b, 2 pairs_a, 3 pairs_b */
-    int64_t n, n_pad; /* the packing's n and n_pad (rows of X) */
-    int64_t D;        /* its D (columns of X) */
-    const float *X;
-    int64_t ldx;
-    uint32_t *out;
-    int64_t words;    /* words of out per outer index (a row of A-form, a column of B-form) */
-} bf16_packing;
+/* tiles of C a thread computes at once, and the pairs of one pass over them: a pass's packed
+ * rows and a tile's columns (96 x 256 and 64 x 256 words) stay in L2 */
+enum { BF16_MB = 96, BF16_NB = 64, BF16_KB = 256 };
 
-/* The outer indices [o0, o0 + 32) of the packing: rows of X for rows_a / rows_b, columns for
- * pairs_a / pairs_b. o0 is a multiple of 32 below the padded outer size, so the call's own
- * padding ends where the next one starts or at the whole operand's padded end. */
-static void bf16_pack_part(const bf16_packing *p, int64_t o0)
+static inline int64_t bf16_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Rows [o0, o0 + 32) of op(A)'s A-form over the kb pairs from p0 (one pass), kb words a row:
+ * op(A) is A [M x K] (lda apart) or, with ta, A^T. Packed pass by pass because rows of all
+ * kp pairs would lie kp words apart, and a tile's 12 rows would share one L1 set wherever kp
+ * is a multiple of 1024 (a weight's gradient, whose pairs run over the tokens). o0 < M. */
+static void bf16_pack_a(int64_t M, int64_t K, const float *A, int64_t lda, int ta, int64_t p0,
+                        int64_t kb, int64_t o0, uint32_t *out)
 {
-    uint32_t *out = p->out + o0 * p->words;
-    switch (p->kind) {
-    case 0:
-    case 1: {
-        const int64_t n = p->n - o0 < 32 ? (p->n > o0 ? p->n - o0 : 0) : 32;
-        (p->kind ? pa_bf16_rows_b : pa_bf16_rows_a)(n, 32, p->D, p->X + o0 * p->ldx, p->ldx, out);
-        break;
-    }
-    default: {
-        const int64_t d = p->D - o0 < 32 ? p->D - o0 : 32;
-        (p->kind == 2 ? pa_bf16_pairs_a : pa_bf16_pairs_b)(p->n, p->n_pad, d, p->X + o0, p->ldx, out);
-    }
-    }
+    const int64_t k0 = 2 * p0, k = bf16_min(K - k0, 2 * kb), rows = bf16_min(M - o0, 32);
+    if (ta)
+        pa_bf16_pairs_a(k, 2 * kb, rows, A + k0 * lda + o0, lda, out + o0 * kb);
+    else
+        pa_bf16_rows_a(rows, 32, k, A + o0 * lda + k0, lda, out + o0 * kb);
 }
 
-/* tiles of C a thread computes at once, and the pairs of one pass over them: a tile's packed
- * rows and columns (96 x 256 and 64 x 256 words) stay in L2 */
-enum { BF16_MB = 96, BF16_NB = 64, BF16_KB = 256 };
+/* Columns [o0, o0 + 32) of op(B)'s B-form over all kp = Kp / 2 pairs (panels of 16 columns,
+ * 16 kp words each): op(B) is B [K x N] (ldb apart) or, with tb, B^T. o0 < N. */
+static void bf16_pack_b(int64_t N, int64_t K, int64_t Kp, const float *B, int64_t ldb, int tb,
+                        int64_t o0, uint32_t *out)
+{
+    const int64_t cols = bf16_min(N - o0, 32);
+    if (tb)
+        pa_bf16_rows_b(cols, 32, K, B + o0 * ldb, ldb, out + o0 * (Kp / 2));
+    else
+        pa_bf16_pairs_b(K, Kp, cols, B + o0, ldb, out + o0 * (Kp / 2));
+}
 
 int pa_bf16_matmul(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                    int ta, const float *B, int64_t ldb, int tb, float beta, float *C, int64_t ldc)
@@ -387,37 +384,37 @@ int pa_bf16_matmul(int64_t M, int64_t N, int64_t K, float alpha, const float *A,
             for (int64_t i = 0; i < M; i++) memset(C + i * ldc, 0, sizeof(float) * N);
         return PA_OK;
     }
-    const int64_t Kp = pa_bf16_dp(K), kp = Kp / 2;
-    const int64_t Mp = pa_bf16_round(M, PA_BF16_PAD), Np = pa_bf16_round(N, PA_BF16_PAD);
-    uint32_t *a, *b;
-    void **parts[2] = {(void **)&a, (void **)&b};
-    size_t bytes[2] = {sizeof(uint32_t) * Mp * kp, sizeof(uint32_t) * Np * kp};
-    void *block = pa_alloc_parts(parts, bytes, 2);
-    if (!block) return PA_ENOMEM;
-    /* A-form of op(A): rows of A, or pairs of A's rows; B-form of op(B): rows of B (panels of
-     * 16 columns of op(B), 16 kp words each), or pairs of B's rows */
-    const bf16_packing packs[2] = {
-        ta ? (bf16_packing){2, K, Kp, M, A, lda, a, kp} : (bf16_packing){0, M, Mp, K, A, lda, a, kp},
-        tb ? (bf16_packing){1, N, Np, K, B, ldb, b, kp} : (bf16_packing){3, K, Kp, N, B, ldb, b, kp},
-    };
+    const int64_t Kp = pa_bf16_dp(K), kp = Kp / 2, Np = pa_bf16_round(N, PA_BF16_PAD);
     const int64_t mt = (M + BF16_MB - 1) / BF16_MB, nt = (N + BF16_NB - 1) / BF16_NB;
     const int threads = pa_threads_for((double)M * N * K, mt * nt);
+    /* work items: a block of BF16_MB rows of C across a group of its column tiles; the
+     * columns are split into groups only where the row blocks alone would leave threads idle
+     * (each group packs its rows again) */
+    const int64_t groups = bf16_min(nt, (2 * threads + mt - 1) / mt), per_group = (nt + groups - 1) / groups;
+    uint32_t *a, *b;
+    void **parts[2] = {(void **)&a, (void **)&b};
+    size_t bytes[2] = {sizeof(uint32_t) * threads * BF16_MB * kp, sizeof(uint32_t) * Np * kp};
+    void *block = pa_alloc_parts(parts, bytes, 2);
+    if (!block) return PA_ENOMEM;
 #pragma omp parallel num_threads(threads)
     {
-        for (int i = 0; i < 2; i++) {
-            const int64_t outer = i ? Np : Mp;
 #pragma omp for schedule(static)
-            for (int64_t o0 = 0; o0 < outer; o0 += 32) bf16_pack_part(&packs[i], o0);
-        }
+        for (int64_t o0 = 0; o0 < Np; o0 += 32) bf16_pack_b(N, K, Kp, B, ldb, tb, o0, b);
+        /* each item packs its rows itself, pass after pass (the pass at p0 at BF16_MB p0 in the
+         * thread's buffer), so that they come from memory while the other threads multiply */
+        uint32_t *rows = a + pa_thread_id() * BF16_MB * kp;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < mt * nt; t++) {
-            const int64_t i0 = t / nt * BF16_MB, j0 = t % nt * BF16_NB;
-            const int64_t mb = M - i0 < BF16_MB ? M - i0 : BF16_MB;
-            const int64_t nb = N - j0 < BF16_NB ? N - j0 : BF16_NB;
-            for (int64_t p0 = 0; p0 < kp; p0 += BF16_KB)
-                pa_bf16_gemm(mb, nb, kp - p0 < BF16_KB ? kp - p0 : BF16_KB, alpha,
-                             a + i0 * kp + p0, kp, b + j0 / 16 * 16 * kp + p0 * 16, 16 * kp,
-                             p0 ? 1.0f : beta, C + i0 * ldc + j0, ldc);
+        for (int64_t t = 0; t < mt * groups; t++) {
+            const int64_t i0 = t / groups * BF16_MB, mb = bf16_min(M - i0, BF16_MB);
+            const int64_t j0 = t % groups * per_group * BF16_NB, j1 = bf16_min(N, j0 + per_group * BF16_NB);
+            for (int64_t p0 = 0; p0 < kp; p0 += BF16_KB) {
+                const int64_t kb = bf16_min(BF16_KB, kp - p0);
+                for (int64_t o0 = 0; o0 < mb; o0 += 32)
+                    bf16_pack_a(M - i0, K, ta ? A + i0 : A + i0 * lda, lda, ta, p0, kb, o0, rows + BF16_MB * p0);
+                for (int64_t j = j0; j < j1; j += BF16_NB)
+                    pa_bf16_gemm(mb, bf16_min(j1 - j, BF16_NB), kb, alpha, rows + BF16_MB * p0, kb,
+                                 b + j * kp + p0 * 16, 16 * kp, p0 ? 1.0f : beta, C + i0 * ldc + j, ldc);
+            }
         }
     }
     free(block);
