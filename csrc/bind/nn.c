@@ -44,7 +44,7 @@ static PyObject *gemm_binding(const char *fn, PyObject *const *args, Py_ssize_t 
         get_double(fn, "beta", args[GEMM_BETA], -INFINITY, &beta))
         return NULL;
     if (bf16 && beta != 0 && beta != 1) {
-        PyErr_Format(PyExc_ValueError, "%s(): beta must be 0 or 1, got %g", fn, beta);
+        PyErr_Format(PyExc_ValueError, "%s(): beta must be 0 or 1, got %R", fn, args[GEMM_BETA]);
         return NULL;
     }
     npy_intp lda = PyArray_DIM(a, 1), ldb = PyArray_DIM(b, 1);

@@ -8,6 +8,9 @@
 
 /* Elements a task: a 2-thread team splits a [4096, 256] activation evenly */
 #define CONVERT_BLOCK 65536
+/* pa_threads_for's multiply-adds an element costs: a block of 65536 takes about as long as
+ * its 1e6 (memory-bound, about a quarter ns an element), so each block may take a thread */
+#define CONVERT_COST 16.0
 
 static void widen_span(int64_t lo, int64_t hi, const void *src, void *dst)
 {
@@ -39,7 +42,7 @@ static void convert(int64_t n, void (*span)(int64_t, int64_t, const void *, void
                     void *dst)
 {
     int64_t blocks = (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK;
-    int threads = pa_threads_for((double)n, blocks);
+    int threads = pa_threads_for(CONVERT_COST * (double)n, blocks);
 #pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t lo = b * CONVERT_BLOCK;
