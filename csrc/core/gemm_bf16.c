@@ -267,15 +267,21 @@ static inline const float *pair_row(const float *X, int64_t ldx, int64_t n, int6
     return 2 * p + odd < n ? X + (2 * p + odd) * ldx : NULL;
 }
 
-void pa_bf16_pairs_b(int64_t n, int64_t n_pad, int64_t D, const float *X, int64_t ldx,
-                     uint32_t *out)
+void pa_bf16_pairs_b_part(int64_t p0, int64_t p1, int64_t n, int64_t D, const float *X,
+                          int64_t ldx, int64_t bps, uint32_t *out)
 {
-    const int64_t bps = n_pad / 2 * 16, cols = pa_bf16_round(D, PA_BF16_PAD);
-    for (int64_t p = 0; p < n_pad / 2; p++) {
+    const int64_t cols = pa_bf16_round(D, PA_BF16_PAD);
+    for (int64_t p = p0; p < p1; p++) {
         const float *x = pair_row(X, ldx, n, p, 0), *y = pair_row(X, ldx, n, p, 1);
         for (int64_t c = 0; c < cols; c += 16)
             _mm512_storeu_si512(out + c / 16 * bps + p * 16, interleave_rows(x, y, c, D));
     }
+}
+
+void pa_bf16_pairs_b(int64_t n, int64_t n_pad, int64_t D, const float *X, int64_t ldx,
+                     uint32_t *out)
+{
+    pa_bf16_pairs_b_part(0, n_pad / 2, n, D, X, ldx, n_pad / 2 * 16, out);
 }
 
 void pa_bf16_pairs_a(int64_t n, int64_t n_pad, int64_t D, const float *X, int64_t ldx,
@@ -337,6 +343,12 @@ PA_NO_PACKING(pa_bf16_rows_b)
 PA_NO_PACKING(pa_bf16_pairs_b)
 PA_NO_PACKING(pa_bf16_pairs_a)
 
+void pa_bf16_pairs_b_part(int64_t p0, int64_t p1, int64_t n, int64_t D, const float *X,
+                          int64_t ldx, int64_t bps, uint32_t *out)
+{
+    abort();
+}
+
 #endif
 
 void pa_bf16_select(int kind) { selected_kind = pa_bf16_available(kind) ? kind : PA_BF16_NONE; }
@@ -349,30 +361,38 @@ enum { BF16_MB = 96, BF16_NB = 64, BF16_KB = 256 };
 
 static inline int64_t bf16_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Rows [o0, o0 + 32) of op(A)'s A-form over the kb pairs from p0 (one pass), kb words a row:
+/* Rows [i0, i0 + mb) of op(A)'s A-form over the kb pairs from p0 (one pass), kb words a row:
  * op(A) is A [M x K] (lda apart) or, with ta, A^T. Packed pass by pass because rows of all
  * kp pairs would lie kp words apart, and a tile's 12 rows would share one L1 set wherever kp
- * is a multiple of 1024 (a weight's gradient, whose pairs run over the tokens). o0 < M. */
-static void bf16_pack_a(int64_t M, int64_t K, const float *A, int64_t lda, int ta, int64_t p0,
-                        int64_t kb, int64_t o0, uint32_t *out)
+ * is a multiple of 1024 (a weight's gradient, whose pairs run over the tokens). */
+static void bf16_pack_a(int64_t K, const float *A, int64_t lda, int ta, int64_t p0, int64_t kb,
+                        int64_t i0, int64_t mb, uint32_t *out)
 {
-    const int64_t k0 = 2 * p0, k = bf16_min(K - k0, 2 * kb), rows = bf16_min(M - o0, 32);
+    const int64_t k0 = 2 * p0, k = bf16_min(K - k0, 2 * kb);
     if (ta)
-        pa_bf16_pairs_a(k, 2 * kb, rows, A + k0 * lda + o0, lda, out + o0 * kb);
+        pa_bf16_pairs_a(k, 2 * kb, mb, A + k0 * lda + i0, lda, out);
     else
-        pa_bf16_rows_a(rows, 32, k, A + o0 * lda + k0, lda, out + o0 * kb);
+        pa_bf16_rows_a(mb, pa_bf16_round(mb, PA_BF16_PAD), k, A + i0 * lda + k0, lda, out);
 }
 
-/* Columns [o0, o0 + 32) of op(B)'s B-form over all kp = Kp / 2 pairs (panels of 16 columns,
- * 16 kp words each): op(B) is B [K x N] (ldb apart) or, with tb, B^T. o0 < N. */
+/* Part u of op(B)'s B-form over all kp = Kp / 2 pairs (panels of 16 columns, 16 kp words
+ * each), op(B) being B [K x N] (ldb apart) or, with tb, B^T: with tb the columns [32 u,
+ * 32 u + 32) (rows of B), else the pairs [64 u, 64 u + 64) (rows of B too, across every
+ * column: each part reads whole rows). */
 static void bf16_pack_b(int64_t N, int64_t K, int64_t Kp, const float *B, int64_t ldb, int tb,
-                        int64_t o0, uint32_t *out)
+                        int64_t u, uint32_t *out)
 {
-    const int64_t cols = bf16_min(N - o0, 32);
+    const int64_t kp = Kp / 2;
     if (tb)
-        pa_bf16_rows_b(cols, 32, K, B + o0 * ldb, ldb, out + o0 * (Kp / 2));
+        pa_bf16_rows_b(bf16_min(N - 32 * u, 32), 32, K, B + 32 * u * ldb, ldb, out + 32 * u * kp);
     else
-        pa_bf16_pairs_b(K, Kp, cols, B + o0, ldb, out + o0 * (Kp / 2));
+        pa_bf16_pairs_b_part(64 * u, bf16_min(64 * u + 64, kp), K, N, B, ldb, 16 * kp, out);
+}
+
+/* parts of bf16_pack_b */
+static int64_t bf16_b_parts(int64_t N, int64_t Kp, int tb)
+{
+    return tb ? (N + 31) / 32 : (Kp / 2 + 63) / 64;
 }
 
 int pa_bf16_matmul(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
@@ -399,7 +419,7 @@ int pa_bf16_matmul(int64_t M, int64_t N, int64_t K, float alpha, const float *A,
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t o0 = 0; o0 < Np; o0 += 32) bf16_pack_b(N, K, Kp, B, ldb, tb, o0, b);
+        for (int64_t u = 0; u < bf16_b_parts(N, Kp, tb); u++) bf16_pack_b(N, K, Kp, B, ldb, tb, u, b);
         /* each item packs its rows itself, pass after pass (the pass at p0 at BF16_MB p0 in the
          * thread's buffer), so that they come from memory while the other threads multiply */
         uint32_t *rows = a + pa_thread_id() * BF16_MB * kp;
@@ -409,8 +429,7 @@ int pa_bf16_matmul(int64_t M, int64_t N, int64_t K, float alpha, const float *A,
             const int64_t j0 = t % groups * per_group * BF16_NB, j1 = bf16_min(N, j0 + per_group * BF16_NB);
             for (int64_t p0 = 0; p0 < kp; p0 += BF16_KB) {
                 const int64_t kb = bf16_min(BF16_KB, kp - p0);
-                for (int64_t o0 = 0; o0 < mb; o0 += 32)
-                    bf16_pack_a(M - i0, K, ta ? A + i0 : A + i0 * lda, lda, ta, p0, kb, o0, rows + BF16_MB * p0);
+                bf16_pack_a(K, A, lda, ta, p0, kb, i0, mb, rows + BF16_MB * p0);
                 for (int64_t j = j0; j < j1; j += BF16_NB)
                     pa_bf16_gemm(mb, bf16_min(j1 - j, BF16_NB), kb, alpha, rows + BF16_MB * p0, kb,
                                  b + j * kp + p0 * 16, 16 * kp, p0 ? 1.0f : beta, C + i0 * ldc + j, ldc);

@@ -52,6 +52,9 @@ void pa_bf16_pairs_b(int64_t n, int64_t n_pad, int64_t D, const float *X, int64_
                      uint32_t *out);
 void pa_bf16_pairs_a(int64_t n, int64_t n_pad, int64_t D, const float *X, int64_t ldx,
                      uint32_t *out);
+/* pairs_b's pairs [p0, p1) alone, into a B-form operand whose panels lie bps words apart */
+void pa_bf16_pairs_b_part(int64_t p0, int64_t p1, int64_t n, int64_t D, const float *X,
+                          int64_t ldx, int64_t bps, uint32_t *out);
 
 /* C[M x N] (row-major, ldc) = alpha op(A) op(B) + beta C for float32 operands, multiplied in
  * bf16: op(A) = A [M x K] (lda apart) or, with ta, A^T for A [K x M]; op(B) = B [K x N] or,
