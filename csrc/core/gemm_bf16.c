@@ -410,7 +410,8 @@ int pa_bf16_matmul(int64_t M, int64_t N, int64_t K, float alpha, const float *A,
     /* work items: a block of BF16_MB rows of C across a group of its column tiles; the
      * columns are split into groups only where the row blocks alone would leave threads idle
      * (each group packs its rows again) */
-    const int64_t groups = bf16_min(nt, (2 * threads + mt - 1) / mt), per_group = (nt + groups - 1) / groups;
+    const int64_t wanted = bf16_min(nt, (2 * threads + mt - 1) / mt);
+    const int64_t per_group = (nt + wanted - 1) / wanted, groups = (nt + per_group - 1) / per_group;
     uint32_t *a, *b;
     void **parts[2] = {(void **)&a, (void **)&b};
     size_t bytes[2] = {sizeof(uint32_t) * threads * BF16_MB * kp, sizeof(uint32_t) * Np * kp};
