@@ -259,18 +259,22 @@ def check(op, fn, arrays, names, do, scale):
     return errs
 
 
-def check_baseline(op, name, fn, arrays, names, do, scale):
-    """One torch baseline checked against pyattn's chunk form: prints the errors, stops the
-    run above TOL."""
-    errs = check(op, fn, arrays, names, do, scale)
+def report_check(op, T, name, form, errs):
+    """Prints a torch baseline's errors against pyattn's ``form`` (rel-RMS by output name) and
+    stops the run when one reaches TOL."""
     worst = max(errs.values())
     ok = worst < TOL
-    print(f"check {op} T={arrays[0].shape[1]} {name} vs pyattn chunk, rel-RMS: "
+    print(f"check {op} T={T} {name} vs pyattn {form}, rel-RMS: "
           + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
           + f" -> {'ok' if ok else 'FAIL'} (< {TOL:g})", flush=True)
     if not ok:
         raise SystemExit(f"{op}: the {name} baseline disagrees with pyattn "
                          f"(rel-RMS {worst:.1e} >= {TOL:g}); not timing it")
+
+
+def check_baseline(op, name, fn, arrays, names, do, scale):
+    """One torch baseline checked against pyattn's chunk form (report_check)."""
+    report_check(op, arrays[0].shape[1], name, "chunk", check(op, fn, arrays, names, do, scale))
 
 
 def check_baselines(op, arrays, names, do, scale, chunk_fn, rec_fn, rec_T):

@@ -93,7 +93,7 @@ from common import fmt, print_table, rel_err, torch  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_linear as bl  # noqa: E402
-from bench_linear import B, C, H, K, V, TOL, from_torch, to_torch  # noqa: E402
+from bench_linear import B, C, H, K, V, from_torch, to_torch  # noqa: E402
 from bench_linear import torch_chunk_simple_gla  # noqa: E402
 
 import pyattn  # noqa: E402
@@ -294,15 +294,7 @@ def sweep(args, timing):
         for op in ops:
             arrs = _inputs(op, T, rng)
             if torch is not None and not args.no_check:
-                errs = check(op, arrs)
-                worst = max(errs.values())
-                ok = worst < TOL
-                print(f"check {op.key} T={T} {op.torch_name} vs pyattn {op.forms[0]}, rel-RMS: "
-                      + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
-                      + f" -> {'ok' if ok else 'FAIL'} (< {TOL:g})", flush=True)
-                if not ok:
-                    raise SystemExit(f"{op.key}: the {op.torch_name} baseline disagrees with pyattn "
-                                     f"(rel-RMS {worst:.1e} >= {TOL:g}); not timing it")
+                bl.report_check(op.key, T, op.torch_name, op.forms[0], check(op, arrs))
             tensors = {n: _t(x) for n, x in arrs.items()} if torch is not None else None
             forms = [f for f in op.forms if f in args.forms or f == "parallel"]
             for passes in args.passes:
