@@ -92,8 +92,8 @@ def run(args, bf16):
     timing = common.timing_from_args(args)
     wall0 = time.perf_counter()
     isa = pyattn.build_info()["isa"]
-    native = (f"softmax's forward multiplies in bf16 ({isa}); the rest is " if isa in ("amx", "avx512_bf16")
-              else "")
+    native = (f"softmax's forward multiplies in bf16 ({isa}); the rest is "
+              if isa in pyattn._runtime.BF16_PRODUCT_ISAS else "")
     common.print_header(timing, f"shape: B={B} H={H} Hk={H}; bf16 kernels: {native}portable (bf16 widened "
                                 f"to float32 around the float32 kernels, isa {isa})")
     rng = np.random.default_rng(0)

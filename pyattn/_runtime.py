@@ -11,8 +11,10 @@ from . import _core, _validate
 
 
 # the kernel paths, widest first: amx and avx512_bf16 are the AVX-512 kernels with bf16
-# products on AMX tiles or AVX512-BF16 (bf16 calls), avx512 and the others compute bf16 in float
-ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "generic")
+# products on AMX tiles or AVX512-BF16 (bf16 calls, _core.gemm_bf16), avx512 and the others
+# compute bf16 in float
+BF16_PRODUCT_ISAS = ("amx", "avx512_bf16")
+ISAS = BF16_PRODUCT_ISAS + ("avx512", "avx2", "generic")
 
 
 def check_isa_request() -> None:

@@ -254,7 +254,7 @@ def test_dsa_index_loss_bf16():
 
 # ---- _core.gemm_bf16: float32 operands multiplied in bf16 (a bf16 HybridLM's projections) ----
 
-PRODUCTS = pyattn.build_info()["isa"] in ("amx", "avx512_bf16")
+PRODUCTS = pyattn.build_info()["isa"] in pyattn._runtime.BF16_PRODUCT_ISAS
 needs_products = pytest.mark.skipif(not PRODUCTS, reason="this CPU (or PYATTN_ISA) has no bf16 "
                                     "products (AVX512-BF16 or AMX-BF16)")
 # past one tile of C (96 x 64) and one pass over the pairs (256, i.e. K = 512) each way

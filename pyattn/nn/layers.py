@@ -16,7 +16,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
-from .. import _core
+from .. import _core, _runtime
 from .._bf16 import _signature, is_bf16, to_bf16, to_float32
 from .._rownorm import normalize_rows, normalize_rows_backward
 from ..rope import rotate, tables
@@ -118,7 +118,7 @@ def _rows(a: np.ndarray, width: Optional[int] = None) -> np.ndarray:
 # accumulation, as torch's autocast does; elsewhere they multiply float32 values
 _BF16_PRODUCTS: contextvars.ContextVar[bool] = contextvars.ContextVar("pyattn_nn_bf16_products",
                                                                       default=False)
-BF16_PRODUCTS_AVAILABLE = _core.build_info()["isa"] in ("amx", "avx512_bf16")
+BF16_PRODUCTS_AVAILABLE = _core.build_info()["isa"] in _runtime.BF16_PRODUCT_ISAS
 
 
 @contextlib.contextmanager
