@@ -157,7 +157,7 @@ def linear_forward(
     q: _Float, k: _Float, v: _Float, gk: Optional[_Float], gv: Optional[_Float],
     h0: Optional[_Float], o: _Float, ht: Optional[_Float], keep: bool,
     cu: _Int64, form: int, chunk: int, scale: float, beta: Optional[_Float],
-    skip: Optional[_Float], /,
+    skip: Optional[_Float], bf16: bool, /,
 ) -> Optional[_Float]:
     """The gated linear engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in
     place. q, k [B, T, Hqk, K] with H a multiple of Hqk (head h reads q and k head
@@ -167,7 +167,10 @@ def linear_forward(
     FORM_CHUNK. With keep true and FORM_CHUNK returns the states the backward can reuse (a
     new [count, K, V] array: per (sequence, head) the state entering each chunk, then the
     final one); else None. beta None or [B, T, H] (only with gv None): the engine reads v_t
-    as beta_t v_t; skip None or [H]: o_t gets skip_h v_t added (Mamba-2's x dt and D x)."""
+    as beta_t v_t; skip None or [H]: o_t gets skip_h v_t added (Mamba-2's x dt and D x).
+    bf16 true says the float32 inputs hold bfloat16 values: the chunk form then multiplies in
+    bf16 (float32 accumulation) where the CPU has bf16 products; ignored for float64. The
+    backward multiplies in float32 whatever the forward did."""
 
 def linear_backward(
     q: _Float, k: _Float, v: _Float, gk: Optional[_Float], gv: Optional[_Float],
@@ -187,7 +190,7 @@ def linear_backward(
 def delta_forward(
     q: _Float, k: _Float, v: _Float, g: Optional[_Float], beta: _Float, h0: Optional[_Float],
     o: _Float, ht: Optional[_Float], keep: bool, cu: _Int64, form: int, chunk: int,
-    scale: float, /,
+    scale: float, bf16: bool, /,
 ) -> Optional[_Float]:
     """The delta-rule engine: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in place;
     returns the states kept for delta_backward (keep true and FORM_CHUNK, as linear_forward's),
@@ -196,7 +199,7 @@ def delta_forward(
     head h // (H // Hqk)); g None (DeltaNet), [B, T, H] (a log decay per step: Gated DeltaNet)
     or [B, T, H, K] (one per key channel: KDA); beta [B, T, H]; h0 None or [N, H, K, V]; cu the
     int64 sequence offsets [N + 1]; form FORM_PARALLEL, FORM_RECURRENT or FORM_CHUNK; chunk the
-    chunk form's rows per block."""
+    chunk form's rows per block; bf16 as linear_forward's."""
 
 def delta_backward(
     q: _Float, k: _Float, v: _Float, g: Optional[_Float], beta: _Float, h0: Optional[_Float],

@@ -416,6 +416,8 @@ class LinearEngine:
         self.want_state, self.N = want_state, N
         self.opts = (cu, _LINEAR_FORM_CODE[form], int(chunk_size), float(scale))
         self.beta, self.skip = beta, skip
+        # a bf16 call's values: the linear and delta engines' chunk forms may multiply in bf16
+        self.bf16 = _bf16.products()
         self.o = self.ht = self.states = None
 
     def forward(self, keep=False):
@@ -425,7 +427,7 @@ class LinearEngine:
         self.o = np.empty(v.shape, dtype=q.dtype)
         self.ht = np.empty((self.N, v.shape[2], q.shape[3], v.shape[3]), dtype=q.dtype) if self.want_state else None
         self.states = _core.linear_forward(q, self.k, v, self.gk, self.gv, self.h0, self.o, self.ht,
-                                           keep, *self.opts, self.beta, self.skip)
+                                           keep, *self.opts, self.beta, self.skip, self.bf16)
         return self.o, self.ht
 
     def cotangent(self, cot):

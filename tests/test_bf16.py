@@ -118,7 +118,13 @@ def test_float32_states_with_bf16_inputs():
     up = lambda a: a.astype(np.float64)
     o64, ht64 = pyattn.reference.gated_delta_rule(up(q), up(k), up(v), up(g), up(beta), qk_l2norm=True,
                                                     initial_state=up(h0), output_final_state=True)
-    assert rel_rms(up(o), o64) <= TOL and rel_rms(ht, ht64) <= 1e-5
+    # the chunk form multiplies in bf16 where the CPU can, and its final state then carries
+    # the bf16 rounding of the products' operands; elsewhere, and in the recurrent form, the
+    # state is float32's from the bf16 inputs
+    assert rel_rms(up(o), o64) <= TOL and rel_rms(ht, ht64) <= (TOL if PRODUCTS else 1e-5)
+    _, ht_rec = pyattn.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True, initial_state=h0,
+                                        output_final_state=True, form="recurrent")
+    assert ht_rec.dtype == np.float32 and rel_rms(ht_rec, ht64) <= 1e-5
     (_, _), pull = pyattn.vjp(pyattn.gated_delta_rule, q, k, v, g, beta, qk_l2norm=True, initial_state=h0,
                               output_final_state=True)
     grads = pull((np.ones_like(o), np.ones((B, H, K, V), np.float32)))
@@ -355,3 +361,49 @@ def test_bf16_model_projections_multiply_in_bf16(monkeypatch):
             assert kinds == {(False, True), (True, False), (False, False)}
         else:
             assert not seen
+
+
+# ---- the chunk forms of the linear and delta engines multiply bf16 calls in bf16 ----
+
+CHUNK_PRODUCT_OPS = ("simple_gla", "gla", "retention", "gated_delta_rule", "kda")
+
+
+def _chunk_call(name, rng, T=150, H=2, D=32):
+    """(arrays, kwargs) of a bf16 call of the chunk form: keys unit-norm for the delta rule"""
+    q, k, v = (rng.standard_normal((2, T, H, D)) for _ in range(3))
+    gate = lambda *s: -np.logaddexp(0.0, -rng.standard_normal((2, T, H) + s)) / 8
+    beta = 1 / (1 + np.exp(-rng.standard_normal((2, T, H))))
+    unit = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    args = {"simple_gla": (q, k, v, gate()), "gla": (q, k, v, gate(D)), "retention": (q, k, v),
+            "gated_delta_rule": (q, unit, v, gate(), beta), "kda": (q, unit, v, gate(D), beta)}[name]
+    return [a.astype(BF16) for a in args], {"form": "chunk", "output_final_state": True}
+
+
+@pytest.mark.parametrize("name", CHUNK_PRODUCT_OPS)
+def test_chunk_forward_multiplies_in_bf16(name):
+    """The chunk forward of a bf16 call rounds its products' operands to bf16 exactly where the
+    CPU multiplies bf16 (elsewhere it is the float32 call's, to the bit), stays within 1e-2 of
+    float64 with its final state, gives the same bits on 1 and 2 threads and leaves the float32
+    calls after it unchanged; its gradients are within 1e-2 too."""
+    fn = getattr(pyattn, name)
+    a16, kw = _chunk_call(name, np.random.default_rng(11))
+    a32 = [a.astype(np.float32) for a in a16]
+    f32_before = fn(*a32, **kw)
+    with pyattn.num_threads(1):
+        o1, ht1 = fn(*a16, **kw)
+    with pyattn.num_threads(2):
+        o2, ht2 = fn(*a16, **kw)
+    assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)) and np.array_equal(ht1, ht2)
+    o32, ht32 = fn(*a32, **kw)
+    assert all(np.array_equal(x, y) for x, y in zip(f32_before, (o32, ht32)))
+    same = np.array_equal(o1.view(np.uint16), o32.astype(BF16).view(np.uint16)) and np.array_equal(ht1, ht32)
+    assert same != PRODUCTS
+    o64, ht64 = fn(*(a.astype(np.float64) for a in a16), **kw)
+    assert rel_rms(o1.astype(np.float64), o64) <= TOL and rel_rms(ht1, ht64) <= TOL
+    # the backward multiplies in float32, from the states the bf16 forward kept
+    do = np.random.default_rng(12).standard_normal(o1.shape).astype(BF16)
+    _, pull16 = pyattn.vjp(fn, *a16, **kw)
+    _, pull64 = pyattn.vjp(fn, *(a.astype(np.float64) for a in a16), **kw)
+    g16, g64 = pull16((do, None)), pull64((do.astype(np.float64), None))
+    for key in g64:
+        assert rel_rms(g16[key].astype(np.float64), g64[key]) <= TOL, key

@@ -969,7 +969,7 @@ def test_bad_arguments_raise_through_vjp_too(op):
 
 # ---- pyattn._core directly
 #
-# delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale) -> kept states or None
+# delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale, bf16) -> kept states or None
 # delta_backward(q, k, v, g, beta, h0, do, dht, states, dq, dk, dv, dg, dbeta, dh0, cu, form,
 #                chunk, scale)
 
@@ -987,11 +987,11 @@ def core_fwd_args(dtype=np.float64, gated=True):
     o = np.zeros((CB, CT, CH, CV), dtype)
     ht = np.zeros((CB, CH, CK, CV), dtype)
     cu = np.arange(CB + 1, dtype=np.int64) * CT
-    return [q, k, v, g, beta, h0, o, ht, False, cu, _core.FORM_CHUNK, 4, CK ** -0.5]
+    return [q, k, v, g, beta, h0, o, ht, False, cu, _core.FORM_CHUNK, 4, CK ** -0.5, False]
 
 
 def core_bwd_args(dtype=np.float64, gated=True):
-    q, k, v, g, beta, h0, o, ht, _, *opts = core_fwd_args(dtype, gated)
+    q, k, v, g, beta, h0, o, ht, _, *opts, _ = core_fwd_args(dtype, gated)  # no bf16 flag backward
     do = np.ones_like(o)
     dht = np.ones_like(ht)
     z = np.zeros_like
@@ -999,7 +999,7 @@ def core_bwd_args(dtype=np.float64, gated=True):
             *opts]
 
 
-FWD_NAMES = ["q", "k", "v", "g", "beta", "h0", "o", "ht", "keep", "cu", "form", "chunk", "scale"]
+FWD_NAMES = ["q", "k", "v", "g", "beta", "h0", "o", "ht", "keep", "cu", "form", "chunk", "scale", "bf16"]
 BWD_NAMES = ["q", "k", "v", "g", "beta", "h0", "do", "dht", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0",
              "cu", "form", "chunk", "scale"]
 FI = {n: i for i, n in enumerate(FWD_NAMES)}
@@ -1156,9 +1156,9 @@ def test_core_delta_backward_bad_args(case):
     raises(exc, _core.delta_backward, *args, must=must)
 
 
-@pytest.mark.parametrize("fn,n", [(_core.delta_forward, 13), (_core.delta_backward, 19)])
+@pytest.mark.parametrize("fn,n", [(_core.delta_forward, 14), (_core.delta_backward, 19)])
 def test_core_wrong_argument_count(fn, n):
-    args = core_fwd_args() if n == 13 else core_bwd_args()
+    args = core_fwd_args() if n == 14 else core_bwd_args()
     for m in (0, n - 1, n + 1):
         call_args = (args + [None])[:m] if m > n else args[:m]
         raises(TypeError, fn, *call_args, must=(f"{n} positional arguments", f"got {m}"))

@@ -685,7 +685,7 @@ def test_core_kept_states():
     C, scale = 4, 4 ** -0.5
     cu = np.arange(3, dtype=np.int64) * 9
     o, ht = np.zeros(v.shape), np.zeros(h0.shape)
-    kept = _core.delta_forward(q, k, v, g, beta, h0, o, ht, True, cu, _core.FORM_CHUNK, C, scale)
+    kept = _core.delta_forward(q, k, v, g, beta, h0, o, ht, True, cu, _core.FORM_CHUNK, C, scale, False)
     assert kept.shape == (2 * 2 * 4, 4, 3)
     slot = 0
     for n in range(2):
@@ -1018,7 +1018,7 @@ def test_core_vector_gate_shapes_checked():
     opts = (cu, _core.FORM_CHUNK, 16, 0.5)
     o = np.zeros(v.shape)
     z = np.zeros_like
-    raises(ValueError, _core.delta_forward, q, k, v, g[None], beta, None, o, None, False, *opts,
+    raises(ValueError, _core.delta_forward, q, k, v, g[None], beta, None, o, None, False, *opts, False,
            must=("'g'", "3-D [B, T, H] or 4-D [B, T, H, K]", "5-D"))
     raises(ValueError, _core.delta_backward, q, k, v, g, beta, None, o, None, None, z(q), z(k), z(v),
            z(beta), z(beta), None, *opts, must=("'dg'", "(1, 8, 4, 4)"))

@@ -1451,7 +1451,9 @@ def test_threads_few_units_with_cu_seqlens(op):
 # ------------------------------------------------------------------------------- 12. kept states
 
 
-_NO_VALUE_OPTS = (None, None)  # the engine's beta and skip, unused
+# the engine's last arguments, unused here: beta, skip, then bf16 (forward) or dbeta, dskip
+_FWD_TAIL = (None, None, False)
+_BWD_TAIL = (None, None, None, None)
 
 
 def _engine_backward(args, states, threads):
@@ -1460,7 +1462,7 @@ def _engine_backward(args, states, threads):
     q, k, v, g, gv, h0, do, dht, opts = args
     out = [np.empty_like(x) if x is not None else None for x in (q, k, v, g, gv, h0)]
     with pyattn.num_threads(threads):
-        pyattn._core.linear_backward(q, k, v, g, gv, h0, do, dht, states, *out, *opts, *_NO_VALUE_OPTS, None, None)
+        pyattn._core.linear_backward(q, k, v, g, gv, h0, do, dht, states, *out, *opts, *_BWD_TAIL)
     return out
 
 
@@ -1492,7 +1494,7 @@ def test_kept_states(gates, units, threads, dtype):
     o, ht = np.empty_like(v), np.empty_like(h0)
     opts = (cu.astype(np.int64), pyattn._core.FORM_CHUNK, C, 0.5)
     with pyattn.num_threads(threads):
-        kept = pyattn._core.linear_forward(q, k, v, g, gv, h0, o, ht, True, *opts, *_NO_VALUE_OPTS)
+        kept = pyattn._core.linear_forward(q, k, v, g, gv, h0, o, ht, True, *opts, *_FWD_TAIL)
     assert kept.shape == (H * sum(-(-(e - s) // C) + 1 for s, e in zip(cu[:-1], cu[1:])), K, Vd)
     slot = 0
     for n in range(N):
@@ -1516,10 +1518,10 @@ def test_kept_states(gates, units, threads, dtype):
         if a is not None:
             np.testing.assert_array_equal(a, b)
     raises(ValueError, pyattn._core.linear_backward, q, k, v, g, gv, h0, do, dht, kept[1:],
-           *_engine_backward(args, None, 1), *opts, *_NO_VALUE_OPTS, None, None, must=("'states'",))
+           *_engine_backward(args, None, 1), *opts, *_BWD_TAIL, must=("'states'",))
     raises(ValueError, pyattn._core.linear_backward, q, k, v, g, gv, h0, do, dht, kept,
            *_engine_backward(args, None, 1), opts[0], pyattn._core.FORM_PARALLEL, *opts[2:],
-           *_NO_VALUE_OPTS, None, None, must=("chunk form",))
+           *_BWD_TAIL, must=("chunk form",))
 
 
 @pytest.mark.parametrize("threads", [1, 4])
@@ -1542,8 +1544,8 @@ def test_engine_value_scale_and_skip(gates, form, threads):
     vb = v * beta[..., None]
     o, ht, ob, htb = np.empty_like(v), np.empty_like(h0), np.empty_like(v), np.empty_like(h0)
     with pyattn.num_threads(threads):
-        pyattn._core.linear_forward(q, k, v, g, None, h0, o, ht, False, *opts, beta, skip)
-        pyattn._core.linear_forward(q, k, vb, g, None, h0, ob, htb, False, *opts, *_NO_VALUE_OPTS)
+        pyattn._core.linear_forward(q, k, v, g, None, h0, o, ht, False, *opts, beta, skip, False)
+        pyattn._core.linear_forward(q, k, vb, g, None, h0, ob, htb, False, *opts, *_FWD_TAIL)
     assert_close(o, ob + skip[:, None] * v, 1e-14, name="o")
     assert_close(ht, htb, 1e-14, name="final state")
     do, dht = r.standard_normal(v.shape), r.standard_normal(h0.shape)
@@ -1578,13 +1580,13 @@ def test_engine_value_scale_one_long_unit(gates):
     opts = (np.array([0, T], np.int64), pyattn._core.FORM_CHUNK, 64, 0.25)
     o, ob = np.empty_like(v), np.empty_like(v)
     with pyattn.num_threads(4):
-        pyattn._core.linear_forward(q, k, v, g, None, None, o, None, False, *opts, beta, skip)
+        pyattn._core.linear_forward(q, k, v, g, None, None, o, None, False, *opts, beta, skip, False)
         pyattn._core.linear_forward(q, k, v * beta[..., None], g, None, None, ob, None, False,
-                                    *opts, *_NO_VALUE_OPTS)
+                                    *opts, *_FWD_TAIL)
     assert_close(o, ob + skip[0] * v, 1e-6, name="o")
     beta[0, 1234, 0] = np.nan
     with pyattn.num_threads(4):
-        pyattn._core.linear_forward(q, k, v, g, None, None, o, None, False, *opts, beta, skip)
+        pyattn._core.linear_forward(q, k, v, g, None, None, o, None, False, *opts, beta, skip, False)
     assert np.isnan(o[0, 1234:]).all()
     assert np.isfinite(o[0, :1234]).all()
 
@@ -1598,11 +1600,11 @@ def test_engine_value_options_checked():
     opts = (np.array([0, 5], np.int64), pyattn._core.FORM_CHUNK, 64, 0.5)
     o = np.empty_like(v)
     raises(ValueError, pyattn._core.linear_forward, q, q, v, None, gv, None, o, None, False, *opts,
-           beta, None, must=("'beta' needs gv None",))
+           beta, None, False, must=("'beta' needs gv None",))
     raises(ValueError, pyattn._core.linear_forward, q, q, v, None, None, None, o, None, False, *opts,
-           beta[:, :4], None, must=("'beta'",))
+           beta[:, :4], None, False, must=("'beta'",))
     raises(ValueError, pyattn._core.linear_forward, q, q, v, None, None, None, o, None, False, *opts,
-           None, skip[:1], must=("'skip'",))
+           None, skip[:1], False, must=("'skip'",))
     grads = [np.empty_like(x) for x in (q, q, v)]
     raises(ValueError, pyattn._core.linear_backward, q, q, v, None, None, None, v, None, None,
            *grads, None, None, None, *opts, None, skip, np.empty_like(beta), np.empty_like(beta),
@@ -1638,7 +1640,7 @@ def test_engine_reads_grouped_q_and_k(gates, form, threads):
     for qq, kk in ((q, k), (qr, kr)):
         o, ht = np.empty_like(v), np.empty_like(h0)
         with pyattn.num_threads(threads):
-            pyattn._core.linear_forward(qq, kk, v, g, gv, h0, o, ht, False, *opts, *_NO_VALUE_OPTS)
+            pyattn._core.linear_forward(qq, kk, v, g, gv, h0, o, ht, False, *opts, *_FWD_TAIL)
         outs.append((o, ht))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
@@ -1659,10 +1661,10 @@ def test_engine_groups_must_divide_heads():
     v = r.standard_normal((1, 5, 3, 4))
     opts = (np.array([0, 5], np.int64), pyattn._core.FORM_CHUNK, 64, 0.5)
     raises(ValueError, pyattn._core.linear_forward, q, q, v, None, None, None, np.empty_like(v),
-           None, False, *opts, *_NO_VALUE_OPTS, must=("q and k have 2 heads", "H=3"))
+           None, False, *opts, *_FWD_TAIL, must=("q and k have 2 heads", "H=3"))
     beta = r.uniform(size=(1, 5, 3))
     raises(ValueError, pyattn._core.delta_forward, q, q, v, None, beta, None, np.empty_like(v),
-           None, False, *opts, must=("q and k have 2 heads", "H=3"))
+           None, False, *opts, False, must=("q and k have 2 heads", "H=3"))
 
 
 def test_mamba2_without_heads_has_zero_group_gradients():

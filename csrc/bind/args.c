@@ -200,6 +200,14 @@ int attn_grad_arrays(const char *fn, PyObject *const *a, PyObject *const *g, int
                : -1;
 }
 
+int get_bf16_products(PyObject *obj, int typenum, int *out)
+{
+    int bf16 = PyObject_IsTrue(obj);
+    if (bf16 < 0) return -1;
+    *out = bf16 && typenum == NPY_FLOAT32;
+    return 0;
+}
+
 /* ---- the linear and delta engines ---- */
 
 int linear_desc(const char *fn, PyObject *const *a, PyObject *const *opt, int *typenum,

@@ -49,6 +49,10 @@ int get_int(const char *fn, const char *name, PyObject *obj, long long lo, long 
             long long *out);
 int get_double(const char *fn, const char *name, PyObject *obj, double lo, double *out);
 
+/* *out from the last argument of the entry points whose kernels may multiply in bf16: whether
+ * the float32 arrays hold bfloat16 values (obj true, typenum float32) */
+int get_bf16_products(PyObject *obj, int typenum, int *out);
+
 /* float32 or float64 of obj into *typenum: the first array decides the dtype of the call */
 int float_type(const char *fn, const char *name, PyObject *obj, int *typenum);
 

@@ -27,10 +27,10 @@ static int delta_desc(const char *fn, PyObject *const *a, PyObject *const *opt, 
     return (*beta = get_array(fn, "beta", a[DELTA_BETA], *typenum, 3, bshape, 0)) ? 0 : -1;
 }
 
-/* delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale) -> the states kept
- * for the backward (keep true and the chunk form), or None */
+/* delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale, bf16) -> the states
+ * kept for the backward (keep true and the chunk form), or None; bf16 as linear_forward's */
 enum { DF_Q, DF_K, DF_V, DF_G, DF_BETA, DF_H0, DF_O, DF_HT, DF_KEEP, DF_CU, DF_FORM, DF_CHUNK,
-       DF_SCALE, DF_NARGS };
+       DF_SCALE, DF_BF16, DF_NARGS };
 
 static PyObject *py_delta_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -39,7 +39,9 @@ static PyObject *py_delta_forward(PyObject *self, PyObject *const *args, Py_ssiz
     int t;
     PyArrayObject *in[ENG_ARRAYS], *beta, *o, *ht;
     pa_linear_desc d;
-    if (delta_desc(fn, args + DF_Q, args + DF_CU, &t, in, &beta, &d)) return NULL;
+    if (delta_desc(fn, args + DF_Q, args + DF_CU, &t, in, &beta, &d) ||
+        get_bf16_products(args[DF_BF16], t, &d.bf16))
+        return NULL;
     PyObject *states = engine_outputs(fn, args + DF_O, t, in[ENG_Q], &d, &o, &ht);
     if (!states) return NULL;
     const pa_kernels *K = kernels_for(t);
@@ -93,9 +95,10 @@ static PyObject *py_delta_backward(PyObject *self, PyObject *const *args, Py_ssi
 
 PyMethodDef pyattn_delta_methods[] = {
     {"delta_forward", (PyCFunction)(void (*)(void))py_delta_forward, METH_FASTCALL,
-     "delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale): the delta-rule "
-     "engine; q, k [B, T, Hqk, K], v [B, T, H, V] (H a multiple of Hqk); g None, [B, T, H] or "
-     "[B, T, H, K]; beta [B, T, H]; h0, ht None or [N, H, K, V]; o written; "
+     "delta_forward(q, k, v, g, beta, h0, o, ht, keep, cu, form, chunk, scale, bf16): the "
+     "delta-rule engine; q, k [B, T, Hqk, K], v [B, T, H, V] (H a multiple of Hqk); g None, "
+     "[B, T, H] or [B, T, H, K]; beta [B, T, H]; h0, ht None or [N, H, K, V]; o written; bf16: "
+     "float32 inputs holding bfloat16 values, which the chunk form may multiply in bf16; "
      "returns the states kept for delta_backward (keep true, chunk form) or None"},
     {"delta_backward", (PyCFunction)(void (*)(void))py_delta_backward, METH_FASTCALL,
      "delta_backward(q, k, v, g, beta, h0, do, dht, states, dq, dk, dv, dg, dbeta, dh0, cu, "

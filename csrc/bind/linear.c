@@ -31,10 +31,11 @@ static int linear_value_opts(const char *fn, PyObject *const *a, int t, PyArrayO
     return 0;
 }
 
-/* linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale, beta, skip) -> the
- * states kept for the backward (a new array; keep true and the chunk form), or None */
+/* linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale, beta, skip, bf16) ->
+ * the states kept for the backward (a new array; keep true and the chunk form), or None; bf16:
+ * the float32 inputs hold bfloat16 values (the chunk form may multiply in bf16) */
 enum { LF_Q, LF_K, LF_V, LF_GK, LF_GV, LF_H0, LF_O, LF_HT, LF_KEEP, LF_CU, LF_FORM, LF_CHUNK,
-       LF_SCALE, LF_BETA, LF_SKIP, LF_NARGS };
+       LF_SCALE, LF_BETA, LF_SKIP, LF_BF16, LF_NARGS };
 
 static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -44,7 +45,8 @@ static PyObject *py_linear_forward(PyObject *self, PyObject *const *args, Py_ssi
     PyArrayObject *in[ENG_ARRAYS], *o, *ht, *vopt[VALUE_OPTS];
     pa_linear_desc d;
     if (linear_desc(fn, args + LF_Q, args + LF_CU, &t, in, &d) ||
-        linear_value_opts(fn, args + LF_BETA, t, in, &d, vopt))
+        linear_value_opts(fn, args + LF_BETA, t, in, &d, vopt) ||
+        get_bf16_products(args[LF_BF16], t, &d.bf16))
         return NULL;
     PyObject *states = engine_outputs(fn, args + LF_O, t, in[ENG_Q], &d, &o, &ht);
     if (!states) return NULL;
@@ -198,10 +200,11 @@ static PyObject *py_efficient_backward(PyObject *self, PyObject *const *args, Py
 
 PyMethodDef pyattn_linear_methods[] = {
     {"linear_forward", (PyCFunction)(void (*)(void))py_linear_forward, METH_FASTCALL,
-     "linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale, beta, skip): the "
-     "gated linear engine; gk None, [B, T, H] or [B, T, H, K]; gv None or [B, T, H, V]; h0, ht "
-     "None or [N, H, K, V]; beta None or [B, T, H] (v's rows read as beta_t v_t; not with gv); "
-     "skip None or [H] (o_t += skip_h v_t); o written; returns the states kept for "
+     "linear_forward(q, k, v, gk, gv, h0, o, ht, keep, cu, form, chunk, scale, beta, skip, "
+     "bf16): the gated linear engine; gk None, [B, T, H] or [B, T, H, K]; gv None or [B, T, H, "
+     "V]; h0, ht None or [N, H, K, V]; beta None or [B, T, H] (v's rows read as beta_t v_t; not "
+     "with gv); skip None or [H] (o_t += skip_h v_t); bf16: float32 inputs holding bfloat16 "
+     "values, which the chunk form may multiply in bf16; o written; returns the states kept for "
      "linear_backward (keep true, chunk form) or None"},
     {"linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
      "linear_backward(q, k, v, gk, gv, h0, do, dht, states, dq, dk, dv, dgk, dgv, dh0, cu, "

@@ -94,16 +94,6 @@ static int softmax_desc(const char *fn, PyObject *const *a, PyObject *const *opt
     return softmax_options(fn, opt + SEQ_MASK, *t, d);
 }
 
-/* d->bf16 from the last argument of softmax_forward and softmax_backward: whether the float32
- * arrays hold bfloat16 values, which the kernels may then multiply in bf16 */
-static int bf16_products(PyObject *obj, int typenum, pa_softmax_desc *d)
-{
-    int bf16 = PyObject_IsTrue(obj);
-    if (bf16 < 0) return -1;
-    d->bf16 = bf16 && typenum == NPY_FLOAT32;
-    return 0;
-}
-
 /* The flash kernel's forward into the checked o [B, Tq, H, Dv] and lse arrays: softmax
  * attention's and FoX's (the gate rides in d). */
 static PyObject *flash_forward(const char *fn, PyObject *o_arg, PyObject *lse_arg, int t,
@@ -150,7 +140,7 @@ static PyObject *py_softmax_forward(PyObject *self, PyObject *const *args, Py_ss
     PyArrayObject *q, *k, *v;
     pa_softmax_desc d;
     if (softmax_desc(fn, args + SF_Q, args + SF_CU_Q, &t, &q, &k, &v, &d) ||
-        bf16_products(args[SF_BF16], t, &d))
+        get_bf16_products(args[SF_BF16], t, &d.bf16))
         return NULL;
     return flash_forward(fn, args[SF_O], args[SF_LSE], t, q, k, v, &d);
 }
@@ -169,7 +159,7 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
     PyArrayObject *q, *k, *v;
     pa_softmax_desc d;
     if (softmax_desc(fn, args + SB_Q, args + SB_CU_Q, &t, &q, &k, &v, &d) ||
-        bf16_products(args[SB_BF16], t, &d))
+        get_bf16_products(args[SB_BF16], t, &d.bf16))
         return NULL;
     npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
     attn_grads g;
@@ -227,7 +217,7 @@ static PyObject *py_forgetting_forward(PyObject *self, PyObject *const *args, Py
     PyObject *const opt[] = {args[FF_G], args[FF_CU], args[FF_FORM], args[FF_WINDOW_LEFT],
                              args[FF_SCALE]};
     if (forgetting_desc(fn, args + FF_Q, opt, &t, &q, &k, &v, &d) ||
-        bf16_products(args[FF_BF16], t, &d))
+        get_bf16_products(args[FF_BF16], t, &d.bf16))
         return NULL;
     return flash_forward(fn, args[FF_O], args[FF_LSE], t, q, k, v, &d);
 }
@@ -247,7 +237,7 @@ static PyObject *py_forgetting_backward(PyObject *self, PyObject *const *args, P
     PyObject *const opt[] = {args[FB_G], args[FB_CU], args[FB_FORM], args[FB_WINDOW_LEFT],
                              args[FB_SCALE]};
     if (forgetting_desc(fn, args + FB_Q, opt, &t, &q, &k, &v, &d) ||
-        bf16_products(args[FB_BF16], t, &d))
+        get_bf16_products(args[FB_BF16], t, &d.bf16))
         return NULL;
     npy_intp oshape[4] = {PyArray_DIM(q, 0), PyArray_DIM(q, 1), d.H, d.Dv};
     PyObject *const grad_in[] = {args[FB_O], args[FB_LSE], args[FB_DO], Py_None};

@@ -14,13 +14,27 @@
  * `work` of gemm_work_elems(M, N, K) reals.
  */
 #include "gemm.h"
+#include "gemm_bf16.h"
+
+/* gemm and gemm_packed_b multiply in bf16 on a thread where pa_gemm_in_bf16 is on (see
+ * gemm_bf16.h): the float instantiation of the AVX-512 build, which the amx and avx512_bf16
+ * paths run */
+#undef GEMM_BF16
+#define GEMM_BF16 (!PA_DOUBLE && PA_VBYTES == 64)
 
 static int64_t PA_FN(gemm_work_elems)(int64_t M, int64_t N, int64_t K)
 {
     int64_t mc = M < MC ? (M + MR - 1) / MR * MR : MC;
     int64_t kc = K < KC ? K : KC;
     int64_t nc = N < NC ? (N + NR - 1) / NR * NR : NC;
-    return mc * kc + kc * nc;
+    int64_t elems = mc * kc + kc * nc;
+#if GEMM_BF16
+    /* gemm_bf16's blocks: rows and columns rounded up to PA_BF16_PAD, pairs to PA_BF16_KSTEP */
+    const int64_t words = (pa_bf16_round(M < MC ? M : MC, PA_BF16_PAD) +
+                           pa_bf16_round(N < NC ? N : NC, PA_BF16_PAD)) * (pa_bf16_dp(kc) / 2);
+    if (words > elems) elems = words;
+#endif
+    return elems;
 }
 
 /* The butterfly's lane indices, constants of each instantiation: at stage k (s = VL/2 >> k),
@@ -327,11 +341,81 @@ static void PA_FN(gemm_macro_b_rows)(int64_t M, int64_t nc, int64_t kc, real alp
     }
 }
 
+#if GEMM_BF16
+/* ---- products in bf16 (gemm_bf16.h), for gemm and gemm_packed_b where pa_gemm_in_bf16 ---- */
+
+/* A block (mc x kc, A(i, p) at A[i rsa + p csa], csa = 1 or rsa = 1) as an A-form operand of
+ * pa_bf16_dp(kc) / 2 words a row, its rows up to mc rounded up to PA_BF16_PAD */
+static void PA_FN(bf16_block_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, int64_t csa,
+                                uint32_t *out)
+{
+    if (csa == 1)
+        pa_bf16_rows_a(mc, pa_bf16_round(mc, PA_BF16_PAD), kc, A, rsa, out);
+    else
+        pa_bf16_pairs_a(kc, pa_bf16_dp(kc), mc, A, csa, out);
+}
+
+/* B block (kc x nc) as a B-form operand, panels of 16 columns pa_bf16_dp(kc) / 2 * 16 words
+ * apart: from B(p, j) at B[p rsb + j csb] (csb = 1 or rsb = 1), or, where fbps > 0, from a
+ * pack_b packing (B(p, j) at B[(j / NR) fbps + p NR + j % NR]), one NR-column panel at a time */
+static void PA_FN(bf16_block_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, int64_t csb,
+                                int64_t fbps, uint32_t *out)
+{
+    const int64_t kp = pa_bf16_dp(kc);
+    if (fbps > 0)
+        for (int64_t j = 0; j < nc; j += NR)
+            pa_bf16_pairs_b(kc, kp, nc - j < NR ? nc - j : NR, B + j / NR * fbps, NR,
+                            out + j / 16 * (kp / 2 * 16));
+    else if (csb == 1)
+        pa_bf16_pairs_b(kc, kp, nc, B, rsb, out);
+    else
+        pa_bf16_rows_b(nc, pa_bf16_round(nc, PA_BF16_PAD), kc, B, csb, out);
+}
+
+/* gemm's C = alpha A B + beta C with both operands rounded to bf16 block by block (MC x KC of
+ * A, KC x NC of B) and multiplied by pa_bf16_gemm, float32 accumulation. B as bf16_block_b
+ * takes it. work: gemm_work_elems(M, N, K) reals. */
+static void PA_FN(gemm_bf16)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
+                             int64_t rsa, int64_t csa, const real *B, int64_t rsb, int64_t csb,
+                             int64_t fbps, real beta, real *C, int64_t ldc, real *work)
+{
+    if (beta != 0 && beta != 1) { /* the bf16 kernels add C once or not at all */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) C[i * ldc + j] *= beta;
+        beta = 1;
+    }
+    uint32_t *a = (uint32_t *)work;
+    uint32_t *b = a + pa_bf16_round(M < MC ? M : MC, PA_BF16_PAD) * (pa_bf16_dp(K < KC ? K : KC) / 2);
+    for (int64_t jc = 0; jc < N; jc += NC) {
+        const int64_t nc = N - jc < NC ? N - jc : NC;
+        for (int64_t pc = 0; pc < K; pc += KC) {
+            const int64_t kc = K - pc < KC ? K - pc : KC, words = pa_bf16_dp(kc) / 2;
+            if (fbps > 0)
+                PA_FN(bf16_block_b)(kc, nc, B + jc / NR * fbps + pc * NR, 0, 0, fbps, b);
+            else
+                PA_FN(bf16_block_b)(kc, nc, B + pc * rsb + jc * csb, rsb, csb, 0, b);
+            for (int64_t ic = 0; ic < M; ic += MC) {
+                const int64_t mc = M - ic < MC ? M - ic : MC;
+                PA_FN(bf16_block_a)(mc, kc, A + ic * rsa + pc * csa, rsa, csa, a);
+                pa_bf16_gemm(mc, nc, words, alpha, a, words, b, words * 16, pc == 0 ? beta : 1,
+                             C + ic * ldc + jc, ldc);
+            }
+        }
+    }
+}
+#endif
+
 static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                         int64_t rsa, int64_t csa, const real *B, int64_t rsb, int64_t csb,
                         real beta, real *C, int64_t ldc, real *work)
 {
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
+#if GEMM_BF16
+    if (pa_gemm_in_bf16 && (csa == 1 || rsa == 1) && (csb == 1 || rsb == 1)) {
+        PA_FN(gemm_bf16)(M, N, K, alpha, A, rsa, csa, B, rsb, csb, 0, beta, C, ldc, work);
+        return;
+    }
+#endif
     int64_t mcmax = M < MC ? (M + MR - 1) / MR * MR : MC;
     int64_t kcmax = K < KC ? K : KC;
     real *Ap = work, *Bp = work + mcmax * kcmax;
@@ -365,6 +449,12 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
                                  real beta, real *C, int64_t ldc, real *work)
 {
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
+#if GEMM_BF16
+    if (pa_gemm_in_bf16 && (csa == 1 || rsa == 1)) {
+        PA_FN(gemm_bf16)(M, N, K, alpha, A, rsa, csa, Bp, 0, 0, bps, beta, C, ldc, work);
+        return;
+    }
+#endif
     for (int64_t pc = 0; pc < K; pc += KC) {
         int64_t kc = K - pc < KC ? K - pc : KC;
         PA_FN(gemm_macro)(M, N, kc, alpha, A + pc * csa, rsa, csa, Bp + pc * NR, bps, NR,

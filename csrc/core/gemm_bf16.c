@@ -11,6 +11,8 @@
 
 static int selected_kind = PA_BF16_NONE;
 
+_Thread_local int pa_gemm_in_bf16 = 0;
+
 int pa_bf16_kind(void) { return selected_kind; }
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)

@@ -28,6 +28,24 @@ int pa_bf16_available(int kind);
 void pa_bf16_select(int kind);
 int pa_bf16_kind(void);
 
+/* Whether core/gemm.c's gemm and gemm_packed_b on this thread multiply in bf16: their float32
+ * operands rounded to bf16 block by block, float32 accumulation (the float AVX-512
+ * instantiation; the others ignore it). An engine turns it on in each thread of its parallel
+ * region for a call whose inputs are bf16 values, and back before the region ends (the
+ * threads outlive it); a product that must stay float32 turns it off around itself. */
+extern _Thread_local int pa_gemm_in_bf16;
+
+/* Sets pa_gemm_in_bf16 to on where the selected kind multiplies bf16 (off otherwise); returns
+ * the value before, for pa_bf16_products_end */
+static inline int pa_bf16_products_begin(int on)
+{
+    const int before = pa_gemm_in_bf16;
+    pa_gemm_in_bf16 = on && pa_bf16_kind() != PA_BF16_NONE;
+    return before;
+}
+
+static inline void pa_bf16_products_end(int before) { pa_gemm_in_bf16 = before; }
+
 /* C[M x N] (row-major, ldc) = alpha A B + beta C over kp pairs, beta 0 (C not read) or 1;
  * the selected kind must not be none. One thread: callers split the work. */
 void pa_bf16_gemm(int64_t M, int64_t N, int64_t kp, float alpha, const uint32_t *a, int64_t lda,

@@ -341,6 +341,7 @@ static void PA_FN(dr_pack_rows)(int64_t r0, int64_t r1, int64_t l, int64_t N, co
 static void PA_FN(dr_solve_lower)(const real *A, int64_t l, real *X, int64_t W, real *Bp,
                                   real *work)
 {
+    const int products = pa_bf16_products_begin(0); /* a substitution's error would compound */
     for (int64_t b0 = 0; b0 < l; b0 += DR_SUB) {
         const int64_t b1 = b0 + DR_SUB < l ? b0 + DR_SUB : l;
         PA_FN(gemm_packed_b)(b1 - b0, W, b0, -1, A + b0 * l, l, 1, Bp, l * NR, 1, X + b0 * W, W,
@@ -349,12 +350,14 @@ static void PA_FN(dr_solve_lower)(const real *A, int64_t l, real *X, int64_t W, 
             for (int64_t j = b0; j < i; j++) PA_FN(axpy)(X + i * W, X + j * W, W, -A[i * l + j]);
         PA_FN(dr_pack_rows)(b0, b1, l, W, X, W, Bp);
     }
+    pa_bf16_products_end(products);
 }
 
 /* Solves (I + A)^T X = X in place: the same blocks from the last, transposed. */
 static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, real *Bp,
                                   real *work)
 {
+    const int products = pa_bf16_products_begin(0); /* as dr_solve_lower */
     for (int64_t b0 = (l - 1) / DR_SUB * DR_SUB; b0 >= 0; b0 -= DR_SUB) {
         const int64_t b1 = b0 + DR_SUB < l ? b0 + DR_SUB : l;
         PA_FN(gemm_packed_b)(b1 - b0, W, l - b1, -1, A + b1 * l + b0, 1, l, Bp + b1 * NR, l * NR,
@@ -363,6 +366,7 @@ static void PA_FN(dr_solve_upper)(const real *A, int64_t l, real *X, int64_t W, 
             for (int64_t j = i + 1; j < b1; j++) PA_FN(axpy)(X + i * W, X + j * W, W, -A[j * l + i]);
         PA_FN(dr_pack_rows)(b0, b1, l, W, X, W, Bp);
     }
+    pa_bf16_products_end(products);
 }
 
 /* The block's key side over rows c0 .. c0+l-1 (sc->ks): a scalar gate's cumulative sums and
@@ -697,6 +701,7 @@ static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = pa_subnormals_flush();
+        const int products = pa_bf16_products_begin(d->bf16 && d->form == PA_FORM_CHUNK);
         PA_FN(dr_scratch) sc;
         int ok = pa_scratch_ok(PA_FN(dr_scratch_alloc)(&sc, L, d->K, d->V, nstates), &failed);
 #pragma omp for schedule(dynamic, 1)
@@ -708,6 +713,7 @@ static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
                 PA_FN(dr_unit_forward)(c, un, L, &sc);
         }
         if (ok) free(sc.block);
+        pa_bf16_products_end(products);
         pa_subnormals_end(csr);
     }
     free((void *)c->first);

@@ -870,6 +870,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
 #pragma omp parallel num_threads(nthreads)
         {
             const unsigned csr = pa_subnormals_flush();
+            const int products = pa_bf16_products_begin(d->bf16);
             PA_FN(la_scratch) sc;
             int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, L, K, V, 0), &failed);
             PA_FN(la_unit) u;
@@ -938,6 +939,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_finish_rows)(&u, c0, l);
             }
             if (ok) free(sc.block);
+            pa_bf16_products_end(products);
             pa_subnormals_end(csr);
         }
     }
@@ -974,6 +976,7 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = pa_subnormals_flush();
+        const int products = pa_bf16_products_begin(d->bf16 && d->form == PA_FORM_CHUNK);
         PA_FN(la_scratch) sc;
         int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L,
                                                        d->K, d->V, nstates),
@@ -987,6 +990,7 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
                 PA_FN(la_unit_forward)(c, un, L, &sc);
         }
         if (ok) free(sc.block);
+        pa_bf16_products_end(products);
         pa_subnormals_end(csr);
     }
     free(first);
