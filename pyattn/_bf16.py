@@ -13,8 +13,9 @@ That is the portable path, on every CPU. Where the CPU multiplies bf16 in hardwa
 (AVX512-BF16 or AMX; ``pyattn.build_info()["isa"]`` says which path runs), the forward of
 softmax attention's flash and parallel forms multiplies in bf16 when q, k and v are all bf16:
 their values are exactly bf16, and the softmax's probabilities are rounded to bf16 for their
-product with v (as PyTorch's bf16 flash attention does). ``products()`` tells the kernels
-that they may.
+product with v (as PyTorch's bf16 flash attention does). So do the chunk forms' forwards of
+the linear and delta engines, whose block products round both operands to bf16.
+``products()`` tells the kernels that they may.
 """
 from __future__ import annotations
 
