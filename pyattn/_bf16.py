@@ -16,6 +16,11 @@ their values are exactly bf16, and the softmax's probabilities are rounded to bf
 product with v (as PyTorch's bf16 flash attention does). So do the chunk forms' forwards of
 the linear and delta engines, whose block products round both operands to bf16.
 ``products()`` tells the kernels that they may.
+
+A bf16 call (and its pullback) allocates its float32 copies and its outputs through pyattn's
+cache of large blocks (``pyattn.nn.memory``): calls of the same shapes reuse the blocks the
+previous one freed rather than fresh pages that the system zeroes first.
+``pyattn.nn.empty_cache()`` returns what the cache keeps.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Any, Callable, Dict, Tuple
 import numpy as np
 
 from . import _core
+from ._array_cache import cached_arrays
 
 # the in-place writes of an op: arguments it modifies, which must be written back into the
 # caller's bf16 arrays after the float32 call
@@ -181,8 +187,9 @@ def calls(op: Callable) -> Callable:
     def call(*args, **kwargs):
         if not has_bf16(args, kwargs):
             return op(*args, **kwargs)
-        c = _Call(op, args, kwargs)
-        return c.finish(c.run(op, *c.args, **c.kwargs))
+        with cached_arrays():  # the float32 copies: the same sizes call after call
+            c = _Call(op, args, kwargs)
+            return c.finish(c.run(op, *c.args, **c.kwargs))
 
     return call
 
@@ -195,11 +202,14 @@ def has_bf16(args: tuple, kwargs: dict) -> bool:
 def vjp(op: Callable, rule: Callable, args: tuple, kwargs: dict) -> Tuple[Any, Callable]:
     """``rule``'s (out, pullback) for a bf16 call of ``op``: computed in float32, the output as
     ``calls`` gives it, each gradient in its argument's dtype."""
-    c = _Call(op, args, kwargs)
-    out, pullback = c.run(rule, *c.args, **c.kwargs)
+    with cached_arrays():
+        c = _Call(op, args, kwargs)
+        out, pullback = c.run(rule, *c.args, **c.kwargs)
+        out = c.finish(out)
 
     def bf16_pullback(cot):
-        grads = c.run(pullback, _lower(c.fn, "cotangent", cot))
-        return {name: c.grad(name, g) for name, g in grads.items()}
+        with cached_arrays():
+            grads = c.run(pullback, _lower(c.fn, "cotangent", cot))
+            return {name: c.grad(name, g) for name, g in grads.items()}
 
-    return c.finish(out), bf16_pullback
+    return out, bf16_pullback

@@ -136,3 +136,23 @@ def test_training_steps_give_the_same_bits_with_and_without_the_cache(monkeypatc
     np.testing.assert_array_equal(logits, logits0)
     for k in grads:
         np.testing.assert_array_equal(grads[k], grads0[k])
+
+
+def test_bf16_calls_allocate_through_the_cache():
+    """A bf16 op call and its pullback take their float32 copies and outputs from the cache
+    (the blocks then come back to it); a float32 call does not."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays need ml_dtypes (pyattn[bf16])")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1024, 8, 64)).astype(np.float32) for _ in range(3))
+    g = -rng.random((1, 1024, 8)).astype(np.float32) / 8
+    a16 = [a.astype(ml_dtypes.bfloat16) for a in (q, k, v, g)]
+    nn.empty_cache()
+    o32, _ = pyattn.simple_gla(q, k, v, g)
+    assert handler_name(o32) != "pyattn_array_cache" and nn.cached_bytes() == 0
+    o16, _ = pyattn.simple_gla(*a16)
+    assert handler_name(o16) == "pyattn_array_cache"
+    assert nn.cached_bytes() > 0  # the call's float32 copies, freed at its end
+    out, pullback = pyattn.vjp(pyattn.simple_gla, *a16)
+    grads = pullback(np.ones_like(out[0]))
+    assert all(handler_name(x) == "pyattn_array_cache" for x in grads.values())
+    nn.empty_cache()

@@ -6,28 +6,18 @@ arrays start as fresh pages that the operating system zeroes on first touch. Ins
 ``cached_arrays()`` NumPy allocates through pyattn's cache instead: a freed block of 1 MiB or
 more is kept (2 GiB in all at most, the oldest dropped first) and handed out again for an
 array of exactly its size, from any thread. ``HybridLM.forward``, ``HybridLM.backward`` and
-``cross_entropy`` run inside it; ``empty_cache()`` gives the kept blocks back. An array made
+``cross_entropy`` run inside it, as does every op call with bf16 arrays (its float32 copies);
+``empty_cache()`` gives the kept blocks back. An array made
 inside returns its block to the cache whenever it is freed, also after the block or after
 ``empty_cache()`` (the logits a caller keeps, for instance); when the system runs out of
 memory for a new block, the kept ones are freed first.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 from .. import _core
-
-
-@contextlib.contextmanager
-def cached_arrays():
-    """NumPy arrays allocated in this block (in this thread or context) come from, and when
-    freed go back to, pyattn's cache of large blocks."""
-    previous = _core.set_data_handler(_core.ARRAY_CACHE)
-    try:
-        yield
-    finally:
-        _core.set_data_handler(previous)
+from .._array_cache import cached_arrays
 
 
 def with_cached_arrays(fn):
