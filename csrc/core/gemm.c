@@ -17,8 +17,8 @@
 #include "gemm_bf16.h"
 
 /* gemm and gemm_packed_b multiply in bf16 on a thread where pa_gemm_in_bf16 is on (see
- * gemm_bf16.h): the float instantiation of the AVX-512 build, which the amx and avx512_bf16
- * paths run */
+ * gemm_bf16.h), where beta is 0 or 1 and each operand has a unit stride one way: the float
+ * instantiation of the AVX-512 build, which the amx and avx512_bf16 paths run */
 #undef GEMM_BF16
 #define GEMM_BF16 (!PA_DOUBLE && PA_VBYTES == 64)
 
@@ -372,18 +372,13 @@ static void PA_FN(bf16_block_b)(int64_t kc, int64_t nc, const real *B, int64_t r
         pa_bf16_rows_b(nc, pa_bf16_round(nc, PA_BF16_PAD), kc, B, csb, out);
 }
 
-/* gemm's C = alpha A B + beta C with both operands rounded to bf16 block by block (MC x KC of
- * A, KC x NC of B) and multiplied by pa_bf16_gemm, float32 accumulation. B as bf16_block_b
- * takes it. work: gemm_work_elems(M, N, K) reals. */
+/* gemm's C = alpha A B + beta C, beta 0 or 1 (as pa_bf16_gemm takes it), with both operands
+ * rounded to bf16 block by block (MC x KC of A, KC x NC of B) and multiplied by pa_bf16_gemm,
+ * float32 accumulation. B as bf16_block_b takes it. work: gemm_work_elems(M, N, K) reals. */
 static void PA_FN(gemm_bf16)(int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                              int64_t rsa, int64_t csa, const real *B, int64_t rsb, int64_t csb,
                              int64_t fbps, real beta, real *C, int64_t ldc, real *work)
 {
-    if (beta != 0 && beta != 1) { /* the bf16 kernels add C once or not at all */
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j++) C[i * ldc + j] *= beta;
-        beta = 1;
-    }
     uint32_t *a = (uint32_t *)work;
     uint32_t *b = a + pa_bf16_round(M < MC ? M : MC, PA_BF16_PAD) * (pa_bf16_dp(K < KC ? K : KC) / 2);
     for (int64_t jc = 0; jc < N; jc += NC) {
@@ -411,7 +406,8 @@ static void PA_FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real 
 {
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
 #if GEMM_BF16
-    if (pa_gemm_in_bf16 && (csa == 1 || rsa == 1) && (csb == 1 || rsb == 1)) {
+    if (pa_gemm_in_bf16 && (beta == 0 || beta == 1) && (csa == 1 || rsa == 1) &&
+        (csb == 1 || rsb == 1)) {
         PA_FN(gemm_bf16)(M, N, K, alpha, A, rsa, csa, B, rsb, csb, 0, beta, C, ldc, work);
         return;
     }
@@ -450,7 +446,7 @@ static void PA_FN(gemm_packed_b)(int64_t M, int64_t N, int64_t K, real alpha, co
 {
     if (PA_FN(gemm_trivial)(M, N, K, beta, C, ldc)) return;
 #if GEMM_BF16
-    if (pa_gemm_in_bf16 && (csa == 1 || rsa == 1)) {
+    if (pa_gemm_in_bf16 && (beta == 0 || beta == 1) && (csa == 1 || rsa == 1)) {
         PA_FN(gemm_bf16)(M, N, K, alpha, A, rsa, csa, Bp, 0, 0, bps, beta, C, ldc, work);
         return;
     }
