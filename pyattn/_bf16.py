@@ -136,7 +136,8 @@ class _Call:
         lowered = _bound(op, self.args, self.kwargs)
         self.written = [(self.named[name], lowered[name]) for name in _WRITTEN.get(fn, ())
                         if is_bf16(self.named.get(name))]
-        self.products = all(is_bf16(self.named.get(name)) for name in ("q", "k", "v"))
+        query = "q" if "q" in self.named else "r"  # RWKV's receptance plays the query
+        self.products = all(is_bf16(self.named.get(name)) for name in (query, "k", "v"))
 
     def run(self, fn: Callable, *args, **kwargs):
         """fn(*args, **kwargs) with products() telling whether q, k, v are bf16."""

@@ -214,11 +214,13 @@ def delta_backward(
 
 def dplr_forward(
     q: _Float, k: _Float, v: _Float, a: _Float, b: _Float, gk: _Float, h0: Optional[_Float],
-    o: _Float, ht: Optional[_Float], cu: _Int64, form: int, chunk: int, scale: float, /,
+    o: _Float, ht: Optional[_Float], cu: _Int64, form: int, chunk: int, scale: float,
+    bf16: bool, /,
 ) -> None:
     """The DPLR delta rule: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in place.
     q, k, a, b, gk [B, T, H, K] (gk the log decay per key channel); v [B, T, H, V]; h0 None or
-    [N, H, K, V]; cu the int64 sequence offsets [N + 1]; form FORM_RECURRENT (the only one)."""
+    [N, H, K, V]; cu the int64 sequence offsets [N + 1]; form FORM_RECURRENT or FORM_CHUNK;
+    bf16 as linear_forward's."""
 
 def dplr_backward(
     q: _Float, k: _Float, v: _Float, a: _Float, b: _Float, gk: _Float, h0: Optional[_Float],

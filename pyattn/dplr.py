@@ -33,7 +33,8 @@ class _DplrEngine(LinearEngine):
         B, T, H, K = q.shape
         self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
         self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
-        _core.dplr_forward(q, self.k, v, self.a, self.b, self.gk, self.h0, self.o, self.ht, *self.opts)
+        _core.dplr_forward(q, self.k, v, self.a, self.b, self.gk, self.h0, self.o, self.ht, *self.opts,
+                           self.bf16)
         return self.o, self.ht
 
     def backward(self, do, dht):

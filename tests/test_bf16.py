@@ -365,7 +365,8 @@ def test_bf16_model_projections_multiply_in_bf16(monkeypatch):
 
 # ---- the chunk forms of the linear and delta engines multiply bf16 calls in bf16 ----
 
-CHUNK_PRODUCT_OPS = ("simple_gla", "gla", "retention", "gated_delta_rule", "kda")
+CHUNK_PRODUCT_OPS = ("simple_gla", "gla", "retention", "rwkv6", "gated_delta_rule", "kda",
+                     "dplr_delta_rule", "rwkv7")
 
 
 def _chunk_call(name, rng, T=150, H=2, D=32):
@@ -374,8 +375,14 @@ def _chunk_call(name, rng, T=150, H=2, D=32):
     gate = lambda *s: -np.logaddexp(0.0, -rng.standard_normal((2, T, H) + s)) / 8
     beta = 1 / (1 + np.exp(-rng.standard_normal((2, T, H))))
     unit = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    u = rng.standard_normal((H, D)) * 0.1
+    # RWKV-7's low-rank terms: a = -kappa, b = kappa lr (kappa a unit vector, lr in (0.1, 1))
+    lr = rng.uniform(0.1, 1, (2, T, H, 1))
     args = {"simple_gla": (q, k, v, gate()), "gla": (q, k, v, gate(D)), "retention": (q, k, v),
-            "gated_delta_rule": (q, unit, v, gate(), beta), "kda": (q, unit, v, gate(D), beta)}[name]
+            "rwkv6": (q, k, v, gate(D), u),
+            "gated_delta_rule": (q, unit, v, gate(), beta), "kda": (q, unit, v, gate(D), beta),
+            "dplr_delta_rule": (q, k, v, -unit, unit * lr, gate(D)),
+            "rwkv7": (q, gate(D), k, v, -unit, unit * lr)}[name]
     return [a.astype(BF16) for a in args], {"form": "chunk", "output_final_state": True}
 
 

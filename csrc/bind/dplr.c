@@ -35,9 +35,10 @@ static int dplr_desc(const char *fn, PyObject *const *a, PyObject *const *opt, i
     return 0;
 }
 
-/* dplr_forward(q, k, v, a, b, gk, h0, o, ht, cu, form, chunk, scale) -> None */
+/* dplr_forward(q, k, v, a, b, gk, h0, o, ht, cu, form, chunk, scale, bf16) -> None; bf16: the
+ * float32 inputs hold bfloat16 values (the chunk form may multiply in bf16) */
 enum { PF_Q, PF_K, PF_V, PF_A, PF_B, PF_GK, PF_H0, PF_O, PF_HT, PF_CU, PF_FORM, PF_CHUNK,
-       PF_SCALE, PF_NARGS };
+       PF_SCALE, PF_BF16, PF_NARGS };
 
 static PyObject *py_dplr_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -46,7 +47,9 @@ static PyObject *py_dplr_forward(PyObject *self, PyObject *const *args, Py_ssize
     int t;
     PyArrayObject *in[ENG_ARRAYS], *ab[2], *o, *ht;
     pa_linear_desc d;
-    if (dplr_desc(fn, args + PF_Q, args + PF_CU, &t, in, ab, &d)) return NULL;
+    if (dplr_desc(fn, args + PF_Q, args + PF_CU, &t, in, ab, &d) ||
+        get_bf16_products(args[PF_BF16], t, &d.bf16))
+        return NULL;
     PyObject *const out[] = {[ENG_OUT_O] = args[PF_O], [ENG_OUT_HT] = args[PF_HT],
                              [ENG_OUT_KEEP] = Py_False};
     PyObject *states = engine_outputs(fn, out, t, in[ENG_Q], &d, &o, &ht);
@@ -101,7 +104,7 @@ static PyObject *py_dplr_backward(PyObject *self, PyObject *const *args, Py_ssiz
 
 PyMethodDef pyattn_dplr_methods[] = {
     {"dplr_forward", (PyCFunction)(void (*)(void))py_dplr_forward, METH_FASTCALL,
-     "dplr_forward(q, k, v, a, b, gk, h0, o, ht, cu, form, chunk, scale): the DPLR delta rule "
+     "dplr_forward(q, k, v, a, b, gk, h0, o, ht, cu, form, chunk, scale, bf16): the DPLR delta rule "
      "(recurrent or chunk form); a, b, gk [B, T, H, K]; h0, ht None or [N, H, K, V]; o written"},
     {"dplr_backward", (PyCFunction)(void (*)(void))py_dplr_backward, METH_FASTCALL,
      "dplr_backward(q, k, v, a, b, gk, h0, do, dht, dq, dk, dv, da, db, dgk, dh0, cu, form, "

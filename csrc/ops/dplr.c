@@ -570,6 +570,7 @@ static int PA_FN(dp_run)(const PA_FN(dp_call) *c, int backward)
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = pa_subnormals_flush();
+        const int products = pa_bf16_products_begin(d->bf16 && d->form == PA_FORM_CHUNK);
         PA_FN(dp_scratch) sc;
         int ok = pa_scratch_ok(PA_FN(dp_scratch_alloc)(&sc, L, d->K, d->V, nstates), &failed);
 #pragma omp for schedule(dynamic, 1)
@@ -581,6 +582,7 @@ static int PA_FN(dp_run)(const PA_FN(dp_call) *c, int backward)
                 PA_FN(dp_unit_forward)(c, un, &sc);
         }
         if (ok) free(sc.block);
+        pa_bf16_products_end(products);
         pa_subnormals_end(csr);
     }
     return failed ? PA_ENOMEM : PA_OK;
