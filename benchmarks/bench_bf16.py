@@ -1,13 +1,16 @@
 """bfloat16 calls against float32 ones: pyattn's bf16 call of softmax attention (flash form) and
-of the chunk form of simple_gla, gla and gated_delta_rule, against pyattn float32 on the same
-values, and (softmax) torch's SDPA on bf16 CPU tensors; same thread count, one run.
+of the chunk form of simple_gla, gla and gated_delta_rule (and, with --ops, kda, rwkv6 and
+dplr_delta_rule), against pyattn float32 on the same values, and (softmax) torch's SDPA on bf16
+CPU tensors; same thread count, one run.
 
     python benchmarks/bench_bf16.py [--quick] [--threads N [N ...]] [--markdown]
                                     [--T 2048 8192 ...] [--D 64 128 ...] [--ops ...]
 
 Shapes: B=1, H=8 (Hk = H), Dk = Dv = D in {64, 128}, T in {2048, 8192} ({2048}, D=64 with
 --quick); softmax causal and not; the linear ops with gates logsigmoid(N(0, 1)) / 16 (g
-[B, T, H] for simple_gla and gated_delta_rule, [B, T, H, K] for gla), beta = sigmoid(N(0, 1)).
+[B, T, H] for simple_gla and gated_delta_rule, [B, T, H, K] for gla, kda, rwkv6's w and
+dplr_delta_rule's gk), beta = sigmoid(N(0, 1)), rwkv6's u 0.1 N(0, 1), dplr_delta_rule's a and
+b as RWKV-7 builds them (-kappa and kappa lr, kappa a unit vector, lr in (0.1, 1)).
 The bf16 arrays are the float32 ones rounded; the float32 case runs on those same values.
 
 What is timed, per row (median of samples, see benchmarks/common.py; cases of a row
@@ -39,7 +42,8 @@ import numpy as np  # noqa: E402
 import pyattn  # noqa: E402
 
 B, H = 1, 8
-OPS = ("softmax", "simple_gla", "gla", "gated_delta_rule")
+OPS = ("softmax", "simple_gla", "gla", "gated_delta_rule", "kda", "rwkv6", "dplr_delta_rule")
+DEFAULT_OPS = OPS[:4]
 
 
 def inputs(rng, op, T, D):
@@ -50,9 +54,17 @@ def inputs(rng, op, T, D):
         return (q, k, v, logsig((B, T, H))), {}
     if op == "gla":
         return (q, k, v, logsig((B, T, H, D))), {}
+    beta = lambda: (1 / (1 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32)
     if op == "gated_delta_rule":
-        beta = (1 / (1 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32)
-        return (q, k, v, logsig((B, T, H)), beta), {"qk_l2norm": True}
+        return (q, k, v, logsig((B, T, H)), beta()), {"qk_l2norm": True}
+    if op == "kda":
+        return (q, k, v, logsig((B, T, H, D)), beta()), {"qk_l2norm": True}
+    if op == "rwkv6":
+        return (q, k, v, logsig((B, T, H, D)), (0.1 * rng.standard_normal((H, D))).astype(np.float32)), {}
+    if op == "dplr_delta_rule":  # as RWKV-7 builds a and b: -kappa and kappa lr, kappa a unit vector
+        kappa = k / np.linalg.norm(k, axis=-1, keepdims=True)
+        lr = rng.uniform(0.1, 1, (B, T, H, 1)).astype(np.float32)
+        return (q, k, v, -kappa, kappa * lr, logsig((B, T, H, D))), {}
     return (q, k, v), {}
 
 
@@ -78,7 +90,7 @@ def main(argv=None):
     p = common.base_parser(__doc__.splitlines()[0], default_threads=2, sweep=True)
     p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths")
     p.add_argument("--D", type=int, nargs="+", default=None, help="head dims (Dk = Dv)")
-    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(DEFAULT_OPS))
     args = p.parse_args(argv)
     import ml_dtypes
 
