@@ -119,8 +119,8 @@ typedef struct {
     double scale;
     int form;      /* PA_FORM_PARALLEL, _RECURRENT or _CHUNK */
     int64_t chunk; /* rows per block of the chunk form */
-    /* the inputs are bfloat16 values (widened to float): the chunk form of the linear and
-     * delta engines may then multiply in bf16 where the CPU does (core/gemm_bf16.h) */
+    /* the inputs are bfloat16 values (widened to float): the chunk forward of the linear,
+     * delta and DPLR engines may then multiply in bf16 where the CPU does (core/gemm_bf16.h) */
     int bf16;
 } pa_linear_desc;
 

@@ -14,7 +14,8 @@ That is the portable path, on every CPU. Where the CPU multiplies bf16 in hardwa
 softmax attention's flash and parallel forms multiplies in bf16 when q, k and v are all bf16:
 their values are exactly bf16, and the softmax's probabilities are rounded to bf16 for their
 product with v (as PyTorch's bf16 flash attention does). So do the chunk forms' forwards of
-the linear and delta engines, whose block products round both operands to bf16.
+the linear, delta and DPLR engines (q or RWKV's r, k and v bf16), whose block products round
+both operands to bf16.
 ``products()`` tells the kernels that they may.
 
 A bf16 call (and its pullback) allocates its float32 copies and its outputs through pyattn's
