@@ -344,32 +344,18 @@ static void PA_FN(gemm_macro_b_rows)(int64_t M, int64_t nc, int64_t kc, real alp
 #if GEMM_BF16
 /* ---- products in bf16 (gemm_bf16.h), for gemm and gemm_packed_b where pa_gemm_in_bf16 ---- */
 
-/* A block (mc x kc, A(i, p) at A[i rsa + p csa], csa = 1 or rsa = 1) as an A-form operand of
- * pa_bf16_dp(kc) / 2 words a row, its rows up to mc rounded up to PA_BF16_PAD */
-static void PA_FN(bf16_block_a)(int64_t mc, int64_t kc, const real *A, int64_t rsa, int64_t csa,
-                                uint32_t *out)
-{
-    if (csa == 1)
-        pa_bf16_rows_a(mc, pa_bf16_round(mc, PA_BF16_PAD), kc, A, rsa, out);
-    else
-        pa_bf16_pairs_a(kc, pa_bf16_dp(kc), mc, A, csa, out);
-}
-
-/* B block (kc x nc) as a B-form operand, panels of 16 columns pa_bf16_dp(kc) / 2 * 16 words
- * apart: from B(p, j) at B[p rsb + j csb] (csb = 1 or rsb = 1), or, where fbps > 0, from a
+/* B block (kc x nc) as a B-form operand (pa_bf16_block_b): strided, or, where fbps > 0, from a
  * pack_b packing (B(p, j) at B[(j / NR) fbps + p NR + j % NR]), one NR-column panel at a time */
 static void PA_FN(bf16_block_b)(int64_t kc, int64_t nc, const real *B, int64_t rsb, int64_t csb,
                                 int64_t fbps, uint32_t *out)
 {
-    const int64_t kp = pa_bf16_dp(kc);
-    if (fbps > 0)
-        for (int64_t j = 0; j < nc; j += NR)
-            pa_bf16_pairs_b(kc, kp, nc - j < NR ? nc - j : NR, B + j / NR * fbps, NR,
-                            out + j / 16 * (kp / 2 * 16));
-    else if (csb == 1)
-        pa_bf16_pairs_b(kc, kp, nc, B, rsb, out);
-    else
-        pa_bf16_rows_b(nc, pa_bf16_round(nc, PA_BF16_PAD), kc, B, csb, out);
+    if (fbps <= 0) {
+        pa_bf16_block_b(kc, nc, B, rsb, csb, out);
+        return;
+    }
+    const int64_t bps = pa_bf16_dp(kc) / 2 * 16;
+    for (int64_t j = 0; j < nc; j += NR)
+        pa_bf16_block_b(kc, nc - j < NR ? nc - j : NR, B + j / NR * fbps, NR, 1, out + j / 16 * bps);
 }
 
 /* gemm's C = alpha A B + beta C, beta 0 or 1 (as pa_bf16_gemm takes it), with both operands
@@ -391,7 +377,7 @@ static void PA_FN(gemm_bf16)(int64_t M, int64_t N, int64_t K, real alpha, const 
                 PA_FN(bf16_block_b)(kc, nc, B + pc * rsb + jc * csb, rsb, csb, 0, b);
             for (int64_t ic = 0; ic < M; ic += MC) {
                 const int64_t mc = M - ic < MC ? M - ic : MC;
-                PA_FN(bf16_block_a)(mc, kc, A + ic * rsa + pc * csa, rsa, csa, a);
+                pa_bf16_block_a(mc, kc, A + ic * rsa + pc * csa, rsa, csa, a);
                 pa_bf16_gemm(mc, nc, words, alpha, a, words, b, words * 16, pc == 0 ? beta : 1,
                              C + ic * ldc + jc, ldc);
             }

@@ -355,6 +355,24 @@ void pa_bf16_pairs_b_part(int64_t p0, int64_t p1, int64_t n, int64_t D, const fl
 
 void pa_bf16_select(int kind) { selected_kind = pa_bf16_available(kind) ? kind : PA_BF16_NONE; }
 
+void pa_bf16_block_a(int64_t mc, int64_t kc, const float *A, int64_t rsa, int64_t csa,
+                     uint32_t *out)
+{
+    if (csa == 1)
+        pa_bf16_rows_a(mc, pa_bf16_round(mc, PA_BF16_PAD), kc, A, rsa, out);
+    else
+        pa_bf16_pairs_a(kc, pa_bf16_dp(kc), mc, A, csa, out);
+}
+
+void pa_bf16_block_b(int64_t kc, int64_t nc, const float *B, int64_t rsb, int64_t csb,
+                     uint32_t *out)
+{
+    if (csb == 1)
+        pa_bf16_pairs_b(kc, pa_bf16_dp(kc), nc, B, rsb, out);
+    else
+        pa_bf16_rows_b(nc, pa_bf16_round(nc, PA_BF16_PAD), kc, B, csb, out);
+}
+
 /* ---- float32 operands multiplied in bf16 (pa_bf16_matmul) ---- */
 
 /* tiles of C a thread computes at once, and the pairs of one pass over them: a pass's packed
@@ -370,11 +388,11 @@ static inline int64_t bf16_min(int64_t a, int64_t b) { return a < b ? a : b; }
 static void bf16_pack_a(int64_t K, const float *A, int64_t lda, int ta, int64_t p0, int64_t kb,
                         int64_t i0, int64_t mb, uint32_t *out)
 {
-    const int64_t k0 = 2 * p0, k = bf16_min(K - k0, 2 * kb);
+    const int64_t k0 = 2 * p0, k = bf16_min(K - k0, 2 * kb); /* pa_bf16_dp(k) = 2 kb */
     if (ta)
-        pa_bf16_pairs_a(k, 2 * kb, mb, A + k0 * lda + i0, lda, out);
+        pa_bf16_block_a(mb, k, A + k0 * lda + i0, 1, lda, out);
     else
-        pa_bf16_rows_a(mb, pa_bf16_round(mb, PA_BF16_PAD), k, A + i0 * lda + k0, lda, out);
+        pa_bf16_block_a(mb, k, A + i0 * lda + k0, lda, 1, out);
 }
 
 /* Part u of op(B)'s B-form over all kp = Kp / 2 pairs (panels of 16 columns, 16 kp words
@@ -386,7 +404,7 @@ static void bf16_pack_b(int64_t N, int64_t K, int64_t Kp, const float *B, int64_
 {
     const int64_t kp = Kp / 2;
     if (tb)
-        pa_bf16_rows_b(bf16_min(N - 32 * u, 32), 32, K, B + 32 * u * ldb, ldb, out + 32 * u * kp);
+        pa_bf16_block_b(K, bf16_min(N - 32 * u, 32), B + 32 * u * ldb, 1, ldb, out + 32 * u * kp);
     else
         pa_bf16_pairs_b_part(64 * u, bf16_min(64 * u + 64, kp), K, N, B, ldb, 16 * kp, out);
 }

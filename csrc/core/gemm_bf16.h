@@ -73,6 +73,17 @@ void pa_bf16_pairs_a(int64_t n, int64_t n_pad, int64_t D, const float *X, int64_
 /* pairs_b's pairs [p0, p1) alone, into a B-form operand whose panels lie bps words apart */
 void pa_bf16_pairs_b_part(int64_t p0, int64_t p1, int64_t n, int64_t D, const float *X,
                           int64_t ldx, int64_t bps, uint32_t *out);
+/* A block of a strided float32 matrix, whichever packing its layout takes:
+ * block_a: mc x kc, A(i, p) = A[i rsa + p csa] with csa = 1 (rows_a) or rsa = 1 (stored
+ *   transposed: pairs_a), as an A-form operand of pa_bf16_dp(kc) / 2 words a row, its rows up to
+ *   mc rounded up to PA_BF16_PAD;
+ * block_b: kc x nc, B(p, j) = B[p rsb + j csb] with csb = 1 (pairs_b) or rsb = 1 (stored
+ *   transposed: rows_b), as a B-form operand, panels of 16 columns pa_bf16_dp(kc) / 2 * 16
+ *   words apart, its columns up to nc rounded up to PA_BF16_PAD. */
+void pa_bf16_block_a(int64_t mc, int64_t kc, const float *A, int64_t rsa, int64_t csa,
+                     uint32_t *out);
+void pa_bf16_block_b(int64_t kc, int64_t nc, const float *B, int64_t rsb, int64_t csb,
+                     uint32_t *out);
 
 /* C[M x N] (row-major, ldc) = alpha op(A) op(B) + beta C for float32 operands, multiplied in
  * bf16: op(A) = A [M x K] (lda apart) or, with ta, A^T for A [K x M]; op(B) = B [K x N] or,
