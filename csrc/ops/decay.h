@@ -43,6 +43,21 @@ static inline void PA_FN(gate_cumsum)(const real *g, int64_t ldg, int64_t l, int
     }
 }
 
+/* dg of a block of l rows from dG (l x nc, row-major, summed in place): a step's log gate
+ * enters the cumulative gate of its own row and every later one, so dg_i = dG_i + ... +
+ * dG_(l-1), 0 where the step was clamped. Row by row, so both arrays stream. */
+static inline void PA_FN(gate_grads_from_cumulative)(double *dG, int64_t l, int64_t nc,
+                                                     const real *g, real *dg, int64_t ldg)
+{
+    for (int64_t i = l - 1; i >= 0; i--) {
+        double *row = dG + i * nc;
+        const real *gi = g + i * ldg;
+        real *dgi = dg + i * ldg;
+        for (int64_t c = 0; i < l - 1 && c < nc; c++) row[c] += row[nc + c];
+        for (int64_t c = 0; c < nc; c++) dgi[c] = gi[c] < -PA_GATE_RESET ? 0 : (real)row[c];
+    }
+}
+
 /* G_i - G_j of a cumulative gate from its hi and lo parts; j < 0: G_i */
 static inline double PA_FN(gate_diff)(const double *G, const double *Gl, int64_t i, int64_t j)
 {

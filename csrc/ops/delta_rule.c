@@ -598,15 +598,8 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         PA_FN(axpy)(dk + i * sk, Tr + i * K, K, 1);
     }
 
-    /* g_s enters G_i for every i >= s of the block (per channel) */
-    for (int64_t c = 0; gated && c < nc; c++) {
-        double acc = 0;
-        for (int64_t i = l - 1; i >= 0; i--) {
-            acc += dG[i * nc + c];
-            const int64_t at = (c0 + i) * u->sg + c;
-            u->dg[at] = u->g[at] < -PA_GATE_RESET ? 0 : (real)acc;
-        }
-    }
+    if (gated)
+        PA_FN(gate_grads_from_cumulative)(dG, l, nc, u->g + c0 * u->sg, u->dg + c0 * u->sg, u->sg);
 }
 
 /* ---- drivers ---- */

@@ -481,15 +481,7 @@ static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l
     PA_FN(la_gram_rows)(&plain_w, l, -1, sc->R, W, sc->Z, W, 1, sc->E, &sc->bufs);
     PA_FN(dp_shifted_grads)(sc, l, -1, b, sk, da, db);
 
-    /* gk_s enters G_i for every i >= s of the block */
-    for (int64_t c = 0; c < K; c++) {
-        double acc = 0;
-        for (int64_t i = l - 1; i >= 0; i--) {
-            acc += dG[i * K + c];
-            const int64_t at = (c0 + i) * sk + c;
-            u->dgk[at] = u->gk[at] < -PA_GATE_RESET ? 0 : (real)acc;
-        }
-    }
+    PA_FN(gate_grads_from_cumulative)(dG, l, K, u->gk + c0 * sk, u->dgk + c0 * sk, sk);
 }
 
 static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)
