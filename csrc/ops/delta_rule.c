@@ -136,14 +136,12 @@ static void PA_FN(dr_gemm_bytes)(int64_t L, int64_t K, int64_t V, size_t *packed
 }
 
 /* The end of a delta-family scratch allocation: the gated products' buffers (la_bufs) share
- * the scratch's packed operand, row list and workspace. 1 when the block was allocated. */
-static int PA_FN(dr_scratch_link)(const void *block, PA_FN(la_bufs) *bufs, real *Bp,
-                                  int64_t *rows, real *work)
+ * the scratch's packed operand, row list and workspace. */
+static void PA_FN(dr_scratch_link)(PA_FN(la_bufs) *bufs, real *Bp, int64_t *rows, real *work)
 {
     bufs->Bp = Bp;
     bufs->rows = rows;
     bufs->work = work;
-    return block != NULL;
 }
 
 static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, int64_t V,
@@ -167,11 +165,13 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
                             (void **)&s->S, (void **)&s->dS, (void **)&s->states, (void **)&s->Bp,
                             (void **)&s->rows, (void **)&s->work, (void **)&s->bufs.Tm,
                             (void **)&s->bufs.U, (void **)&s->bufs.M};
-    s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
+    if (!(s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]))))
+        return 0;
     s->L = L;
     s->K = K;
     s->V = V;
-    return PA_FN(dr_scratch_link)(s->block, &s->bufs, s->Bp, s->rows, s->work);
+    PA_FN(dr_scratch_link)(&s->bufs, s->Bp, s->rows, s->work);
+    return 1;
 }
 
 /* dst = src (K V reals), or zeros when src is NULL */
@@ -604,6 +604,24 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
 
 /* ---- drivers ---- */
 
+/* Rows r0 .. r0+n-1 (those before T) of the unit's inputs into L2, the next block's while
+ * this one computes: a head's rows lie H rows apart, where hardware prefetchers stop, and the
+ * first pass over a block's rows waited on memory. state_only: the rows a block's state reads
+ * (k, v, the gate), not q and do. */
+static inline __attribute__((always_inline)) void PA_FN(dr_prefetch_rows)(const PA_FN(dr_unit) *u,
+                                                                         int64_t K, int64_t V,
+                                                                         int64_t r0, int64_t n,
+                                                                         int state_only)
+{
+    for (int64_t t = r0; t < r0 + n && t < u->T; t++) {
+        if (!state_only) PA_FN(prefetch_span)(u->q + t * u->sq, K, 0);
+        PA_FN(prefetch_span)(u->k + t * u->sq, K, 0);
+        PA_FN(prefetch_span)(u->v + t * u->sv, V, 0);
+        if (u->gate == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->g + t * u->sg, K, 0);
+        if (u->dout && !state_only) PA_FN(prefetch_span)(u->dout + t * u->sv, V, 0);
+    }
+}
+
 static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_t L,
                                    PA_FN(dr_scratch) *sc)
 {
@@ -620,9 +638,11 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
     if (S != h0) PA_FN(dr_copy_state)(h0, S, KV);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         const int64_t l = u.T - c0 < L ? u.T - c0 : L;
+        PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
         PA_FN(dr_block)(&u, c0, l, sc);
         PA_FN(dr_values)(l, S, sc);
         PA_FN(dr_output)(&u, c0, l, d->scale, S, sc);
+        PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
         if (c->states) {
             memcpy(S + KV, S, sizeof(real) * KV);
             S += KV;
@@ -653,6 +673,7 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
             PA_FN(dr_recurrent)(&u, r0, n, d->scale, S - KV, S, NULL, sc);
         } else {
             memcpy(S, S - KV, sizeof(real) * KV);
+            PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
             PA_FN(dr_block)(&u, r0, n, sc);
             PA_FN(dr_values)(n, S - KV, sc);
             PA_FN(dr_state)(&u, r0, n, S, sc);
@@ -667,6 +688,7 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
             PA_FN(dr_recurrent)(&u, r0, n, d->scale, trail, sc->S, trail + KV, sc);
             PA_FN(dr_recurrent_reverse)(&u, r0, n, d->scale, trail, dS, sc);
         } else {
+            if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
             PA_FN(dr_block_grads)(&u, r0, n, d->scale, states + p * KV, dS, sc);
         }
     }

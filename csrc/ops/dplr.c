@@ -130,11 +130,13 @@ static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t L, int64_t K, i
                             (void **)&s->Tq,  (void **)&s->Tr,    (void **)&s->f,
                             (void **)&s->Bp,  (void **)&s->rows,  (void **)&s->work,
                             (void **)&s->bufs.Tm, (void **)&s->bufs.U, (void **)&s->bufs.M};
-    s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
+    if (!(s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]))))
+        return 0;
     s->L = L;
     s->K = K;
     s->V = V;
-    return PA_FN(dr_scratch_link)(s->block, &s->bufs, s->Bp, s->rows, s->work);
+    PA_FN(dr_scratch_link)(&s->bufs, s->Bp, s->rows, s->work);
+    return 1;
 }
 
 /* e = e^gk_t over the K channels, each step clamped as the gate engines clamp it */
