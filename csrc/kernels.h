@@ -282,15 +282,15 @@ typedef struct {
                           void *dg, void *dbeta, void *dh0);
     /* The DPLR delta rule (ops/dplr.c) over the linear engine's description (recurrent form;
      * gk PA_GATE_VECTOR): a, b, gk [rows, H, K]; h0, ht may be NULL (zero initial state;
-     * final state not wanted) */
+     * final state not wanted); states as delta_forward's */
     int (*dplr_forward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
                         const void *a, const void *b, const void *gk, const void *h0, void *o,
-                        void *ht);
-    /* dht, h0 may be NULL (zero); dh0 may be NULL (not wanted) */
+                        void *ht, void *states);
+    /* dht, h0 may be NULL (zero); dh0 may be NULL (not wanted); states as delta_backward's */
     int (*dplr_backward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
                          const void *a, const void *b, const void *gk, const void *h0,
-                         const void *dout, const void *dht, void *dq, void *dk, void *dv,
-                         void *da, void *db, void *dgk, void *dh0);
+                         const void *dout, const void *dht, const void *states, void *dq,
+                         void *dk, void *dv, void *da, void *db, void *dgk, void *dh0);
     /* Log-linear attention: h0, ht may be NULL (zero initial state; final
      * state not wanted) */
     int (*loglin_forward)(const pa_loglin_desc *d, const void *q, const void *k, const void *v,

@@ -214,22 +214,24 @@ def delta_backward(
 
 def dplr_forward(
     q: _Float, k: _Float, v: _Float, a: _Float, b: _Float, gk: _Float, h0: Optional[_Float],
-    o: _Float, ht: Optional[_Float], cu: _Int64, form: int, chunk: int, scale: float,
-    bf16: bool, /,
-) -> None:
+    o: _Float, ht: Optional[_Float], keep: bool, cu: _Int64, form: int, chunk: int,
+    scale: float, bf16: bool, /,
+) -> Optional[_Float]:
     """The DPLR delta rule: writes o [B, T, H, V] and, when given, ht [N, H, K, V] in place.
     q, k, a, b, gk [B, T, H, K] (gk the log decay per key channel); v [B, T, H, V]; h0 None or
     [N, H, K, V]; cu the int64 sequence offsets [N + 1]; form FORM_RECURRENT or FORM_CHUNK;
-    bf16 as linear_forward's."""
+    bf16 as linear_forward's. With keep and FORM_CHUNK, returns the states kept for
+    dplr_backward (as linear_forward's); otherwise None."""
 
 def dplr_backward(
     q: _Float, k: _Float, v: _Float, a: _Float, b: _Float, gk: _Float, h0: Optional[_Float],
-    do: _Float, dht: Optional[_Float], dq: _Float, dk: _Float, dv: _Float, da: _Float,
-    db: _Float, dgk: _Float, dh0: Optional[_Float], cu: _Int64, form: int, chunk: int,
-    scale: float, /,
+    do: _Float, dht: Optional[_Float], states: Optional[_Float], dq: _Float, dk: _Float,
+    dv: _Float, da: _Float, db: _Float, dgk: _Float, dh0: Optional[_Float], cu: _Int64,
+    form: int, chunk: int, scale: float, /,
 ) -> None:
     """Writes dq, dk, dv, da, db, dgk (and dh0 when given) in place. dht None means a zero
-    cotangent. Other arguments as dplr_forward."""
+    cotangent; states what dplr_forward kept (FORM_CHUNK), or None to recompute them. Other
+    arguments as dplr_forward."""
 
 def loglin_forward(
     q: _Float, k: _Float, v: _Float, g: _Float, level_scales: _Float, h0: Optional[_Float],

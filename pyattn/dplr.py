@@ -5,7 +5,7 @@ One C kernel computes, per (sequence, head), with S_0 = initial_state (zeros if 
 The wrappers here check arguments and call the kernel's forward and backward; they never loop
 over time. Forms: ``"chunk"`` (default; rows in chunks of ``chunk_size``, the DPLR WY form)
 and ``"recurrent"`` (step by step); each has its own C backward (chunk: per chunk from the
-state kept at its start; recurrent: step by step from states kept every 64 steps).
+state the forward kept at its start; recurrent: step by step from states kept every 64 steps).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class _DplrEngine(LinearEngine):
         B, T, H, K = q.shape
         self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
         self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
-        _core.dplr_forward(q, self.k, v, self.a, self.b, self.gk, self.h0, self.o, self.ht, *self.opts,
-                           self.bf16)
+        self.states = _core.dplr_forward(q, self.k, v, self.a, self.b, self.gk, self.h0, self.o,
+                                         self.ht, keep, *self.opts, self.bf16)
         return self.o, self.ht
 
     def backward(self, do, dht):
@@ -42,7 +42,7 @@ class _DplrEngine(LinearEngine):
         g = {name: np.empty_like(getattr(self, name)) for name in ("q", "k", "v", "a", "b", "gk")}
         g["h0"] = None if self.h0 is None else np.empty_like(self.h0)
         _core.dplr_backward(self.q, self.k, self.v, self.a, self.b, self.gk, self.h0, do, dht,
-                            g["q"], g["k"], g["v"], g["a"], g["b"], g["gk"], g["h0"], *self.opts)
+                            self.states, g["q"], g["k"], g["v"], g["a"], g["b"], g["gk"], g["h0"], *self.opts)
         return g
 
 
@@ -93,7 +93,8 @@ def dplr_delta_rule(q, k, v, a, b, gk, *, scale=None, initial_state=None, output
     ``initial_state`` ``[N, H, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``,
     which restarts the recurrence at each boundary; B must then be 1). Forms: ``"chunk"``
     (default; ``chunk_size`` rows at a time, one of 16, 32, 64, 128: the WY form with GEMMs,
-    forward and backward, its backward recomputing each chunk from the state kept at its start)
+    forward and backward; under ``pyattn.vjp`` the forward keeps the state entering each chunk
+    and the backward recomputes each chunk from it)
     and ``"recurrent"`` (step by step, and its backward step by step). Returns
     ``(o [B, T, H, V], final_state or None)``.
     """
@@ -110,7 +111,7 @@ def _dplr_delta_rule_vjp(q, k, v, a, b, gk, *, scale=None, initial_state=None,
                          output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64):
     eng = _engine("dplr_delta_rule", _DPLR_NAMES, dict(q=q, k=k, v=v, a=a, b=b, gk=gk), scale,
                   initial_state, output_final_state, cu_seqlens, form, chunk_size)
-    return eng.forward(), _pullback(eng, _DPLR_GRADS)
+    return eng.forward(keep=True), _pullback(eng, _DPLR_GRADS)
 
 
 @_bf16.calls
@@ -135,4 +136,4 @@ def _rwkv7_vjp(r, w, k, v, a, b, *, scale=1.0, initial_state=None, output_final_
                cu_seqlens=None, form="chunk", chunk_size=64):
     eng = _engine("rwkv7", _RWKV7_NAMES, dict(r=r, w=w, k=k, v=v, a=a, b=b), scale,
                   initial_state, output_final_state, cu_seqlens, form, chunk_size)
-    return eng.forward(), _pullback(eng, _RWKV7_GRADS)
+    return eng.forward(keep=True), _pullback(eng, _RWKV7_GRADS)

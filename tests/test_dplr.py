@@ -389,3 +389,56 @@ def test_bad_arguments_name_themselves():
     raises(ValueError, pyattn.rwkv7, r, -w + 0.1, k, v, a, b, must=("rwkv7()", "'w'"))
     raises(ValueError, pyattn.rwkv7, r[0], w, k, v, a, b, must=("rwkv7()", "'r'"))
     raises(ValueError, pyattn.rwkv7, r, w, k, v, a, b, form="parallel", must=("rwkv7()", "form"))
+
+
+# ---- pyattn._core directly: the states a chunk forward keeps for its backward
+#
+# dplr_forward(q, k, v, a, b, gk, h0, o, ht, keep, cu, form, chunk, scale, bf16) -> kept states or None
+# dplr_backward(q, k, v, a, b, gk, h0, do, dht, states, dq, dk, dv, da, db, dgk, dh0, cu, form,
+#               chunk, scale)
+
+def test_core_kept_states():
+    """keep=True with the chunk form returns, for every (sequence, head) in order, the state
+    entering each chunk and then the final one (h0, the oracle's state at every chunk
+    boundary, the final state: sequences of 11 and 6 rows, chunks of 4); a backward reading
+    them equals one recomputing them, bitwise. Kept states of the wrong shape or dtype, or
+    given to the recurrent form, raise."""
+    from pyattn import _core
+    H, K, V, C, lens = 2, 5, 3, 4, (11, 6)
+    q, k, v, a, b, gk, _ = inputs(17, B=1, T=sum(lens), H=H, K=K, V=V)
+    h0 = f32_exact(np.random.default_rng(17).standard_normal((len(lens), H, K, V)))
+    cu = np.array([0, lens[0], sum(lens)], dtype=np.int64)
+    o = np.zeros_like(v)
+    ht = np.zeros_like(h0)
+    fwd = [q, k, v, a, b, gk, h0, o, ht, True, cu, _core.FORM_CHUNK, C, K ** -0.5, False]
+    kept = _core.dplr_forward(*fwd)
+    assert kept.shape == (sum(H * (-(-n // C) + 1) for n in lens), K, V)
+    slot = 0
+    for n, (r0, r1) in enumerate(zip(cu[:-1], cu[1:])):
+        for h in range(H):
+            S = h0[n, h].copy()
+            for t in range(r0, r1 + 1):
+                if (t - r0) % C == 0 or t == r1:
+                    assert_close(kept[slot], S, 1e-12, name=f"slot {slot} (n={n} h={h} t={t})")
+                    slot += 1
+                if t < r1:
+                    S = (np.exp(gk[0, t, h])[:, None] * S + np.outer(b[0, t, h], a[0, t, h] @ S)
+                         + np.outer(k[0, t, h], v[0, t, h]))
+            np.testing.assert_array_equal(kept[slot - 1], ht[n, h])
+    assert slot == len(kept)
+    fwd[11] = _core.FORM_RECURRENT
+    assert _core.dplr_forward(*fwd) is None  # no states kept outside the chunk form
+    rng = np.random.default_rng(18)
+    do, dht = rng.standard_normal(o.shape), rng.standard_normal(ht.shape)
+
+    def backward(states, form=_core.FORM_CHUNK):
+        grads = [np.zeros_like(x) for x in (q, k, v, a, b, gk, h0)]
+        _core.dplr_backward(q, k, v, a, b, gk, h0, do, dht, states, *grads, cu, form, C, K ** -0.5)
+        return grads
+
+    for name, recomputed, read in zip(("dq", "dk", "dv", "da", "db", "dgk", "dh0"), backward(None),
+                                      backward(kept)):
+        np.testing.assert_array_equal(read, recomputed, err_msg=name)
+    raises(ValueError, backward, kept[1:].copy(), must=("'states'", "shape"))
+    raises(TypeError, backward, kept.astype(np.float32), must=("'states'", "float32"))
+    raises(ValueError, backward, kept, _core.FORM_RECURRENT, must=("chunk form",))

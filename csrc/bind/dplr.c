@@ -35,10 +35,11 @@ static int dplr_desc(const char *fn, PyObject *const *a, PyObject *const *opt, i
     return 0;
 }
 
-/* dplr_forward(q, k, v, a, b, gk, h0, o, ht, cu, form, chunk, scale, bf16) -> None; bf16: the
- * float32 inputs hold bfloat16 values (the chunk form may multiply in bf16) */
-enum { PF_Q, PF_K, PF_V, PF_A, PF_B, PF_GK, PF_H0, PF_O, PF_HT, PF_CU, PF_FORM, PF_CHUNK,
-       PF_SCALE, PF_BF16, PF_NARGS };
+/* dplr_forward(q, k, v, a, b, gk, h0, o, ht, keep, cu, form, chunk, scale, bf16) -> the
+ * states kept for the backward (keep true and the chunk form), or None; bf16: the float32
+ * inputs hold bfloat16 values (the chunk form may multiply in bf16) */
+enum { PF_Q, PF_K, PF_V, PF_A, PF_B, PF_GK, PF_H0, PF_O, PF_HT, PF_KEEP, PF_CU, PF_FORM,
+       PF_CHUNK, PF_SCALE, PF_BF16, PF_NARGS };
 
 static PyObject *py_dplr_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -50,25 +51,24 @@ static PyObject *py_dplr_forward(PyObject *self, PyObject *const *args, Py_ssize
     if (dplr_desc(fn, args + PF_Q, args + PF_CU, &t, in, ab, &d) ||
         get_bf16_products(args[PF_BF16], t, &d.bf16))
         return NULL;
-    PyObject *const out[] = {[ENG_OUT_O] = args[PF_O], [ENG_OUT_HT] = args[PF_HT],
-                             [ENG_OUT_KEEP] = Py_False};
-    PyObject *states = engine_outputs(fn, out, t, in[ENG_Q], &d, &o, &ht);
+    PyObject *states = engine_outputs(fn, args + PF_O, t, in[ENG_Q], &d, &o, &ht);
     if (!states) return NULL;
     const pa_kernels *K = kernels_for(t);
+    void *kept = states == Py_None ? NULL : PyArray_DATA((PyArrayObject *)states);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = K->dplr_forward(&d, PyArray_DATA(in[ENG_Q]), PyArray_DATA(in[ENG_K]),
                          PyArray_DATA(in[ENG_V]), PyArray_DATA(ab[0]), PyArray_DATA(ab[1]),
                          PyArray_DATA(in[ENG_GK]), data_or_null(in[ENG_H0]), PyArray_DATA(o),
-                         ht ? PyArray_DATA(ht) : NULL);
+                         ht ? PyArray_DATA(ht) : NULL, kept);
     Py_END_ALLOW_THREADS
     return engine_result(states, rc);
 }
 
-/* dplr_backward(q, k, v, a, b, gk, h0, do, dht, dq, dk, dv, da, db, dgk, dh0, cu, form, chunk,
- *               scale) */
-enum { PB_Q, PB_K, PB_V, PB_A, PB_B, PB_GK, PB_H0, PB_DO, PB_DHT, PB_DQ, PB_DK, PB_DV, PB_DA,
-       PB_DB, PB_DGK, PB_DH0, PB_CU, PB_FORM, PB_CHUNK, PB_SCALE, PB_NARGS };
+/* dplr_backward(q, k, v, a, b, gk, h0, do, dht, states, dq, dk, dv, da, db, dgk, dh0, cu, form,
+ *               chunk, scale); states: what dplr_forward kept, or None */
+enum { PB_Q, PB_K, PB_V, PB_A, PB_B, PB_GK, PB_H0, PB_DO, PB_DHT, PB_STATES, PB_DQ, PB_DK, PB_DV,
+       PB_DA, PB_DB, PB_DGK, PB_DH0, PB_CU, PB_FORM, PB_CHUNK, PB_SCALE, PB_NARGS };
 
 static PyObject *py_dplr_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -79,11 +79,8 @@ static PyObject *py_dplr_backward(PyObject *self, PyObject *const *args, Py_ssiz
     engine_grads gr;
     pa_linear_desc d;
     if (dplr_desc(fn, args + PB_Q, args + PB_CU, &t, in, ab, &d)) return NULL;
-    PyObject *const g[] = {[ENG_DO] = args[PB_DO], [ENG_DHT] = args[PB_DHT],
-                           [ENG_STATES] = Py_None, [ENG_DQ] = args[PB_DQ],
-                           [ENG_DK] = args[PB_DK], [ENG_DV] = args[PB_DV]};
     npy_intp *kshape = PyArray_DIMS(in[ENG_Q]);
-    if (get_engine_grads(fn, g, args[PB_DH0], t, in, &d, &gr) ||
+    if (get_engine_grads(fn, args + PB_DO, args[PB_DH0], t, in, &d, &gr) ||
         !(da = get_array(fn, "da", args[PB_DA], t, 4, kshape, 1)) ||
         !(db = get_array(fn, "db", args[PB_DB], t, 4, kshape, 1)) ||
         !(dgk = get_array(fn, "dgk", args[PB_DGK], t, 4, kshape, 1)))
@@ -94,7 +91,8 @@ static PyObject *py_dplr_backward(PyObject *self, PyObject *const *args, Py_ssiz
     rc = K->dplr_backward(&d, PyArray_DATA(in[ENG_Q]), PyArray_DATA(in[ENG_K]),
                           PyArray_DATA(in[ENG_V]), PyArray_DATA(ab[0]), PyArray_DATA(ab[1]),
                           PyArray_DATA(in[ENG_GK]), data_or_null(in[ENG_H0]),
-                          PyArray_DATA(gr.dout), data_or_null(gr.dht), PyArray_DATA(gr.dq),
+                          PyArray_DATA(gr.dout), data_or_null(gr.dht), data_or_null(gr.kept),
+                          PyArray_DATA(gr.dq),
                           PyArray_DATA(gr.dk), PyArray_DATA(gr.dv), PyArray_DATA(da),
                           PyArray_DATA(db), PyArray_DATA(dgk),
                           gr.dh0 ? PyArray_DATA(gr.dh0) : NULL);
@@ -104,10 +102,12 @@ static PyObject *py_dplr_backward(PyObject *self, PyObject *const *args, Py_ssiz
 
 PyMethodDef pyattn_dplr_methods[] = {
     {"dplr_forward", (PyCFunction)(void (*)(void))py_dplr_forward, METH_FASTCALL,
-     "dplr_forward(q, k, v, a, b, gk, h0, o, ht, cu, form, chunk, scale, bf16): the DPLR delta rule "
-     "(recurrent or chunk form); a, b, gk [B, T, H, K]; h0, ht None or [N, H, K, V]; o written"},
+     "dplr_forward(q, k, v, a, b, gk, h0, o, ht, keep, cu, form, chunk, scale, bf16): the DPLR "
+     "delta rule (recurrent or chunk form); a, b, gk [B, T, H, K]; h0, ht None or [N, H, K, V]; "
+     "o written; returns the states kept for dplr_backward (keep true, chunk form) or None"},
     {"dplr_backward", (PyCFunction)(void (*)(void))py_dplr_backward, METH_FASTCALL,
-     "dplr_backward(q, k, v, a, b, gk, h0, do, dht, dq, dk, dv, da, db, dgk, dh0, cu, form, "
-     "chunk, scale): gradients written in place; dht None (zero), dh0 None (not wanted)"},
+     "dplr_backward(q, k, v, a, b, gk, h0, do, dht, states, dq, dk, dv, da, db, dgk, dh0, cu, "
+     "form, chunk, scale): gradients written in place; dht None (zero), dh0 None (not wanted); "
+     "states: what dplr_forward kept, or None"},
     {NULL, NULL, 0, NULL},
 };

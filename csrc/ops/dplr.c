@@ -57,6 +57,8 @@ typedef struct {
     const pa_linear_desc *d;
     const real *q, *k, *v, *a, *b, *gk, *h0, *dout, *dht;
     real *o, *ht, *dq, *dk, *dv, *da, *db, *dgk, *dh0;
+    real *states;         /* chunk form: the kept states (forward: written; backward: read) */
+    const int64_t *first; /* their layout (la_slots) when given */
 } PA_FN(dp_call);
 
 static void PA_FN(dp_unit_of)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_unit) *u)
@@ -492,22 +494,28 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
     const int64_t KV = d->K * d->V, L = sc->L;
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
-    PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, sc->S, KV);
+    /* with kept states, each block's entering state in its own slot, then the final one */
+    real *S = c->states ? c->states + c->first[unit] * KV : sc->S;
+    PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, S, KV);
     if (L)
         for (int64_t c0 = 0; c0 < u.T; c0 += L) {
             const int64_t l = u.T - c0 < L ? u.T - c0 : L;
             PA_FN(dp_block)(&u, c0, l, sc);
-            PA_FN(dp_values)(l, sc->S, sc);
-            PA_FN(dp_output)(&u, c0, l, d->scale, sc->S, sc);
-            PA_FN(dp_state)(&u, c0, l, sc->S, sc);
+            PA_FN(dp_values)(l, S, sc);
+            PA_FN(dp_output)(&u, c0, l, d->scale, S, sc);
+            if (c->states) {
+                memcpy(S + KV, S, sizeof(real) * KV);
+                S += KV;
+            }
+            PA_FN(dp_state)(&u, c0, l, S, sc);
         }
     else
-        PA_FN(dp_recurrent)(&u, 0, u.T, d->scale, sc->S, NULL, sc);
-    if (c->ht) memcpy(c->ht + unit * KV, sc->S, sizeof(real) * KV);
+        PA_FN(dp_recurrent)(&u, 0, u.T, d->scale, S, NULL, sc);
+    if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
 }
 
-/* The backward of one unit: the states entering its blocks (chunk) or pieces (recurrent),
- * then one reverse pass carrying dS. */
+/* The backward of one unit: the states entering its blocks (chunk: kept by the forward, or
+ * computed here) or pieces (recurrent), then one reverse pass carrying dS. */
 static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)
 {
     const pa_linear_desc *d = c->d;
@@ -515,9 +523,9 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
     const int64_t np = (u.T + P - 1) / P;
-    real *states = sc->states, *dS = sc->dS;
-    PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
-    for (int64_t p = 0; p < np; p++) {
+    real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
+    if (!c->states) PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
+    for (int64_t p = 0; !c->states && p < np; p++) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
         memcpy(S, S - KV, sizeof(real) * KV);
@@ -530,7 +538,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
         }
     }
     PA_FN(dr_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
-    real *trail = states + (np + 1) * KV; /* recurrent: a piece's states */
+    real *trail = sc->states + (np + 1) * KV; /* recurrent: a piece's states */
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         if (L) {
@@ -545,7 +553,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }
 
-static int PA_FN(dp_run)(const PA_FN(dp_call) *c, int backward)
+static int PA_FN(dp_run)(PA_FN(dp_call) *c, int backward)
 {
     const pa_linear_desc *d = c->d;
     const int64_t units = d->nseq * d->H;
@@ -553,9 +561,11 @@ static int PA_FN(dp_run)(const PA_FN(dp_call) *c, int backward)
     const int rec = d->form == PA_FORM_RECURRENT;
     const int64_t L = rec ? 0 : pa_linear_block_rows(d), maxlen = pa_linear_max_len(d);
     const int64_t P = rec ? DP_PIECE : L;
-    /* backward: the state entering each block or piece and the last; recurrent: also a
-     * piece's states */
-    const int64_t nstates = backward ? (maxlen + P - 1) / P + 1 + (rec ? DP_PIECE + 1 : 0) : 0;
+    if (c->states && !(c->first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
+    /* backward without kept states: the state entering each block or piece and the last;
+     * recurrent: also a piece's states */
+    const int64_t nstates = !backward ? 0
+                            : (c->states ? 0 : (maxlen + P - 1) / P + 1) + (rec ? DP_PIECE + 1 : 0);
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);
     /* multiply-adds; a recurrent step streams its state through memory, so it weighs more */
     const double work = rec ? rows * KV * 10 : rows * (KV * 4 + (double)L * (5 * d->K + 2 * d->V));
@@ -579,25 +589,29 @@ static int PA_FN(dp_run)(const PA_FN(dp_call) *c, int backward)
         pa_bf16_products_end(products);
         pa_subnormals_end(csr);
     }
+    free((void *)c->first);
     return failed ? PA_ENOMEM : PA_OK;
 }
 
 static int PA_FN(dplr_forward)(const pa_linear_desc *d, const void *q, const void *k,
                                const void *v, const void *a, const void *b, const void *gk,
-                               const void *h0, void *o, void *ht)
+                               const void *h0, void *o, void *ht, void *states)
 {
-    const PA_FN(dp_call) c = {.d = d, .q = q, .k = k, .v = v, .a = a, .b = b, .gk = gk,
-                              .h0 = h0, .o = o, .ht = ht};
+    PA_FN(dp_call) c = {.d = d, .q = q, .k = k, .v = v, .a = a, .b = b, .gk = gk,
+                        .h0 = h0, .o = o, .ht = ht,
+                        .states = d->form == PA_FORM_CHUNK ? states : NULL};
     return PA_FN(dp_run)(&c, 0);
 }
 
 static int PA_FN(dplr_backward)(const pa_linear_desc *d, const void *q, const void *k,
                                 const void *v, const void *a, const void *b, const void *gk,
-                                const void *h0, const void *dout, const void *dht, void *dq,
-                                void *dk, void *dv, void *da, void *db, void *dgk, void *dh0)
+                                const void *h0, const void *dout, const void *dht,
+                                const void *states, void *dq, void *dk, void *dv, void *da,
+                                void *db, void *dgk, void *dh0)
 {
-    const PA_FN(dp_call) c = {.d = d, .q = q, .k = k, .v = v, .a = a, .b = b, .gk = gk,
-                              .h0 = h0, .dout = dout, .dht = dht, .dq = dq, .dk = dk, .dv = dv,
-                              .da = da, .db = db, .dgk = dgk, .dh0 = dh0};
+    PA_FN(dp_call) c = {.d = d, .q = q, .k = k, .v = v, .a = a, .b = b, .gk = gk,
+                        .h0 = h0, .dout = dout, .dht = dht, .dq = dq, .dk = dk, .dv = dv,
+                        .da = da, .db = db, .dgk = dgk, .dh0 = dh0,
+                        .states = d->form == PA_FORM_CHUNK ? (real *)states : NULL};
     return PA_FN(dp_run)(&c, 1);
 }
