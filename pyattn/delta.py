@@ -34,7 +34,7 @@ class _DeltaEngine(LinearEngine):
         self.o = np.empty(v.shape, dtype=q.dtype)
         self.ht = np.empty((self.N, v.shape[2], q.shape[3], v.shape[3]), dtype=q.dtype) if self.want_state else None
         self.states = _core.delta_forward(q, self.k, v, self.gk, self.beta, self.h0, self.o, self.ht,
-                                          keep, *self.opts, self.bf16)
+                                          keep, *self.opts, self.products(keep))
         return self.o, self.ht
 
     def backward(self, do, dht):

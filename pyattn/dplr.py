@@ -34,7 +34,7 @@ class _DplrEngine(LinearEngine):
         self.o = np.empty((B, T, H, v.shape[3]), dtype=q.dtype)
         self.ht = np.empty((self.N, H, K, v.shape[3]), dtype=q.dtype) if self.want_state else None
         self.states = _core.dplr_forward(q, self.k, v, self.a, self.b, self.gk, self.h0, self.o,
-                                         self.ht, keep, *self.opts, self.bf16)
+                                         self.ht, keep, *self.opts, self.products(keep))
         return self.o, self.ht
 
     def backward(self, do, dht):

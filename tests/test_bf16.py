@@ -391,7 +391,8 @@ def test_chunk_forward_multiplies_in_bf16(name):
     """The chunk forward of a bf16 call rounds its products' operands to bf16 exactly where the
     CPU multiplies bf16 (elsewhere it is the float32 call's, to the bit), stays within 1e-2 of
     float64 with its final state, gives the same bits on 1 and 2 threads and leaves the float32
-    calls after it unchanged; its gradients are within 1e-2 too."""
+    calls after it unchanged. Under vjp the forward is the float32 call's on every CPU, and the
+    gradients are within 1e-2."""
     fn = getattr(pyattn, name)
     a16, kw = _chunk_call(name, np.random.default_rng(11))
     a32 = [a.astype(np.float32) for a in a16]
@@ -407,9 +408,11 @@ def test_chunk_forward_multiplies_in_bf16(name):
     assert same != PRODUCTS
     o64, ht64 = fn(*(a.astype(np.float64) for a in a16), **kw)
     assert rel_rms(o1.astype(np.float64), o64) <= TOL and rel_rms(ht1, ht64) <= TOL
-    # the backward multiplies in float32, from the states the bf16 forward kept
+    # under vjp the forward multiplies in float32, as the backward does: the output is the
+    # float32 call's, rounded
     do = np.random.default_rng(12).standard_normal(o1.shape).astype(BF16)
-    _, pull16 = pyattn.vjp(fn, *a16, **kw)
+    (ov, htv), pull16 = pyattn.vjp(fn, *a16, **kw)
+    assert np.array_equal(ov.view(np.uint16), o32.astype(BF16).view(np.uint16)) and np.array_equal(htv, ht32)
     _, pull64 = pyattn.vjp(fn, *(a.astype(np.float64) for a in a16), **kw)
     g16, g64 = pull16((do, None)), pull64((do.astype(np.float64), None))
     for key in g64:

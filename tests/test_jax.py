@@ -145,17 +145,19 @@ def test_float32_stays_float32(rng):
 
 @pytest.mark.parametrize("low", ["bfloat16", "float16"])
 def test_low_precision_is_computed_in_float32_and_returned_in_its_dtype(low, rng):
-    """float16 is widened to float32 here; bfloat16 goes to pyattn's bf16 call (which may
-    multiply in bf16 where the CPU does): pyattn.jax gives those calls' bits."""
+    """float16 is widened to float32 here; bfloat16 goes to pyattn's bf16 call (whose plain
+    forward may multiply in bf16 where the CPU does): pyattn.jax gives those calls' bits, the
+    plain call's for the output and pyattn.vjp's pullback's for the gradients."""
     floats, ints, rest = _example("gla", np.float32, rng)
     low_floats = {n: jnp.asarray(x, low) for n, x in floats.items()}
     given = np.asarray if low == "bfloat16" else (lambda x: np.asarray(x, np.float32))
-    out, pullback = pyattn.vjp(pyattn.gla, **{n: given(x) for n, x in low_floats.items()}, **rest)
+    given_floats = {n: given(x) for n, x in low_floats.items()}
+    out, pullback = pyattn.vjp(pyattn.gla, **given_floats, **rest)
     low_cotangent = [jnp.asarray(c, low) for c in _random_like(out, rng)]
     want = pullback(tuple(given(c) for c in low_cotangent))
     got = pjax.gla(**low_floats, **rest)
     grads = jax.grad(_loss("gla", rest, low_cotangent))(low_floats, {})
-    _assert_same_bits(got, jax.tree_util.tree_map(lambda x: np.asarray(x, low), out))
+    _assert_same_bits(got, jax.tree_util.tree_map(lambda x: np.asarray(x, low), pyattn.gla(**given_floats, **rest)))
     _assert_same_bits(grads, {n: np.asarray(g, low) for n, g in want.items()})
 
 
