@@ -23,8 +23,9 @@ interleaved, sample by sample):
 "f32/bf16" = float32 time / bf16 time (> 1: the bf16 call is faster); "torch/bf16" = torch bf16
 time / pyattn bf16 time. The kernels the bf16 calls ran on are named in the header (the
 portable path widens bf16 to float32 around the float32 kernels, so it cannot beat them; on
-the amx and avx512_bf16 paths softmax's forward and backward and the chunk ops' forward
-multiply in bf16). PYATTN_ISA picks the path.
+the amx and avx512_bf16 paths softmax's forward and backward and the chunk ops' plain
+forward multiply in bf16; under pyattn.vjp the chunk forward is float32's). PYATTN_ISA picks
+the path.
 """
 from __future__ import annotations
 
@@ -105,8 +106,8 @@ def run(args, bf16):
     timing = common.timing_from_args(args)
     wall0 = time.perf_counter()
     isa = pyattn.build_info()["isa"]
-    native = (f"softmax (forward and backward) and the chunk ops' forward multiply in bf16 ({isa}); "
-              f"the rest is " if isa in pyattn._runtime.BF16_PRODUCT_ISAS else "")
+    native = (f"softmax (forward and backward) and the chunk ops' plain forward (not under vjp) "
+              f"multiply in bf16 ({isa}); the rest is " if isa in pyattn._runtime.BF16_PRODUCT_ISAS else "")
     common.print_header(timing, f"shape: B={B} H={H} Hk={H}; bf16 kernels: {native}portable (bf16 widened "
                                 f"to float32 around the float32 kernels, isa {isa})")
     rng = np.random.default_rng(0)

@@ -15,8 +15,8 @@ softmax attention's flash and parallel forms multiplies in bf16 when q, k and v 
 their values are exactly bf16, and the softmax's probabilities are rounded to bf16 for their
 product with v (as PyTorch's bf16 flash attention does). So do the chunk forms' forwards of
 the linear, delta and DPLR engines (q or RWKV's r, k and v bf16), whose block products round
-both operands to bf16.
-``products()`` tells the kernels that they may.
+both operands to bf16, in a plain call; under ``pyattn.vjp`` their forward multiplies in
+float32, as their backward does. ``products()`` tells the kernels that they may.
 
 A bf16 call (and its pullback) allocates its float32 copies and its outputs through pyattn's
 cache of large blocks (``pyattn.nn.memory``): calls of the same shapes reuse the blocks the
