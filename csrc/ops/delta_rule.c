@@ -604,22 +604,18 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
 
 /* ---- drivers ---- */
 
-/* Rows r0 .. r0+n-1 (those before T) of the unit's inputs into L2, the next block's while
- * this one computes: a head's rows lie H rows apart, where hardware prefetchers stop, and the
- * first pass over a block's rows waited on memory. state_only: the rows a block's state reads
- * (k, v, the gate), not q and do. */
+/* The unit's rows r0 .. r0+n-1 into L2 (prefetch_block_rows). state_only: the rows a block's
+ * state reads (k, v, the gate), not q and do. */
 static inline __attribute__((always_inline)) void PA_FN(dr_prefetch_rows)(const PA_FN(dr_unit) *u,
                                                                          int64_t K, int64_t V,
                                                                          int64_t r0, int64_t n,
                                                                          int state_only)
 {
-    for (int64_t t = r0; t < r0 + n && t < u->T; t++) {
-        if (!state_only) PA_FN(prefetch_span)(u->q + t * u->sq, K, 0);
-        PA_FN(prefetch_span)(u->k + t * u->sq, K, 0);
-        PA_FN(prefetch_span)(u->v + t * u->sv, V, 0);
-        if (u->gate == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->g + t * u->sg, K, 0);
-        if (u->dout && !state_only) PA_FN(prefetch_span)(u->dout + t * u->sv, V, 0);
-    }
+    if (!state_only) PA_FN(prefetch_block_rows)(u->q, u->sq, K, r0, n, u->T);
+    PA_FN(prefetch_block_rows)(u->k, u->sq, K, r0, n, u->T);
+    PA_FN(prefetch_block_rows)(u->v, u->sv, V, r0, n, u->T);
+    if (u->gate == PA_GATE_VECTOR) PA_FN(prefetch_block_rows)(u->g, u->sg, K, r0, n, u->T);
+    if (u->dout && !state_only) PA_FN(prefetch_block_rows)(u->dout, u->sv, V, r0, n, u->T);
 }
 
 static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_t L,

@@ -488,6 +488,20 @@ static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l
     PA_FN(gate_grads_from_cumulative)(dG, l, K, u->gk + c0 * sk, u->dgk + c0 * sk, sk);
 }
 
+/* The unit's rows r0 .. r0+n-1 into L2 (prefetch_block_rows). state_only: the rows a block's
+ * state reads (all but q and do). */
+static inline __attribute__((always_inline)) void PA_FN(dp_prefetch_rows)(const PA_FN(dp_unit) *u,
+                                                                         int64_t K, int64_t V,
+                                                                         int64_t r0, int64_t n,
+                                                                         int state_only)
+{
+    const real *krows[] = {u->k, u->a, u->b, u->gk, state_only ? NULL : u->q};
+    for (int i = 0; i < 5; i++)
+        if (krows[i]) PA_FN(prefetch_block_rows)(krows[i], u->sk, K, r0, n, u->T);
+    PA_FN(prefetch_block_rows)(u->v, u->sv, V, r0, n, u->T);
+    if (u->dout && !state_only) PA_FN(prefetch_block_rows)(u->dout, u->sv, V, r0, n, u->T);
+}
+
 static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)
 {
     const pa_linear_desc *d = c->d;
@@ -500,9 +514,11 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
     if (L)
         for (int64_t c0 = 0; c0 < u.T; c0 += L) {
             const int64_t l = u.T - c0 < L ? u.T - c0 : L;
+            PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
             PA_FN(dp_block)(&u, c0, l, sc);
             PA_FN(dp_values)(l, S, sc);
             PA_FN(dp_output)(&u, c0, l, d->scale, S, sc);
+            PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
             if (c->states) {
                 memcpy(S + KV, S, sizeof(real) * KV);
                 S += KV;
@@ -530,6 +546,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
         real *S = states + (p + 1) * KV;
         memcpy(S, S - KV, sizeof(real) * KV);
         if (L) {
+            PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
             PA_FN(dp_block)(&u, r0, n, sc);
             PA_FN(dp_values)(n, S, sc);
             PA_FN(dp_state)(&u, r0, n, S, sc);
@@ -542,6 +559,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         if (L) {
+            if (r0) PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
             PA_FN(dp_block_grads)(&u, r0, n, d->scale, states + p * KV, dS, sc);
             continue;
         }

@@ -143,6 +143,17 @@ static inline __attribute__((always_inline)) void PA_FN(la_prefetch_ahead)(const
     if (i + 4 < L) PA_FN(prefetch_span)(X + (i + 4) * ldx, D, 1);
 }
 
+/* Rows r0 .. r0+n-1 (those before T) of X (D values, ldx apart) into L2: the next block's
+ * rows while this one computes, for the engines whose units read one head's rows, H rows
+ * apart, where hardware prefetchers stop. */
+static inline __attribute__((always_inline)) void PA_FN(prefetch_block_rows)(const real *X,
+                                                                            int64_t ldx, int64_t D,
+                                                                            int64_t r0, int64_t n,
+                                                                            int64_t T)
+{
+    for (int64_t t = r0; t < r0 + n && t < T; t++) PA_FN(prefetch_span)(X + t * ldx, D, 0);
+}
+
 /* G (L x D) = the inclusive cumulative sum of g's clamped rows (gate_step), summed as
  * double hi + lo pairs (gate_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
  * doubles of scratch. suffix: G_i = -(the sum over the rows after i) instead, the same
