@@ -639,10 +639,7 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
         PA_FN(dr_values)(l, S, sc);
         PA_FN(dr_output)(&u, c0, l, d->scale, S, sc);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
-        if (c->states) {
-            memcpy(S + KV, S, sizeof(real) * KV);
-            S += KV;
-        }
+        S = PA_FN(la_next_state)(S, KV, c->states != NULL);
         PA_FN(dr_state)(&u, c0, l, S, sc);
     }
     if (c->states && c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);

@@ -519,10 +519,7 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
             PA_FN(dp_values)(l, S, sc);
             PA_FN(dp_output)(&u, c0, l, d->scale, S, sc);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
-            if (c->states) {
-                memcpy(S + KV, S, sizeof(real) * KV);
-                S += KV;
-            }
+            S = PA_FN(la_next_state)(S, KV, c->states != NULL);
             PA_FN(dp_state)(&u, c0, l, S, sc);
         }
     else

@@ -760,10 +760,7 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
         PA_FN(la_block)(&u, c0, l, 1, sc, &ks, &vs);
         PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
         PA_FN(la_prefetch_rows)(&u, c0 + L + L / 2, L - L / 2, 0);
-        if (c->states) {
-            memcpy(S + KV, S, sizeof(real) * KV);
-            S += KV;
-        }
+        S = PA_FN(la_next_state)(S, KV, c->states != NULL);
         PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
     }
     if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);

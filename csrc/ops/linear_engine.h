@@ -143,6 +143,15 @@ static inline __attribute__((always_inline)) void PA_FN(la_prefetch_ahead)(const
     if (i + 4 < L) PA_FN(prefetch_span)(X + (i + 4) * ldx, D, 1);
 }
 
+/* The state a chunk forward updates next: with kept states (keep), a copy of S in the slot
+ * after S, so that S stays as the state entering the block just computed; else S itself. */
+static inline real *PA_FN(la_next_state)(real *S, int64_t KV, int keep)
+{
+    if (!keep) return S;
+    memcpy(S + KV, S, sizeof(real) * KV);
+    return S + KV;
+}
+
 /* Rows r0 .. r0+n-1 (those before T) of X (D values, ldx apart) into L2: the next block's
  * rows while this one computes, for the engines whose units read one head's rows, H rows
  * apart, where hardware prefetchers stop. */
