@@ -280,9 +280,9 @@ typedef struct {
                           const void *g, const void *beta, const void *h0, const void *dout,
                           const void *dht, const void *states, void *dq, void *dk, void *dv,
                           void *dg, void *dbeta, void *dh0);
-    /* The DPLR delta rule (ops/dplr.c) over the linear engine's description (recurrent form;
-     * gk PA_GATE_VECTOR): a, b, gk [rows, H, K]; h0, ht may be NULL (zero initial state;
-     * final state not wanted); states as delta_forward's */
+    /* The DPLR delta rule (ops/dplr.c) over the linear engine's description (recurrent or
+     * chunk form; gk PA_GATE_VECTOR): a, b, gk [rows, H, K]; h0, ht may be NULL (zero initial
+     * state; final state not wanted); states as delta_forward's */
     int (*dplr_forward)(const pa_linear_desc *d, const void *q, const void *k, const void *v,
                         const void *a, const void *b, const void *gk, const void *h0, void *o,
                         void *ht, void *states);
