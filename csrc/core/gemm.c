@@ -371,10 +371,8 @@ static void PA_FN(gemm_bf16)(int64_t M, int64_t N, int64_t K, real alpha, const 
         const int64_t nc = N - jc < NC ? N - jc : NC;
         for (int64_t pc = 0; pc < K; pc += KC) {
             const int64_t kc = K - pc < KC ? K - pc : KC, words = pa_bf16_dp(kc) / 2;
-            if (fbps > 0)
-                PA_FN(bf16_block_b)(kc, nc, B + jc / NR * fbps + pc * NR, 0, 0, fbps, b);
-            else
-                PA_FN(bf16_block_b)(kc, nc, B + pc * rsb + jc * csb, rsb, csb, 0, b);
+            const real *Bb = fbps > 0 ? B + jc / NR * fbps + pc * NR : B + pc * rsb + jc * csb;
+            PA_FN(bf16_block_b)(kc, nc, Bb, rsb, csb, fbps, b);
             for (int64_t ic = 0; ic < M; ic += MC) {
                 const int64_t mc = M - ic < MC ? M - ic : MC;
                 pa_bf16_block_a(mc, kc, A + ic * rsa + pc * csa, rsa, csa, a);

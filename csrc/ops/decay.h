@@ -53,7 +53,8 @@ static inline void PA_FN(gate_grads_from_cumulative)(double *dG, int64_t l, int6
         double *row = dG + i * nc;
         const real *gi = g + i * ldg;
         real *dgi = dg + i * ldg;
-        for (int64_t c = 0; i < l - 1 && c < nc; c++) row[c] += row[nc + c];
+        if (i < l - 1)
+            for (int64_t c = 0; c < nc; c++) row[c] += row[nc + c];
         for (int64_t c = 0; c < nc; c++) dgi[c] = gi[c] < -PA_GATE_RESET ? 0 : (real)row[c];
     }
 }
