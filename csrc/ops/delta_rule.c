@@ -688,19 +688,27 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }
 
+/* The states a delta-family backward keeps in its scratch, P rows apart: without kept ones
+ * (kept 0), the state entering each block or piece and the last; recurrent: also a piece's
+ * states. None for a forward. */
+static int64_t PA_FN(dr_backward_states)(const pa_linear_desc *d, int backward, int kept,
+                                         int64_t P)
+{
+    if (!backward) return 0;
+    return (kept ? 0 : (pa_linear_max_len(d) + P - 1) / P + 1) +
+           (d->form == PA_FORM_RECURRENT ? DR_PIECE + 1 : 0);
+}
+
 static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
 {
     const pa_linear_desc *d = c->d;
     const int64_t units = d->nseq * d->H;
     if (units == 0) return PA_OK;
     const int rec = d->form == PA_FORM_RECURRENT;
-    const int64_t L = rec ? 0 : pa_linear_block_rows(d), maxlen = pa_linear_max_len(d);
-    const int64_t P = rec ? DR_PIECE : L;
+    const int64_t L = rec ? 0 : pa_linear_block_rows(d);
     if (c->states && !(c->first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
-    /* backward without kept states: the state entering each block or piece and the last;
-     * recurrent: also a piece's states */
-    const int64_t nstates = !backward ? 0
-                            : (c->states ? 0 : (maxlen + P - 1) / P + 1) + (rec ? DR_PIECE + 1 : 0);
+    const int64_t nstates =
+        PA_FN(dr_backward_states)(d, backward, c->states != NULL, rec ? DR_PIECE : L);
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);
     /* multiply-adds; a recurrent step streams its state through memory, so it weighs more */
     const double work = rec ? rows * KV * 8 : rows * (KV * 3 + (double)L * (2 * d->K + d->V));

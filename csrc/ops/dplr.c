@@ -34,8 +34,8 @@
  * x dx, one x e^(-G_i) subtracts it (the Grams' pairs from their two ends, q~ f, a f_{i-1},
  * the f' of k and b, and e^G_last on S); dgk is dG summed in reverse inside the block. A Gram's
  * diagonal pairs (E = 1) are added after the gate's terms, which they would only cancel.
- * recurrent: states kept every DP_PIECE steps; each piece's states recomputed forward, then
- * stepped back one row at a time with dS, the gradient reaching S_t:
+ * recurrent: states kept every DR_PIECE steps (delta_rule.c's); each piece's states
+ * recomputed forward, then stepped back one row at a time with dS, the gradient reaching S_t:
  *   dS += q~ do^T,  dq = scale S_t do,  dk = dS v,  dv = dS^T k,  db = dS u,  du = dS^T b,
  *   da = S_{t-1} du,  dgk = e^gk (S_{t-1} * dS) summed over V,
  *   dS_{t-1} = diag(e^gk) dS + a du^T.
@@ -43,8 +43,6 @@
  *
  * Work is split over (sequence, head) units, each on one thread.
  */
-
-#define DP_PIECE 64 /* recurrent backward: steps between kept states */
 
 typedef struct {
     int64_t T;      /* rows of the sequence */
@@ -532,7 +530,7 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
 static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)
 {
     const pa_linear_desc *d = c->d;
-    const int64_t KV = d->K * d->V, L = sc->L, P = L ? L : DP_PIECE;
+    const int64_t KV = d->K * d->V, L = sc->L, P = L ? L : DR_PIECE;
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
     const int64_t np = (u.T + P - 1) / P;
@@ -574,13 +572,10 @@ static int PA_FN(dp_run)(PA_FN(dp_call) *c, int backward)
     const int64_t units = d->nseq * d->H;
     if (units == 0) return PA_OK;
     const int rec = d->form == PA_FORM_RECURRENT;
-    const int64_t L = rec ? 0 : pa_linear_block_rows(d), maxlen = pa_linear_max_len(d);
-    const int64_t P = rec ? DP_PIECE : L;
+    const int64_t L = rec ? 0 : pa_linear_block_rows(d);
     if (c->states && !(c->first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
-    /* backward without kept states: the state entering each block or piece and the last;
-     * recurrent: also a piece's states */
-    const int64_t nstates = !backward ? 0
-                            : (c->states ? 0 : (maxlen + P - 1) / P + 1) + (rec ? DP_PIECE + 1 : 0);
+    const int64_t nstates =
+        PA_FN(dr_backward_states)(d, backward, c->states != NULL, rec ? DR_PIECE : L);
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);
     /* multiply-adds; a recurrent step streams its state through memory, so it weighs more */
     const double work = rec ? rows * KV * 10 : rows * (KV * 4 + (double)L * (5 * d->K + 2 * d->V));
