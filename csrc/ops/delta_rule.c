@@ -118,6 +118,7 @@ typedef struct {
     real *w, *uv, *du;     /* V each: a recurrent step's D^T k, u, du */
     real *S, *dS;          /* K x V each */
     real *states;          /* backward: the kept states */
+    real *stage;           /* a block's input and output rows, contiguous (dr_stage) */
     real *Bp;              /* one operand packed once for the products below */
     int64_t *rows;         /* L: the non-finite rows of a triangular product's operand */
     real *work;            /* GEMM packing of the other operand */
@@ -154,15 +155,16 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
     size_t bytes[] = {2 * L * dbl, 2 * LK, (2 * L + 1) * K * r, 2 * K * dbl, L * K * dbl,
                       L * r, L * r, LL, LL, LL, LL, LL, L * W * r, L * W * r, L * V * r,
                       LK, LK, LK, 2 * K * r, K * r, K * r, V * r, V * r, V * r,
-                      K * V * r, K * V * r, nstates * K * V * r, packed, L * sizeof(int64_t),
-                      work, LK, LK, LL};
+                      K * V * r, K * V * r, nstates * K * V * r, L * (6 * K + 3 * V + 2) * r,
+                      packed, L * sizeof(int64_t), work, LK, LK, LL};
     void **const parts[] = {(void **)&s->Gs, (void **)&s->Gk, (void **)&s->Ek, (void **)&s->acc,
                             (void **)&s->dG, (void **)&s->bet, (void **)&s->dp, (void **)&s->Dm,
                             (void **)&s->M, (void **)&s->A, (void **)&s->P, (void **)&s->E,
                             (void **)&s->Z, (void **)&s->R, (void **)&s->Vn, (void **)&s->Tk,
                             (void **)&s->Tq, (void **)&s->Tr, (void **)&s->dec, (void **)&s->kd,
                             (void **)&s->f, (void **)&s->w, (void **)&s->uv, (void **)&s->du,
-                            (void **)&s->S, (void **)&s->dS, (void **)&s->states, (void **)&s->Bp,
+                            (void **)&s->S, (void **)&s->dS, (void **)&s->states,
+                            (void **)&s->stage, (void **)&s->Bp,
                             (void **)&s->rows, (void **)&s->work, (void **)&s->bufs.Tm,
                             (void **)&s->bufs.U, (void **)&s->bufs.M};
     if (!(s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]))))
@@ -604,6 +606,42 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
 
 /* ---- drivers ---- */
 
+/* The rows c0 .. c0+l-1 of unit u as a unit of their own (*b, read from row 0), staged
+ * contiguous in sc->stage (rows_copy): k, v, beta and the gate copied in, and q and dout
+ * unless state_only; the outputs written there go back to u by dr_unstage. */
+static void PA_FN(dr_stage)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, int state_only,
+                            PA_FN(dr_scratch) *sc, PA_FN(dr_unit) *b)
+{
+    const int64_t K = sc->K, V = sc->V, G = u->gate == PA_GATE_VECTOR ? K : 1;
+    real *p = sc->stage;
+    *b = (PA_FN(dr_unit)){.T = l, .gate = u->gate, .sq = K, .sk = K, .sv = V, .sg = G, .sb = 1};
+    b->k = PA_FN(stage_in)(u->k + c0 * u->sq, u->sq, l, K, &p);
+    b->v = PA_FN(stage_in)(u->v + c0 * u->sv, u->sv, l, V, &p);
+    b->beta = PA_FN(stage_in)(u->beta + c0 * u->sb, u->sb, l, 1, &p);
+    if (u->g) b->g = PA_FN(stage_in)(u->g + c0 * u->sg, u->sg, l, G, &p);
+    if (state_only) return;
+    b->q = PA_FN(stage_in)(u->q + c0 * u->sq, u->sq, l, K, &p);
+    if (u->dout) b->dout = PA_FN(stage_in)(u->dout + c0 * u->sv, u->sv, l, V, &p);
+    b->o = PA_FN(stage_out)(u->o, l, V, &p);
+    b->dq = PA_FN(stage_out)(u->dq, l, K, &p);
+    b->dk = PA_FN(stage_out)(u->dk, l, K, &p);
+    b->dv = PA_FN(stage_out)(u->dv, l, V, &p);
+    b->dg = PA_FN(stage_out)(u->dg, l, G, &p);
+    b->dbeta = PA_FN(stage_out)(u->dbeta, l, 1, &p);
+}
+
+/* The outputs of the staged block b (dr_stage of rows c0 .. c0+l-1) into u's rows */
+static void PA_FN(dr_unstage)(const PA_FN(dr_unit) *b, int64_t c0, int64_t l, int64_t K,
+                              int64_t V, const PA_FN(dr_unit) *u)
+{
+    if (b->o) PA_FN(rows_copy)(b->o, V, l, V, u->o + c0 * u->sv, u->sv);
+    if (b->dq) PA_FN(rows_copy)(b->dq, K, l, K, u->dq + c0 * u->sk, u->sk);
+    if (b->dk) PA_FN(rows_copy)(b->dk, K, l, K, u->dk + c0 * u->sk, u->sk);
+    if (b->dv) PA_FN(rows_copy)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv);
+    if (b->dg) PA_FN(rows_copy)(b->dg, b->sg, l, b->sg, u->dg + c0 * u->sg, u->sg);
+    if (b->dbeta) PA_FN(rows_copy)(b->dbeta, 1, l, 1, u->dbeta + c0 * u->sb, u->sb);
+}
+
 /* The unit's rows r0 .. r0+n-1 into L2 (prefetch_block_rows). state_only: the rows a block's
  * state reads (k, v, the gate), not q and do. */
 static inline __attribute__((always_inline)) void PA_FN(dr_prefetch_rows)(const PA_FN(dr_unit) *u,
@@ -634,13 +672,16 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
     if (S != h0) PA_FN(dr_copy_state)(h0, S, KV);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         const int64_t l = u.T - c0 < L ? u.T - c0 : L;
+        PA_FN(dr_unit) b;
+        PA_FN(dr_stage)(&u, c0, l, 0, sc, &b);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
-        PA_FN(dr_block)(&u, c0, l, sc);
+        PA_FN(dr_block)(&b, 0, l, sc);
         PA_FN(dr_values)(l, S, sc);
-        PA_FN(dr_output)(&u, c0, l, d->scale, S, sc);
+        PA_FN(dr_output)(&b, 0, l, d->scale, S, sc);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
         S = PA_FN(la_next_state)(S, KV, c->states != NULL);
-        PA_FN(dr_state)(&u, c0, l, S, sc);
+        PA_FN(dr_state)(&b, 0, l, S, sc);
+        PA_FN(dr_unstage)(&b, c0, l, d->K, d->V, &u);
     }
     if (c->states && c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
 }
@@ -665,11 +706,13 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
         if (rec) {
             PA_FN(dr_recurrent)(&u, r0, n, d->scale, S - KV, S, NULL, sc);
         } else {
+            PA_FN(dr_unit) b;
             memcpy(S, S - KV, sizeof(real) * KV);
+            PA_FN(dr_stage)(&u, r0, n, 1, sc, &b);
             PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
-            PA_FN(dr_block)(&u, r0, n, sc);
+            PA_FN(dr_block)(&b, 0, n, sc);
             PA_FN(dr_values)(n, S - KV, sc);
-            PA_FN(dr_state)(&u, r0, n, S, sc);
+            PA_FN(dr_state)(&b, 0, n, S, sc);
         }
     }
     PA_FN(dr_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
@@ -681,8 +724,11 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
             PA_FN(dr_recurrent)(&u, r0, n, d->scale, trail, sc->S, trail + KV, sc);
             PA_FN(dr_recurrent_reverse)(&u, r0, n, d->scale, trail, dS, sc);
         } else {
+            PA_FN(dr_unit) b;
+            PA_FN(dr_stage)(&u, r0, n, 0, sc, &b);
             if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
-            PA_FN(dr_block_grads)(&u, r0, n, d->scale, states + p * KV, dS, sc);
+            PA_FN(dr_block_grads)(&b, 0, n, d->scale, states + p * KV, dS, sc);
+            PA_FN(dr_unstage)(&b, r0, n, d->K, d->V, &u);
         }
     }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);

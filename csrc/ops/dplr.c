@@ -102,6 +102,7 @@ typedef struct {
     real *Un;           /* L x V: the rows' u */
     real *Tk, *Tq, *Tr; /* L x K each */
     real *f;            /* K: the block's total decay */
+    real *stage;        /* a block's input and output rows, contiguous (dp_stage) */
     real *Bp;           /* one operand packed once */
     int64_t *rows;      /* L: the non-finite rows of a triangular product's operand */
     real *work;         /* GEMM packing */
@@ -119,7 +120,7 @@ static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t L, int64_t K, i
     size_t bytes[] = {K * r, V * r, V * r, K * V * r, K * V * r, nstates * K * V * r,
                       2 * LK, (2 * L + 1) * K * r, 2 * K * dbl, L * K * dbl, L * r, LK,
                       LL, LL, LL, LL, LL, L * W * r, L * W * r, L * V * r, LK, LK, LK, K * r,
-                      packed, L * sizeof(int64_t), work, LK, LK, LL};
+                      L * (10 * K + 3 * V) * r, packed, L * sizeof(int64_t), work, LK, LK, LL};
     void **const parts[] = {(void **)&s->e,   (void **)&s->w,     (void **)&s->dw,
                             (void **)&s->S,   (void **)&s->dS,    (void **)&s->states,
                             (void **)&s->Gk,  (void **)&s->Ek,    (void **)&s->acc,
@@ -128,7 +129,7 @@ static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t L, int64_t K, i
                             (void **)&s->Pk,  (void **)&s->E,     (void **)&s->Z,
                             (void **)&s->R,   (void **)&s->Un,    (void **)&s->Tk,
                             (void **)&s->Tq,  (void **)&s->Tr,    (void **)&s->f,
-                            (void **)&s->Bp,  (void **)&s->rows,  (void **)&s->work,
+                            (void **)&s->stage, (void **)&s->Bp,  (void **)&s->rows,  (void **)&s->work,
                             (void **)&s->bufs.Tm, (void **)&s->bufs.U, (void **)&s->bufs.M};
     if (!(s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]))))
         return 0;
@@ -500,6 +501,42 @@ static inline __attribute__((always_inline)) void PA_FN(dp_prefetch_rows)(const 
     if (u->dout && !state_only) PA_FN(prefetch_block_rows)(u->dout, u->sv, V, r0, n, u->T);
 }
 
+/* The rows c0 .. c0+l-1 of unit u as a unit of their own (*b, read from row 0), staged
+ * contiguous in sc->stage (rows_copy): k, a, b, gk and v copied in, and q and dout unless
+ * state_only; the outputs written there go back to u by dp_unstage. */
+static void PA_FN(dp_stage)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, int state_only,
+                            PA_FN(dp_scratch) *sc, PA_FN(dp_unit) *b)
+{
+    const int64_t K = sc->K, V = sc->V, sk = u->sk, sv = u->sv;
+    real *p = sc->stage;
+    *b = (PA_FN(dp_unit)){.T = l, .sk = K, .sv = V};
+    b->k = PA_FN(stage_in)(u->k + c0 * sk, sk, l, K, &p);
+    b->a = PA_FN(stage_in)(u->a + c0 * sk, sk, l, K, &p);
+    b->b = PA_FN(stage_in)(u->b + c0 * sk, sk, l, K, &p);
+    b->gk = PA_FN(stage_in)(u->gk + c0 * sk, sk, l, K, &p);
+    b->v = PA_FN(stage_in)(u->v + c0 * sv, sv, l, V, &p);
+    if (state_only) return;
+    b->q = PA_FN(stage_in)(u->q + c0 * sk, sk, l, K, &p);
+    if (u->dout) b->dout = PA_FN(stage_in)(u->dout + c0 * sv, sv, l, V, &p);
+    b->o = PA_FN(stage_out)(u->o, l, V, &p);
+    b->dv = PA_FN(stage_out)(u->dv, l, V, &p);
+    real **kout[] = {&b->dq, &b->dk, &b->da, &b->db, &b->dgk};
+    real *const from[] = {u->dq, u->dk, u->da, u->db, u->dgk};
+    for (int i = 0; i < 5; i++) *kout[i] = PA_FN(stage_out)(from[i], l, K, &p);
+}
+
+/* The outputs of the staged block b (dp_stage of rows c0 .. c0+l-1) into u's rows */
+static void PA_FN(dp_unstage)(const PA_FN(dp_unit) *b, int64_t c0, int64_t l, int64_t K,
+                              int64_t V, const PA_FN(dp_unit) *u)
+{
+    if (b->o) PA_FN(rows_copy)(b->o, V, l, V, u->o + c0 * u->sv, u->sv);
+    if (b->dv) PA_FN(rows_copy)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv);
+    const real *const kin[] = {b->dq, b->dk, b->da, b->db, b->dgk};
+    real *const to[] = {u->dq, u->dk, u->da, u->db, u->dgk};
+    for (int i = 0; i < 5; i++)
+        if (kin[i]) PA_FN(rows_copy)(kin[i], K, l, K, to[i] + c0 * u->sk, u->sk);
+}
+
 static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)
 {
     const pa_linear_desc *d = c->d;
@@ -512,13 +549,16 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
     if (L)
         for (int64_t c0 = 0; c0 < u.T; c0 += L) {
             const int64_t l = u.T - c0 < L ? u.T - c0 : L;
+            PA_FN(dp_unit) b;
+            PA_FN(dp_stage)(&u, c0, l, 0, sc, &b);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
-            PA_FN(dp_block)(&u, c0, l, sc);
+            PA_FN(dp_block)(&b, 0, l, sc);
             PA_FN(dp_values)(l, S, sc);
-            PA_FN(dp_output)(&u, c0, l, d->scale, S, sc);
+            PA_FN(dp_output)(&b, 0, l, d->scale, S, sc);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
             S = PA_FN(la_next_state)(S, KV, c->states != NULL);
-            PA_FN(dp_state)(&u, c0, l, S, sc);
+            PA_FN(dp_state)(&b, 0, l, S, sc);
+            PA_FN(dp_unstage)(&b, c0, l, d->K, d->V, &u);
         }
     else
         PA_FN(dp_recurrent)(&u, 0, u.T, d->scale, S, NULL, sc);
@@ -541,10 +581,12 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
         real *S = states + (p + 1) * KV;
         memcpy(S, S - KV, sizeof(real) * KV);
         if (L) {
+            PA_FN(dp_unit) b;
+            PA_FN(dp_stage)(&u, r0, n, 1, sc, &b);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
-            PA_FN(dp_block)(&u, r0, n, sc);
+            PA_FN(dp_block)(&b, 0, n, sc);
             PA_FN(dp_values)(n, S, sc);
-            PA_FN(dp_state)(&u, r0, n, S, sc);
+            PA_FN(dp_state)(&b, 0, n, S, sc);
         } else {
             PA_FN(dp_recurrent)(&u, r0, n, d->scale, S, NULL, sc);
         }
@@ -554,8 +596,11 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         if (L) {
+            PA_FN(dp_unit) b;
+            PA_FN(dp_stage)(&u, r0, n, 0, sc, &b);
             if (r0) PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
-            PA_FN(dp_block_grads)(&u, r0, n, d->scale, states + p * KV, dS, sc);
+            PA_FN(dp_block_grads)(&b, 0, n, d->scale, states + p * KV, dS, sc);
+            PA_FN(dp_unstage)(&b, r0, n, d->K, d->V, &u);
             continue;
         }
         memcpy(trail, states + p * KV, sizeof(real) * KV);

@@ -163,6 +163,36 @@ static inline __attribute__((always_inline)) void PA_FN(prefetch_block_rows)(con
     for (int64_t t = r0; t < r0 + n && t < T; t++) PA_FN(prefetch_span)(X + t * ldx, D, 0);
 }
 
+/* n rows of D reals: X's (ldx apart) into Y (ldy apart). A block's rows are staged
+ * contiguous (and its output rows written back) this way: a unit of the [B, T, H, D] layout
+ * reads rows H D reals apart, 4 KiB at H D = 1024 floats, so they all fall into the same
+ * few L1 sets and the block's many passes over its rows kept missing L1. */
+static inline void PA_FN(rows_copy)(const real *X, int64_t ldx, int64_t n, int64_t D, real *Y,
+                                    int64_t ldy)
+{
+    for (int64_t t = 0; t < n; t++) memcpy(Y + t * ldy, X + t * ldx, sizeof(real) * D);
+}
+
+/* l rows of D reals from x (ldx apart) into a block's stage at *p, which moves past them */
+static inline const real *PA_FN(stage_in)(const real *x, int64_t ldx, int64_t l, int64_t D,
+                                          real **p)
+{
+    real *y = *p;
+    PA_FN(rows_copy)(x, ldx, l, D, y, D);
+    *p += l * D;
+    return y;
+}
+
+/* Room in a block's stage at *p for l output rows of D reals (NULL where the unit has no such
+ * output, x NULL) */
+static inline real *PA_FN(stage_out)(const real *x, int64_t l, int64_t D, real **p)
+{
+    if (!x) return NULL;
+    real *y = *p;
+    *p += l * D;
+    return y;
+}
+
 /* G (L x D) = the inclusive cumulative sum of g's clamped rows (gate_step), summed as
  * double hi + lo pairs (gate_sum2) and stored as real hi + lo parts (lo at G + lo); acc: 2 D
  * doubles of scratch. suffix: G_i = -(the sum over the rows after i) instead, the same
