@@ -83,13 +83,15 @@ typedef struct {
                            * made beside the Gram's copy of k (la_block_output) */
     int kf_ready;         /* Kf holds this block's rows: the state product reads them */
     real *Rc;             /* L x W: rows made contiguous for two products (la_rows_contiguous) */
+    real *stage;          /* a block's input and output rows, contiguous (la_stage) */
     void *block;
 } PA_FN(la_scratch);
 
 /* L = 0: the recurrent form's scratch (states, step decays, one row), no block buffers;
- * nstates: room for that many K x V states (the backward's pieces). */
+ * nstates: room for that many K x V states (the backward's pieces); staged: room to stage
+ * a block (a chunk backward's, la_stage). */
 static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, int64_t V,
-                                   int64_t nstates)
+                                   int64_t nstates, int staged)
 {
     int64_t W = K > V ? K : V, big = L > W ? L : W;
     const size_t r = sizeof(real), dbl = sizeof(double);
@@ -101,7 +103,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                       K * V * r, K * r, V * r, nstates * K * V * r, packed, work,
                       2 * L * dbl, 4 * (K + V) * dbl, L * sizeof(int64_t), 2 * L * K * r,
                       2 * L * V * r, L * L * r, 2 * L * dbl, L * V * r, L * K * r,
-                      L * W * r};
+                      L * W * r, staged ? L * (6 * K + 6 * V + 3) * r : 0};
     void **const parts[] = {(void **)&s->Gk, (void **)&s->Gv, (void **)&s->Ek, (void **)&s->Ev,
                             (void **)&s->Dm, (void **)&s->X,
                             (void **)&s->Y, (void **)&s->bufs.Tm, (void **)&s->bufs.U, (void **)&s->A,
@@ -110,7 +112,7 @@ static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, i
                             (void **)&s->states, (void **)&s->bufs.Bp, (void **)&s->bufs.work, (void **)&s->Gs,
                             (void **)&s->acc, (void **)&s->bufs.rows, (void **)&s->Gk2,
                             (void **)&s->Gv2, (void **)&s->Dm2, (void **)&s->Gs2, (void **)&s->Vb,
-                            (void **)&s->Kf, (void **)&s->Rc};
+                            (void **)&s->Kf, (void **)&s->Rc, (void **)&s->stage};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->L = L;
     return s->block != NULL;
@@ -222,7 +224,7 @@ typedef struct {
 typedef struct {
     const pa_linear_desc *d;
     int64_t T;                  /* rows of the sequence */
-    int64_t sq, sk, sv, sg;     /* row strides: q/k, dq/dk, v/o/gv, gk */
+    int64_t sq, sk, sv, sg, sb; /* row strides: q/k, dq/dk, v/o/gv, gk, beta/dbeta/dskip */
     const real *q, *k, *v, *gk, *gv, *dout; /* at the unit's first row and head */
     const real *beta;           /* the rows' value scales (stride H), or NULL */
     real skip;                  /* the head's skip weight: o_t += skip v_t */
@@ -242,6 +244,7 @@ static void PA_FN(la_unit_of)(const PA_FN(la_call) *c, int64_t unit, PA_FN(la_un
     u->sk = H * d->K;
     u->sv = H * d->V;
     u->sg = d->gk == PA_GATE_VECTOR ? H * d->K : H;
+    u->sb = H;
     /* q and k have Hqk heads: head h reads head h / (H / Hqk) */
     const int64_t oq = at.r0 * u->sq + at.h / (H / d->Hqk) * d->K;
     const int64_t ok = at.k, ov = at.v, orow = at.row, og = d->gk == PA_GATE_VECTOR ? ok : orow;
@@ -306,7 +309,7 @@ static void PA_FN(la_block)(const PA_FN(la_unit) *u, int64_t c0, int64_t L, int 
         for (int64_t i = 0; i < L; i++) {
             PA_FN(la_prefetch_ahead)(sc->vb, u->sv, V, L, i);
             PA_FN(la_gated)(sc->Vb + i * V, sc->vb + i * u->sv, NULL, NULL, 0, V,
-                            u->beta[(c0 + i) * d->H], 0);
+                            u->beta[(c0 + i) * u->sb], 0);
         }
         sc->vb = sc->Vb;
         sc->ldv = V;
@@ -450,7 +453,7 @@ static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L
 /* A row's value scale beta_t (1 without them) */
 static inline real PA_FN(la_vscale)(const PA_FN(la_unit) *u, int64_t t)
 {
-    return u->beta ? u->beta[t * u->d->H] : 1;
+    return u->beta ? u->beta[t * u->sb] : 1;
 }
 
 /* The diagonal parts (header) added to rows r0 .. r0+n-1 of dq, dk, dv (dv: the gradient
@@ -475,16 +478,16 @@ static void PA_FN(la_add_diagonal)(const PA_FN(la_unit) *u, int64_t r0, int64_t 
  * skip, dskip_t = do_t . v_t (the caller sums them) and dv_t += skip do_t. */
 static void PA_FN(la_finish_rows)(const PA_FN(la_unit) *u, int64_t r0, int64_t n)
 {
-    const int64_t V = u->d->V, H = u->d->H, sv = u->sv;
+    const int64_t V = u->d->V, sb = u->sb, sv = u->sv;
     for (int64_t t = r0; t < r0 + n && (u->beta || u->has_skip); t++) {
         const real *v = u->v + t * sv, *dout = u->dout + t * sv;
         real *dv = u->dv + t * sv;
         if (u->beta) {
-            u->dbeta[t * H] = PA_FN(dot)(v, dv, V);
-            PA_FN(la_gated)(dv, dv, NULL, NULL, 0, V, u->beta[t * H], 0);
+            u->dbeta[t * sb] = PA_FN(dot)(v, dv, V);
+            PA_FN(la_gated)(dv, dv, NULL, NULL, 0, V, u->beta[t * sb], 0);
         }
         if (u->has_skip) {
-            u->dskip[t * H] = PA_FN(dot)(dout, v, V);
+            u->dskip[t * sb] = PA_FN(dot)(dout, v, V);
             PA_FN(axpy)(dv, dout, V, u->skip);
         }
     }
@@ -737,6 +740,50 @@ static inline __attribute__((always_inline)) void PA_FN(la_prefetch_rows)(const 
     }
 }
 
+/* The rows c0 .. c0+l-1 of unit u as a unit of their own (*b, read from row 0) for a chunk
+ * backward's block, staged contiguous in sc->stage (rows_copy): the inputs copied in, the
+ * outputs written there go back to u by la_unstage. (The forward reads each of a block's
+ * rows about once, copies included: it is not staged.) */
+static void PA_FN(la_stage)(const PA_FN(la_unit) *u, int64_t c0, int64_t l, PA_FN(la_scratch) *sc,
+                            PA_FN(la_unit) *b)
+{
+    const int64_t K = u->d->K, V = u->d->V, G = u->d->gk == PA_GATE_VECTOR ? K : 1;
+    const int64_t sq = u->sq, sv = u->sv;
+    real *p = sc->stage;
+    *b = (PA_FN(la_unit)){.d = u->d, .T = l, .sq = K, .sk = K, .sv = V, .sg = G, .sb = 1,
+                          .skip = u->skip, .has_skip = u->has_skip};
+    b->k = PA_FN(stage_in)(u->k + c0 * sq, sq, l, K, &p);
+    b->v = PA_FN(stage_in)(u->v + c0 * sv, sv, l, V, &p);
+    if (u->gk) b->gk = PA_FN(stage_in)(u->gk + c0 * u->sg, u->sg, l, G, &p);
+    if (u->gv) b->gv = PA_FN(stage_in)(u->gv + c0 * sv, sv, l, V, &p);
+    if (u->beta) b->beta = PA_FN(stage_in)(u->beta + c0 * u->sb, u->sb, l, 1, &p);
+    b->q = PA_FN(stage_in)(u->q + c0 * sq, sq, l, K, &p);
+    if (u->dout) b->dout = PA_FN(stage_in)(u->dout + c0 * sv, sv, l, V, &p);
+    b->o = PA_FN(stage_out)(u->o, l, V, &p);
+    b->dq = PA_FN(stage_out)(u->dq, l, K, &p);
+    b->dk = PA_FN(stage_out)(u->dk, l, K, &p);
+    b->dv = PA_FN(stage_out)(u->dv, l, V, &p);
+    b->dgk = PA_FN(stage_out)(u->dgk, l, G, &p);
+    b->dgv = PA_FN(stage_out)(u->dgv, l, V, &p);
+    b->dbeta = PA_FN(stage_out)(u->dbeta, l, 1, &p);
+    b->dskip = PA_FN(stage_out)(u->dskip, l, 1, &p);
+}
+
+/* The outputs of the staged block b (la_stage of rows c0 .. c0+l-1) into u's rows */
+static void PA_FN(la_unstage)(const PA_FN(la_unit) *b, int64_t c0, int64_t l,
+                              const PA_FN(la_unit) *u)
+{
+    const int64_t K = u->d->K, V = u->d->V, G = b->sg, sv = u->sv, sk = u->sk, sb = u->sb;
+    if (b->o) PA_FN(rows_copy)(b->o, V, l, V, u->o + c0 * sv, sv);
+    if (b->dq) PA_FN(rows_copy)(b->dq, K, l, K, u->dq + c0 * sk, sk);
+    if (b->dk) PA_FN(rows_copy)(b->dk, K, l, K, u->dk + c0 * sk, sk);
+    if (b->dv) PA_FN(rows_copy)(b->dv, V, l, V, u->dv + c0 * sv, sv);
+    if (b->dgk) PA_FN(rows_copy)(b->dgk, G, l, G, u->dgk + c0 * u->sg, u->sg);
+    if (b->dgv) PA_FN(rows_copy)(b->dgv, V, l, V, u->dgv + c0 * sv, sv);
+    if (b->dbeta) PA_FN(rows_copy)(b->dbeta, 1, l, 1, u->dbeta + c0 * sb, sb);
+    if (b->dskip) PA_FN(rows_copy)(b->dskip, 1, l, 1, u->dskip + c0 * sb, sb);
+}
+
 /* One unit's forward, every block in order, on one thread; with kept states each block's
  * state goes to its own slot. */
 static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_t L,
@@ -800,12 +847,25 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         PA_FN(la_gate_bound)(d, states + (p + 1) * KV, dS, sc->acc + d->K + d->V);
+        if (chunk) {
+            PA_FN(la_unit) b;
+            PA_FN(la_stage)(&u, r0, n, sc, &b);
+            if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
+            PA_FN(la_block)(&b, 0, n, 1, sc, &ks, &vs);
+            PA_FN(la_block_grads)(&b, 0, n, &ks, &vs, states + p * KV, dS, sc);
+            PA_FN(la_block_dstate)(&b, 0, n, &ks, &vs, dS, sc);
+            PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
+            PA_FN(la_gate_piece)(&b, 0, n, sc->acc);
+            PA_FN(la_add_diagonal)(&b, 0, n);
+            PA_FN(la_finish_rows)(&b, 0, n);
+            PA_FN(la_unstage)(&b, r0, n, &u);
+            continue;
+        }
         if (rec) {
             PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
         } else {
             if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
-            PA_FN(la_block)(&u, r0, n, chunk, sc, &ks, &vs);
-            if (chunk) PA_FN(la_block_grads)(&u, r0, n, &ks, &vs, states + p * KV, dS, sc);
+            PA_FN(la_block)(&u, r0, n, 0, sc, &ks, &vs);
             PA_FN(la_block_dstate)(&u, r0, n, &ks, &vs, dS, sc);
         }
         PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
@@ -869,8 +929,8 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
             const unsigned csr = pa_subnormals_flush();
             const int products = pa_bf16_products_begin(d->bf16);
             PA_FN(la_scratch) sc;
-            int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, L, K, V, 0), &failed);
-            PA_FN(la_unit) u;
+            int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, L, K, V, 0, backward), &failed);
+            PA_FN(la_unit) u, b;
             PA_FN(la_side) ks, vs;
             /* each block's own state contribution (and dS) and decays */
 #pragma omp for schedule(dynamic, 1)
@@ -922,18 +982,21 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_unit_of)(c, iunit[i], &u);
                 int64_t c0 = iblock[i] * L, l = u.T - c0 < L ? u.T - c0 : L;
                 const real *S = states + (i + iunit[i]) * KV;
-                PA_FN(la_block)(&u, c0, l, 1, &sc, &ks, &vs);
                 if (!backward) {
+                    PA_FN(la_block)(&u, c0, l, 1, &sc, &ks, &vs);
                     PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, &sc);
                     continue;
                 }
                 const real *dS = dstates + (i + iunit[i]) * KV; /* at the start; its end next */
-                PA_FN(la_block_grads)(&u, c0, l, &ks, &vs, S, dS + KV, &sc);
+                PA_FN(la_stage)(&u, c0, l, &sc, &b);
+                PA_FN(la_block)(&b, 0, l, 1, &sc, &ks, &vs);
+                PA_FN(la_block_grads)(&b, 0, l, &ks, &vs, S, dS + KV, &sc);
                 PA_FN(la_gate_bound)(d, S + KV, dS + KV, sc.acc + K + V);
                 PA_FN(la_gate_bound)(d, S, dS, sc.acc);
-                PA_FN(la_gate_piece)(&u, c0, l, sc.acc);
-                PA_FN(la_add_diagonal)(&u, c0, l);
-                PA_FN(la_finish_rows)(&u, c0, l);
+                PA_FN(la_gate_piece)(&b, 0, l, sc.acc);
+                PA_FN(la_add_diagonal)(&b, 0, l);
+                PA_FN(la_finish_rows)(&b, 0, l);
+                PA_FN(la_unstage)(&b, c0, l, &u);
             }
             if (ok) free(sc.block);
             pa_bf16_products_end(products);
@@ -976,7 +1039,8 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
         const int products = pa_bf16_products_begin(d->bf16 && d->form == PA_FORM_CHUNK);
         PA_FN(la_scratch) sc;
         int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L,
-                                                       d->K, d->V, nstates),
+                                                       d->K, d->V, nstates,
+                                                       backward && d->form == PA_FORM_CHUNK),
                                &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
