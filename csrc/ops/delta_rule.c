@@ -69,6 +69,7 @@ typedef struct {
     real *o, *ht, *dq, *dk, *dv, *dg, *dbeta, *dh0;
     real *states;         /* chunk form: the kept states (forward: written; backward: read) */
     const int64_t *first; /* their layout (la_slots) when given */
+    int stream;           /* outputs and kept states put with non-temporal stores (la_streams) */
 } PA_FN(dr_call);
 
 static void PA_FN(dr_unit_of)(const PA_FN(dr_call) *c, int64_t unit, PA_FN(dr_unit) *u)
@@ -630,16 +631,16 @@ static void PA_FN(dr_stage)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, int 
     b->dbeta = PA_FN(stage_out)(u->dbeta, l, 1, &p);
 }
 
-/* The outputs of the staged block b (dr_stage of rows c0 .. c0+l-1) into u's rows */
+/* The outputs of the staged block b (dr_stage of rows c0 .. c0+l-1) into u's rows (rows_put) */
 static void PA_FN(dr_unstage)(const PA_FN(dr_unit) *b, int64_t c0, int64_t l, int64_t K,
-                              int64_t V, const PA_FN(dr_unit) *u)
+                              int64_t V, const PA_FN(dr_unit) *u, int stream)
 {
-    if (b->o) PA_FN(rows_copy)(b->o, V, l, V, u->o + c0 * u->sv, u->sv);
-    if (b->dq) PA_FN(rows_copy)(b->dq, K, l, K, u->dq + c0 * u->sk, u->sk);
-    if (b->dk) PA_FN(rows_copy)(b->dk, K, l, K, u->dk + c0 * u->sk, u->sk);
-    if (b->dv) PA_FN(rows_copy)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv);
-    if (b->dg) PA_FN(rows_copy)(b->dg, b->sg, l, b->sg, u->dg + c0 * u->sg, u->sg);
-    if (b->dbeta) PA_FN(rows_copy)(b->dbeta, 1, l, 1, u->dbeta + c0 * u->sb, u->sb);
+    if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * u->sv, u->sv, stream);
+    if (b->dq) PA_FN(rows_put)(b->dq, K, l, K, u->dq + c0 * u->sk, u->sk, stream);
+    if (b->dk) PA_FN(rows_put)(b->dk, K, l, K, u->dk + c0 * u->sk, u->sk, stream);
+    if (b->dv) PA_FN(rows_put)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv, stream);
+    if (b->dg) PA_FN(rows_put)(b->dg, b->sg, l, b->sg, u->dg + c0 * u->sg, u->sg, stream);
+    if (b->dbeta) PA_FN(rows_put)(b->dbeta, 1, l, 1, u->dbeta + c0 * u->sb, u->sb, stream);
 }
 
 /* The unit's rows r0 .. r0+n-1 into L2 (prefetch_block_rows). state_only: the rows a block's
@@ -668,7 +669,8 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
         PA_FN(dr_recurrent)(&u, 0, u.T, d->scale, h0, c->ht ? c->ht + unit * KV : sc->S, NULL, sc);
         return;
     }
-    real *S = c->states ? c->states + c->first[unit] * KV : c->ht ? c->ht + unit * KV : sc->S;
+    real *S = c->ht ? c->ht + unit * KV : sc->S;
+    real *slot = c->states ? c->states + c->first[unit] * KV : NULL;
     if (S != h0) PA_FN(dr_copy_state)(h0, S, KV);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         const int64_t l = u.T - c0 < L ? u.T - c0 : L;
@@ -679,11 +681,11 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
         PA_FN(dr_values)(l, S, sc);
         PA_FN(dr_output)(&b, 0, l, d->scale, S, sc);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
-        S = PA_FN(la_next_state)(S, KV, c->states != NULL);
+        PA_FN(la_keep_state)(&slot, S, KV, c->stream);
         PA_FN(dr_state)(&b, 0, l, S, sc);
-        PA_FN(dr_unstage)(&b, c0, l, d->K, d->V, &u);
+        PA_FN(dr_unstage)(&b, c0, l, d->K, d->V, &u, c->stream);
     }
-    if (c->states && c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
+    PA_FN(la_keep_state)(&slot, S, KV, c->stream);
 }
 
 /* The backward of one unit: the states entering its blocks (or pieces), then one reverse
@@ -728,7 +730,7 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
             PA_FN(dr_stage)(&u, r0, n, 0, sc, &b);
             if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
             PA_FN(dr_block_grads)(&b, 0, n, d->scale, states + p * KV, dS, sc);
-            PA_FN(dr_unstage)(&b, r0, n, d->K, d->V, &u);
+            PA_FN(dr_unstage)(&b, r0, n, d->K, d->V, &u, c->stream);
         }
     }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
@@ -753,6 +755,7 @@ static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
     const int rec = d->form == PA_FORM_RECURRENT;
     const int64_t L = rec ? 0 : pa_linear_block_rows(d);
     if (c->states && !(c->first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
+    c->stream = PA_FN(la_streams)(d);
     const int64_t nstates =
         PA_FN(dr_backward_states)(d, backward, c->states != NULL, rec ? DR_PIECE : L);
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);

@@ -57,6 +57,7 @@ typedef struct {
     real *o, *ht, *dq, *dk, *dv, *da, *db, *dgk, *dh0;
     real *states;         /* chunk form: the kept states (forward: written; backward: read) */
     const int64_t *first; /* their layout (la_slots) when given */
+    int stream;           /* outputs and kept states put with non-temporal stores (la_streams) */
 } PA_FN(dp_call);
 
 static void PA_FN(dp_unit_of)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_unit) *u)
@@ -525,16 +526,16 @@ static void PA_FN(dp_stage)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, int 
     for (int i = 0; i < 5; i++) *kout[i] = PA_FN(stage_out)(from[i], l, K, &p);
 }
 
-/* The outputs of the staged block b (dp_stage of rows c0 .. c0+l-1) into u's rows */
+/* The outputs of the staged block b (dp_stage of rows c0 .. c0+l-1) into u's rows (rows_put) */
 static void PA_FN(dp_unstage)(const PA_FN(dp_unit) *b, int64_t c0, int64_t l, int64_t K,
-                              int64_t V, const PA_FN(dp_unit) *u)
+                              int64_t V, const PA_FN(dp_unit) *u, int stream)
 {
-    if (b->o) PA_FN(rows_copy)(b->o, V, l, V, u->o + c0 * u->sv, u->sv);
-    if (b->dv) PA_FN(rows_copy)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv);
+    if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * u->sv, u->sv, stream);
+    if (b->dv) PA_FN(rows_put)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv, stream);
     const real *const kin[] = {b->dq, b->dk, b->da, b->db, b->dgk};
     real *const to[] = {u->dq, u->dk, u->da, u->db, u->dgk};
     for (int i = 0; i < 5; i++)
-        if (kin[i]) PA_FN(rows_copy)(kin[i], K, l, K, to[i] + c0 * u->sk, u->sk);
+        if (kin[i]) PA_FN(rows_put)(kin[i], K, l, K, to[i] + c0 * u->sk, u->sk, stream);
 }
 
 static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)
@@ -543,8 +544,7 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
     const int64_t KV = d->K * d->V, L = sc->L;
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
-    /* with kept states, each block's entering state in its own slot, then the final one */
-    real *S = c->states ? c->states + c->first[unit] * KV : sc->S;
+    real *S = sc->S, *slot = c->states ? c->states + c->first[unit] * KV : NULL;
     PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, S, KV);
     if (L)
         for (int64_t c0 = 0; c0 < u.T; c0 += L) {
@@ -556,12 +556,13 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
             PA_FN(dp_values)(l, S, sc);
             PA_FN(dp_output)(&b, 0, l, d->scale, S, sc);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
-            S = PA_FN(la_next_state)(S, KV, c->states != NULL);
+            PA_FN(la_keep_state)(&slot, S, KV, c->stream);
             PA_FN(dp_state)(&b, 0, l, S, sc);
-            PA_FN(dp_unstage)(&b, c0, l, d->K, d->V, &u);
+            PA_FN(dp_unstage)(&b, c0, l, d->K, d->V, &u, c->stream);
         }
     else
         PA_FN(dp_recurrent)(&u, 0, u.T, d->scale, S, NULL, sc);
+    PA_FN(la_keep_state)(&slot, S, KV, c->stream);
     if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
 }
 
@@ -600,7 +601,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
             PA_FN(dp_stage)(&u, r0, n, 0, sc, &b);
             if (r0) PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
             PA_FN(dp_block_grads)(&b, 0, n, d->scale, states + p * KV, dS, sc);
-            PA_FN(dp_unstage)(&b, r0, n, d->K, d->V, &u);
+            PA_FN(dp_unstage)(&b, r0, n, d->K, d->V, &u, c->stream);
             continue;
         }
         memcpy(trail, states + p * KV, sizeof(real) * KV);
@@ -619,6 +620,7 @@ static int PA_FN(dp_run)(PA_FN(dp_call) *c, int backward)
     const int rec = d->form == PA_FORM_RECURRENT;
     const int64_t L = rec ? 0 : pa_linear_block_rows(d);
     if (c->states && !(c->first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
+    c->stream = PA_FN(la_streams)(d);
     const int64_t nstates =
         PA_FN(dr_backward_states)(d, backward, c->states != NULL, rec ? DR_PIECE : L);
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);

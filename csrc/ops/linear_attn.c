@@ -219,6 +219,7 @@ typedef struct {
     real *dbeta, *dskip;     /* [rows, H] each, with beta and skip */
     real *states;        /* kept states (forward: written; backward: read), or NULL */
     const int64_t *first; /* their layout (la_slots) when given */
+    int stream;           /* kept states and staged outputs put with non-temporal stores */
 } PA_FN(la_call);
 
 typedef struct {
@@ -769,19 +770,19 @@ static void PA_FN(la_stage)(const PA_FN(la_unit) *u, int64_t c0, int64_t l, PA_F
     b->dskip = PA_FN(stage_out)(u->dskip, l, 1, &p);
 }
 
-/* The outputs of the staged block b (la_stage of rows c0 .. c0+l-1) into u's rows */
+/* The outputs of the staged block b (la_stage of rows c0 .. c0+l-1) into u's rows (rows_put) */
 static void PA_FN(la_unstage)(const PA_FN(la_unit) *b, int64_t c0, int64_t l,
-                              const PA_FN(la_unit) *u)
+                              const PA_FN(la_unit) *u, int stream)
 {
     const int64_t K = u->d->K, V = u->d->V, G = b->sg, sv = u->sv, sk = u->sk, sb = u->sb;
-    if (b->o) PA_FN(rows_copy)(b->o, V, l, V, u->o + c0 * sv, sv);
-    if (b->dq) PA_FN(rows_copy)(b->dq, K, l, K, u->dq + c0 * sk, sk);
-    if (b->dk) PA_FN(rows_copy)(b->dk, K, l, K, u->dk + c0 * sk, sk);
-    if (b->dv) PA_FN(rows_copy)(b->dv, V, l, V, u->dv + c0 * sv, sv);
-    if (b->dgk) PA_FN(rows_copy)(b->dgk, G, l, G, u->dgk + c0 * u->sg, u->sg);
-    if (b->dgv) PA_FN(rows_copy)(b->dgv, V, l, V, u->dgv + c0 * sv, sv);
-    if (b->dbeta) PA_FN(rows_copy)(b->dbeta, 1, l, 1, u->dbeta + c0 * sb, sb);
-    if (b->dskip) PA_FN(rows_copy)(b->dskip, 1, l, 1, u->dskip + c0 * sb, sb);
+    if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * sv, sv, stream);
+    if (b->dq) PA_FN(rows_put)(b->dq, K, l, K, u->dq + c0 * sk, sk, stream);
+    if (b->dk) PA_FN(rows_put)(b->dk, K, l, K, u->dk + c0 * sk, sk, stream);
+    if (b->dv) PA_FN(rows_put)(b->dv, V, l, V, u->dv + c0 * sv, sv, stream);
+    if (b->dgk) PA_FN(rows_put)(b->dgk, G, l, G, u->dgk + c0 * u->sg, u->sg, stream);
+    if (b->dgv) PA_FN(rows_put)(b->dgv, V, l, V, u->dgv + c0 * sv, sv, stream);
+    if (b->dbeta) PA_FN(rows_put)(b->dbeta, 1, l, 1, u->dbeta + c0 * sb, sb, stream);
+    if (b->dskip) PA_FN(rows_put)(b->dskip, 1, l, 1, u->dskip + c0 * sb, sb, stream);
 }
 
 /* One unit's forward, every block in order, on one thread; with kept states each block's
@@ -798,7 +799,7 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
                                   NULL, sc);
         return;
     }
-    real *S = c->states ? c->states + c->first[unit] * KV : sc->S;
+    real *S = sc->S, *slot = c->states ? c->states + c->first[unit] * KV : NULL;
     PA_FN(la_side) ks, vs;
     PA_FN(la_load_rows)(c->h0, unit, c->d->K, c->d->V, 0, c->d->K, S);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
@@ -807,9 +808,10 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
         PA_FN(la_block)(&u, c0, l, 1, sc, &ks, &vs);
         PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
         PA_FN(la_prefetch_rows)(&u, c0 + L + L / 2, L - L / 2, 0);
-        S = PA_FN(la_next_state)(S, KV, c->states != NULL);
+        PA_FN(la_keep_state)(&slot, S, KV, c->stream);
         PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
     }
+    PA_FN(la_keep_state)(&slot, S, KV, c->stream);
     if (c->ht) memcpy(c->ht + unit * KV, S, sizeof(real) * KV);
 }
 
@@ -858,7 +860,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
             PA_FN(la_gate_piece)(&b, 0, n, sc->acc);
             PA_FN(la_add_diagonal)(&b, 0, n);
             PA_FN(la_finish_rows)(&b, 0, n);
-            PA_FN(la_unstage)(&b, r0, n, &u);
+            PA_FN(la_unstage)(&b, r0, n, &u, c->stream);
             continue;
         }
         if (rec) {
@@ -996,7 +998,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_gate_piece)(&b, 0, l, sc.acc);
                 PA_FN(la_add_diagonal)(&b, 0, l);
                 PA_FN(la_finish_rows)(&b, 0, l);
-                PA_FN(la_unstage)(&b, c0, l, &u);
+                PA_FN(la_unstage)(&b, c0, l, &u, c->stream);
             }
             if (ok) free(sc.block);
             pa_bf16_products_end(products);
@@ -1023,6 +1025,7 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
     int64_t *first = NULL;
     if ((c->states || items) && !(first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
     c->first = first;
+    c->stream = PA_FN(la_streams)(d);
     int failed = 0;
     if (items) {
         failed = PA_FN(la_run_items)(c, backward, L, nthreads) != PA_OK;

@@ -143,15 +143,6 @@ static inline __attribute__((always_inline)) void PA_FN(la_prefetch_ahead)(const
     if (i + 4 < L) PA_FN(prefetch_span)(X + (i + 4) * ldx, D, 1);
 }
 
-/* The state a chunk forward updates next: with kept states (keep), a copy of S in the slot
- * after S, so that S stays as the state entering the block just computed; else S itself. */
-static inline real *PA_FN(la_next_state)(real *S, int64_t KV, int keep)
-{
-    if (!keep) return S;
-    memcpy(S + KV, S, sizeof(real) * KV);
-    return S + KV;
-}
-
 /* Rows r0 .. r0+n-1 (those before T) of X (D values, ldx apart) into L2: the next block's
  * rows while this one computes, for the engines whose units read one head's rows, H rows
  * apart, where hardware prefetchers stop. */
@@ -171,6 +162,58 @@ static inline void PA_FN(rows_copy)(const real *X, int64_t ldx, int64_t n, int64
                                     int64_t ldy)
 {
     for (int64_t t = 0; t < n; t++) memcpy(Y + t * ldy, X + t * ldx, sizeof(real) * D);
+}
+
+/* Calls whose outputs (output rows, kept states) pass PA_STREAM_BYTES write them with
+ * non-temporal stores (rows_put): they are not read again before the call ends, and at
+ * this size they would not stay in cache; a plain store first fetches each line of a fresh
+ * page from memory. Smaller outputs stay in cache for the caller's next op. */
+#define PA_STREAM_BYTES ((size_t)16 << 20)
+
+/* rows_copy, with non-temporal stores where stream (x86-64; the 16-byte aligned part of each
+ * row), then a store fence: the rows are complete before anything this thread does next. */
+static inline void PA_FN(rows_put)(const real *X, int64_t ldx, int64_t n, int64_t D, real *Y,
+                                   int64_t ldy, int stream)
+{
+#if defined(__x86_64__)
+    if (stream) {
+        const int64_t step = 16 / (int64_t)sizeof(real);
+        for (int64_t t = 0; t < n; t++) {
+            real *y = Y + t * ldy;
+            const real *x = X + t * ldx;
+            int64_t j = 0;
+            for (; j < D && ((uintptr_t)(y + j) & 15); j++) y[j] = x[j];
+            for (; j + step <= D; j += step)
+#if PA_DOUBLE
+                _mm_stream_pd(y + j, _mm_loadu_pd(x + j));
+#else
+                _mm_stream_ps(y + j, _mm_loadu_ps(x + j));
+#endif
+            for (; j < D; j++) y[j] = x[j];
+        }
+        _mm_sfence();
+        return;
+    }
+#endif
+    PA_FN(rows_copy)(X, ldx, n, D, Y, ldy);
+}
+
+
+/* Whether a call of d puts its outputs with non-temporal stores (rows_put): its rows' K + V
+ * values per head (about what it writes) pass PA_STREAM_BYTES */
+static inline int PA_FN(la_streams)(const pa_linear_desc *d)
+{
+    return (double)d->cu[d->nseq] * (double)(d->H * (d->K + d->V)) * sizeof(real) >=
+           (double)PA_STREAM_BYTES;
+}
+
+/* With kept states (*slot not NULL), S into the slot at *slot, which moves to the next: a
+ * chunk forward keeps the state entering each block, and the last. */
+static inline void PA_FN(la_keep_state)(real **slot, const real *S, int64_t KV, int stream)
+{
+    if (!*slot) return;
+    PA_FN(rows_put)(S, KV, 1, KV, *slot, KV, stream);
+    *slot += KV;
 }
 
 /* l rows of D reals from x (ldx apart) into a block's stage at *p, which moves past them */
