@@ -89,7 +89,7 @@ typedef struct {
 
 /* L = 0: the recurrent form's scratch (states, step decays, one row), no block buffers;
  * nstates: room for that many K x V states (the backward's pieces); staged: room to stage
- * a block (a chunk backward's, la_stage). */
+ * a block (a chunk backward's, la_stage; a streamed forward's output rows). */
 static int PA_FN(la_scratch_alloc)(PA_FN(la_scratch) *s, int64_t L, int64_t K, int64_t V,
                                    int64_t nstates, int staged)
 {
@@ -344,15 +344,14 @@ static const real *PA_FN(la_rows_contiguous)(const real *X, int64_t *ldx, int64_
     return buf;
 }
 
-/* o rows of the block from its start state S (o is the unit's output: the forward writes it) */
+/* The block's L output rows from its start state S into o (rows of so) */
 static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
                                    const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
-                                   const real *S, PA_FN(la_scratch) *sc)
+                                   const real *S, PA_FN(la_scratch) *sc, real *o, int64_t so)
 {
     const int64_t V = u->d->V, sq = u->sq, sv = u->sv;
     const real scale = (real)u->d->scale;
     const real *q = u->q + c0 * sq, *k = u->k + c0 * sq;
-    real *o = u->o + c0 * sv;
     if (ks->kind == PA_GATE_VECTOR && ks->Ep) {
         /* q and k read once each for both of their copies: the Gram's (Tm, U) and the
          * state's (X: q to the block's start; Kf: k to its end, for la_block_state) */
@@ -362,17 +361,17 @@ static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
         PA_FN(la_factored_rows)(ks, L, 1, k, sq, sc->bufs.U, sc->Kf);
         sc->kf_ready = 1;
         PA_FN(la_gram_rows)(ks, L, scale, sc->bufs.Tm, K, sc->bufs.U, K, 0, sc->A, &sc->bufs);
-        PA_FN(la_rows_times)(&none, vs, L, 0, scale, sc->X, K, S, V, 1, o, sv, sc);
+        PA_FN(la_rows_times)(&none, vs, L, 0, scale, sc->X, K, S, V, 1, o, so, sc);
     } else {
         int64_t ldq = sq;
         if (ks->kind != PA_GATE_VECTOR) q = PA_FN(la_rows_contiguous)(q, &ldq, L, ks->D, sc->Rc);
-        PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, ldq, S, V, 1, o, sv, sc);
+        PA_FN(la_rows_times)(ks, vs, L, 0, scale, q, ldq, S, V, 1, o, so, sc);
         PA_FN(la_gram)(ks, L, scale, q, ldq, k, sq, 0, sc->A, &sc->bufs);
     }
-    PA_FN(la_apply)(vs, L, 1, sc->A, 0, sc->vb, sc->ldv, o, sv, &sc->bufs);
+    PA_FN(la_apply)(vs, L, 1, sc->A, 0, sc->vb, sc->ldv, o, so, &sc->bufs);
     sc->vb_packed = vs->kind == PA_GATE_NONE; /* la_tri_product's packing, restored whole */
     if (u->has_skip)
-        for (int64_t i = 0; i < L; i++) PA_FN(axpy)(o + i * sv, u->v + (c0 + i) * sv, V, u->skip);
+        for (int64_t i = 0; i < L; i++) PA_FN(axpy)(o + i * so, u->v + (c0 + i) * sv, V, u->skip);
 }
 
 /* S = (decay of the block) S + alpha (X f)^T (Y f') over the block's rows, f and f' the key and
@@ -806,7 +805,11 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
         int64_t l = u.T - c0 < L ? u.T - c0 : L;
         PA_FN(la_prefetch_rows)(&u, c0 + L, L / 2, 0);
         PA_FN(la_block)(&u, c0, l, 1, sc, &ks, &vs);
-        PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc);
+        /* a streamed call's rows go through the stage, put with non-temporal stores */
+        real *o = c->stream ? sc->stage : u.o + c0 * u.sv;
+        const int64_t so = c->stream ? c->d->V : u.sv;
+        PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc, o, so);
+        if (c->stream) PA_FN(rows_put)(o, so, l, so, u.o + c0 * u.sv, u.sv, 1);
         PA_FN(la_prefetch_rows)(&u, c0 + L + L / 2, L - L / 2, 0);
         PA_FN(la_keep_state)(&slot, S, KV, c->stream);
         PA_FN(la_block_state)(&u, c0, l, &ks, &vs, S, sc);
@@ -986,7 +989,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 const real *S = states + (i + iunit[i]) * KV;
                 if (!backward) {
                     PA_FN(la_block)(&u, c0, l, 1, &sc, &ks, &vs);
-                    PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, &sc);
+                    PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, &sc, u.o + c0 * u.sv, u.sv);
                     continue;
                 }
                 const real *dS = dstates + (i + iunit[i]) * KV; /* at the start; its end next */
@@ -1043,7 +1046,8 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
         PA_FN(la_scratch) sc;
         int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L,
                                                        d->K, d->V, nstates,
-                                                       backward && d->form == PA_FORM_CHUNK),
+                                                       backward ? d->form == PA_FORM_CHUNK
+                                                                : c->stream),
                                &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
