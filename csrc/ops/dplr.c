@@ -41,7 +41,8 @@
  *   dS_{t-1} = diag(e^gk) dS + a du^T.
  * Only e^gk <= 1 is ever formed, so strong decays cannot overflow.
  *
- * Work is split over (sequence, head) units, each on one thread.
+ * Work is split over (sequence, head) units, each on one thread. The chunk form works on a
+ * copy of each block's rows, contiguous (dp_stage), and copies its output rows back.
  */
 
 typedef struct {

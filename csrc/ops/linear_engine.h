@@ -2,7 +2,8 @@
  * (ops/linear_attn.c): a block's gate side (cumulative gates as hi + lo parts, a scalar
  * gate's mask, a vector gate's factors) and the products over it (the rows' factors, the
  * gated Gram, the triangular products), the scan of a block for its non-finite rows, the
- * layout of the states a chunk forward keeps, and the group sums of dq and dk. Template body
+ * layout of the states a chunk forward keeps, a block's rows staged contiguous and large
+ * outputs put with non-temporal stores (rows_put), and the group sums of dq and dk. Template body
  * (see core/dtype.h); needs core/vmath.h, core/gemm.c, ops/rows.h and ops/decay.h before it. */
 
 #define LA_SUB 16     /* rows of a vector-gate sub-block: e^(gate sums over 16 steps) */
@@ -197,7 +198,6 @@ static inline void PA_FN(rows_put)(const real *X, int64_t ldx, int64_t n, int64_
 #endif
     PA_FN(rows_copy)(X, ldx, n, D, Y, ldy);
 }
-
 
 /* Whether a call of d puts its outputs with non-temporal stores (rows_put): its rows' K + V
  * values per head (about what it writes) pass PA_STREAM_BYTES */
