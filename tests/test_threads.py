@@ -130,6 +130,38 @@ def test_streamed_outputs_equal_plain_ones(op, rng):
         assert np.all(np.isfinite(alone["o"]))
 
 
+# The chunk forms copy a block's rows into a contiguous stage first where a unit's rows lie a
+# multiple of 1 KiB apart (here H K = 4 x 64 floats); one head alone (256 bytes apart) is not
+# staged. Heads are independent units, so each head of the staged call must equal, bit for
+# bit, the same head called alone.
+@pytest.mark.parametrize("op", sorted(STREAMED))
+def test_staged_blocks_equal_unstaged(op, rng):
+    B, T, H, K = 1, 200, 4, 64
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    q, v, do = f(B, T, H, K), f(B, T, H, K), f(B, T, H, K)
+    k = f(B, T, H, K)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = np.log(1 / (1 + np.exp(-f(B, T, H)))) / 8
+    gk = np.log(1 / (1 + np.exp(-f(B, T, H, K)))) / 8
+    beta = 1 / (1 + np.exp(-f(B, T, H)))
+    h0, dht = f(B, H, K, K), f(B, H, K, K)
+    fn = getattr(pyattn, op)
+    args = STREAMED[op](q, k, v, g, gk, beta)
+
+    def run(h):
+        sub = [np.ascontiguousarray(a[:, :, h]) for a in args]
+        (o, ht), pullback = pyattn.vjp(fn, *sub, initial_state=h0[:, h], output_final_state=True,
+                                       chunk_size=32)
+        return {"o": o, "ht": ht, **pullback((np.ascontiguousarray(do[:, :, h]), dht[:, h]))}
+
+    whole = run(slice(0, H))
+    for h in range(H):
+        alone = run(slice(h, h + 1))
+        for key, x in alone.items():
+            part = whole[key][:, h:h + 1] if key in ("ht", "initial_state") else whole[key][:, :, h:h + 1]
+            np.testing.assert_array_equal(part, x, err_msg=f"{op} {key} head {h}")
+
+
 def test_num_threads_context_manager_restores():
     before = pyattn.get_num_threads()
     with pyattn.num_threads(1):

@@ -71,6 +71,7 @@ typedef struct {
     real *states;         /* chunk form: the kept states (forward: written; backward: read) */
     const int64_t *first; /* their layout (la_slots) when given */
     int stream;           /* outputs and kept states put with non-temporal stores (la_streams) */
+    int staged;           /* blocks staged contiguous (rows_staged) */
 } PA_FN(dr_call);
 
 static void PA_FN(dr_unit_of)(const PA_FN(dr_call) *c, int64_t unit, PA_FN(dr_unit) *u)
@@ -608,12 +609,17 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
 
 /* ---- drivers ---- */
 
-/* The rows c0 .. c0+l-1 of unit u as a unit of their own (*b, read from row 0), staged
- * contiguous in sc->stage (rows_copy): k, v, beta and the gate copied in, and q and dout
+/* The unit whose rows *r0 .. *r0+l-1 are unit u's rows c0 .. c0+l-1, for a block's
+ * functions: u itself (*r0 = c0), or where the call stages its blocks, *b, those rows copied
+ * contiguous into sc->stage (rows_copy; *r0 = 0): k, v, beta and the gate, and q and dout
  * unless state_only; the outputs written there go back to u by dr_unstage. */
-static void PA_FN(dr_stage)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, int state_only,
-                            PA_FN(dr_scratch) *sc, PA_FN(dr_unit) *b)
+static const PA_FN(dr_unit) *PA_FN(dr_stage)(const PA_FN(dr_call) *c, const PA_FN(dr_unit) *u,
+                                             int64_t c0, int64_t l, int state_only,
+                                             PA_FN(dr_scratch) *sc, PA_FN(dr_unit) *b,
+                                             int64_t *r0)
 {
+    *r0 = c->staged ? 0 : c0;
+    if (!c->staged) return u;
     const int64_t K = sc->K, V = sc->V, G = u->gate == PA_GATE_VECTOR ? K : 1;
     real *p = sc->stage;
     *b = (PA_FN(dr_unit)){.T = l, .gate = u->gate, .sq = K, .sk = K, .sv = V, .sg = G, .sb = 1};
@@ -621,7 +627,7 @@ static void PA_FN(dr_stage)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, int 
     b->v = PA_FN(stage_in)(u->v + c0 * u->sv, u->sv, l, V, &p);
     b->beta = PA_FN(stage_in)(u->beta + c0 * u->sb, u->sb, l, 1, &p);
     if (u->g) b->g = PA_FN(stage_in)(u->g + c0 * u->sg, u->sg, l, G, &p);
-    if (state_only) return;
+    if (state_only) return b;
     b->q = PA_FN(stage_in)(u->q + c0 * u->sq, u->sq, l, K, &p);
     if (u->dout) b->dout = PA_FN(stage_in)(u->dout + c0 * u->sv, u->sv, l, V, &p);
     b->o = PA_FN(stage_out)(u->o, l, V, &p);
@@ -630,12 +636,17 @@ static void PA_FN(dr_stage)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, int 
     b->dv = PA_FN(stage_out)(u->dv, l, V, &p);
     b->dg = PA_FN(stage_out)(u->dg, l, G, &p);
     b->dbeta = PA_FN(stage_out)(u->dbeta, l, 1, &p);
+    return b;
 }
 
-/* The outputs of the staged block b (dr_stage of rows c0 .. c0+l-1) into u's rows (rows_put) */
-static void PA_FN(dr_unstage)(const PA_FN(dr_unit) *b, int64_t c0, int64_t l, int64_t K,
-                              int64_t V, const PA_FN(dr_unit) *u, int stream)
+/* The outputs of block b (as dr_stage gave it for rows c0 .. c0+l-1) into u's rows where it
+ * is a staged copy (rows_put) */
+static void PA_FN(dr_unstage)(const PA_FN(dr_call) *c, const PA_FN(dr_unit) *b, int64_t c0,
+                              int64_t l, const PA_FN(dr_unit) *u)
 {
+    if (b == u) return;
+    const int64_t K = c->d->K, V = c->d->V;
+    const int stream = c->stream;
     if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * u->sv, u->sv, stream);
     if (b->dq) PA_FN(rows_put)(b->dq, K, l, K, u->dq + c0 * u->sk, u->sk, stream);
     if (b->dk) PA_FN(rows_put)(b->dk, K, l, K, u->dk + c0 * u->sk, u->sk, stream);
@@ -675,16 +686,17 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
     if (S != h0) PA_FN(dr_copy_state)(h0, S, KV);
     for (int64_t c0 = 0; c0 < u.T; c0 += L) {
         const int64_t l = u.T - c0 < L ? u.T - c0 : L;
-        PA_FN(dr_unit) b;
-        PA_FN(dr_stage)(&u, c0, l, 0, sc, &b);
+        PA_FN(dr_unit) staged;
+        int64_t r;
+        const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, c0, l, 0, sc, &staged, &r);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
-        PA_FN(dr_block)(&b, 0, l, sc);
+        PA_FN(dr_block)(b, r, l, sc);
         PA_FN(dr_values)(l, S, sc);
-        PA_FN(dr_output)(&b, 0, l, d->scale, S, sc);
+        PA_FN(dr_output)(b, r, l, d->scale, S, sc);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
         PA_FN(la_keep_state)(&slot, S, KV, c->stream);
-        PA_FN(dr_state)(&b, 0, l, S, sc);
-        PA_FN(dr_unstage)(&b, c0, l, d->K, d->V, &u, c->stream);
+        PA_FN(dr_state)(b, r, l, S, sc);
+        PA_FN(dr_unstage)(c, b, c0, l, &u);
     }
     PA_FN(la_keep_state)(&slot, S, KV, c->stream);
 }
@@ -709,13 +721,14 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
         if (rec) {
             PA_FN(dr_recurrent)(&u, r0, n, d->scale, S - KV, S, NULL, sc);
         } else {
-            PA_FN(dr_unit) b;
+            PA_FN(dr_unit) staged;
+            int64_t r;
             memcpy(S, S - KV, sizeof(real) * KV);
-            PA_FN(dr_stage)(&u, r0, n, 1, sc, &b);
+            const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 1, sc, &staged, &r);
             PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
-            PA_FN(dr_block)(&b, 0, n, sc);
+            PA_FN(dr_block)(b, r, n, sc);
             PA_FN(dr_values)(n, S - KV, sc);
-            PA_FN(dr_state)(&b, 0, n, S, sc);
+            PA_FN(dr_state)(b, r, n, S, sc);
         }
     }
     PA_FN(dr_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
@@ -727,11 +740,12 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
             PA_FN(dr_recurrent)(&u, r0, n, d->scale, trail, sc->S, trail + KV, sc);
             PA_FN(dr_recurrent_reverse)(&u, r0, n, d->scale, trail, dS, sc);
         } else {
-            PA_FN(dr_unit) b;
-            PA_FN(dr_stage)(&u, r0, n, 0, sc, &b);
+            PA_FN(dr_unit) staged;
+            int64_t r;
+            const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 0, sc, &staged, &r);
             if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
-            PA_FN(dr_block_grads)(&b, 0, n, d->scale, states + p * KV, dS, sc);
-            PA_FN(dr_unstage)(&b, r0, n, d->K, d->V, &u, c->stream);
+            PA_FN(dr_block_grads)(b, r, n, d->scale, states + p * KV, dS, sc);
+            PA_FN(dr_unstage)(c, b, r0, n, &u);
         }
     }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
@@ -757,6 +771,7 @@ static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
     const int64_t L = rec ? 0 : pa_linear_block_rows(d);
     if (c->states && !(c->first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
     c->stream = PA_FN(la_streams)(d);
+    c->staged = PA_FN(rows_staged)(d->Hqk * d->K, d->H * d->V);
     const int64_t nstates =
         PA_FN(dr_backward_states)(d, backward, c->states != NULL, rec ? DR_PIECE : L);
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);

@@ -59,6 +59,7 @@ typedef struct {
     real *states;         /* chunk form: the kept states (forward: written; backward: read) */
     const int64_t *first; /* their layout (la_slots) when given */
     int stream;           /* outputs and kept states put with non-temporal stores (la_streams) */
+    int staged;           /* blocks staged contiguous (rows_staged) */
 } PA_FN(dp_call);
 
 static void PA_FN(dp_unit_of)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_unit) *u)
@@ -503,12 +504,17 @@ static inline __attribute__((always_inline)) void PA_FN(dp_prefetch_rows)(const 
     if (u->dout && !state_only) PA_FN(prefetch_block_rows)(u->dout, u->sv, V, r0, n, u->T);
 }
 
-/* The rows c0 .. c0+l-1 of unit u as a unit of their own (*b, read from row 0), staged
- * contiguous in sc->stage (rows_copy): k, a, b, gk and v copied in, and q and dout unless
+/* The unit whose rows *r0 .. *r0+l-1 are unit u's rows c0 .. c0+l-1, for a block's
+ * functions: u itself (*r0 = c0), or where the call stages its blocks, *b, those rows copied
+ * contiguous into sc->stage (rows_copy; *r0 = 0): k, a, b, gk and v, and q and dout unless
  * state_only; the outputs written there go back to u by dp_unstage. */
-static void PA_FN(dp_stage)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, int state_only,
-                            PA_FN(dp_scratch) *sc, PA_FN(dp_unit) *b)
+static const PA_FN(dp_unit) *PA_FN(dp_stage)(const PA_FN(dp_call) *c, const PA_FN(dp_unit) *u,
+                                             int64_t c0, int64_t l, int state_only,
+                                             PA_FN(dp_scratch) *sc, PA_FN(dp_unit) *b,
+                                             int64_t *r0)
 {
+    *r0 = c->staged ? 0 : c0;
+    if (!c->staged) return u;
     const int64_t K = sc->K, V = sc->V, sk = u->sk, sv = u->sv;
     real *p = sc->stage;
     *b = (PA_FN(dp_unit)){.T = l, .sk = K, .sv = V};
@@ -517,7 +523,7 @@ static void PA_FN(dp_stage)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, int 
     b->b = PA_FN(stage_in)(u->b + c0 * sk, sk, l, K, &p);
     b->gk = PA_FN(stage_in)(u->gk + c0 * sk, sk, l, K, &p);
     b->v = PA_FN(stage_in)(u->v + c0 * sv, sv, l, V, &p);
-    if (state_only) return;
+    if (state_only) return b;
     b->q = PA_FN(stage_in)(u->q + c0 * sk, sk, l, K, &p);
     if (u->dout) b->dout = PA_FN(stage_in)(u->dout + c0 * sv, sv, l, V, &p);
     b->o = PA_FN(stage_out)(u->o, l, V, &p);
@@ -525,12 +531,17 @@ static void PA_FN(dp_stage)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, int 
     real **kout[] = {&b->dq, &b->dk, &b->da, &b->db, &b->dgk};
     real *const from[] = {u->dq, u->dk, u->da, u->db, u->dgk};
     for (int i = 0; i < 5; i++) *kout[i] = PA_FN(stage_out)(from[i], l, K, &p);
+    return b;
 }
 
-/* The outputs of the staged block b (dp_stage of rows c0 .. c0+l-1) into u's rows (rows_put) */
-static void PA_FN(dp_unstage)(const PA_FN(dp_unit) *b, int64_t c0, int64_t l, int64_t K,
-                              int64_t V, const PA_FN(dp_unit) *u, int stream)
+/* The outputs of block b (as dp_stage gave it for rows c0 .. c0+l-1) into u's rows where it
+ * is a staged copy (rows_put) */
+static void PA_FN(dp_unstage)(const PA_FN(dp_call) *c, const PA_FN(dp_unit) *b, int64_t c0,
+                              int64_t l, const PA_FN(dp_unit) *u)
 {
+    if (b == u) return;
+    const int64_t K = c->d->K, V = c->d->V;
+    const int stream = c->stream;
     if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * u->sv, u->sv, stream);
     if (b->dv) PA_FN(rows_put)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv, stream);
     const real *const kin[] = {b->dq, b->dk, b->da, b->db, b->dgk};
@@ -550,16 +561,17 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
     if (L)
         for (int64_t c0 = 0; c0 < u.T; c0 += L) {
             const int64_t l = u.T - c0 < L ? u.T - c0 : L;
-            PA_FN(dp_unit) b;
-            PA_FN(dp_stage)(&u, c0, l, 0, sc, &b);
+            PA_FN(dp_unit) staged;
+            int64_t r;
+            const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, c0, l, 0, sc, &staged, &r);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
-            PA_FN(dp_block)(&b, 0, l, sc);
+            PA_FN(dp_block)(b, r, l, sc);
             PA_FN(dp_values)(l, S, sc);
-            PA_FN(dp_output)(&b, 0, l, d->scale, S, sc);
+            PA_FN(dp_output)(b, r, l, d->scale, S, sc);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
             PA_FN(la_keep_state)(&slot, S, KV, c->stream);
-            PA_FN(dp_state)(&b, 0, l, S, sc);
-            PA_FN(dp_unstage)(&b, c0, l, d->K, d->V, &u, c->stream);
+            PA_FN(dp_state)(b, r, l, S, sc);
+            PA_FN(dp_unstage)(c, b, c0, l, &u);
         }
     else
         PA_FN(dp_recurrent)(&u, 0, u.T, d->scale, S, NULL, sc);
@@ -583,12 +595,13 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
         real *S = states + (p + 1) * KV;
         memcpy(S, S - KV, sizeof(real) * KV);
         if (L) {
-            PA_FN(dp_unit) b;
-            PA_FN(dp_stage)(&u, r0, n, 1, sc, &b);
+            PA_FN(dp_unit) staged;
+            int64_t r;
+            const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, r0, n, 1, sc, &staged, &r);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
-            PA_FN(dp_block)(&b, 0, n, sc);
+            PA_FN(dp_block)(b, r, n, sc);
             PA_FN(dp_values)(n, S, sc);
-            PA_FN(dp_state)(&b, 0, n, S, sc);
+            PA_FN(dp_state)(b, r, n, S, sc);
         } else {
             PA_FN(dp_recurrent)(&u, r0, n, d->scale, S, NULL, sc);
         }
@@ -598,11 +611,12 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         if (L) {
-            PA_FN(dp_unit) b;
-            PA_FN(dp_stage)(&u, r0, n, 0, sc, &b);
+            PA_FN(dp_unit) staged;
+            int64_t r;
+            const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, r0, n, 0, sc, &staged, &r);
             if (r0) PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
-            PA_FN(dp_block_grads)(&b, 0, n, d->scale, states + p * KV, dS, sc);
-            PA_FN(dp_unstage)(&b, r0, n, d->K, d->V, &u, c->stream);
+            PA_FN(dp_block_grads)(b, r, n, d->scale, states + p * KV, dS, sc);
+            PA_FN(dp_unstage)(c, b, r0, n, &u);
             continue;
         }
         memcpy(trail, states + p * KV, sizeof(real) * KV);
@@ -622,6 +636,7 @@ static int PA_FN(dp_run)(PA_FN(dp_call) *c, int backward)
     const int64_t L = rec ? 0 : pa_linear_block_rows(d);
     if (c->states && !(c->first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
     c->stream = PA_FN(la_streams)(d);
+    c->staged = PA_FN(rows_staged)(d->H * d->K, d->H * d->V);
     const int64_t nstates =
         PA_FN(dr_backward_states)(d, backward, c->states != NULL, rec ? DR_PIECE : L);
     const double rows = (double)d->cu[d->nseq] * (double)d->H, KV = (double)(d->K * d->V);

@@ -221,6 +221,7 @@ typedef struct {
     real *states;        /* kept states (forward: written; backward: read), or NULL */
     const int64_t *first; /* their layout (la_slots) when given */
     int stream;           /* kept states and staged outputs put with non-temporal stores */
+    int staged;           /* a chunk backward's blocks staged contiguous (rows_staged) */
 } PA_FN(la_call);
 
 typedef struct {
@@ -741,13 +742,17 @@ static inline __attribute__((always_inline)) void PA_FN(la_prefetch_rows)(const 
     }
 }
 
-/* The rows c0 .. c0+l-1 of unit u as a unit of their own (*b, read from row 0) for a chunk
- * backward's block, staged contiguous in sc->stage (rows_copy): the inputs copied in, the
- * outputs written there go back to u by la_unstage. (The forward reads each of a block's
- * rows about once, copies included: it is not staged.) */
-static void PA_FN(la_stage)(const PA_FN(la_unit) *u, int64_t c0, int64_t l, PA_FN(la_scratch) *sc,
-                            PA_FN(la_unit) *b)
+/* The unit whose rows *r0 .. *r0+l-1 are unit u's rows c0 .. c0+l-1, for a chunk
+ * backward's block: u itself (*r0 = c0), or where the call stages its blocks, *b, those rows
+ * copied contiguous into sc->stage (rows_copy; *r0 = 0), the outputs written there going back
+ * to u by la_unstage. (The forward reads each of a block's rows about once, copies
+ * included: it is not staged.) */
+static const PA_FN(la_unit) *PA_FN(la_stage)(const PA_FN(la_call) *c, const PA_FN(la_unit) *u,
+                                             int64_t c0, int64_t l, PA_FN(la_scratch) *sc,
+                                             PA_FN(la_unit) *b, int64_t *r0)
 {
+    *r0 = c->staged ? 0 : c0;
+    if (!c->staged) return u;
     const int64_t K = u->d->K, V = u->d->V, G = u->d->gk == PA_GATE_VECTOR ? K : 1;
     const int64_t sq = u->sq, sv = u->sv;
     real *p = sc->stage;
@@ -768,12 +773,16 @@ static void PA_FN(la_stage)(const PA_FN(la_unit) *u, int64_t c0, int64_t l, PA_F
     b->dgv = PA_FN(stage_out)(u->dgv, l, V, &p);
     b->dbeta = PA_FN(stage_out)(u->dbeta, l, 1, &p);
     b->dskip = PA_FN(stage_out)(u->dskip, l, 1, &p);
+    return b;
 }
 
-/* The outputs of the staged block b (la_stage of rows c0 .. c0+l-1) into u's rows (rows_put) */
-static void PA_FN(la_unstage)(const PA_FN(la_unit) *b, int64_t c0, int64_t l,
-                              const PA_FN(la_unit) *u, int stream)
+/* The outputs of block b (as la_stage gave it for rows c0 .. c0+l-1) into u's rows where it
+ * is a staged copy (rows_put) */
+static void PA_FN(la_unstage)(const PA_FN(la_call) *c, const PA_FN(la_unit) *b, int64_t c0,
+                              int64_t l, const PA_FN(la_unit) *u)
 {
+    if (b == u) return;
+    const int stream = c->stream;
     const int64_t K = u->d->K, V = u->d->V, G = b->sg, sv = u->sv, sk = u->sk, sb = u->sb;
     if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * sv, sv, stream);
     if (b->dq) PA_FN(rows_put)(b->dq, K, l, K, u->dq + c0 * sk, sk, stream);
@@ -854,17 +863,18 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         PA_FN(la_gate_bound)(d, states + (p + 1) * KV, dS, sc->acc + d->K + d->V);
         if (chunk) {
-            PA_FN(la_unit) b;
-            PA_FN(la_stage)(&u, r0, n, sc, &b);
+            PA_FN(la_unit) staged;
+            int64_t r;
+            const PA_FN(la_unit) *b = PA_FN(la_stage)(c, &u, r0, n, sc, &staged, &r);
             if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
-            PA_FN(la_block)(&b, 0, n, 1, sc, &ks, &vs);
-            PA_FN(la_block_grads)(&b, 0, n, &ks, &vs, states + p * KV, dS, sc);
-            PA_FN(la_block_dstate)(&b, 0, n, &ks, &vs, dS, sc);
+            PA_FN(la_block)(b, r, n, 1, sc, &ks, &vs);
+            PA_FN(la_block_grads)(b, r, n, &ks, &vs, states + p * KV, dS, sc);
+            PA_FN(la_block_dstate)(b, r, n, &ks, &vs, dS, sc);
             PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
-            PA_FN(la_gate_piece)(&b, 0, n, sc->acc);
-            PA_FN(la_add_diagonal)(&b, 0, n);
-            PA_FN(la_finish_rows)(&b, 0, n);
-            PA_FN(la_unstage)(&b, r0, n, &u, c->stream);
+            PA_FN(la_gate_piece)(b, r, n, sc->acc);
+            PA_FN(la_add_diagonal)(b, r, n);
+            PA_FN(la_finish_rows)(b, r, n);
+            PA_FN(la_unstage)(c, b, r0, n, &u);
             continue;
         }
         if (rec) {
@@ -936,7 +946,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
             const int products = pa_bf16_products_begin(d->bf16);
             PA_FN(la_scratch) sc;
             int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, L, K, V, 0, backward), &failed);
-            PA_FN(la_unit) u, b;
+            PA_FN(la_unit) u, staged;
             PA_FN(la_side) ks, vs;
             /* each block's own state contribution (and dS) and decays */
 #pragma omp for schedule(dynamic, 1)
@@ -994,15 +1004,16 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                     continue;
                 }
                 const real *dS = dstates + (i + iunit[i]) * KV; /* at the start; its end next */
-                PA_FN(la_stage)(&u, c0, l, &sc, &b);
-                PA_FN(la_block)(&b, 0, l, 1, &sc, &ks, &vs);
-                PA_FN(la_block_grads)(&b, 0, l, &ks, &vs, S, dS + KV, &sc);
+                int64_t r;
+                const PA_FN(la_unit) *b = PA_FN(la_stage)(c, &u, c0, l, &sc, &staged, &r);
+                PA_FN(la_block)(b, r, l, 1, &sc, &ks, &vs);
+                PA_FN(la_block_grads)(b, r, l, &ks, &vs, S, dS + KV, &sc);
                 PA_FN(la_gate_bound)(d, S + KV, dS + KV, sc.acc + K + V);
                 PA_FN(la_gate_bound)(d, S, dS, sc.acc);
-                PA_FN(la_gate_piece)(&b, 0, l, sc.acc);
-                PA_FN(la_add_diagonal)(&b, 0, l);
-                PA_FN(la_finish_rows)(&b, 0, l);
-                PA_FN(la_unstage)(&b, c0, l, &u, c->stream);
+                PA_FN(la_gate_piece)(b, r, l, sc.acc);
+                PA_FN(la_add_diagonal)(b, r, l);
+                PA_FN(la_finish_rows)(b, r, l);
+                PA_FN(la_unstage)(c, b, c0, l, &u);
             }
             if (ok) free(sc.block);
             pa_bf16_products_end(products);
@@ -1030,6 +1041,7 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
     if ((c->states || items) && !(first = PA_FN(la_slots)(d, L))) return PA_ENOMEM;
     c->first = first;
     c->stream = PA_FN(la_streams)(d);
+    c->staged = PA_FN(rows_staged)(d->Hqk * d->K, d->H * d->V);
     int failed = 0;
     if (items) {
         failed = PA_FN(la_run_items)(c, backward, L, nthreads) != PA_OK;

@@ -162,7 +162,20 @@ static inline __attribute__((always_inline)) void PA_FN(prefetch_block_rows)(con
 static inline void PA_FN(rows_copy)(const real *X, int64_t ldx, int64_t n, int64_t D, real *Y,
                                     int64_t ldy)
 {
-    for (int64_t t = 0; t < n; t++) memcpy(Y + t * ldy, X + t * ldx, sizeof(real) * D);
+    if (D == 1) /* a column (beta, a scalar gate): no call per value */
+        for (int64_t t = 0; t < n; t++) Y[t * ldy] = X[t * ldx];
+    else
+        for (int64_t t = 0; t < n; t++) memcpy(Y + t * ldy, X + t * ldx, sizeof(real) * D);
+}
+
+/* Whether an engine stages its blocks (rows_copy), its rows being ldq (q, k) and ldv (v) reals
+ * apart: rows 1 KiB or more apart by a multiple of 1 KiB fall into a quarter or less of L1's
+ * sets (at 4 KiB, all into the same few). Closer rows stay apart in L1, and for their small
+ * blocks the copies would cost more than they save. */
+static inline int PA_FN(rows_staged)(int64_t ldq, int64_t ldv)
+{
+    const int64_t bq = ldq * (int64_t)sizeof(real), bv = ldv * (int64_t)sizeof(real);
+    return (bq >= 1024 && bq % 1024 == 0) || (bv >= 1024 && bv % 1024 == 0);
 }
 
 /* Calls whose outputs (output rows, kept states) pass PA_STREAM_BYTES write them with
