@@ -49,8 +49,9 @@
  * recurrent: states kept every DR_PIECE steps; each piece's states recomputed, then stepped
  * back one row at a time.
  *
- * Work is split over (sequence, head) units, each on one thread. The chunk and parallel forms
- * work on a copy of each block's rows, contiguous (dr_stage), and copy its output rows back.
+ * Work is split over (sequence, head) units, each on one thread. Where a unit's rows lie a
+ * multiple of 1 KiB apart, the chunk and parallel forms work on a copy of each block's rows,
+ * contiguous (dr_stage), and copy its output rows back.
  */
 
 #define DR_SUB 16   /* rows of a diagonal block of the triangular solves */

@@ -41,8 +41,9 @@
  *   dS_{t-1} = diag(e^gk) dS + a du^T.
  * Only e^gk <= 1 is ever formed, so strong decays cannot overflow.
  *
- * Work is split over (sequence, head) units, each on one thread. The chunk form works on a
- * copy of each block's rows, contiguous (dp_stage), and copies its output rows back.
+ * Work is split over (sequence, head) units, each on one thread. Where a unit's rows lie a
+ * multiple of 1 KiB apart, the chunk form works on a copy of each block's rows, contiguous
+ * (dp_stage), and copies its output rows back.
  */
 
 typedef struct {

@@ -50,8 +50,9 @@
  * then per row dbeta_t = v_t . dv'_t, dv_t = beta_t dv'_t + skip_h do_t (la_finish_rows).
  *
  * Work is split over units when there are enough of them; otherwise over (unit, chunk)
- * items, with the states passed by a scan over chunks (the only sequential part). The chunk
- * backward works on a copy of each block's rows, contiguous (la_stage).
+ * items, with the states passed by a scan over chunks (the only sequential part). Where a
+ * unit's rows lie a multiple of 1 KiB apart, the chunk backward works on a copy of each
+ * block's rows, contiguous (la_stage).
  */
 
 #define LA_PIECE 64   /* rows of a backward piece in the recurrent and parallel forms */
