@@ -1,5 +1,6 @@
 /* Log-linear attention (log-linear Mamba-2), forward and backward. Template body (see
- * core/dtype.h); needs core/vmath.h, core/gemm.c and ops/decay.h before it.
+ * core/dtype.h); needs core/vmath.h, core/gemm.c, ops/decay.h and ops/linear_engine.h (a
+ * block's rows staged contiguous) before it.
  *
  * Per (sequence, head) unit, with positions p = start + t (start: where the sequence resumes,
  * 0 without an initial state) and G the cumulative log gate of the call:
@@ -41,7 +42,10 @@
  *           dv += (W * Q~K^T)^T dO, da_i += E_ij, da_j -= E_ij with E = W * Q~K^T * dP
  *   and dg is the reverse cumulative sum of da.
  *
- * Work is split over (sequence, head) units, each on one thread.
+ * Work is split over (sequence, head) units, each on one thread. Where a unit's rows lie a
+ * multiple of 1 KiB apart, the chunk form works on a copy of each block's rows, contiguous
+ * (ll_stage), and copies its output rows back: the block's own product reads every earlier
+ * row of the block for each row.
  */
 
 typedef struct {
@@ -55,6 +59,7 @@ typedef struct {
     const pa_loglin_desc *d;
     const real *q, *k, *v, *g, *ls, *h0, *dout, *dht;
     real *o, *ht, *dq, *dk, *dv, *dg, *dls, *dh0;
+    int staged; /* blocks staged contiguous (rows_staged) */
 } PA_FN(ll_call);
 
 static void PA_FN(ll_unit_of)(const PA_FN(ll_call) *c, int64_t unit, PA_FN(ll_unit) *u)
@@ -100,6 +105,7 @@ typedef struct {
     real *Y, *dVb;             /* C max(K, V), C V */
     real *wl, *dSp, *work;     /* C; (L + 1) K V; the GEMM's packing */
     double *a, *da;            /* C each: the block's cumulative gate, its gradient */
+    real *stage;               /* C rows of a block's inputs and outputs (ll_stage) */
     void *block;
 } PA_FN(ll_scratch);
 
@@ -115,13 +121,15 @@ static int PA_FN(ll_scratch_alloc)(PA_FN(ll_scratch) *s, const pa_loglin_desc *d
                       (pieces + piece + 1) * sizeof(uint64_t),
                       ck, ck, ck, ck, (size_t)(C * KV_) * r, (size_t)(C * V) * r,
                       C * r, C ? LKV * r : 0, C ? (size_t)PA_FN(gemm_work_elems)(D, D, D) * r : 0,
-                      C * sizeof(double), C * sizeof(double)};
+                      C * sizeof(double), C * sizeof(double),
+                      (size_t)(C * (4 * K + 3 * V + 2 * d->L + 2)) * r};
     void **const parts[] = {(void **)&s->S,    (void **)&s->dS,    (void **)&s->qs,
                             (void **)&s->w,    (void **)&s->kept,  (void **)&s->trail,
                             (void **)&s->occ,  (void **)&s->Qs,    (void **)&s->Kd,
                             (void **)&s->dQs,  (void **)&s->dKb,   (void **)&s->Y,
                             (void **)&s->dVb,  (void **)&s->wl,    (void **)&s->dSp,
-                            (void **)&s->work, (void **)&s->a,     (void **)&s->da};
+                            (void **)&s->work, (void **)&s->a,     (void **)&s->da,
+                            (void **)&s->stage};
     s->block = pa_alloc_parts(parts, bytes, (int)(sizeof bytes / sizeof bytes[0]));
     s->K = d->K;
     s->V = d->V;
@@ -492,6 +500,51 @@ static void PA_FN(ll_block_backward)(const PA_FN(ll_unit) *u, int64_t t0, int64_
     memcpy(dS, dSp, sizeof(real) * (size_t)((L + 1) * KV));
 }
 
+/* The unit whose rows *r0 .. *r0+n-1 are unit u's rows t0 .. t0+n-1, for a block's
+ * functions: u itself (*r0 = t0), or where the call stages its blocks, *b, those rows copied
+ * contiguous into sc->stage (rows_copy; *r0 = 0, its positions from start + t0): q, k, v and
+ * g, and the level scales and dout unless state_only; the outputs written there go back to u
+ * by ll_unstage. */
+static const PA_FN(ll_unit) *PA_FN(ll_stage)(const PA_FN(ll_call) *c, const PA_FN(ll_unit) *u,
+                                             int64_t t0, int64_t n, int state_only,
+                                             PA_FN(ll_scratch) *sc, PA_FN(ll_unit) *b,
+                                             int64_t *r0)
+{
+    *r0 = c->staged ? 0 : t0;
+    if (!c->staged) return u;
+    const int64_t K = sc->K, V = sc->V, L = sc->L;
+    real *p = sc->stage;
+    *b = (PA_FN(ll_unit)){.T = n, .start = u->start + t0, .sk = K, .sv = V, .sg = 1, .sl = L};
+    b->q = PA_FN(stage_in)(u->q + t0 * u->sk, u->sk, n, K, &p);
+    b->k = PA_FN(stage_in)(u->k + t0 * u->sk, u->sk, n, K, &p);
+    b->v = PA_FN(stage_in)(u->v + t0 * u->sv, u->sv, n, V, &p);
+    b->g = PA_FN(stage_in)(u->g + t0 * u->sg, u->sg, n, 1, &p);
+    if (state_only) return b;
+    b->ls = PA_FN(stage_in)(u->ls + t0 * u->sl, u->sl, n, L, &p);
+    if (u->dout) b->dout = PA_FN(stage_in)(u->dout + t0 * u->sv, u->sv, n, V, &p);
+    b->o = PA_FN(stage_out)(u->o, n, V, &p);
+    b->dq = PA_FN(stage_out)(u->dq, n, K, &p);
+    b->dk = PA_FN(stage_out)(u->dk, n, K, &p);
+    b->dv = PA_FN(stage_out)(u->dv, n, V, &p);
+    b->dg = PA_FN(stage_out)(u->dg, n, 1, &p);
+    b->dls = PA_FN(stage_out)(u->dls, n, L, &p);
+    return b;
+}
+
+/* The outputs of block b (as ll_stage gave it for rows t0 .. t0+n-1) into u's rows where it
+ * is a staged copy */
+static void PA_FN(ll_unstage)(const PA_FN(ll_unit) *b, int64_t t0, int64_t n,
+                              const PA_FN(ll_unit) *u)
+{
+    if (b == u) return;
+    real *const from[] = {b->o, b->dq, b->dk, b->dv, b->dg, b->dls};
+    real *const to[] = {u->o, u->dq, u->dk, u->dv, u->dg, u->dls};
+    const int64_t width[] = {b->sv, b->sk, b->sk, b->sv, 1, b->sl};
+    const int64_t ld[] = {u->sv, u->sk, u->sk, u->sv, u->sg, u->sl};
+    for (int i = 0; i < 6; i++)
+        if (from[i]) PA_FN(rows_copy)(from[i], width[i], n, width[i], to[i] + t0 * ld[i], ld[i]);
+}
+
 /* One unit's forward: token by token (the recurrent form, sc->C = 0) or block by block */
 static void PA_FN(ll_unit_forward)(const PA_FN(ll_call) *c, int64_t unit, PA_FN(ll_scratch) *sc)
 {
@@ -503,9 +556,12 @@ static void PA_FN(ll_unit_forward)(const PA_FN(ll_call) *c, int64_t unit, PA_FN(
     lv.occ = PA_FN(ll_enter)(c->h0 ? c->h0 + unit * LKV : NULL, lv.S, L, KV);
     if (!sc->C)
         for (int64_t t = 0; t < u.T; t++) PA_FN(ll_step)(&u, t, d->scale, &lv, sc, NULL, NULL);
-    for (int64_t t0 = 0, n; sc->C && t0 < u.T; t0 += n) {
+    for (int64_t t0 = 0, n, r; sc->C && t0 < u.T; t0 += n) {
         n = PA_FN(ll_block_rows)(&u, t0, sc->C);
-        PA_FN(ll_block_forward)(&u, t0, n, d->scale, &lv, sc, 1);
+        PA_FN(ll_unit) staged;
+        const PA_FN(ll_unit) *b = PA_FN(ll_stage)(c, &u, t0, n, 0, sc, &staged, &r);
+        PA_FN(ll_block_forward)(b, r, n, d->scale, &lv, sc, 1);
+        PA_FN(ll_unstage)(b, t0, n, &u);
     }
     if (c->ht) PA_FN(ll_leave)(&lv, u.start + u.T, c->ht + unit * LKV, L, KV);
 }
@@ -527,7 +583,10 @@ static void PA_FN(ll_unit_backward_chunk)(const PA_FN(ll_call) *c, int64_t unit,
         for (int l = 1; l <= L; l++)
             if (lv.occ >> l & 1)
                 memcpy(sc->kept + KV * kept++, lv.S + l * KV, sizeof(real) * (size_t)KV);
-        PA_FN(ll_block_forward)(&u, t0, n, d->scale, &lv, sc, 0);
+        PA_FN(ll_unit) staged;
+        int64_t r;
+        const PA_FN(ll_unit) *b = PA_FN(ll_stage)(c, &u, t0, n, 1, sc, &staged, &r);
+        PA_FN(ll_block_forward)(b, r, n, d->scale, &lv, sc, 0);
     }
     memset(sc->dS, 0, sizeof(real) * (size_t)SKV);
     if (c->dht) {
@@ -541,7 +600,11 @@ static void PA_FN(ll_unit_backward_chunk)(const PA_FN(ll_call) *c, int64_t unit,
         for (int l = L; l >= 1; l--)
             if (sc->occ[b] >> l & 1)
                 memcpy(sc->S + l * KV, sc->kept + KV * --kept, sizeof(real) * (size_t)KV);
-        PA_FN(ll_block_backward)(&u, t0, n, d->scale, sc->S, sc->occ[b], sc->dS, sc);
+        PA_FN(ll_unit) staged;
+        int64_t r;
+        const PA_FN(ll_unit) *bu = PA_FN(ll_stage)(c, &u, t0, n, 0, sc, &staged, &r);
+        PA_FN(ll_block_backward)(bu, r, n, d->scale, sc->S, sc->occ[b], sc->dS, sc);
+        PA_FN(ll_unstage)(bu, t0, n, &u);
     }
     if (c->dh0) {
         memcpy(c->dh0 + unit * LKV, sc->dS, sizeof(real) * (size_t)LKV);
@@ -601,7 +664,8 @@ static int PA_FN(loglin_forward)(const pa_loglin_desc *d, const void *q, const v
                                  void *o, void *ht)
 {
     const PA_FN(ll_call) c = {.d = d, .q = q, .k = k, .v = v, .g = g, .ls = ls, .h0 = h0,
-                              .o = o, .ht = ht};
+                              .o = o, .ht = ht,
+                              .staged = PA_FN(rows_staged)(d->H * d->K, d->H * d->V)};
     return PA_FN(ll_run)(&c, 0);
 }
 
@@ -612,6 +676,7 @@ static int PA_FN(loglin_backward)(const pa_loglin_desc *d, const void *q, const 
 {
     const PA_FN(ll_call) c = {.d = d, .q = q, .k = k, .v = v, .g = g, .ls = ls, .h0 = h0,
                               .dout = dout, .dht = dht, .dq = dq, .dk = dk, .dv = dv, .dg = dg,
-                              .dls = dls, .dh0 = dh0};
+                              .dls = dls, .dh0 = dh0,
+                              .staged = PA_FN(rows_staged)(d->H * d->K, d->H * d->V)};
     return PA_FN(ll_run)(&c, 1);
 }
