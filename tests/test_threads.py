@@ -102,10 +102,9 @@ STREAMED = {
 }
 
 
-@pytest.mark.parametrize("op", sorted(STREAMED))
-def test_streamed_outputs_equal_plain_ones(op, rng):
-    B, T, H, K = 2, 2200, 8, 64
-    assert B * T * H * 2 * K * 4 >= 16 << 20 > T * H * 2 * K * 4
+def _chunk_call(op, rng, B, T, H, K):
+    """run(b, h, **kw): op's outputs and gradients (under vjp, from an initial state) on batch
+    rows b and heads h of one draw of inputs [B, T, H, K]."""
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     q, v, do = f(B, T, H, K), f(B, T, H, K), f(B, T, H, K)
     k = f(B, T, H, K)
@@ -117,14 +116,23 @@ def test_streamed_outputs_equal_plain_ones(op, rng):
     fn = getattr(pyattn, op)
     args = STREAMED[op](q, k, v, g, gk, beta)
 
-    def run(part):
-        sub = [a[part] for a in args]
-        (o, ht), pullback = pyattn.vjp(fn, *sub, initial_state=h0[part], output_final_state=True)
-        return {"o": o, "ht": ht, **pullback((do[part], dht[part]))}
+    def run(b, h, **kw):
+        sub = [np.ascontiguousarray(a[b][:, :, h]) for a in args]
+        (o, ht), pullback = pyattn.vjp(fn, *sub, initial_state=h0[b][:, h], output_final_state=True, **kw)
+        return {"o": o, "ht": ht, **pullback((np.ascontiguousarray(do[b][:, :, h]), dht[b][:, h]))}
 
-    whole = run(slice(0, B))
+    return run
+
+
+@pytest.mark.parametrize("op", sorted(STREAMED))
+def test_streamed_outputs_equal_plain_ones(op, rng):
+    B, T, H, K = 2, 2200, 8, 64
+    assert B * T * H * 2 * K * 4 >= 16 << 20 > T * H * 2 * K * 4
+    run = _chunk_call(op, rng, B, T, H, K)
+    every = slice(0, H)
+    whole = run(slice(0, B), every)
     for b in range(B):
-        alone = run(slice(b, b + 1))
+        alone = run(slice(b, b + 1), every)
         for key, x in alone.items():
             np.testing.assert_array_equal(whole[key][b:b + 1], x, err_msg=f"{op} {key} batch {b}")
         assert np.all(np.isfinite(alone["o"]))
@@ -137,26 +145,10 @@ def test_streamed_outputs_equal_plain_ones(op, rng):
 @pytest.mark.parametrize("op", sorted(STREAMED))
 def test_staged_blocks_equal_unstaged(op, rng):
     B, T, H, K = 1, 200, 4, 64
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    q, v, do = f(B, T, H, K), f(B, T, H, K), f(B, T, H, K)
-    k = f(B, T, H, K)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    g = np.log(1 / (1 + np.exp(-f(B, T, H)))) / 8
-    gk = np.log(1 / (1 + np.exp(-f(B, T, H, K)))) / 8
-    beta = 1 / (1 + np.exp(-f(B, T, H)))
-    h0, dht = f(B, H, K, K), f(B, H, K, K)
-    fn = getattr(pyattn, op)
-    args = STREAMED[op](q, k, v, g, gk, beta)
-
-    def run(h):
-        sub = [np.ascontiguousarray(a[:, :, h]) for a in args]
-        (o, ht), pullback = pyattn.vjp(fn, *sub, initial_state=h0[:, h], output_final_state=True,
-                                       chunk_size=32)
-        return {"o": o, "ht": ht, **pullback((np.ascontiguousarray(do[:, :, h]), dht[:, h]))}
-
-    whole = run(slice(0, H))
+    run = _chunk_call(op, rng, B, T, H, K)
+    whole = run(slice(0, B), slice(0, H), chunk_size=32)
     for h in range(H):
-        alone = run(slice(h, h + 1))
+        alone = run(slice(0, B), slice(h, h + 1), chunk_size=32)
         for key, x in alone.items():
             part = whole[key][:, h:h + 1] if key in ("ht", "initial_state") else whole[key][:, :, h:h + 1]
             np.testing.assert_array_equal(part, x, err_msg=f"{op} {key} head {h}")

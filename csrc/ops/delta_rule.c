@@ -624,19 +624,15 @@ static const PA_FN(dr_unit) *PA_FN(dr_stage)(const PA_FN(dr_call) *c, const PA_F
     const int64_t K = sc->K, V = sc->V, G = u->gate == PA_GATE_VECTOR ? K : 1;
     real *p = sc->stage;
     *b = (PA_FN(dr_unit)){.T = l, .gate = u->gate, .sq = K, .sk = K, .sv = V, .sg = G, .sb = 1};
-    b->k = PA_FN(stage_in)(u->k + c0 * u->sq, u->sq, l, K, &p);
-    b->v = PA_FN(stage_in)(u->v + c0 * u->sv, u->sv, l, V, &p);
-    b->beta = PA_FN(stage_in)(u->beta + c0 * u->sb, u->sb, l, 1, &p);
-    if (u->g) b->g = PA_FN(stage_in)(u->g + c0 * u->sg, u->sg, l, G, &p);
+    const real *const in[] = {u->k, u->v, u->beta, u->g, u->q, u->dout};
+    const int64_t ld[] = {u->sq, u->sv, u->sb, u->sg, u->sq, u->sv}, w[] = {K, V, 1, G, K, V};
+    const real **const to[] = {&b->k, &b->v, &b->beta, &b->g, &b->q, &b->dout};
+    PA_FN(stage_rows_in)(state_only ? 4 : 6, in, ld, w, c0, l, to, &p);
     if (state_only) return b;
-    b->q = PA_FN(stage_in)(u->q + c0 * u->sq, u->sq, l, K, &p);
-    if (u->dout) b->dout = PA_FN(stage_in)(u->dout + c0 * u->sv, u->sv, l, V, &p);
-    b->o = PA_FN(stage_out)(u->o, l, V, &p);
-    b->dq = PA_FN(stage_out)(u->dq, l, K, &p);
-    b->dk = PA_FN(stage_out)(u->dk, l, K, &p);
-    b->dv = PA_FN(stage_out)(u->dv, l, V, &p);
-    b->dg = PA_FN(stage_out)(u->dg, l, G, &p);
-    b->dbeta = PA_FN(stage_out)(u->dbeta, l, 1, &p);
+    real *const out[] = {u->o, u->dq, u->dk, u->dv, u->dg, u->dbeta};
+    const int64_t wo[] = {V, K, K, V, G, 1};
+    real **const into[] = {&b->o, &b->dq, &b->dk, &b->dv, &b->dg, &b->dbeta};
+    PA_FN(stage_rows_out)(6, out, wo, l, into, &p);
     return b;
 }
 
@@ -647,13 +643,10 @@ static void PA_FN(dr_unstage)(const PA_FN(dr_call) *c, const PA_FN(dr_unit) *b, 
 {
     if (b == u) return;
     const int64_t K = c->d->K, V = c->d->V;
-    const int stream = c->stream;
-    if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * u->sv, u->sv, stream);
-    if (b->dq) PA_FN(rows_put)(b->dq, K, l, K, u->dq + c0 * u->sk, u->sk, stream);
-    if (b->dk) PA_FN(rows_put)(b->dk, K, l, K, u->dk + c0 * u->sk, u->sk, stream);
-    if (b->dv) PA_FN(rows_put)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv, stream);
-    if (b->dg) PA_FN(rows_put)(b->dg, b->sg, l, b->sg, u->dg + c0 * u->sg, u->sg, stream);
-    if (b->dbeta) PA_FN(rows_put)(b->dbeta, 1, l, 1, u->dbeta + c0 * u->sb, u->sb, stream);
+    real *const from[] = {b->o, b->dq, b->dk, b->dv, b->dg, b->dbeta};
+    real *const to[] = {u->o, u->dq, u->dk, u->dv, u->dg, u->dbeta};
+    const int64_t w[] = {V, K, K, V, b->sg, 1}, ld[] = {u->sv, u->sk, u->sk, u->sv, u->sg, u->sb};
+    PA_FN(unstage_rows)(6, from, w, to, ld, c0, l, c->stream);
 }
 
 /* The unit's rows r0 .. r0+n-1 into L2 (prefetch_block_rows). state_only: the rows a block's

@@ -519,19 +519,15 @@ static const PA_FN(dp_unit) *PA_FN(dp_stage)(const PA_FN(dp_call) *c, const PA_F
     const int64_t K = sc->K, V = sc->V, sk = u->sk, sv = u->sv;
     real *p = sc->stage;
     *b = (PA_FN(dp_unit)){.T = l, .sk = K, .sv = V};
-    b->k = PA_FN(stage_in)(u->k + c0 * sk, sk, l, K, &p);
-    b->a = PA_FN(stage_in)(u->a + c0 * sk, sk, l, K, &p);
-    b->b = PA_FN(stage_in)(u->b + c0 * sk, sk, l, K, &p);
-    b->gk = PA_FN(stage_in)(u->gk + c0 * sk, sk, l, K, &p);
-    b->v = PA_FN(stage_in)(u->v + c0 * sv, sv, l, V, &p);
+    const real *const in[] = {u->k, u->a, u->b, u->gk, u->v, u->q, u->dout};
+    const int64_t ld[] = {sk, sk, sk, sk, sv, sk, sv}, w[] = {K, K, K, K, V, K, V};
+    const real **const to[] = {&b->k, &b->a, &b->b, &b->gk, &b->v, &b->q, &b->dout};
+    PA_FN(stage_rows_in)(state_only ? 5 : 7, in, ld, w, c0, l, to, &p);
     if (state_only) return b;
-    b->q = PA_FN(stage_in)(u->q + c0 * sk, sk, l, K, &p);
-    if (u->dout) b->dout = PA_FN(stage_in)(u->dout + c0 * sv, sv, l, V, &p);
-    b->o = PA_FN(stage_out)(u->o, l, V, &p);
-    b->dv = PA_FN(stage_out)(u->dv, l, V, &p);
-    real **kout[] = {&b->dq, &b->dk, &b->da, &b->db, &b->dgk};
-    real *const from[] = {u->dq, u->dk, u->da, u->db, u->dgk};
-    for (int i = 0; i < 5; i++) *kout[i] = PA_FN(stage_out)(from[i], l, K, &p);
+    real *const out[] = {u->o, u->dv, u->dq, u->dk, u->da, u->db, u->dgk};
+    const int64_t wo[] = {V, V, K, K, K, K, K};
+    real **const into[] = {&b->o, &b->dv, &b->dq, &b->dk, &b->da, &b->db, &b->dgk};
+    PA_FN(stage_rows_out)(7, out, wo, l, into, &p);
     return b;
 }
 
@@ -541,14 +537,11 @@ static void PA_FN(dp_unstage)(const PA_FN(dp_call) *c, const PA_FN(dp_unit) *b, 
                               int64_t l, const PA_FN(dp_unit) *u)
 {
     if (b == u) return;
-    const int64_t K = c->d->K, V = c->d->V;
-    const int stream = c->stream;
-    if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * u->sv, u->sv, stream);
-    if (b->dv) PA_FN(rows_put)(b->dv, V, l, V, u->dv + c0 * u->sv, u->sv, stream);
-    const real *const kin[] = {b->dq, b->dk, b->da, b->db, b->dgk};
-    real *const to[] = {u->dq, u->dk, u->da, u->db, u->dgk};
-    for (int i = 0; i < 5; i++)
-        if (kin[i]) PA_FN(rows_put)(kin[i], K, l, K, to[i] + c0 * u->sk, u->sk, stream);
+    const int64_t K = c->d->K, V = c->d->V, sk = u->sk, sv = u->sv;
+    real *const from[] = {b->o, b->dv, b->dq, b->dk, b->da, b->db, b->dgk};
+    real *const to[] = {u->o, u->dv, u->dq, u->dk, u->da, u->db, u->dgk};
+    const int64_t w[] = {V, V, K, K, K, K, K}, ld[] = {sv, sv, sk, sk, sk, sk, sk};
+    PA_FN(unstage_rows)(7, from, w, to, ld, c0, l, c->stream);
 }
 
 static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(dp_scratch) *sc)

@@ -759,21 +759,14 @@ static const PA_FN(la_unit) *PA_FN(la_stage)(const PA_FN(la_call) *c, const PA_F
     real *p = sc->stage;
     *b = (PA_FN(la_unit)){.d = u->d, .T = l, .sq = K, .sk = K, .sv = V, .sg = G, .sb = 1,
                           .skip = u->skip, .has_skip = u->has_skip};
-    b->k = PA_FN(stage_in)(u->k + c0 * sq, sq, l, K, &p);
-    b->v = PA_FN(stage_in)(u->v + c0 * sv, sv, l, V, &p);
-    if (u->gk) b->gk = PA_FN(stage_in)(u->gk + c0 * u->sg, u->sg, l, G, &p);
-    if (u->gv) b->gv = PA_FN(stage_in)(u->gv + c0 * sv, sv, l, V, &p);
-    if (u->beta) b->beta = PA_FN(stage_in)(u->beta + c0 * u->sb, u->sb, l, 1, &p);
-    b->q = PA_FN(stage_in)(u->q + c0 * sq, sq, l, K, &p);
-    if (u->dout) b->dout = PA_FN(stage_in)(u->dout + c0 * sv, sv, l, V, &p);
-    b->o = PA_FN(stage_out)(u->o, l, V, &p);
-    b->dq = PA_FN(stage_out)(u->dq, l, K, &p);
-    b->dk = PA_FN(stage_out)(u->dk, l, K, &p);
-    b->dv = PA_FN(stage_out)(u->dv, l, V, &p);
-    b->dgk = PA_FN(stage_out)(u->dgk, l, G, &p);
-    b->dgv = PA_FN(stage_out)(u->dgv, l, V, &p);
-    b->dbeta = PA_FN(stage_out)(u->dbeta, l, 1, &p);
-    b->dskip = PA_FN(stage_out)(u->dskip, l, 1, &p);
+    const real *const in[] = {u->k, u->v, u->gk, u->gv, u->beta, u->q, u->dout};
+    const int64_t ld[] = {sq, sv, u->sg, sv, u->sb, sq, sv}, w[] = {K, V, G, V, 1, K, V};
+    const real **const to[] = {&b->k, &b->v, &b->gk, &b->gv, &b->beta, &b->q, &b->dout};
+    PA_FN(stage_rows_in)(7, in, ld, w, c0, l, to, &p);
+    real *const out[] = {u->o, u->dq, u->dk, u->dv, u->dgk, u->dgv, u->dbeta, u->dskip};
+    const int64_t wo[] = {V, K, K, V, G, V, 1, 1};
+    real **const into[] = {&b->o, &b->dq, &b->dk, &b->dv, &b->dgk, &b->dgv, &b->dbeta, &b->dskip};
+    PA_FN(stage_rows_out)(8, out, wo, l, into, &p);
     return b;
 }
 
@@ -783,16 +776,11 @@ static void PA_FN(la_unstage)(const PA_FN(la_call) *c, const PA_FN(la_unit) *b, 
                               int64_t l, const PA_FN(la_unit) *u)
 {
     if (b == u) return;
-    const int stream = c->stream;
     const int64_t K = u->d->K, V = u->d->V, G = b->sg, sv = u->sv, sk = u->sk, sb = u->sb;
-    if (b->o) PA_FN(rows_put)(b->o, V, l, V, u->o + c0 * sv, sv, stream);
-    if (b->dq) PA_FN(rows_put)(b->dq, K, l, K, u->dq + c0 * sk, sk, stream);
-    if (b->dk) PA_FN(rows_put)(b->dk, K, l, K, u->dk + c0 * sk, sk, stream);
-    if (b->dv) PA_FN(rows_put)(b->dv, V, l, V, u->dv + c0 * sv, sv, stream);
-    if (b->dgk) PA_FN(rows_put)(b->dgk, G, l, G, u->dgk + c0 * u->sg, u->sg, stream);
-    if (b->dgv) PA_FN(rows_put)(b->dgv, V, l, V, u->dgv + c0 * sv, sv, stream);
-    if (b->dbeta) PA_FN(rows_put)(b->dbeta, 1, l, 1, u->dbeta + c0 * sb, sb, stream);
-    if (b->dskip) PA_FN(rows_put)(b->dskip, 1, l, 1, u->dskip + c0 * sb, sb, stream);
+    real *const from[] = {b->o, b->dq, b->dk, b->dv, b->dgk, b->dgv, b->dbeta, b->dskip};
+    real *const to[] = {u->o, u->dq, u->dk, u->dv, u->dgk, u->dgv, u->dbeta, u->dskip};
+    const int64_t w[] = {V, K, K, V, G, V, 1, 1}, ld[] = {sv, sk, sk, sv, u->sg, sv, sb, sb};
+    PA_FN(unstage_rows)(8, from, w, to, ld, c0, l, c->stream);
 }
 
 /* One unit's forward, every block in order, on one thread; with kept states each block's

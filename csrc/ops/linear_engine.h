@@ -229,24 +229,42 @@ static inline void PA_FN(la_keep_state)(real **slot, const real *S, int64_t KV, 
     *slot += KV;
 }
 
-/* l rows of D reals from x (ldx apart) into a block's stage at *p, which moves past them */
-static inline const real *PA_FN(stage_in)(const real *x, int64_t ldx, int64_t l, int64_t D,
-                                          real **p)
+/* Rows c0 .. c0+l-1 of n inputs (src[i], rows ld[i] reals apart, width[i] each; NULL: none)
+ * copied contiguous into a block's stage at *p (rows_copy), which moves past them; *dst[i]
+ * points to the copy */
+static inline void PA_FN(stage_rows_in)(int n, const real *const *src, const int64_t *ld,
+                                        const int64_t *width, int64_t c0, int64_t l,
+                                        const real **const *dst, real **p)
 {
-    real *y = *p;
-    PA_FN(rows_copy)(x, ldx, l, D, y, D);
-    *p += l * D;
-    return y;
+    for (int i = 0; i < n; i++)
+        if (src[i]) {
+            PA_FN(rows_copy)(src[i] + c0 * ld[i], ld[i], l, width[i], *p, width[i]);
+            *dst[i] = *p;
+            *p += l * width[i];
+        }
 }
 
-/* Room in a block's stage at *p for l output rows of D reals (NULL where the unit has no such
- * output, x NULL) */
-static inline real *PA_FN(stage_out)(const real *x, int64_t l, int64_t D, real **p)
+/* Room in a block's stage at *p for l rows of width[i] for each of n outputs the unit has
+ * (out[i] not NULL): *dst[i] */
+static inline void PA_FN(stage_rows_out)(int n, real *const *out, const int64_t *width, int64_t l,
+                                         real **const *dst, real **p)
 {
-    if (!x) return NULL;
-    real *y = *p;
-    *p += l * D;
-    return y;
+    for (int i = 0; i < n; i++)
+        if (out[i]) {
+            *dst[i] = *p;
+            *p += l * width[i];
+        }
+}
+
+/* A staged block's l output rows back (rows_put): from[i] (rows of width[i], contiguous) into
+ * rows c0 .. of to[i] (ld[i] apart), for the outputs present */
+static inline void PA_FN(unstage_rows)(int n, real *const *from, const int64_t *width,
+                                       real *const *to, const int64_t *ld, int64_t c0, int64_t l,
+                                       int stream)
+{
+    for (int i = 0; i < n; i++)
+        if (from[i])
+            PA_FN(rows_put)(from[i], width[i], l, width[i], to[i] + c0 * ld[i], ld[i], stream);
 }
 
 /* G (L x D) = the inclusive cumulative sum of g's clamped rows (gate_step), summed as

@@ -515,19 +515,15 @@ static const PA_FN(ll_unit) *PA_FN(ll_stage)(const PA_FN(ll_call) *c, const PA_F
     const int64_t K = sc->K, V = sc->V, L = sc->L;
     real *p = sc->stage;
     *b = (PA_FN(ll_unit)){.T = n, .start = u->start + t0, .sk = K, .sv = V, .sg = 1, .sl = L};
-    b->q = PA_FN(stage_in)(u->q + t0 * u->sk, u->sk, n, K, &p);
-    b->k = PA_FN(stage_in)(u->k + t0 * u->sk, u->sk, n, K, &p);
-    b->v = PA_FN(stage_in)(u->v + t0 * u->sv, u->sv, n, V, &p);
-    b->g = PA_FN(stage_in)(u->g + t0 * u->sg, u->sg, n, 1, &p);
+    const real *const in[] = {u->q, u->k, u->v, u->g, u->ls, u->dout};
+    const int64_t ld[] = {u->sk, u->sk, u->sv, u->sg, u->sl, u->sv}, w[] = {K, K, V, 1, L, V};
+    const real **const to[] = {&b->q, &b->k, &b->v, &b->g, &b->ls, &b->dout};
+    PA_FN(stage_rows_in)(state_only ? 4 : 6, in, ld, w, t0, n, to, &p);
     if (state_only) return b;
-    b->ls = PA_FN(stage_in)(u->ls + t0 * u->sl, u->sl, n, L, &p);
-    if (u->dout) b->dout = PA_FN(stage_in)(u->dout + t0 * u->sv, u->sv, n, V, &p);
-    b->o = PA_FN(stage_out)(u->o, n, V, &p);
-    b->dq = PA_FN(stage_out)(u->dq, n, K, &p);
-    b->dk = PA_FN(stage_out)(u->dk, n, K, &p);
-    b->dv = PA_FN(stage_out)(u->dv, n, V, &p);
-    b->dg = PA_FN(stage_out)(u->dg, n, 1, &p);
-    b->dls = PA_FN(stage_out)(u->dls, n, L, &p);
+    real *const out[] = {u->o, u->dq, u->dk, u->dv, u->dg, u->dls};
+    const int64_t wo[] = {V, K, K, V, 1, L};
+    real **const into[] = {&b->o, &b->dq, &b->dk, &b->dv, &b->dg, &b->dls};
+    PA_FN(stage_rows_out)(6, out, wo, n, into, &p);
     return b;
 }
 
@@ -541,8 +537,7 @@ static void PA_FN(ll_unstage)(const PA_FN(ll_unit) *b, int64_t t0, int64_t n,
     real *const to[] = {u->o, u->dq, u->dk, u->dv, u->dg, u->dls};
     const int64_t width[] = {b->sv, b->sk, b->sk, b->sv, 1, b->sl};
     const int64_t ld[] = {u->sv, u->sk, u->sk, u->sv, u->sg, u->sl};
-    for (int i = 0; i < 6; i++)
-        if (from[i]) PA_FN(rows_copy)(from[i], width[i], n, width[i], to[i] + t0 * ld[i], ld[i]);
+    PA_FN(unstage_rows)(6, from, width, to, ld, t0, n, 0);
 }
 
 /* One unit's forward: token by token (the recurrent form, sc->C = 0) or block by block */
