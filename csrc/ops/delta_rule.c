@@ -71,7 +71,7 @@ typedef struct {
     real *o, *ht, *dq, *dk, *dv, *dg, *dbeta, *dh0;
     real *states;         /* chunk form: the kept states (forward: written; backward: read) */
     const int64_t *first; /* their layout (la_slots) when given */
-    int stream;           /* outputs and kept states put with non-temporal stores (la_streams) */
+    int stream;           /* kept states and staged outputs put with non-temporal stores */
     int staged;           /* blocks staged contiguous (rows_staged) */
 } PA_FN(dr_call);
 
