@@ -732,15 +732,13 @@ static inline __attribute__((always_inline)) void PA_FN(la_prefetch_rows)(const 
                                                                          int64_t r0, int64_t n,
                                                                          int state_only)
 {
-    const pa_linear_desc *d = u->d;
-    for (int64_t t = r0; t < r0 + n && t < u->T; t++) {
-        if (!state_only) PA_FN(prefetch_span)(u->q + t * u->sq, d->K, 0);
-        PA_FN(prefetch_span)(u->k + t * u->sq, d->K, 0);
-        PA_FN(prefetch_span)(u->v + t * u->sv, d->V, 0);
-        if (d->gk == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gk + t * u->sg, d->K, 0);
-        if (d->gv == PA_GATE_VECTOR) PA_FN(prefetch_span)(u->gv + t * u->sv, d->V, 0);
-        if (u->dout && !state_only) PA_FN(prefetch_span)(u->dout + t * u->sv, d->V, 0);
-    }
+    const int64_t K = u->d->K, V = u->d->V, T = u->T;
+    if (!state_only) PA_FN(prefetch_block_rows)(u->q, u->sq, K, r0, n, T);
+    PA_FN(prefetch_block_rows)(u->k, u->sq, K, r0, n, T);
+    PA_FN(prefetch_block_rows)(u->v, u->sv, V, r0, n, T);
+    if (u->d->gk == PA_GATE_VECTOR) PA_FN(prefetch_block_rows)(u->gk, u->sg, K, r0, n, T);
+    if (u->d->gv == PA_GATE_VECTOR) PA_FN(prefetch_block_rows)(u->gv, u->sv, V, r0, n, T);
+    if (u->dout && !state_only) PA_FN(prefetch_block_rows)(u->dout, u->sv, V, r0, n, T);
 }
 
 /* The unit whose rows *r0 .. *r0+l-1 are unit u's rows c0 .. c0+l-1, for a chunk
@@ -851,34 +849,25 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         PA_FN(la_gate_bound)(d, states + (p + 1) * KV, dS, sc->acc + d->K + d->V);
-        if (chunk) {
-            PA_FN(la_unit) staged;
-            int64_t r;
-            const PA_FN(la_unit) *b = PA_FN(la_stage)(c, &u, r0, n, sc, &staged, &r);
-            if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
-            PA_FN(la_block)(b, r, n, 1, sc, &ks, &vs);
-            PA_FN(la_block_grads)(b, r, n, &ks, &vs, states + p * KV, dS, sc);
-            PA_FN(la_block_dstate)(b, r, n, &ks, &vs, dS, sc);
-            PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
-            PA_FN(la_gate_piece)(b, r, n, sc->acc);
-            PA_FN(la_add_diagonal)(b, r, n);
-            PA_FN(la_finish_rows)(b, r, n);
-            PA_FN(la_unstage)(c, b, r0, n, &u);
-            continue;
-        }
+        /* a chunk block's rows staged (la_stage); the other forms' pieces read u's rows */
+        PA_FN(la_unit) staged;
+        int64_t r = r0;
+        const PA_FN(la_unit) *b = chunk ? PA_FN(la_stage)(c, &u, r0, n, sc, &staged, &r) : &u;
         if (rec) {
             PA_FN(la_recurrent_reverse)(&u, r0, n, dS, sc);
         } else {
             if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
-            PA_FN(la_block)(&u, r0, n, 0, sc, &ks, &vs);
-            PA_FN(la_block_dstate)(&u, r0, n, &ks, &vs, dS, sc);
+            PA_FN(la_block)(b, r, n, chunk, sc, &ks, &vs);
+            if (chunk) PA_FN(la_block_grads)(b, r, n, &ks, &vs, states + p * KV, dS, sc);
+            PA_FN(la_block_dstate)(b, r, n, &ks, &vs, dS, sc);
         }
         PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
-        PA_FN(la_gate_piece)(&u, r0, n, sc->acc);
+        PA_FN(la_gate_piece)(b, r, n, sc->acc);
         if (d->form != PA_FORM_PARALLEL) {
-            PA_FN(la_add_diagonal)(&u, r0, n);
-            PA_FN(la_finish_rows)(&u, r0, n);
+            PA_FN(la_add_diagonal)(b, r, n);
+            PA_FN(la_finish_rows)(b, r, n);
         }
+        PA_FN(la_unstage)(c, b, r0, n, &u);
     }
     if (d->form == PA_FORM_PARALLEL) {
         PA_FN(la_add_diagonal)(&u, 0, u.T);
