@@ -149,8 +149,9 @@ static void PA_FN(dr_scratch_link)(PA_FN(la_bufs) *bufs, real *Bp, int64_t *rows
     bufs->work = work;
 }
 
+/* staged: room to stage a block (dr_stage) */
 static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, int64_t V,
-                                   int64_t nstates)
+                                   int64_t nstates, int staged)
 {
     const int64_t W = K + V;
     const size_t r = sizeof(real), dbl = sizeof(double), LL = L * L * r, LK = L * K * r;
@@ -159,7 +160,8 @@ static int PA_FN(dr_scratch_alloc)(PA_FN(dr_scratch) *s, int64_t L, int64_t K, i
     size_t bytes[] = {2 * L * dbl, 2 * LK, (2 * L + 1) * K * r, 2 * K * dbl, L * K * dbl,
                       L * r, L * r, LL, LL, LL, LL, LL, L * W * r, L * W * r, L * V * r,
                       LK, LK, LK, 2 * K * r, K * r, K * r, V * r, V * r, V * r,
-                      K * V * r, K * V * r, nstates * K * V * r, L * (6 * K + 3 * V + 2) * r,
+                      K * V * r, K * V * r, nstates * K * V * r,
+                      staged ? L * (6 * K + 3 * V + 2) * r : 0,
                       packed, L * sizeof(int64_t), work, LK, LK, LL};
     void **const parts[] = {(void **)&s->Gs, (void **)&s->Gk, (void **)&s->Ek, (void **)&s->acc,
                             (void **)&s->dG, (void **)&s->bet, (void **)&s->dp, (void **)&s->Dm,
@@ -778,7 +780,8 @@ static int PA_FN(dr_run)(PA_FN(dr_call) *c, int backward)
         const unsigned csr = pa_subnormals_flush();
         const int products = pa_bf16_products_begin(d->bf16 && d->form == PA_FORM_CHUNK);
         PA_FN(dr_scratch) sc;
-        int ok = pa_scratch_ok(PA_FN(dr_scratch_alloc)(&sc, L, d->K, d->V, nstates), &failed);
+        int ok = pa_scratch_ok(PA_FN(dr_scratch_alloc)(&sc, L, d->K, d->V, nstates, c->staged),
+                                    &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
             if (!ok) continue;

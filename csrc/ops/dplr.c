@@ -114,8 +114,9 @@ typedef struct {
     void *block;
 } PA_FN(dp_scratch);
 
+/* staged: room to stage a block (dp_stage) */
 static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t L, int64_t K, int64_t V,
-                                   int64_t nstates)
+                                   int64_t nstates, int staged)
 {
     const int64_t W = K + V;
     const size_t r = sizeof(real), dbl = sizeof(double), LL = L * L * r, LK = L * K * r;
@@ -124,7 +125,7 @@ static int PA_FN(dp_scratch_alloc)(PA_FN(dp_scratch) *s, int64_t L, int64_t K, i
     size_t bytes[] = {K * r, V * r, V * r, K * V * r, K * V * r, nstates * K * V * r,
                       2 * LK, (2 * L + 1) * K * r, 2 * K * dbl, L * K * dbl, L * r, LK,
                       LL, LL, LL, LL, LL, L * W * r, L * W * r, L * V * r, LK, LK, LK, K * r,
-                      L * (10 * K + 3 * V) * r, packed, L * sizeof(int64_t), work, LK, LK, LL};
+                      staged ? L * (10 * K + 3 * V) * r : 0, packed, L * sizeof(int64_t), work, LK, LK, LL};
     void **const parts[] = {(void **)&s->e,   (void **)&s->w,     (void **)&s->dw,
                             (void **)&s->S,   (void **)&s->dS,    (void **)&s->states,
                             (void **)&s->Gk,  (void **)&s->Ek,    (void **)&s->acc,
@@ -643,7 +644,8 @@ static int PA_FN(dp_run)(PA_FN(dp_call) *c, int backward)
         const unsigned csr = pa_subnormals_flush();
         const int products = pa_bf16_products_begin(d->bf16 && d->form == PA_FORM_CHUNK);
         PA_FN(dp_scratch) sc;
-        int ok = pa_scratch_ok(PA_FN(dp_scratch_alloc)(&sc, L, d->K, d->V, nstates), &failed);
+        int ok = pa_scratch_ok(PA_FN(dp_scratch_alloc)(&sc, L, d->K, d->V, nstates, c->staged),
+                                    &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
             if (!ok) continue;

@@ -110,9 +110,9 @@ typedef struct {
 } PA_FN(ll_scratch);
 
 /* pieces: levels kept (backward); piece: steps of a recurrent piece (backward); C: rows of a
- * chunk-form block (0: recurrent form) */
+ * chunk-form block (0: recurrent form); staged: room to stage a block (ll_stage) */
 static int PA_FN(ll_scratch_alloc)(PA_FN(ll_scratch) *s, const pa_loglin_desc *d, int64_t pieces,
-                                   int64_t piece, int64_t C)
+                                   int64_t piece, int64_t C, int staged)
 {
     const size_t r = sizeof(real), LKV = (size_t)((d->L + 1) * d->K * d->V);
     const int64_t K = d->K, V = d->V, KV_ = K > V ? K : V, D = C > KV_ ? C : KV_;
@@ -122,7 +122,7 @@ static int PA_FN(ll_scratch_alloc)(PA_FN(ll_scratch) *s, const pa_loglin_desc *d
                       ck, ck, ck, ck, (size_t)(C * KV_) * r, (size_t)(C * V) * r,
                       C * r, C ? LKV * r : 0, C ? (size_t)PA_FN(gemm_work_elems)(D, D, D) * r : 0,
                       C * sizeof(double), C * sizeof(double),
-                      (size_t)(C * (4 * K + 3 * V + 2 * d->L + 2)) * r};
+                      staged ? (size_t)(C * (4 * K + 3 * V + 2 * d->L + 2)) * r : 0};
     void **const parts[] = {(void **)&s->S,    (void **)&s->dS,    (void **)&s->qs,
                             (void **)&s->w,    (void **)&s->kept,  (void **)&s->trail,
                             (void **)&s->occ,  (void **)&s->Qs,    (void **)&s->Kd,
@@ -637,7 +637,8 @@ static int PA_FN(ll_run)(const PA_FN(ll_call) *c, int backward)
     {
         const unsigned csr = pa_subnormals_flush();
         PA_FN(ll_scratch) sc;
-        int ok = pa_scratch_ok(PA_FN(ll_scratch_alloc)(&sc, d, pieces, piece, C), &failed);
+        int ok = pa_scratch_ok(PA_FN(ll_scratch_alloc)(&sc, d, pieces, piece, C, c->staged),
+                                    &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {
             if (!ok) continue;
