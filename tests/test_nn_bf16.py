@@ -113,9 +113,11 @@ def test_decode_equals_forward_strictly_without_products():
     subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True, timeout=300)
 
 
+@pytest.mark.skip_under_sanitizer
 def test_training_lowers_the_loss_as_float32_does():
     """pyattn.train on MQAR, 100 steps from the same weights: the mean loss of the last 10 steps
-    measured 3.0919 for float32 and 3.0916 for bf16 (4.1525 over the first 10 steps for both)."""
+    measured 3.0919 for float32 and 3.0916 for bf16 (4.1525 over the first 10 steps for both).
+    Not in the sanitized run: its kernels are the other tests' here, 200 steps of them."""
     x, y = mqar(512, 32, 4, V, seed=0)
     runs = {}
     for dtype in ("float32", "bfloat16"):
