@@ -71,11 +71,18 @@ def test_readme_commands():
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     # each step a command of its own under set -e: a failing install must stop the run
     assert "set -euo pipefail" in ci
-    steps = [line for line in ci if line and not line.startswith(("#", "set ", "cd "))]
+    steps = [line for line in ci if line and not line.startswith(("#", "set ", "cd ", " ", "trap ", "if ", "fi"))]
     assert steps == ['python -m pip install torch==2.13.0 "jax>=0.4.35" "mpi4py>=4" mpich "ml_dtypes>=0.4"',
                      'python -m pip install -e ".[test]"',
+                     'sanitized="$(mktemp -d "${TMPDIR:-/tmp}/pyattn-sanitize.XXXXXX")"',
+                     'bash tests/sanitize.sh --build "$sanitized" > "$sanitized.log" 2>&1 &',
+                     "building=$!",
                      "python -m pytest -q", "python -m pyattn",
-                     "bash tests/sanitize.sh"]
+                     'cat "$sanitized.log"',
+                     'bash tests/sanitize.sh --tests "$sanitized"']
+    # the build in the background fails the run too
+    wait = ci.index('if ! wait "$building"; then')
+    assert ci[wait + 1:wait + 4] == ['    cat "$sanitized.log"', "    exit 1", "fi"]
     assert not any("&&" in line or "||" in line for line in steps)
 
 
