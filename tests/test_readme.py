@@ -74,6 +74,7 @@ def test_readme_commands():
     steps = [line for line in ci if line and not line.startswith(("#", "set ", "cd ", " ", "trap ", "if ", "fi"))]
     assert steps == ['python -m pip install torch==2.13.0 "jax>=0.4.35" "mpi4py>=4" mpich "ml_dtypes>=0.4"',
                      'python -m pip install -e ".[test]"',
+                     "export OMP_WAIT_POLICY=passive",
                      'sanitized="$(mktemp -d "${TMPDIR:-/tmp}/pyattn-sanitize.XXXXXX")"',
                      'bash tests/sanitize.sh --build "$sanitized" > "$sanitized.log" 2>&1 &',
                      "building=$!",
