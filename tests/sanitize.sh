@@ -120,11 +120,12 @@ if [[ "$where" != "$work/src/pyattn" ]]; then
     exit 2
 fi
 # Under the sanitizers the suite is CPU-bound in one process: with pytest-xdist (the test
-# extra) one worker per CPU runs it. The kernels' OpenMP threads then share the CPUs with the
-# other workers, so they wait passively rather than spin.
+# extra) one worker per CPU runs it, and a worker out of tests takes some queued for another
+# (worksteal; the long tests left a CPU idle at the end). The kernels' OpenMP threads then
+# share the CPUs with the other workers, so they wait passively rather than spin.
 workers=()
 if "$python" -c "import xdist" 2>/dev/null; then
-    workers=(-n "$(nproc)")
+    workers=(-n "$(nproc)" --dist worksteal)
     export OMP_WAIT_POLICY=passive
 fi
 echo "sanitize: running pytest against $so ${workers[*]}"
