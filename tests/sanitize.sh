@@ -2,11 +2,8 @@
 # Build pyattn with AddressSanitizer + UndefinedBehaviorSanitizer in a scratch copy of the
 # repository and run the test suite against that build.
 #
-#   tests/sanitize.sh [extra pytest arguments]          build in a scratch folder, then test
-#   tests/sanitize.sh --build DIR                        only build, into DIR (new or empty)
-#   tests/sanitize.sh --tests DIR [extra pytest args]    only test, DIR's build from --build
+#   tests/sanitize.sh [extra pytest arguments]
 #
-# The two halves apart let CI build while the plain suite runs (it leaves a CPU idle).
 # The copy holds the files git knows of (git ls-files: tracked ones, and untracked ones that are
 # not ignored, such as new tests), so the working tree's own build is left alone. Python itself
 # is not instrumented, so the gcc ASan runtime is preloaded.
@@ -18,78 +15,42 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python}"
-build=1
-run=1
-case "${1:-}" in
---build | --tests)
-    if [[ $# -lt 2 ]]; then
-        echo "sanitize: $1 needs a folder" >&2
-        exit 2
-    fi
-    [[ "$1" == --build ]] && run=0 || build=0
-    mkdir -p "$2"
-    work="$(cd "$2" && pwd)"
-    shift 2
-    ;;
-*)
-    work="$(mktemp -d "${TMPDIR:-/tmp}/pyattn-sanitize.XXXXXX")"
-    if [[ "${KEEP_SANITIZE_DIR:-0}" != "1" ]]; then
-        trap 'rm -rf "$work"' EXIT
-    fi
-    ;;
-esac
+work="$(mktemp -d "${TMPDIR:-/tmp}/pyattn-sanitize.XXXXXX")"
 log="$work/pytest.log"
-
-# copy the repository into $work/src and build it there, instrumented
-build_copy() {
-    if [[ -n "$(ls -A "$work")" ]]; then
-        echo "sanitize: $work is not empty" >&2
-        exit 2
-    fi
-    echo "sanitize: copying $repo to $work/src"
-    mkdir -p "$work/src"
-    # tracked files and untracked ones git does not ignore (new tests, modules not committed yet);
-    # not build outputs, not files deleted in the working tree
-    (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
-        while IFS= read -r -d '' f; do if [[ -f "$f" ]]; then printf '%s\0' "$f"; fi; done |
-        xargs -0 cp --parents -t "$work/src")
-    rm -f "$work/src"/pyattn/_core*.so
-
-    echo "sanitize: building with PYATTN_SANITIZE=1"
-    (cd "$work/src" && PYATTN_SANITIZE=1 "$python" setup.py build_ext --inplace -q 2>&1 | grep -v '^$' || true) |
-        tee "$work/build.log"
-    so=$(ls "$work/src"/pyattn/_core*.so 2>/dev/null | head -1 || true)
-    if [[ -z "$so" ]]; then
-        echo "sanitize: build failed (no pyattn/_core*.so)" >&2
-        exit 2
-    fi
-    # CPython's CFLAGS carry -fwrapv, under which UBSan cannot see signed overflow: every compile
-    # line (gcc ... -c file.c) must turn it off again
-    compiles="$(grep -- ' -c .*-fsanitize=address,undefined' "$work/build.log" || true)"
-    if [[ -z "$compiles" ]] || grep -v -q -- '-fno-wrapv' <<<"$compiles"; then
-        echo "sanitize: the sanitized build does not compile with -fno-wrapv" >&2
-        exit 2
-    fi
-    # nm's whole output first: under pipefail, `nm | grep -q` fails whenever grep stops reading at
-    # its first match before nm has written everything (nm then dies of SIGPIPE)
-    syms="$(nm -D "$so")"
-    if ! grep -q __asan_report <<<"$syms" || ! grep -q __ubsan_handle <<<"$syms"; then
-        echo "sanitize: $so is not instrumented with ASan and UBSan" >&2
-        exit 2
-    fi
-}
-
-if [[ $build == 1 ]]; then
-    build_copy
+if [[ "${KEEP_SANITIZE_DIR:-0}" != "1" ]]; then
+    trap 'rm -rf "$work"' EXIT
 fi
+
+echo "sanitize: copying $repo to $work/src"
+mkdir -p "$work/src"
+# tracked files and untracked ones git does not ignore (new tests, modules not committed yet);
+# not build outputs, not files deleted in the working tree
+(cd "$repo" && git ls-files -z --cached --others --exclude-standard |
+    while IFS= read -r -d '' f; do if [[ -f "$f" ]]; then printf '%s\0' "$f"; fi; done |
+    xargs -0 cp --parents -t "$work/src")
+rm -f "$work/src"/pyattn/_core*.so
+
+echo "sanitize: building with PYATTN_SANITIZE=1"
+(cd "$work/src" && PYATTN_SANITIZE=1 "$python" setup.py build_ext --inplace -q 2>&1 | grep -v '^$' || true) |
+    tee "$work/build.log"
 so=$(ls "$work/src"/pyattn/_core*.so 2>/dev/null | head -1 || true)
 if [[ -z "$so" ]]; then
-    echo "sanitize: no sanitized build in $work (tests/sanitize.sh --build $work makes one)" >&2
+    echo "sanitize: build failed (no pyattn/_core*.so)" >&2
     exit 2
 fi
-if [[ $run == 0 ]]; then
-    echo "sanitize: built $so"
-    exit 0
+# CPython's CFLAGS carry -fwrapv, under which UBSan cannot see signed overflow: every compile
+# line (gcc ... -c file.c) must turn it off again
+compiles="$(grep -- ' -c .*-fsanitize=address,undefined' "$work/build.log" || true)"
+if [[ -z "$compiles" ]] || grep -v -q -- '-fno-wrapv' <<<"$compiles"; then
+    echo "sanitize: the sanitized build does not compile with -fno-wrapv" >&2
+    exit 2
+fi
+# nm's whole output first: under pipefail, `nm | grep -q` fails whenever grep stops reading at
+# its first match before nm has written everything (nm then dies of SIGPIPE)
+syms="$(nm -D "$so")"
+if ! grep -q __asan_report <<<"$syms" || ! grep -q __ubsan_handle <<<"$syms"; then
+    echo "sanitize: $so is not instrumented with ASan and UBSan" >&2
+    exit 2
 fi
 
 libasan="$(gcc -print-file-name=libasan.so)"
