@@ -923,7 +923,8 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
             const unsigned csr = pa_subnormals_flush();
             const int products = pa_bf16_products_begin(d->bf16);
             PA_FN(la_scratch) sc;
-            int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, L, K, V, 0, backward), &failed);
+            int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, L, K, V, 0, backward && c->staged),
+                                   &failed);
             PA_FN(la_unit) u, staged;
             PA_FN(la_side) ks, vs;
             /* each block's own state contribution (and dS) and decays */
@@ -1030,15 +1031,15 @@ static int PA_FN(la_run)(PA_FN(la_call) *c, int backward)
      * sequence, and the last, in its scratch */
     const int64_t P = PA_FN(la_piece_rows)(d, L);
     const int64_t nstates = backward && !c->states ? (pa_linear_max_len(d) + P - 1) / P + 1 : 0;
+    /* a stage for the blocks of a staged chunk backward, or a streamed forward's output rows */
+    const int stage = backward ? d->form == PA_FORM_CHUNK && c->staged : c->stream;
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = pa_subnormals_flush();
         const int products = pa_bf16_products_begin(d->bf16 && d->form == PA_FORM_CHUNK);
         PA_FN(la_scratch) sc;
         int ok = pa_scratch_ok(PA_FN(la_scratch_alloc)(&sc, d->form == PA_FORM_RECURRENT ? 0 : L,
-                                                       d->K, d->V, nstates,
-                                                       backward ? d->form == PA_FORM_CHUNK
-                                                                : c->stream),
+                                                       d->K, d->V, nstates, stage),
                                &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t un = 0; un < units; un++) {

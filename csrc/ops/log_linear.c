@@ -305,15 +305,17 @@ static inline int64_t PA_FN(ll_block_rows)(const PA_FN(ll_unit) *u, int64_t t0, 
     return u->T - t0 < room ? u->T - t0 : room;
 }
 
-/* The block's scaled queries Qs and cumulative gate a (in double: differences of long sums) */
+/* The block's cumulative gate a (in double: differences of long sums) and, with_q, its scaled
+ * queries Qs (the levels' pass alone reads no query) */
 static void PA_FN(ll_block_prep)(const PA_FN(ll_unit) *u, int64_t t0, int64_t n, double scale,
-                                 PA_FN(ll_scratch) *sc)
+                                 int with_q, PA_FN(ll_scratch) *sc)
 {
     const int64_t K = sc->K;
     double acc = 0;
     for (int64_t i = 0; i < n; i++) {
         acc += PA_FN(gate_step)(u->g[(t0 + i) * u->sg]);
         sc->a[i] = acc;
+        if (!with_q) continue;
         const real *qt = u->q + (t0 + i) * u->sk;
         for (int64_t r = 0; r < K; r++) sc->Qs[i * K + r] = (real)scale * qt[r];
     }
@@ -354,7 +356,7 @@ static void PA_FN(ll_block_forward)(const PA_FN(ll_unit) *u, int64_t t0, int64_t
     const int64_t P0 = u->start + t0, P1 = P0 + n;
     real *S = lv->S, *Qs = sc->Qs, *Kd = sc->Kd, *work = sc->work;
     const double *a = sc->a;
-    PA_FN(ll_block_prep)(u, t0, n, scale, sc);
+    PA_FN(ll_block_prep)(u, t0, n, scale, write_o, sc);
     if (write_o) {
         /* the block's own rows: the masked product, row by row so that a non-finite row
          * reaches no earlier one */
@@ -415,7 +417,7 @@ static void PA_FN(ll_block_backward)(const PA_FN(ll_unit) *u, int64_t t0, int64_
     real *Qs = sc->Qs, *Kd = sc->Kd, *Y = sc->Y, *dSp = sc->dSp, *work = sc->work;
     real *dQs = sc->dQs, *dKb = sc->dKb, *dVb = sc->dVb;
     double *a = sc->a, *da = sc->da;
-    PA_FN(ll_block_prep)(u, t0, n, scale, sc);
+    PA_FN(ll_block_prep)(u, t0, n, scale, 1, sc);
     memset(dQs, 0, sizeof(real) * (size_t)(n * K));
     memset(dKb, 0, sizeof(real) * (size_t)(n * K));
     memset(dVb, 0, sizeof(real) * (size_t)(n * V));
@@ -502,8 +504,8 @@ static void PA_FN(ll_block_backward)(const PA_FN(ll_unit) *u, int64_t t0, int64_
 
 /* The unit whose rows *r0 .. *r0+n-1 are unit u's rows t0 .. t0+n-1, for a block's
  * functions: u itself (*r0 = t0), or where the call stages its blocks, *b, those rows copied
- * contiguous into sc->stage (rows_copy; *r0 = 0, its positions from start + t0): q, k, v and
- * g, and the level scales and dout unless state_only; the outputs written there go back to u
+ * contiguous into sc->stage (rows_copy; *r0 = 0, its positions from start + t0): k, v and g,
+ * and q, the level scales and dout unless state_only; the outputs written there go back to u
  * by ll_unstage. */
 static const PA_FN(ll_unit) *PA_FN(ll_stage)(const PA_FN(ll_call) *c, const PA_FN(ll_unit) *u,
                                              int64_t t0, int64_t n, int state_only,
@@ -515,10 +517,10 @@ static const PA_FN(ll_unit) *PA_FN(ll_stage)(const PA_FN(ll_call) *c, const PA_F
     const int64_t K = sc->K, V = sc->V, L = sc->L;
     real *p = sc->stage;
     *b = (PA_FN(ll_unit)){.T = n, .start = u->start + t0, .sk = K, .sv = V, .sg = 1, .sl = L};
-    const real *const in[] = {u->q, u->k, u->v, u->g, u->ls, u->dout};
-    const int64_t ld[] = {u->sk, u->sk, u->sv, u->sg, u->sl, u->sv}, w[] = {K, K, V, 1, L, V};
-    const real **const to[] = {&b->q, &b->k, &b->v, &b->g, &b->ls, &b->dout};
-    PA_FN(stage_rows_in)(state_only ? 4 : 6, in, ld, w, t0, n, to, &p);
+    const real *const in[] = {u->k, u->v, u->g, u->q, u->ls, u->dout};
+    const int64_t ld[] = {u->sk, u->sv, u->sg, u->sk, u->sl, u->sv}, w[] = {K, V, 1, K, L, V};
+    const real **const to[] = {&b->k, &b->v, &b->g, &b->q, &b->ls, &b->dout};
+    PA_FN(stage_rows_in)(state_only ? 3 : 6, in, ld, w, t0, n, to, &p);
     if (state_only) return b;
     real *const out[] = {u->o, u->dq, u->dk, u->dv, u->dg, u->dls};
     const int64_t wo[] = {V, K, K, V, 1, L};
