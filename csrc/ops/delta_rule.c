@@ -436,12 +436,12 @@ static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_F
     PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->Bp, sc->work);
 }
 
-/* V' = U - W S */
+/* V' = U - W S (S NULL: a zero state, V' = U) */
 static void PA_FN(dr_values)(int64_t l, const real *S, PA_FN(dr_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V, W = K + V;
     for (int64_t i = 0; i < l; i++) memcpy(sc->Vn + i * V, sc->Z + i * W + K, sizeof(real) * V);
-    PA_FN(gemm)(l, V, K, -1, sc->Z, W, 1, S, V, 1, 1, sc->Vn, V, sc->work);
+    if (S) PA_FN(gemm)(l, V, K, -1, sc->Z, W, 1, S, V, 1, 1, sc->Vn, V, sc->work);
 }
 
 /* P = the gated Gram of scale Q with K (lower, diagonal included; 0 above) */
@@ -452,16 +452,18 @@ static void PA_FN(dr_scores)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, dou
     PA_FN(la_gram)(&sc->ks, l, (real)scale, q, u->sq, k, u->sq, 0, sc->P, &sc->bufs);
 }
 
-/* The block's o rows from its entering state S (dr_block and dr_values done) */
+/* The block's o rows from its entering state S (NULL: zeros; dr_block and dr_values done) */
 static void PA_FN(dr_output)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
                              const real *S, PA_FN(dr_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V, sv = u->sv;
     real *o = u->o + c0 * sv;
-    PA_FN(dr_gate_rows)(sc, l, 0, (real)scale, u->q + c0 * u->sq, u->sq, sc->Tk);
-    PA_FN(gemm)(l, V, K, 1, sc->Tk, K, 1, S, V, 1, 0, o, sv, sc->work);
+    if (S) {
+        PA_FN(dr_gate_rows)(sc, l, 0, (real)scale, u->q + c0 * u->sq, u->sq, sc->Tk);
+        PA_FN(gemm)(l, V, K, 1, sc->Tk, K, 1, S, V, 1, 0, o, sv, sc->work);
+    }
     PA_FN(dr_scores)(u, c0, l, scale, sc);
-    PA_FN(la_tri_product)(l, V, 1, sc->P, 0, 1, o, sv, sc->Vn, V, &sc->bufs);
+    PA_FN(la_tri_product)(l, V, 1, sc->P, 0, S ? 1 : 0, o, sv, sc->Vn, V, &sc->bufs);
 }
 
 /* rows c of S (K x V) times f[c], the block's total decay per channel (in sc->f) */
@@ -497,9 +499,10 @@ static void PA_FN(dr_gram_grads)(PA_FN(dr_scratch) *sc, int64_t l, real alpha, c
 }
 
 /* The block's gradients: dq, dk, dv, dbeta, dg of its rows from its entering state S and dS,
- * the gradient reaching its end state (on return, the one reaching S). */
+ * the gradient reaching its end state (on return, the one reaching S). fresh: S is a unit's
+ * zero start (no h0), whose products are left out where la_zero_start allows. */
 static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
-                                  const real *S, real *dS, PA_FN(dr_scratch) *sc)
+                                  const real *S, int fresh, real *dS, PA_FN(dr_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V, W = K + V, sq = u->sq, sk = u->sk, sv = u->sv;
     const real *q = u->q + c0 * sq, *k = u->k + c0 * sq, *v = u->v + c0 * sv;
@@ -513,6 +516,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     /* the Grams of ungated rows: dP (width V) and dA (width K + V) */
     const PA_FN(la_side) plain_v = {.kind = PA_GATE_NONE, .D = V}, plain_w = {.kind = PA_GATE_NONE, .D = W};
     PA_FN(dr_block)(u, c0, l, sc);
+    if (fresh && PA_FN(la_zero_start)(&sc->ks, l)) S = NULL;
     PA_FN(dr_values)(l, S, sc);
     PA_FN(dr_scores)(u, c0, l, scale, sc);
     if (gated) memset(dG, 0, sizeof(double) * l * nc);
@@ -535,15 +539,19 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     }
     if (gated) {
         PA_FN(la_total_decay)(&sc->ks, l, sc->f);
-        for (int64_t c = 0; c < K; c++)
+        for (int64_t c = 0; S && c < K; c++)
             dG[(l - 1) * nc + (vec ? c : 0)] += sc->f[c] * PA_FN(dot)(S + c * V, dS + c * V, V);
     }
 
     /* dq = scale f (dO S^T), and the gate's term through f */
-    PA_FN(gemm)(l, K, V, sc_, dO, sv, 1, S, 1, V, 0, dq, sk, work);
-    for (int64_t i = 0; gated && i < l; i++) {
-        PA_FN(la_side_row)(&sc->ks, l, 0, i, dq + i * sk, dq + i * sk, 1, 0);
-        PA_FN(dr_gate_terms)(sc, i, q + i * sq, dq + i * sk, 1);
+    if (S) {
+        PA_FN(gemm)(l, K, V, sc_, dO, sv, 1, S, 1, V, 0, dq, sk, work);
+        for (int64_t i = 0; gated && i < l; i++) {
+            PA_FN(la_side_row)(&sc->ks, l, 0, i, dq + i * sk, dq + i * sk, 1, 0);
+            PA_FN(dr_gate_terms)(sc, i, q + i * sq, dq + i * sk, 1);
+        }
+    } else {
+        for (int64_t i = 0; i < l; i++) memset(dq + i * sk, 0, sizeof(real) * K);
     }
 
     /* dP = dO V'^T: its pairs below the diagonal through the gated products (the gate's terms
@@ -567,7 +575,10 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     }
 
     /* dW = -dV' S^T, then dS = diag(e^G_last) dS' + (Q~ f)^T dO - W^T dV' */
-    PA_FN(gemm)(l, K, V, -1, dVn, W, 1, S, 1, V, 0, sc->R, W, work);
+    if (S)
+        PA_FN(gemm)(l, K, V, -1, dVn, W, 1, S, 1, V, 0, sc->R, W, work);
+    else
+        for (int64_t i = 0; i < l; i++) memset(sc->R + i * W, 0, sizeof(real) * K);
     PA_FN(dr_decay_state)(sc, l, dS);
     PA_FN(dr_gate_rows)(sc, l, 0, sc_, q, sq, Tk);
     PA_FN(gemm)(K, V, l, 1, Tk, 1, K, dO, sv, 1, 1, dS, V, work);
@@ -687,8 +698,10 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
         const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, c0, l, 0, sc, &staged, &r);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
         PA_FN(dr_block)(b, r, l, sc);
-        PA_FN(dr_values)(l, S, sc);
-        PA_FN(dr_output)(b, r, l, d->scale, S, sc);
+        /* a unit without h0 enters its first block with zeros: their products left out */
+        const real *Sin = c0 == 0 && !h0 && PA_FN(la_zero_start)(&sc->ks, l) ? NULL : S;
+        PA_FN(dr_values)(l, Sin, sc);
+        PA_FN(dr_output)(b, r, l, d->scale, Sin, sc);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
         PA_FN(la_keep_state)(&slot, S, KV, c->stream);
         PA_FN(dr_state)(b, r, l, S, sc);
@@ -723,7 +736,8 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
             const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 1, sc, &staged, &r);
             PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
             PA_FN(dr_block)(b, r, n, sc);
-            PA_FN(dr_values)(n, S - KV, sc);
+            PA_FN(dr_values)(n, p == 0 && !c->h0 && PA_FN(la_zero_start)(&sc->ks, n) ? NULL : S - KV,
+                             sc);
             PA_FN(dr_state)(b, r, n, S, sc);
         }
     }
@@ -740,7 +754,7 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
             int64_t r;
             const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 0, sc, &staged, &r);
             if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
-            PA_FN(dr_block_grads)(b, r, n, d->scale, states + p * KV, dS, sc);
+            PA_FN(dr_block_grads)(b, r, n, d->scale, states + p * KV, p == 0 && !c->h0, dS, sc);
             PA_FN(dr_unstage)(c, b, r0, n, &u);
         }
     }

@@ -143,12 +143,17 @@ static const real *PA_FN(la_operand)(const PA_FN(la_side) *s, int64_t L, int to_
 
 /* Z_i = alpha ((X_i f_i) M) g_i for the L rows of a block: f the factors of the input side
  * `in` (X rows of in->D), g those of `out` (Z rows of out->D); M is in->D x out->D with strides
- * (rsm, csm). A scalar factor moves to the output row; only a vector gate needs a copy. */
+ * (rsm, csm), or NULL for a zero state (a unit's start without h0): Z = 0, no product. A scalar
+ * factor moves to the output row; only a vector gate needs a copy. */
 static void PA_FN(la_rows_times)(const PA_FN(la_side) *in, const PA_FN(la_side) *out, int64_t L,
                                  int to_end, real alpha, const real *X, int64_t ldx, const real *M,
                                  int64_t rsm, int64_t csm, real *Z, int64_t ldz,
                                  PA_FN(la_scratch) *sc)
 {
+    if (!M) {
+        for (int64_t i = 0; i < L; i++) memset(Z + i * ldz, 0, sizeof(real) * out->D);
+        return;
+    }
     const real *A = X;
     int64_t lda = ldx;
     if (in->kind == PA_GATE_VECTOR) {
@@ -347,7 +352,13 @@ static const real *PA_FN(la_rows_contiguous)(const real *X, int64_t *ldx, int64_
     return buf;
 }
 
-/* The block's L output rows from its start state S into o (rows of so) */
+/* la_zero_start of both sides */
+static int PA_FN(la_zero_starts)(const PA_FN(la_side) *ks, const PA_FN(la_side) *vs, int64_t L)
+{
+    return PA_FN(la_zero_start)(ks, L) && PA_FN(la_zero_start)(vs, L);
+}
+
+/* The block's L output rows from its start state S (NULL: zeros) into o (rows of so) */
 static void PA_FN(la_block_output)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
                                    const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                    const real *S, PA_FN(la_scratch) *sc, real *o, int64_t so)
@@ -421,8 +432,8 @@ static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
                             NULL, u->dout + c0 * u->sv, u->sv, NULL, dS, sc);
 }
 
-/* The off-diagonal parts (header) of dq, dk, dv rows of the block from S, its start state,
- * and dS, the gradient reaching its end state from later rows; with a value gate, o's too,
+/* The off-diagonal parts (header) of dq, dk, dv rows of the block from S, its start state
+ * (NULL: zeros), and dS, the gradient reaching its end state from later rows; with a value gate, o's too,
  * into dgv. The Gram B serves dq and dk. */
 static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
@@ -805,7 +816,9 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
         /* a streamed call's rows go through the stage, put with non-temporal stores */
         real *o = c->stream ? sc->stage : u.o + c0 * u.sv;
         const int64_t so = c->stream ? c->d->V : u.sv;
-        PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, sc, o, so);
+        /* a unit without h0 enters its first block with zeros: their products left out */
+        const int zero = c0 == 0 && !c->h0 && PA_FN(la_zero_starts)(&ks, &vs, l);
+        PA_FN(la_block_output)(&u, c0, l, &ks, &vs, zero ? NULL : S, sc, o, so);
         if (c->stream) PA_FN(rows_put)(o, so, l, so, u.o + c0 * u.sv, u.sv, 1);
         PA_FN(la_prefetch_rows)(&u, c0 + L + L / 2, L - L / 2, 0);
         PA_FN(la_keep_state)(&slot, S, KV, c->stream);
@@ -858,7 +871,8 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
         } else {
             if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
             PA_FN(la_block)(b, r, n, chunk, sc, &ks, &vs);
-            if (chunk) PA_FN(la_block_grads)(b, r, n, &ks, &vs, states + p * KV, dS, sc);
+            const int zero = p == 0 && !c->h0 && PA_FN(la_zero_starts)(&ks, &vs, n);
+            if (chunk) PA_FN(la_block_grads)(b, r, n, &ks, &vs, zero ? NULL : states + p * KV, dS, sc);
             PA_FN(la_block_dstate)(b, r, n, &ks, &vs, dS, sc);
         }
         PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
@@ -977,16 +991,20 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 PA_FN(la_unit_of)(c, iunit[i], &u);
                 int64_t c0 = iblock[i] * L, l = u.T - c0 < L ? u.T - c0 : L;
                 const real *S = states + (i + iunit[i]) * KV;
+                int zero = iblock[i] == 0 && !c->h0; /* as in la_unit_forward */
                 if (!backward) {
                     PA_FN(la_block)(&u, c0, l, 1, &sc, &ks, &vs);
-                    PA_FN(la_block_output)(&u, c0, l, &ks, &vs, S, &sc, u.o + c0 * u.sv, u.sv);
+                    zero = zero && PA_FN(la_zero_starts)(&ks, &vs, l);
+                    PA_FN(la_block_output)(&u, c0, l, &ks, &vs, zero ? NULL : S, &sc,
+                                           u.o + c0 * u.sv, u.sv);
                     continue;
                 }
                 const real *dS = dstates + (i + iunit[i]) * KV; /* at the start; its end next */
                 int64_t r;
                 const PA_FN(la_unit) *b = PA_FN(la_stage)(c, &u, c0, l, &sc, &staged, &r);
                 PA_FN(la_block)(b, r, l, 1, &sc, &ks, &vs);
-                PA_FN(la_block_grads)(b, r, l, &ks, &vs, S, dS + KV, &sc);
+                zero = zero && PA_FN(la_zero_starts)(&ks, &vs, l);
+                PA_FN(la_block_grads)(b, r, l, &ks, &vs, zero ? NULL : S, dS + KV, &sc);
                 PA_FN(la_gate_bound)(d, S + KV, dS + KV, sc.acc + K + V);
                 PA_FN(la_gate_bound)(d, S, dS, sc.acc);
                 PA_FN(la_gate_piece)(b, r, l, sc.acc);

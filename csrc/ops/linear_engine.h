@@ -312,6 +312,18 @@ static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg,
     if (Dm) PA_FN(decay_mask)(Gs, Gs + Lmax, L, Dm);
 }
 
+/* Whether a block of L rows starting a unit without h0 may leave out its zero state's products
+ * (la_rows_times with no state): not where a gate of the block is NaN, whose decay of the zero
+ * state, 0 e^NaN, is NaN. A NaN stays in the cumulative sums (prefix sums: la_block's sides),
+ * so their last row tells. */
+static int PA_FN(la_zero_start)(const PA_FN(la_side) *s, int64_t L)
+{
+    if (s->kind == PA_GATE_SCALAR) return !isnan(s->Gs[L - 1]);
+    for (int64_t d = 0; s->kind == PA_GATE_VECTOR && d < s->D; d++)
+        if (isnan(s->G[(L - 1) * s->D + d])) return 0;
+    return 1;
+}
+
 /* Whether rows r0 .. r1-1 of a vector side's gate stay within LA_FACTOR of row r0 in every
  * channel, so that the factors e^(G_i - G_r0) and e^(G_r0 - G_i) are at most e^LA_FACTOR: the
  * hi part of G_i - G_r0 (as la_decay takes it) bounds both, whatever the signs. A NaN gate
