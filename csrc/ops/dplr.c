@@ -335,12 +335,12 @@ static void PA_FN(dp_block)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, PA_F
     PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->Bp, sc->work);
 }
 
-/* The rows' u = U + W S, S the state entering the block */
+/* The rows' u = U + W S, S the state entering the block (NULL: zeros, u = U) */
 static void PA_FN(dp_values)(int64_t l, const real *S, PA_FN(dp_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V, W = K + V;
     for (int64_t i = 0; i < l; i++) memcpy(sc->Un + i * V, sc->Z + i * W + K, sizeof(real) * V);
-    PA_FN(gemm)(l, V, K, 1, sc->Z, W, 1, S, V, 1, 1, sc->Un, V, sc->work);
+    if (S) PA_FN(gemm)(l, V, K, 1, sc->Z, W, 1, S, V, 1, 1, sc->Un, V, sc->work);
 }
 
 /* The output Grams of scale q with k (Pk) and with b (Pb), lower with the diagonal */
@@ -353,16 +353,18 @@ static void PA_FN(dp_scores)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, dou
     PA_FN(la_gram)(&sc->ks, l, (real)scale, q, sk, u->b + c0 * sk, sk, 0, sc->Pb, &sc->bufs);
 }
 
-/* The block's o rows: (q~ f) S + Pk V + Pb u */
+/* The block's o rows: (q~ f) S + Pk V + Pb u (S NULL: zeros) */
 static void PA_FN(dp_output)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, double scale,
                              const real *S, PA_FN(dp_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V, sv = u->sv;
     real *o = u->o + c0 * sv;
-    PA_FN(dp_gate_rows)(sc, l, 0, (real)scale, u->q + c0 * u->sk, u->sk, sc->Tk);
-    PA_FN(gemm)(l, V, K, 1, sc->Tk, K, 1, S, V, 1, 0, o, sv, sc->work);
+    if (S) {
+        PA_FN(dp_gate_rows)(sc, l, 0, (real)scale, u->q + c0 * u->sk, u->sk, sc->Tk);
+        PA_FN(gemm)(l, V, K, 1, sc->Tk, K, 1, S, V, 1, 0, o, sv, sc->work);
+    }
     PA_FN(dp_scores)(u, c0, l, scale, sc);
-    PA_FN(la_tri_product)(l, V, 1, sc->Pk, 0, 1, o, sv, u->v + c0 * sv, sv, &sc->bufs);
+    PA_FN(la_tri_product)(l, V, 1, sc->Pk, 0, S ? 1 : 0, o, sv, u->v + c0 * sv, sv, &sc->bufs);
     PA_FN(la_tri_product)(l, V, 1, sc->Pb, 0, 1, o, sv, sc->Un, V, &sc->bufs);
 }
 
@@ -424,9 +426,10 @@ static void PA_FN(dp_shifted_grads)(PA_FN(dp_scratch) *sc, int64_t l, real sign,
 }
 
 /* The block's gradients: dq, dk, dv, da, db, dgk of its rows from its entering state S and dS,
- * the gradient reaching its end state (on return, the one reaching S). */
+ * the gradient reaching its end state (on return, the one reaching S). fresh: S is a unit's
+ * zero start (no h0), whose products are left out where la_zero_start allows. */
 static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, double scale,
-                                  const real *S, real *dS, PA_FN(dp_scratch) *sc)
+                                  const real *S, int fresh, real *dS, PA_FN(dp_scratch) *sc)
 {
     const int64_t K = sc->K, V = sc->V, W = K + V, sk = u->sk, sv = u->sv;
     const real *q = u->q + c0 * sk, *k = u->k + c0 * sk, *v = u->v + c0 * sv;
@@ -438,6 +441,7 @@ static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l
     const PA_FN(la_side) plain_v = {.kind = PA_GATE_NONE, .D = V}, plain_w = {.kind = PA_GATE_NONE, .D = W};
     double *dG = sc->dG;
     PA_FN(dp_block)(u, c0, l, sc);
+    if (fresh && PA_FN(la_zero_start)(&sc->ks, l)) S = NULL;
     PA_FN(dp_values)(l, S, sc);
     PA_FN(dp_scores)(u, c0, l, scale, sc);
     memset(dG, 0, sizeof(double) * l * K);
@@ -448,14 +452,18 @@ static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l
     PA_FN(dp_end_grads)(sc, l, b, sk, sc->Un, V, dS, db, du, W);
     PA_FN(dp_end_grads)(sc, l, k, sk, v, sv, dS, dk, dv, sv);
     PA_FN(la_total_decay)(&sc->ks, l, sc->f);
-    for (int64_t c = 0; c < K; c++)
+    for (int64_t c = 0; S && c < K; c++)
         dG[(l - 1) * K + c] += sc->f[c] * PA_FN(dot)(S + c * V, dS + c * V, V);
 
     /* dq = scale f (dO S^T), and the gate's term through f */
-    PA_FN(gemm)(l, K, V, sc_, dO, sv, 1, S, 1, V, 0, dq, sk, work);
-    for (int64_t i = 0; i < l; i++) {
-        PA_FN(la_side_row)(&sc->ks, l, 0, i, dq + i * sk, dq + i * sk, 1, 0);
-        PA_FN(dp_gate_terms)(sc, i, q + i * sk, dq + i * sk, 1);
+    if (S) {
+        PA_FN(gemm)(l, K, V, sc_, dO, sv, 1, S, 1, V, 0, dq, sk, work);
+        for (int64_t i = 0; i < l; i++) {
+            PA_FN(la_side_row)(&sc->ks, l, 0, i, dq + i * sk, dq + i * sk, 1, 0);
+            PA_FN(dp_gate_terms)(sc, i, q + i * sk, dq + i * sk, 1);
+        }
+    } else {
+        for (int64_t i = 0; i < l; i++) memset(dq + i * sk, 0, sizeof(real) * K);
     }
 
     /* dPk = dO V^T and dPb = dO u^T: their pairs below the diagonal through the gated products,
@@ -466,7 +474,10 @@ static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l
     PA_FN(dp_gram_add)(sc, l, sc_, sc->E, q, b, sk, dq, db);
 
     /* dW = du S^T, then dS = diag(e^G_last) dS' + (Q~ f)^T dO + W^T du */
-    PA_FN(gemm)(l, K, V, 1, du, W, 1, S, 1, V, 0, sc->R, W, work);
+    if (S)
+        PA_FN(gemm)(l, K, V, 1, du, W, 1, S, 1, V, 0, sc->R, W, work);
+    else
+        for (int64_t i = 0; i < l; i++) memset(sc->R + i * W, 0, sizeof(real) * K);
     PA_FN(dp_decay_state)(sc, l, dS);
     PA_FN(dp_gate_rows)(sc, l, 0, sc_, q, sk, sc->Tk);
     PA_FN(gemm)(K, V, l, 1, sc->Tk, 1, K, dO, sv, 1, 1, dS, V, work);
@@ -561,8 +572,10 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
             const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, c0, l, 0, sc, &staged, &r);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
             PA_FN(dp_block)(b, r, l, sc);
-            PA_FN(dp_values)(l, S, sc);
-            PA_FN(dp_output)(b, r, l, d->scale, S, sc);
+            /* a unit without h0 enters its first block with zeros: their products left out */
+            const int zero = c0 == 0 && !c->h0 && PA_FN(la_zero_start)(&sc->ks, l);
+            PA_FN(dp_values)(l, zero ? NULL : S, sc);
+            PA_FN(dp_output)(b, r, l, d->scale, zero ? NULL : S, sc);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
             PA_FN(la_keep_state)(&slot, S, KV, c->stream);
             PA_FN(dp_state)(b, r, l, S, sc);
@@ -595,7 +608,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
             const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, r0, n, 1, sc, &staged, &r);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
             PA_FN(dp_block)(b, r, n, sc);
-            PA_FN(dp_values)(n, S, sc);
+            PA_FN(dp_values)(n, p == 0 && !c->h0 && PA_FN(la_zero_start)(&sc->ks, n) ? NULL : S, sc);
             PA_FN(dp_state)(b, r, n, S, sc);
         } else {
             PA_FN(dp_recurrent)(&u, r0, n, d->scale, S, NULL, sc);
@@ -610,7 +623,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
             int64_t r;
             const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, r0, n, 0, sc, &staged, &r);
             if (r0) PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
-            PA_FN(dp_block_grads)(b, r, n, d->scale, states + p * KV, dS, sc);
+            PA_FN(dp_block_grads)(b, r, n, d->scale, states + p * KV, p == 0 && !c->h0, dS, sc);
             PA_FN(dp_unstage)(c, b, r0, n, &u);
             continue;
         }
