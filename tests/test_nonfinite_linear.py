@@ -244,6 +244,59 @@ def test_nan_stays_in_its_packed_sequence(op, form, dtype):
         assert np.isnan(ht[1]).any()
 
 
+def zero_start_case(op):
+    """float64 (args, kw, name, index) of a gated op of any engine without initial_state, the
+    gate entry made NaN at the first step (head 1): its decay of the zero start state."""
+    r = np.random.default_rng(5)
+    Bz, Tz, Hz, Kz, Vz = 1, 70, 2, 8, 6  # two chunks of 64, the second ragged
+
+    def rnd(*shape):
+        return r.standard_normal(shape)
+
+    q, k, v = rnd(Bz, Tz, Hz, Kz), rnd(Bz, Tz, Hz, Kz), rnd(Bz, Tz, Hz, Vz)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g, gk = -r.random((Bz, Tz, Hz)) / 4, -r.random((Bz, Tz, Hz, Kz)) / 4
+    beta = r.uniform(0.1, 1.0, (Bz, Tz, Hz))
+    kappa = rnd(Bz, Tz, Hz, Kz)
+    kappa /= np.linalg.norm(kappa, axis=-1, keepdims=True)
+    cases = {
+        "simple_gla": ((q, k, v, g), {}, "g", (0, 0, 1)),
+        "gla": ((q, k, v, gk), {}, "g", (0, 0, 1, 2)),
+        "retention": ((q, k, v), {"gamma": np.array([0.9, 0.8])}, "gamma", (1,)),
+        "mamba2": ((v, rnd(Bz, Tz, Hz), -r.random(Hz), k, q), {}, "dt", (0, 0, 1)),
+        "rwkv6": ((q, k, v, gk, rnd(Hz, Kz)), {}, "w", (0, 0, 1, 2)),
+        "gated_delta_rule": ((q, k, v, g, beta), {}, "g", (0, 0, 1)),
+        "kda": ((q, k, v, gk, beta), {}, "g", (0, 0, 1, 2)),
+        "gated_delta_product": ((q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), g,
+                                 np.repeat(beta, 2, axis=1)), {"num_householder": 2}, "g", (0, 0, 1)),
+        "dplr_delta_rule": ((q, k, v, -kappa, 0.5 * kappa, gk), {}, "gk", (0, 0, 1, 2)),
+        "log_linear_attention": ((q, k, v, g, r.random((Bz, Tz, Hz, 8))), {}, "g", (0, 0, 1)),
+    }
+    return cases[op]
+
+
+ZERO_START_OPS = ("simple_gla", "gla", "retention", "mamba2", "rwkv6", "gated_delta_rule", "kda",
+                  "gated_delta_product", "dplr_delta_rule", "log_linear_attention")
+
+
+@pytest.mark.parametrize("op,form", [(op, f) for op in ZERO_START_OPS for f in pyattn.OPS[op].forms])
+def test_nan_gate_at_a_zero_start(op, form):
+    """A NaN gate at the first step of a call without initial_state: the zero state it decays
+    becomes NaN (0 e^NaN), so every output row of that head is NaN (RWKV-6's from the second
+    on: its first reads the state before the decay), as the oracle's, in every form (the chunk
+    forms leave out a zero start's products, but not then); the other head keeps the bits of a
+    run without it."""
+    args, kw, name, index = zero_start_case(op)
+    bad_args, bad_kw = with_value(op, args, kw, name, index, np.nan)
+    with np.errstate(invalid="ignore"):
+        o_ref = getattr(reference, op)(*bad_args, **bad_kw)[0]
+    o = getattr(pyattn, op)(*bad_args, **bad_kw, form=form)[0]
+    o0 = getattr(pyattn, op)(*args, **kw, form=form)[0]
+    assert np.isnan(o_ref[:, 1:, 1]).all()
+    check_against(o, o_ref, tol_out(np.float64), "o")
+    np.testing.assert_array_equal(o[:, :, 0], o0[:, :, 0], err_msg="the other head changed")
+
+
 # ------------------------------------------------------------------------------- 2. resets, huge gates
 
 

@@ -248,7 +248,8 @@ static void PA_FN(dr_recurrent)(const PA_FN(dr_unit) *u, int64_t t0, int64_t n, 
             const vreal vu = PA_FN(row_ld)(uv + j, left);
             vreal o0 = PA_FN(vset)(0), o1 = o0, w0 = o0, w1 = o0;
             for (int64_t r = 0; r < K; r++) {
-                const vreal x = (src ? a[r] * PA_FN(row_ld)(src + r * V + j, left) : PA_FN(vset)(0)) +
+                /* a zero entering state still takes its decay: 0 e^NaN is NaN */
+                const vreal x = a[r] * (src ? PA_FN(row_ld)(src + r * V + j, left) : PA_FN(vset)(0)) +
                                 kt[r] * vu;
                 PA_FN(row_st)(S + r * V + j, x, left);
                 if (r % 2) {

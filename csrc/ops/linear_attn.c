@@ -171,19 +171,21 @@ static void PA_FN(la_rows_times)(const PA_FN(la_side) *in, const PA_FN(la_side) 
                            PA_FN(la_row_scalar)(in, L, to_end, i), 0);
 }
 
-/* row = a prev b + c x over V entries: a state row decayed (prev NULL: zeros) plus, with x,
- * a row of k v^T. prev may be row itself: each vector is read before it is written. */
+/* row = a prev b + c x over V entries: a state row decayed (prev NULL: zeros, which a NaN decay
+ * still makes NaN, 0 e^NaN) plus, with x, a row of k v^T. prev may be row itself: each vector
+ * is read before it is written. */
 static inline __attribute__((always_inline)) void PA_FN(la_decay_row)(
     real *row, const real *prev, real a, const real *b, const real *x, real c, int64_t V)
 {
     int64_t j = 0;
     for (; j + VL <= V; j += VL) { /* whole vectors, then the tail */
-        vreal r = prev ? a * PA_FN(vload)(prev + j) * PA_FN(vload)(b + j) : PA_FN(vset)(0);
+        const vreal p = prev ? PA_FN(vload)(prev + j) : PA_FN(vset)(0);
+        vreal r = a * p * PA_FN(vload)(b + j);
         if (x) r += c * PA_FN(vload)(x + j);
         PA_FN(vstore)(row + j, r);
     }
     for (; j < V; j++) {
-        real r = prev ? a * prev[j] * b[j] : 0;
+        real r = a * (prev ? prev[j] : 0) * b[j];
         row[j] = x ? r + c * x[j] : r;
     }
 }

@@ -164,6 +164,8 @@ static void PA_FN(ll_step)(const PA_FN(ll_unit) *u, int64_t t, double scale, PA_
     real *restrict S = lv->S;
     const real e = (real)exp(PA_FN(gate_step)(u->g[t * u->sg]));
     const real *restrict kt = u->k + t * u->sk, *restrict vt = u->v + t * u->sv;
+    /* an empty level is a zero state, which a NaN decay makes NaN (0 e^NaN): every level then */
+    if (e != e) lv->occ |= (((uint64_t)1) << (L + 1)) - 2;
     for (int64_t l = 1; l <= L; l++)
         if (lv->occ >> l & 1)
             for (int64_t x = 0; x < KV; x++) S[l * KV + x] *= e;
