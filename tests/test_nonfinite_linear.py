@@ -297,6 +297,24 @@ def test_nan_gate_at_a_zero_start(op, form):
     np.testing.assert_array_equal(o[:, :, 0], o0[:, :, 0], err_msg="the other head changed")
 
 
+@pytest.mark.parametrize("op,name,index", [("simple_gla", "g", (1, 0, 0)), ("gla", "g", (1, 0, 0, 1)),
+                                           ("mamba2", "dt", (1, 0, 0)), ("retention", "gamma", (0,))])
+@pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
+def test_nan_gate_at_a_zero_start_gradients(op, name, index, form):
+    """The gradients of that call (the gated linear engine, whose literal adjoint the tests
+    have): NaN exactly where the adjoint's are, the finite entries equal to it."""
+    args, kw = build(op, 7, B=B, T=T, H=H, K=K, V=V, state=False, final=False)
+    bad_args, bad_kw = with_value(op, args, kw, name, index, np.nan)
+    with np.errstate(invalid="ignore"):
+        o_ref, _ = oracle(op, bad_args, bad_kw)
+        do, _ = cotangents(3, o_ref, None)
+        g_ref = adjoint(op, bad_args, bad_kw, do, None)
+    (o, _), grads = run(op, bad_args, bad_kw, np.float64, form, do, None)
+    check_against(o, o_ref, tol_out(np.float64), "o")
+    for n, g in grads.items():
+        check_against(g, g_ref[n], tol_grad(np.float64), f"d{n}")
+
+
 # ------------------------------------------------------------------------------- 2. resets, huge gates
 
 
