@@ -435,8 +435,8 @@ static void PA_FN(la_block_dstate)(const PA_FN(la_unit) *u, int64_t c0, int64_t 
 }
 
 /* The off-diagonal parts (header) of dq, dk, dv rows of the block from S, its start state
- * (NULL: zeros), and dS, the gradient reaching its end state from later rows; with a value gate, o's too,
- * into dgv. The Gram B serves dq and dk. */
+ * (NULL: zeros), and dS, the gradient reaching its end state from later rows; with a value
+ * gate, o's too, into dgv. The Gram B serves dq and dk. */
 static void PA_FN(la_block_grads)(const PA_FN(la_unit) *u, int64_t c0, int64_t L,
                                   const PA_FN(la_side) *ks, const PA_FN(la_side) *vs,
                                   const real *S, const real *dS, PA_FN(la_scratch) *sc)
@@ -873,8 +873,10 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
         } else {
             if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
             PA_FN(la_block)(b, r, n, chunk, sc, &ks, &vs);
-            const int zero = p == 0 && !c->h0 && PA_FN(la_zero_starts)(&ks, &vs, n);
-            if (chunk) PA_FN(la_block_grads)(b, r, n, &ks, &vs, zero ? NULL : states + p * KV, dS, sc);
+            if (chunk) {
+                const int zero = p == 0 && !c->h0 && PA_FN(la_zero_starts)(&ks, &vs, n);
+                PA_FN(la_block_grads)(b, r, n, &ks, &vs, zero ? NULL : states + p * KV, dS, sc);
+            }
             PA_FN(la_block_dstate)(b, r, n, &ks, &vs, dS, sc);
         }
         PA_FN(la_gate_bound)(d, states + p * KV, dS, sc->acc);
