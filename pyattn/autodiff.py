@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Tuple
 
 from . import _bf16
+from ._array_cache import cached_arrays
 
 _RULES: Dict[Callable, Callable] = {}
 
@@ -42,6 +43,11 @@ def vjp(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Tuple[Any, Callabl
     before the pullback has run; pass a copy to the forward where you must. The same holds for
     array-likes read without a copy (a contiguous float32 or float64 torch tensor). Inputs that
     the op had to copy (lists, non-contiguous, unaligned or byte-swapped arrays) are not affected.
+
+    The forward and the pullback allocate their arrays (outputs, what the pullback keeps, the
+    gradients) through pyattn's cache of large blocks (``pyattn.nn.cached_arrays``): a loop of
+    training steps reuses the blocks the last step freed instead of fresh pages, which the
+    system zeroes on first touch. ``pyattn.nn.empty_cache()`` gives the kept blocks back.
     """
     rule = _RULES.get(op)
     if rule is None:
@@ -49,7 +55,14 @@ def vjp(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Tuple[Any, Callabl
         raise TypeError(f"vjp(): {name} has no registered vjp; differentiable ops: {sorted(f.__name__ for f in _RULES)}")
     if _bf16.has_bf16(args, kwargs):
         return _bf16.vjp(op, rule, args, kwargs)
-    return rule(*args, **kwargs)
+    with cached_arrays():
+        out, pullback = rule(*args, **kwargs)
+
+    def cached_pullback(cot):
+        with cached_arrays():
+            return pullback(cot)
+
+    return out, cached_pullback
 
 
 def split_cotangent(fn: str, cot, n_out: int):

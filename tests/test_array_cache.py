@@ -1,7 +1,7 @@
 """pyattn.nn's cache of large NumPy blocks (pyattn.nn.cached_arrays): arrays made inside it use
 it, a freed large block is handed out again for the same size, zeros are zeros, resizing into
-a reused block keeps the data, threads can share it, and training steps on reused blocks give
-the same bits as without it."""
+a reused block keeps the data, threads can share it, and training steps on reused blocks (a
+HybridLM's, pyattn.vjp's) give the same bits as without it."""
 from __future__ import annotations
 
 import threading
@@ -130,6 +130,7 @@ def test_training_steps_give_the_same_bits_with_and_without_the_cache(monkeypatc
     assert handler_name(logits) == "pyattn_array_cache"
     assert min(kept) > 0  # blocks were kept, so the second step reused them
     monkeypatch.setattr(nn.memory, "cached_arrays", contextlib.nullcontext)
+    monkeypatch.setattr(pyattn.autodiff, "cached_arrays", contextlib.nullcontext)  # the ops' vjp
     nn.empty_cache()
     logits0, grads0, kept0 = two_steps()
     assert handler_name(logits0) != "pyattn_array_cache" and kept0 == [0, 0]
@@ -156,3 +157,50 @@ def test_bf16_calls_allocate_through_the_cache():
     grads = pullback(np.ones_like(out[0]))
     assert all(handler_name(x) == "pyattn_array_cache" for x in grads.values())
     nn.empty_cache()
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule", "softmax_attention"])
+def test_vjp_allocates_through_the_cache_with_the_same_bits(op, monkeypatch):
+    """pyattn.vjp's forward and pullback (float32 here) take their outputs, kept arrays and
+    gradients from the cache; a second step reuses the blocks the first freed, full of its
+    data, and every result has the bits of a run without the cache."""
+    import contextlib
+
+    from pyattn import autodiff
+    rng = np.random.default_rng(1)
+    B, T, H, D = 2, 300, 4, 64  # [2, 300, 4, 64] float32: 600 KiB; the kept states, dq, ...
+    q, k, v = (rng.standard_normal((B, T, H, D)).astype(np.float32) for _ in range(3))
+    args = {"simple_gla": (q, k, v, -rng.random((B, T, H)).astype(np.float32) / 8),
+            "gated_delta_rule": (q, k / np.linalg.norm(k, axis=-1, keepdims=True), v,
+                                 -rng.random((B, T, H)).astype(np.float32) / 8,
+                                 rng.random((B, T, H)).astype(np.float32)),
+            "softmax_attention": (q, k, v)}[op]
+    big = np.concatenate([a for a in args[:3]], axis=1)  # 3 x the size: arrays of 1.8 MiB
+    args = (big,) + tuple(np.concatenate([a] * 3, axis=1) for a in args[1:])
+    do = rng.standard_normal(big.shape[:3] + (D,)).astype(np.float32)
+
+    def steps():
+        """copies of each step's output and gradients (the step's own arrays freed before the
+        next), their allocators, and the bytes kept between the steps"""
+        results = []
+        for _ in range(2):
+            out, pullback = pyattn.vjp(getattr(pyattn, op), *args)
+            o = out[0] if isinstance(out, tuple) else out
+            grads = pullback(do if o is out else (do, None))
+            handlers = {handler_name(x) for x in (o, *grads.values())}
+            results.append((o.copy(), {n: g.copy() for n, g in grads.items()}, handlers))
+            del out, pullback, o, grads
+            results[-1] += (nn.cached_bytes(),)
+        return results
+
+    cached = steps()
+    assert all(r[2] == {"pyattn_array_cache"} for r in cached)
+    assert cached[0][3] > 0  # the first step's blocks, which the second then took
+    monkeypatch.setattr(autodiff, "cached_arrays", contextlib.nullcontext)
+    nn.empty_cache()
+    plain = steps()
+    assert all("pyattn_array_cache" not in r[2] and r[3] == 0 for r in plain)
+    for o, grads, _, _ in cached:
+        np.testing.assert_array_equal(o, plain[0][0])
+        for name, g in grads.items():
+            np.testing.assert_array_equal(g, plain[0][1][name], err_msg=f"d{name}")

@@ -6,7 +6,8 @@ arrays start as fresh pages that the operating system zeroes on first touch. Ins
 ``cached_arrays()`` NumPy allocates through pyattn's cache instead: a freed block of 1 MiB or
 more is kept (2 GiB in all at most, the oldest dropped first) and handed out again for an
 array of exactly its size, from any thread. ``HybridLM.forward``, ``HybridLM.backward`` and
-``cross_entropy`` run inside it, as does every op call with bf16 arrays (its float32 copies);
+``cross_entropy`` run inside it, as do ``pyattn.vjp``'s forward and pullback (any dtype) and
+every op call with bf16 arrays (its float32 copies);
 ``empty_cache()`` gives the kept blocks back. An array made
 inside returns its block to the cache whenever it is freed, also after the block or after
 ``empty_cache()`` (the logits a caller keeps, for instance); when the system runs out of
