@@ -413,6 +413,7 @@ class Op:
         arrays = list(values)
         tensors = []
         dtype = None
+        grad = False
         for i in self.tensors:
             t = values[i]
             if t is None:
@@ -420,8 +421,11 @@ class Op:
             # a strided tensor crosses as a strided view: pyattn copies what it reads
             if type(t) is not torch.Tensor or not t.is_cpu or t.dtype in _WIDENED:
                 return None
-            arrays[i] = _numpy(t.detach() if t.requires_grad else t)
-            tensors.append(t)
+            if t.requires_grad:
+                grad = True
+                t = t.detach()
+            arrays[i] = t.numpy() if t.dtype is not torch.bfloat16 else _numpy(t)
+            tensors.append(values[i])
             if dtype is None and t.is_floating_point():
                 dtype = t.dtype
         if dtype is None:
@@ -430,7 +434,7 @@ class Op:
             if values[i] is not None:
                 arrays[i] = tuple(int(x) for x in values[i])
         args, kwargs = self.call_args.place(arrays)
-        if self.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if grad and self.differentiable and torch.is_grad_enabled():
             keys = [(self.names[i], None) for i in self.tensors if values[i] is not None]
             return EagerVJP.apply(_Call(self.fn, args, kwargs, dtype, keys), *tensors)
         return _as_tensors(self.fn(*args, **kwargs), dtype)
