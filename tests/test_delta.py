@@ -1178,6 +1178,38 @@ def test_core_optional_outputs_none():
     assert all(np.all(np.isfinite(b[BI[n]])) for n in ("dq", "dk", "dv", "dg", "dbeta"))
 
 
+@pytest.mark.parametrize("row", [0, 40])
+@pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
+@pytest.mark.parametrize("name,value", [(n, x) for n in ("q", "k", "v", "g", "beta") for x in (np.nan, np.inf)
+                                        if not (n == "g" and x == np.inf)])  # +inf: a positive gate
+def test_nonfinite_input_gradients_match_the_adjoint(name, row, value, form):
+    """A NaN or an inf in one input at row 0 or 40 (chunk_size 16: a chunk's first row, and
+    one inside a chunk) of a call without initial_state: every gradient is non-finite exactly
+    where the literal adjoint's is (NaN where it is NaN, for a NaN), its finite entries within
+    the float64 tolerance. The chunk and parallel forms take a block holding a NaN gate or a
+    value that is not finite by the recurrent steps: in their Grams the NaN would reach
+    gradients that the recurrence keeps finite (dv of later rows, dg of other rows)."""
+    rng = np.random.default_rng(5)
+    B, T, H, K, V = 1, 70, 2, 8, 6
+    arrs = {"q": rng.standard_normal((B, T, H, K)), "k": rng.standard_normal((B, T, H, K)),
+            "v": rng.standard_normal((B, T, H, V)), "g": -rng.uniform(0, 1, (B, T, H)),
+            "beta": rng.uniform(0, 1, (B, T, H))}
+    arrs["k"] /= np.linalg.norm(arrs["k"], axis=-1, keepdims=True)
+    arrs[name][0, row, 0] = value
+    args = tuple(arrs[n] for n in ("q", "k", "v", "g", "beta"))
+    do = rng.standard_normal((B, T, H, V))
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = adjoint("gated_delta_rule", args, {}, do, None)
+        out, pullback = pyattn.vjp(pyattn.gated_delta_rule, *args, form=form, chunk_size=16)
+        grads = pullback((do, None))
+    for n, g in grads.items():
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(ref[n]), err_msg=f"d{n} finite")
+        if np.isnan(value):
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(ref[n]), err_msg=f"d{n} NaN")
+        ok = np.isfinite(ref[n])
+        assert_close(g[ok], ref[n][ok], tol_grad(np.float64), name=f"d{n}")
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
 @pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])

@@ -297,6 +297,56 @@ def test_nan_gate_at_a_zero_start(op, form):
     np.testing.assert_array_equal(o[:, :, 0], o0[:, :, 0], err_msg="the other head changed")
 
 
+ZERO_START_CHUNKED = tuple(op for op in ZERO_START_OPS if op != "log_linear_attention")
+
+
+def _zero_start_runs(op, args, kw, do):
+    """(out, grads) of op's chunk form (chunk 16) without initial_state, and with an
+    initial_state of zeros, which the kernels multiply rather than leave out"""
+    _, ht = getattr(pyattn, op)(*args, **kw, output_final_state=True)
+    runs = []
+    for h0 in (None, np.zeros_like(ht)):
+        extra = {} if h0 is None else {"initial_state": h0}
+        with np.errstate(invalid="ignore", over="ignore"):
+            out, pullback = pyattn.vjp(getattr(pyattn, op), *args, **kw, **extra, form="chunk",
+                                       chunk_size=16)
+            grads = pullback((do, None))
+        grads.pop("initial_state", None)
+        runs.append((out[0], grads))
+    return runs
+
+
+@pytest.mark.parametrize("value", [None, np.nan, np.inf])
+@pytest.mark.parametrize("op", ZERO_START_CHUNKED)
+def test_left_out_zero_start_products_change_nothing(op, value):
+    """The chunk forms leave out the products with a call's zero start state: the output and
+    every gradient equal those of the same call given initial_state = zeros (whose products
+    run), bit for bit, non-finite entries included: clean, and with a NaN or an inf in each
+    per-step input at the first row, or in do at the first or a later row."""
+    args, kw, _, _ = zero_start_case(op)
+    T = args[0].shape[1]
+    do = np.random.default_rng(2).standard_normal(getattr(pyattn, op)(*args, **kw)[0].shape)
+    cases = [(None, None)]
+    if value is not None:
+        named = dict(zip(pyattn.OPS[op].arrays, args))
+        cases = [(n, r) for n, x in named.items() if x.ndim >= 3 and x.shape[1] in (T, 2 * T)
+                 for r in (0,)] + [("do", 0), ("do", 40)]
+        if np.isinf(value):  # an inf gate is a positive one, an error; -inf is a reset
+            cases = [(n, r) for n, r in cases if n not in ("g", "gk", "w", "dt")]
+    for name, row in cases:
+        a, k, d = args, kw, do
+        if name == "do":
+            d = do.copy()
+            d[0, row, 1, 0] = value
+        elif name is not None:
+            index = (0, row, 1) + (0,) * (args[pyattn.OPS[op].arrays.index(name)].ndim - 3)
+            a, k = with_value(op, args, kw, name, index, value)
+        (o, grads), (o0, grads0) = _zero_start_runs(op, a, k, d)
+        np.testing.assert_array_equal(o, o0, err_msg=f"o ({name} at row {row})")
+        for n in grads:
+            np.testing.assert_array_equal(grads[n], grads0[n], err_msg=f"d{n} ({name} at row {row})")
+
+
 @pytest.mark.parametrize("op,name,index", [("simple_gla", "g", (1, 0, 0)), ("gla", "g", (1, 0, 0, 1)),
                                            ("mamba2", "dt", (1, 0, 0)), ("retention", "gamma", (0,))])
 @pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])

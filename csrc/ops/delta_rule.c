@@ -330,6 +330,49 @@ static void PA_FN(dr_recurrent_reverse)(const PA_FN(dr_unit) *u, int64_t t0, int
     }
 }
 
+/* Rows r0 .. r0+n-1 of unit u in reverse by the recurrent form's steps, pieces of DR_PIECE
+ * rows: bounds[0] holds the state entering them, and bounds (room for one state per piece)
+ * gets the state entering each piece; trail (DR_PIECE + 1 states) a piece's steps. dS as in
+ * dr_recurrent_reverse. */
+static void PA_FN(dr_rows_reverse)(const PA_FN(dr_unit) *u, int64_t r0, int64_t n, double scale,
+                                   real *bounds, real *trail, real *dS, PA_FN(dr_scratch) *sc)
+{
+    const int64_t KV = sc->K * sc->V, np = (n + DR_PIECE - 1) / DR_PIECE;
+    for (int64_t p = 0; p + 1 < np; p++)
+        PA_FN(dr_recurrent)(u, r0 + p * DR_PIECE, DR_PIECE, scale, bounds + p * KV,
+                            bounds + (p + 1) * KV, NULL, sc);
+    for (int64_t p = np - 1; p >= 0; p--) {
+        const int64_t t0 = r0 + p * DR_PIECE, m = n - p * DR_PIECE < DR_PIECE ? n - p * DR_PIECE : DR_PIECE;
+        memcpy(trail, bounds + p * KV, sizeof(real) * KV);
+        PA_FN(dr_recurrent)(u, t0, m, scale, trail, sc->S, trail + KV, sc);
+        PA_FN(dr_recurrent_reverse)(u, t0, m, scale, trail, dS, sc);
+    }
+}
+
+/* Whether rows r0 .. r0+n-1 of a unit hold a NaN gate or a value that is not finite. The
+ * chunk form's backward would then spread NaN over gradients of its block that the
+ * recurrence keeps finite (the prefix sums of a NaN gate are NaN for every later pair of
+ * rows, a NaN value reaches every row's gate gradient through the block's Grams); such a
+ * block takes the recurrent steps instead (dr_block_backward). A gate of -inf (a reset) is
+ * finite arithmetic there and counts as clean. */
+static int PA_FN(dr_rows_unclean)(const PA_FN(dr_unit) *u, int64_t r0, int64_t n, int64_t K,
+                                  int64_t V)
+{
+    const int64_t G = u->gate == PA_GATE_VECTOR ? K : 1;
+    vint bad = (vint){0};
+    vreal z = PA_FN(vset)(0);
+    for (int64_t t = r0; t < r0 + n; t++) {
+        for (int64_t c = 0; u->g && c < G; c += VL) {
+            const vreal x = PA_FN(row_ld)(u->g + t * u->sg + c, G - c);
+            bad |= x != x;
+        }
+        for (int64_t j = 0; j < V; j += VL) z += PA_FN(row_ld)(u->v + t * u->sv + j, V - j) * 0;
+    }
+    for (int l = 0; l < VL; l++)
+        if (bad[l] || z[l] != z[l]) return 1;
+    return 0;
+}
+
 /* ---- the chunk form's building blocks ---- */
 
 /* Rows r0 .. r1-1 of the l x N matrix B (rows of ldb) into Bp, packed as pack_b packs all l
@@ -437,6 +480,16 @@ static void PA_FN(dr_block)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, PA_F
     PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->Bp, sc->work);
 }
 
+/* la_zero_start for rows c0 .. c0+l-1 of unit u: its inputs (do in a backward) and dS */
+static int PA_FN(dr_zero_start)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, const real *dS,
+                                const PA_FN(dr_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, G = u->gate == PA_GATE_VECTOR ? K : 1;
+    const real *const x[] = {u->q, u->k, u->v, u->g, u->beta, u->dout};
+    const int64_t ld[] = {u->sq, u->sq, u->sv, u->sg, u->sb, u->sv}, w[] = {K, K, V, G, 1, V};
+    return PA_FN(la_zero_start)(6, x, ld, w, c0, l, dS, K, V);
+}
+
 /* V' = U - W S (S NULL: a zero state, V' = U) */
 static void PA_FN(dr_values)(int64_t l, const real *S, PA_FN(dr_scratch) *sc)
 {
@@ -501,7 +554,7 @@ static void PA_FN(dr_gram_grads)(PA_FN(dr_scratch) *sc, int64_t l, real alpha, c
 
 /* The block's gradients: dq, dk, dv, dbeta, dg of its rows from its entering state S and dS,
  * the gradient reaching its end state (on return, the one reaching S). fresh: S is a unit's
- * zero start (no h0), whose products are left out where la_zero_start allows. */
+ * zero start (no h0), whose products are left out where dr_zero_start allows. */
 static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
                                   const real *S, int fresh, real *dS, PA_FN(dr_scratch) *sc)
 {
@@ -517,7 +570,7 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
     /* the Grams of ungated rows: dP (width V) and dA (width K + V) */
     const PA_FN(la_side) plain_v = {.kind = PA_GATE_NONE, .D = V}, plain_w = {.kind = PA_GATE_NONE, .D = W};
     PA_FN(dr_block)(u, c0, l, sc);
-    if (fresh && PA_FN(la_zero_start)(&sc->ks, l)) S = NULL;
+    if (fresh && PA_FN(dr_zero_start)(u, c0, l, dS, sc)) S = NULL;
     PA_FN(dr_values)(l, S, sc);
     PA_FN(dr_scores)(u, c0, l, scale, sc);
     if (gated) memset(dG, 0, sizeof(double) * l * nc);
@@ -622,6 +675,21 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         PA_FN(gate_grads_from_cumulative)(dG, l, nc, u->g + c0 * u->sg, u->dg + c0 * u->sg, u->sg);
 }
 
+/* The block of rows c0 .. c0+l-1 in reverse by the recurrent steps (dr_rows_reverse) from S,
+ * the state entering it, with room for their states allocated here: a block that
+ * dr_rows_unclean flags. 0 where that room cannot be had (the chunk backward then runs). */
+static int PA_FN(dr_block_backward)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
+                                    const real *S, real *dS, PA_FN(dr_scratch) *sc)
+{
+    const int64_t KV = sc->K * sc->V, np = (l + DR_PIECE - 1) / DR_PIECE;
+    real *bounds = pa_alloc(sizeof(real) * (size_t)((np + DR_PIECE + 1) * KV));
+    if (!bounds) return 0;
+    memcpy(bounds, S, sizeof(real) * KV);
+    PA_FN(dr_rows_reverse)(u, c0, l, scale, bounds, bounds + np * KV, dS, sc);
+    free(bounds);
+    return 1;
+}
+
 /* ---- drivers ---- */
 
 /* The unit whose rows *r0 .. *r0+l-1 are unit u's rows c0 .. c0+l-1, for a block's
@@ -700,7 +768,7 @@ static void PA_FN(dr_unit_forward)(const PA_FN(dr_call) *c, int64_t unit, int64_
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
         PA_FN(dr_block)(b, r, l, sc);
         /* a unit without h0 enters its first block with zeros: their products left out */
-        const real *Sin = c0 == 0 && !h0 && PA_FN(la_zero_start)(&sc->ks, l) ? NULL : S;
+        const real *Sin = c0 == 0 && !h0 && PA_FN(dr_zero_start)(b, r, l, NULL, sc) ? NULL : S;
         PA_FN(dr_values)(l, Sin, sc);
         PA_FN(dr_output)(b, r, l, d->scale, Sin, sc);
         PA_FN(dr_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
@@ -722,42 +790,37 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
     const int64_t P = rec ? DR_PIECE : L;
     PA_FN(dr_unit) u;
     PA_FN(dr_unit_of)(c, unit, &u);
-    const int64_t np = (u.T + P - 1) / P;
+    int64_t np = (u.T + P - 1) / P;
     real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
     if (!c->states) PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
-    for (int64_t p = 0; !c->states && p < np; p++) {
+    for (int64_t p = 0; !c->states && !rec && p < np; p++) { /* the states entering blocks */
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
         real *S = states + (p + 1) * KV;
-        if (rec) {
-            PA_FN(dr_recurrent)(&u, r0, n, d->scale, S - KV, S, NULL, sc);
-        } else {
-            PA_FN(dr_unit) staged;
-            int64_t r;
-            memcpy(S, S - KV, sizeof(real) * KV);
-            const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 1, sc, &staged, &r);
-            PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
-            PA_FN(dr_block)(b, r, n, sc);
-            PA_FN(dr_values)(n, p == 0 && !c->h0 && PA_FN(la_zero_start)(&sc->ks, n) ? NULL : S - KV,
-                             sc);
-            PA_FN(dr_state)(b, r, n, S, sc);
-        }
+        PA_FN(dr_unit) staged;
+        int64_t r;
+        memcpy(S, S - KV, sizeof(real) * KV);
+        const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 1, sc, &staged, &r);
+        PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
+        PA_FN(dr_block)(b, r, n, sc);
+        PA_FN(dr_values)(n, p == 0 && !c->h0 && PA_FN(dr_zero_start)(b, r, n, NULL, sc) ? NULL : S - KV,
+                         sc);
+        PA_FN(dr_state)(b, r, n, S, sc);
     }
     PA_FN(dr_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
-    real *trail = sc->states + (np + 1) * KV; /* recurrent: a piece's states */
+    if (rec) { /* the states entering its pieces, then each piece's steps in reverse */
+        PA_FN(dr_rows_reverse)(&u, 0, u.T, d->scale, states, sc->states + (np + 1) * KV, dS, sc);
+        np = 0;
+    }
     for (int64_t p = np - 1; p >= 0; p--) {
         const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
-        if (rec) {
-            memcpy(trail, states + p * KV, sizeof(real) * KV);
-            PA_FN(dr_recurrent)(&u, r0, n, d->scale, trail, sc->S, trail + KV, sc);
-            PA_FN(dr_recurrent_reverse)(&u, r0, n, d->scale, trail, dS, sc);
-        } else {
-            PA_FN(dr_unit) staged;
-            int64_t r;
-            const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 0, sc, &staged, &r);
-            if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
+        PA_FN(dr_unit) staged;
+        int64_t r;
+        const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 0, sc, &staged, &r);
+        if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
+        if (!PA_FN(dr_rows_unclean)(b, r, n, d->K, d->V) ||
+            !PA_FN(dr_block_backward)(b, r, n, d->scale, states + p * KV, dS, sc))
             PA_FN(dr_block_grads)(b, r, n, d->scale, states + p * KV, p == 0 && !c->h0, dS, sc);
-            PA_FN(dr_unstage)(c, b, r0, n, &u);
-        }
+        PA_FN(dr_unstage)(c, b, r0, n, &u);
     }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }

@@ -335,6 +335,16 @@ static void PA_FN(dp_block)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, PA_F
     PA_FN(dr_solve_lower)(sc->A, l, sc->Z, W, sc->Bp, sc->work);
 }
 
+/* la_zero_start for rows c0 .. c0+l-1 of unit u: its inputs (do in a backward) and dS */
+static int PA_FN(dp_zero_start)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, const real *dS,
+                                const PA_FN(dp_scratch) *sc)
+{
+    const int64_t K = sc->K, V = sc->V, sk = u->sk, sv = u->sv;
+    const real *const x[] = {u->q, u->k, u->v, u->a, u->b, u->gk, u->dout};
+    const int64_t ld[] = {sk, sk, sv, sk, sk, sk, sv}, w[] = {K, K, V, K, K, K, V};
+    return PA_FN(la_zero_start)(7, x, ld, w, c0, l, dS, K, V);
+}
+
 /* The rows' u = U + W S, S the state entering the block (NULL: zeros, u = U) */
 static void PA_FN(dp_values)(int64_t l, const real *S, PA_FN(dp_scratch) *sc)
 {
@@ -427,7 +437,7 @@ static void PA_FN(dp_shifted_grads)(PA_FN(dp_scratch) *sc, int64_t l, real sign,
 
 /* The block's gradients: dq, dk, dv, da, db, dgk of its rows from its entering state S and dS,
  * the gradient reaching its end state (on return, the one reaching S). fresh: S is a unit's
- * zero start (no h0), whose products are left out where la_zero_start allows. */
+ * zero start (no h0), whose products are left out where dp_zero_start allows. */
 static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, double scale,
                                   const real *S, int fresh, real *dS, PA_FN(dp_scratch) *sc)
 {
@@ -441,7 +451,7 @@ static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l
     const PA_FN(la_side) plain_v = {.kind = PA_GATE_NONE, .D = V}, plain_w = {.kind = PA_GATE_NONE, .D = W};
     double *dG = sc->dG;
     PA_FN(dp_block)(u, c0, l, sc);
-    if (fresh && PA_FN(la_zero_start)(&sc->ks, l)) S = NULL;
+    if (fresh && PA_FN(dp_zero_start)(u, c0, l, dS, sc)) S = NULL;
     PA_FN(dp_values)(l, S, sc);
     PA_FN(dp_scores)(u, c0, l, scale, sc);
     memset(dG, 0, sizeof(double) * l * K);
@@ -573,7 +583,7 @@ static void PA_FN(dp_unit_forward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN(
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L, L / 2, 0);
             PA_FN(dp_block)(b, r, l, sc);
             /* a unit without h0 enters its first block with zeros: their products left out */
-            const int zero = c0 == 0 && !c->h0 && PA_FN(la_zero_start)(&sc->ks, l);
+            const int zero = c0 == 0 && !c->h0 && PA_FN(dp_zero_start)(b, r, l, NULL, sc);
             PA_FN(dp_values)(l, zero ? NULL : S, sc);
             PA_FN(dp_output)(b, r, l, d->scale, zero ? NULL : S, sc);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, c0 + L + L / 2, L - L / 2, 0);
@@ -608,7 +618,8 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
             const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, r0, n, 1, sc, &staged, &r);
             PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 + P, P, 1);
             PA_FN(dp_block)(b, r, n, sc);
-            PA_FN(dp_values)(n, p == 0 && !c->h0 && PA_FN(la_zero_start)(&sc->ks, n) ? NULL : S, sc);
+            PA_FN(dp_values)(n, p == 0 && !c->h0 && PA_FN(dp_zero_start)(b, r, n, NULL, sc) ? NULL : S,
+                             sc);
             PA_FN(dp_state)(b, r, n, S, sc);
         } else {
             PA_FN(dp_recurrent)(&u, r0, n, d->scale, S, NULL, sc);

@@ -312,16 +312,23 @@ static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg,
     if (Dm) PA_FN(decay_mask)(Gs, Gs + Lmax, L, Dm);
 }
 
-/* Whether a block of L rows starting a unit without h0 may leave out its zero state's products
- * (la_rows_times with no state): not where a gate of the block is NaN, whose decay of the zero
- * state, 0 e^NaN, is NaN. A NaN stays in the cumulative sums (prefix sums: la_block's sides),
- * so their last row tells. */
-static int PA_FN(la_zero_start)(const PA_FN(la_side) *s, int64_t L)
+/* Whether a block of rows r0 .. r0+n-1 that starts a unit without h0 may leave out its zero
+ * state's products: only where each of its cnt inputs (x[i] NULL: absent; rows ld[i] apart,
+ * w[i] wide) and, in a backward, dS (K x V, or NULL) are finite. An inf or NaN there (a NaN
+ * gate, a -inf one too) times the zero state is NaN, which the products would have carried
+ * into the results; such a block computes them. */
+static int PA_FN(la_zero_start)(int cnt, const real *const *x, const int64_t *ld,
+                                const int64_t *w, int64_t r0, int64_t n, const real *dS,
+                                int64_t K, int64_t V)
 {
-    if (s->kind == PA_GATE_SCALAR) return !isnan(s->Gs[L - 1]);
-    for (int64_t d = 0; s->kind == PA_GATE_VECTOR && d < s->D; d++)
-        if (isnan(s->G[(L - 1) * s->D + d])) return 0;
-    return 1;
+    vreal z = PA_FN(vset)(0); /* x * 0 is NaN exactly when x is not finite */
+    for (int i = 0; i < cnt; i++)
+        for (int64_t t = r0; x[i] && t < r0 + n; t++)
+            for (int64_t c = 0; c < w[i]; c += VL)
+                z += PA_FN(row_ld)(x[i] + t * ld[i] + c, w[i] - c) * 0;
+    for (int64_t c = 0; dS && c < K * V; c += VL) z += PA_FN(row_ld)(dS + c, K * V - c) * 0;
+    const real t = PA_FN(hsum)(z);
+    return t == t;
 }
 
 /* Whether rows r0 .. r1-1 of a vector side's gate stay within LA_FACTOR of row r0 in every
