@@ -1178,6 +1178,18 @@ def test_core_optional_outputs_none():
     assert all(np.all(np.isfinite(b[BI[n]])) for n in ("dq", "dk", "dv", "dg", "dbeta"))
 
 
+def nonfinite_case():
+    """float64 inputs of gated_delta_rule, B=1, T=70 (chunks of 16: the last ragged), H=2, K=8,
+    V=6, unit keys; and the generator, for a cotangent"""
+    rng = np.random.default_rng(5)
+    B, T, H, K, V = 1, 70, 2, 8, 6
+    arrs = {"q": rng.standard_normal((B, T, H, K)), "k": rng.standard_normal((B, T, H, K)),
+            "v": rng.standard_normal((B, T, H, V)), "g": -rng.uniform(0, 1, (B, T, H)),
+            "beta": rng.uniform(0, 1, (B, T, H))}
+    arrs["k"] /= np.linalg.norm(arrs["k"], axis=-1, keepdims=True)
+    return arrs, rng
+
+
 @pytest.mark.parametrize("row", [0, 40])
 @pytest.mark.parametrize("form", ["chunk", "parallel", "recurrent"])
 @pytest.mark.parametrize("name,value", [(n, x) for n in ("q", "k", "v", "g", "beta") for x in (np.nan, np.inf)
@@ -1189,15 +1201,10 @@ def test_nonfinite_input_gradients_match_the_adjoint(name, row, value, form):
     the float64 tolerance. The chunk and parallel forms take a block holding a NaN gate or a
     value that is not finite by the recurrent steps: in their Grams the NaN would reach
     gradients that the recurrence keeps finite (dv of later rows, dg of other rows)."""
-    rng = np.random.default_rng(5)
-    B, T, H, K, V = 1, 70, 2, 8, 6
-    arrs = {"q": rng.standard_normal((B, T, H, K)), "k": rng.standard_normal((B, T, H, K)),
-            "v": rng.standard_normal((B, T, H, V)), "g": -rng.uniform(0, 1, (B, T, H)),
-            "beta": rng.uniform(0, 1, (B, T, H))}
-    arrs["k"] /= np.linalg.norm(arrs["k"], axis=-1, keepdims=True)
+    arrs, rng = nonfinite_case()
     arrs[name][0, row, 0] = value
     args = tuple(arrs[n] for n in ("q", "k", "v", "g", "beta"))
-    do = rng.standard_normal((B, T, H, V))
+    do = rng.standard_normal(arrs["v"].shape)
     with np.errstate(invalid="ignore", over="ignore"):
         ref = adjoint("gated_delta_rule", args, {}, do, None)
         out, pullback = pyattn.vjp(pyattn.gated_delta_rule, *args, form=form, chunk_size=16)
@@ -1218,12 +1225,7 @@ def test_nan_reaches_later_rows_only(name, form, dtype):
     finite and equal a clean run (to rounding: in the chunk form the rows of that chunk then
     take the exact per-row sums instead of the GEMM), the rows from it on are NaN where the
     oracle's are."""
-    rng = np.random.default_rng(5)
-    B, T, H, K, V = 1, 70, 2, 8, 6
-    arrs = {"q": rng.standard_normal((B, T, H, K)), "k": rng.standard_normal((B, T, H, K)),
-            "v": rng.standard_normal((B, T, H, V)), "g": -rng.uniform(0, 1, (B, T, H)),
-            "beta": rng.uniform(0, 1, (B, T, H))}
-    arrs["k"] /= np.linalg.norm(arrs["k"], axis=-1, keepdims=True)
+    arrs, _ = nonfinite_case()
     arrs = {n: a.astype(dtype) for n, a in arrs.items()}
     names = ("q", "k", "v", "g", "beta")
     clean, _ = pyattn.gated_delta_rule(*(arrs[n] for n in names), form=form, chunk_size=16)
