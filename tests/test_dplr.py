@@ -276,6 +276,34 @@ def test_nan_in_is_nan_out(form):
         assert np.isfinite(g["q"][0, :, 0]).all(), name
 
 
+@pytest.mark.parametrize("row", [0, 21])
+@pytest.mark.parametrize("name,value", [(n, x) for n in ("q", "k", "v", "a", "b", "gk") for x in (np.nan, np.inf)
+                                        if not (n == "gk" and x == np.inf)])  # +inf: a positive gate
+def test_nonfinite_input_gradients_as_the_recurrence(name, value, row):
+    """A NaN or an inf in one input at row 0 or 21 (chunk_size 16) of a call without
+    initial_state: the chunk form's gradients are non-finite exactly where the recurrent
+    form's are (its literal steps; NaN where they are NaN, for a NaN), the finite entries
+    within the float64 tolerance. The chunk backward takes a block holding a NaN gate or a
+    non-finite k, v, a or b by the recurrent steps: in its Grams the value would reach
+    gradients that the recurrence keeps finite."""
+    arrs = dict(zip(("q", "k", "v", "a", "b", "gk"), inputs(17, B=1, T=40, state=False)[:6]))
+    arrs[name] = arrs[name].copy()
+    arrs[name][0, row, 1, 0] = value
+    do = np.random.default_rng(3).standard_normal(arrs["v"].shape)
+    grads = {}
+    with np.errstate(invalid="ignore", over="ignore"):
+        for form in ("chunk", "recurrent"):
+            _, pull = pyattn.vjp(pyattn.dplr_delta_rule, **arrs, form=form, chunk_size=16)
+            grads[form] = pull((do, None))
+    for n, g in grads["chunk"].items():
+        ref = grads["recurrent"][n]
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(ref), err_msg=f"d{n} finite")
+        if np.isnan(value):
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(ref), err_msg=f"d{n} NaN")
+        ok = np.isfinite(ref)
+        assert_close(g[ok], ref[ok], TOLERANCES[np.dtype(np.float64)][1], name=f"d{n}")
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_full_reset_and_extreme_decays_stay_finite(form):
     """gk = -inf drops the diagonal part of its step (exp(-inf) = 0 in the oracle); gk near -1e4
