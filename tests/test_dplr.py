@@ -74,7 +74,8 @@ def test_weak_and_strong_decays(form, dtype, gate):
     assert_close(S, rS, tol, name="final_state")
 
 
-@pytest.mark.parametrize("gate", ["mid", "strong"])
+# under the sanitizer the strong gates' paths (blocks not factored), the common ones run elsewhere
+@pytest.mark.parametrize("gate", [pytest.param("mid", marks=pytest.mark.skip_under_sanitizer), "strong"])
 @pytest.mark.parametrize("form", FORMS)
 def test_gradients_match_finite_differences(form, gate):
     q, k, v, a, b, gk, h0 = inputs(4, B=1, T=70, H=2, K=3, V=2, gate=gate)

@@ -275,6 +275,7 @@ def test_minus_inf_gate_is_a_sequence_boundary(form, dtype):
         assert_close(grads[name], want[name], 16 * np.finfo(dtype).eps, atol=1e-30, name=f"d{name}")
 
 
+@pytest.mark.skip_under_sanitizer  # numerics over T = 4096; shorter calls cover the same tiles
 def test_long_float32_sequence_keeps_the_bias_digits():
     """T = 4096 with g ~ -1 a step: G reaches about -4000, where a float32 G_j carries an error
     of 2e-4. The kernel's hi + lo bias keeps float32 o within 1e-5 of the float64 oracle (7e-8
