@@ -330,14 +330,29 @@ static void PA_FN(dr_recurrent_reverse)(const PA_FN(dr_unit) *u, int64_t t0, int
     }
 }
 
-/* Rows r0 .. r0+n-1 of unit u in reverse by the recurrent form's steps, pieces of DR_PIECE
- * rows: bounds[0] holds the state entering them, and bounds (room for one state per piece)
- * gets the state entering each piece; trail (DR_PIECE + 1 states) a piece's steps. dS as in
- * dr_recurrent_reverse. */
-static void PA_FN(dr_rows_reverse)(const PA_FN(dr_unit) *u, int64_t r0, int64_t n, double scale,
-                                   real *bounds, real *trail, real *dS, PA_FN(dr_scratch) *sc)
+/* The recurrent steps of n rows backward go by pieces of DR_PIECE rows: their room holds the
+ * state entering each piece (the first given), then a piece's steps (DR_PIECE + 1 states). */
+static int64_t PA_FN(dr_pieces)(int64_t n)
 {
-    const int64_t KV = sc->K * sc->V, np = (n + DR_PIECE - 1) / DR_PIECE;
+    return (n + DR_PIECE - 1) / DR_PIECE;
+}
+
+/* That room for n rows of K x V states entering with S, allocated (NULL where it cannot be
+ * had); the delta and DPLR chunk backwards' blocks that *_rows_unclean flags */
+static real *PA_FN(dr_reverse_room)(const real *S, int64_t n, int64_t KV)
+{
+    real *room = pa_alloc(sizeof(real) * (size_t)((PA_FN(dr_pieces)(n) + DR_PIECE + 1) * KV));
+    if (room) memcpy(room, S, sizeof(real) * KV);
+    return room;
+}
+
+/* Rows r0 .. r0+n-1 of unit u in reverse by the recurrent form's steps, in the room
+ * (dr_pieces) whose first state enters them. dS as in dr_recurrent_reverse. */
+static void PA_FN(dr_rows_reverse)(const PA_FN(dr_unit) *u, int64_t r0, int64_t n, double scale,
+                                   real *bounds, real *dS, PA_FN(dr_scratch) *sc)
+{
+    const int64_t KV = sc->K * sc->V, np = PA_FN(dr_pieces)(n);
+    real *trail = bounds + np * KV;
     for (int64_t p = 0; p + 1 < np; p++)
         PA_FN(dr_recurrent)(u, r0 + p * DR_PIECE, DR_PIECE, scale, bounds + p * KV,
                             bounds + (p + 1) * KV, NULL, sc);
@@ -353,24 +368,14 @@ static void PA_FN(dr_rows_reverse)(const PA_FN(dr_unit) *u, int64_t r0, int64_t 
  * chunk form's backward would then spread NaN over gradients of its block that the
  * recurrence keeps finite (the prefix sums of a NaN gate are NaN for every later pair of
  * rows, a NaN value reaches every row's gate gradient through the block's Grams); such a
- * block takes the recurrent steps instead (dr_block_backward). A gate of -inf (a reset) is
- * finite arithmetic there and counts as clean. */
+ * block takes the recurrent steps instead. A gate of -inf (a reset) is finite arithmetic
+ * there and counts as clean. */
 static int PA_FN(dr_rows_unclean)(const PA_FN(dr_unit) *u, int64_t r0, int64_t n, int64_t K,
                                   int64_t V)
 {
     const int64_t G = u->gate == PA_GATE_VECTOR ? K : 1;
-    vint bad = (vint){0};
-    vreal z = PA_FN(vset)(0);
-    for (int64_t t = r0; t < r0 + n; t++) {
-        for (int64_t c = 0; u->g && c < G; c += VL) {
-            const vreal x = PA_FN(row_ld)(u->g + t * u->sg + c, G - c);
-            bad |= x != x;
-        }
-        for (int64_t j = 0; j < V; j += VL) z += PA_FN(row_ld)(u->v + t * u->sv + j, V - j) * 0;
-    }
-    for (int l = 0; l < VL; l++)
-        if (bad[l] || z[l] != z[l]) return 1;
-    return 0;
+    return PA_FN(la_rows_bad)(1, &u->g, &u->sg, &G, r0, n, 1) ||
+           PA_FN(la_rows_bad)(1, &u->v, &u->sv, &V, r0, n, 0);
 }
 
 /* ---- the chunk form's building blocks ---- */
@@ -675,21 +680,6 @@ static void PA_FN(dr_block_grads)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l
         PA_FN(gate_grads_from_cumulative)(dG, l, nc, u->g + c0 * u->sg, u->dg + c0 * u->sg, u->sg);
 }
 
-/* The block of rows c0 .. c0+l-1 in reverse by the recurrent steps (dr_rows_reverse) from S,
- * the state entering it, with room for their states allocated here: a block that
- * dr_rows_unclean flags. 0 where that room cannot be had (the chunk backward then runs). */
-static int PA_FN(dr_block_backward)(const PA_FN(dr_unit) *u, int64_t c0, int64_t l, double scale,
-                                    const real *S, real *dS, PA_FN(dr_scratch) *sc)
-{
-    const int64_t KV = sc->K * sc->V, np = (l + DR_PIECE - 1) / DR_PIECE;
-    real *bounds = pa_alloc(sizeof(real) * (size_t)((np + DR_PIECE + 1) * KV));
-    if (!bounds) return 0;
-    memcpy(bounds, S, sizeof(real) * KV);
-    PA_FN(dr_rows_reverse)(u, c0, l, scale, bounds, bounds + np * KV, dS, sc);
-    free(bounds);
-    return 1;
-}
-
 /* ---- drivers ---- */
 
 /* The unit whose rows *r0 .. *r0+l-1 are unit u's rows c0 .. c0+l-1, for a block's
@@ -790,7 +780,7 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
     const int64_t P = rec ? DR_PIECE : L;
     PA_FN(dr_unit) u;
     PA_FN(dr_unit_of)(c, unit, &u);
-    int64_t np = (u.T + P - 1) / P;
+    const int64_t np = (u.T + P - 1) / P;
     real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
     if (!c->states) PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
     for (int64_t p = 0; !c->states && !rec && p < np; p++) { /* the states entering blocks */
@@ -807,20 +797,25 @@ static void PA_FN(dr_unit_backward)(const PA_FN(dr_call) *c, int64_t unit, int64
         PA_FN(dr_state)(b, r, n, S, sc);
     }
     PA_FN(dr_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
-    if (rec) { /* the states entering its pieces, then each piece's steps in reverse */
-        PA_FN(dr_rows_reverse)(&u, 0, u.T, d->scale, states, sc->states + (np + 1) * KV, dS, sc);
-        np = 0;
-    }
-    for (int64_t p = np - 1; p >= 0; p--) {
-        const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
-        PA_FN(dr_unit) staged;
-        int64_t r;
-        const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 0, sc, &staged, &r);
-        if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
-        if (!PA_FN(dr_rows_unclean)(b, r, n, d->K, d->V) ||
-            !PA_FN(dr_block_backward)(b, r, n, d->scale, states + p * KV, dS, sc))
-            PA_FN(dr_block_grads)(b, r, n, d->scale, states + p * KV, p == 0 && !c->h0, dS, sc);
-        PA_FN(dr_unstage)(c, b, r0, n, &u);
+    if (rec) { /* the states entering its pieces (the scratch's room), each piece in reverse */
+        PA_FN(dr_rows_reverse)(&u, 0, u.T, d->scale, states, dS, sc);
+    } else {
+        for (int64_t p = np - 1; p >= 0; p--) {
+            const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+            PA_FN(dr_unit) staged;
+            int64_t r;
+            const PA_FN(dr_unit) *b = PA_FN(dr_stage)(c, &u, r0, n, 0, sc, &staged, &r);
+            if (r0) PA_FN(dr_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
+            /* an unclean block by the recurrent steps, unless their room cannot be had */
+            real *room = PA_FN(dr_rows_unclean)(b, r, n, d->K, d->V)
+                             ? PA_FN(dr_reverse_room)(states + p * KV, n, KV) : NULL;
+            if (room)
+                PA_FN(dr_rows_reverse)(b, r, n, d->scale, room, dS, sc);
+            else
+                PA_FN(dr_block_grads)(b, r, n, d->scale, states + p * KV, p == 0 && !c->h0, dS, sc);
+            free(room);
+            PA_FN(dr_unstage)(c, b, r0, n, &u);
+        }
     }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }

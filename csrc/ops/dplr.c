@@ -240,14 +240,13 @@ static void PA_FN(dp_recurrent_reverse)(const PA_FN(dp_unit) *u, int64_t t0, int
     }
 }
 
-/* Rows r0 .. r0+n-1 of unit u in reverse by the recurrent steps, pieces of DR_PIECE rows:
- * bounds[0] holds the state entering them, and bounds (room for one state per piece) gets
- * the state entering each piece; trail (DR_PIECE + 1 states) a piece's steps. dS as in
- * dp_recurrent_reverse. */
+/* Rows r0 .. r0+n-1 of unit u in reverse by the recurrent steps, in the room (dr_pieces)
+ * whose first state enters them. dS as in dp_recurrent_reverse. */
 static void PA_FN(dp_rows_reverse)(const PA_FN(dp_unit) *u, int64_t r0, int64_t n, double scale,
-                                   real *bounds, real *trail, real *dS, PA_FN(dp_scratch) *sc)
+                                   real *bounds, real *dS, PA_FN(dp_scratch) *sc)
 {
-    const int64_t KV = sc->K * sc->V, np = (n + DR_PIECE - 1) / DR_PIECE;
+    const int64_t KV = sc->K * sc->V, np = PA_FN(dr_pieces)(n);
+    real *trail = bounds + np * KV;
     for (int64_t p = 0; p + 1 < np; p++) {
         memcpy(bounds + (p + 1) * KV, bounds + p * KV, sizeof(real) * KV);
         PA_FN(dp_recurrent)(u, r0 + p * DR_PIECE, DR_PIECE, scale, bounds + (p + 1) * KV, NULL, sc);
@@ -263,26 +262,15 @@ static void PA_FN(dp_rows_reverse)(const PA_FN(dp_unit) *u, int64_t r0, int64_t 
 
 /* Whether rows r0 .. r0+n-1 of a unit hold a NaN gate or a k, v, a or b that is not finite:
  * the chunk backward's Grams would spread it over gradients of the block that the
- * recurrence keeps finite, so such a block takes the recurrent steps (dp_block_backward). A
- * gate of -inf (a reset) counts as clean. */
+ * recurrence keeps finite, so such a block takes the recurrent steps. A gate of -inf (a
+ * reset) counts as clean. */
 static int PA_FN(dp_rows_unclean)(const PA_FN(dp_unit) *u, int64_t r0, int64_t n, int64_t K,
                                   int64_t V)
 {
-    vint bad = (vint){0};
-    vreal z = PA_FN(vset)(0);
-    for (int64_t t = r0; t < r0 + n; t++) {
-        const int64_t o = t * u->sk;
-        for (int64_t c = 0; c < K; c += VL) {
-            const vreal g = PA_FN(row_ld)(u->gk + o + c, K - c);
-            bad |= g != g;
-            z += (PA_FN(row_ld)(u->k + o + c, K - c) + PA_FN(row_ld)(u->a + o + c, K - c) +
-                  PA_FN(row_ld)(u->b + o + c, K - c)) * 0;
-        }
-        for (int64_t j = 0; j < V; j += VL) z += PA_FN(row_ld)(u->v + t * u->sv + j, V - j) * 0;
-    }
-    for (int l = 0; l < VL; l++)
-        if (bad[l] || z[l] != z[l]) return 1;
-    return 0;
+    const real *const x[] = {u->k, u->a, u->b, u->v};
+    const int64_t ld[] = {u->sk, u->sk, u->sk, u->sv}, w[] = {K, K, K, V};
+    return PA_FN(la_rows_bad)(1, &u->gk, &u->sk, &K, r0, n, 1) ||
+           PA_FN(la_rows_bad)(4, x, ld, w, r0, n, 0);
 }
 
 /* ---- the chunk form ---- */
@@ -558,21 +546,6 @@ static void PA_FN(dp_block_grads)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l
     PA_FN(gate_grads_from_cumulative)(dG, l, K, u->gk + c0 * sk, u->dgk + c0 * sk, sk);
 }
 
-/* The block of rows c0 .. c0+l-1 in reverse by the recurrent steps (dp_rows_reverse) from S,
- * the state entering it, with room for their states allocated here: a block that
- * dp_rows_unclean flags. 0 where that room cannot be had (the chunk backward then runs). */
-static int PA_FN(dp_block_backward)(const PA_FN(dp_unit) *u, int64_t c0, int64_t l, double scale,
-                                    const real *S, real *dS, PA_FN(dp_scratch) *sc)
-{
-    const int64_t KV = sc->K * sc->V, np = (l + DR_PIECE - 1) / DR_PIECE;
-    real *bounds = pa_alloc(sizeof(real) * (size_t)((np + DR_PIECE + 1) * KV));
-    if (!bounds) return 0;
-    memcpy(bounds, S, sizeof(real) * KV);
-    PA_FN(dp_rows_reverse)(u, c0, l, scale, bounds, bounds + np * KV, dS, sc);
-    free(bounds);
-    return 1;
-}
-
 /* The unit's rows r0 .. r0+n-1 into L2 (prefetch_block_rows). state_only: the rows a block's
  * state reads (all but q and do). */
 static inline __attribute__((always_inline)) void PA_FN(dp_prefetch_rows)(const PA_FN(dp_unit) *u,
@@ -665,7 +638,7 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
     const int64_t KV = d->K * d->V, L = sc->L, P = L ? L : DR_PIECE;
     PA_FN(dp_unit) u;
     PA_FN(dp_unit_of)(c, unit, &u);
-    int64_t np = (u.T + P - 1) / P;
+    const int64_t np = (u.T + P - 1) / P;
     real *states = c->states ? c->states + c->first[unit] * KV : sc->states, *dS = sc->dS;
     if (!c->states) PA_FN(dr_copy_state)(c->h0 ? c->h0 + unit * KV : NULL, states, KV);
     for (int64_t p = 0; !c->states && L && p < np; p++) { /* the states entering blocks */
@@ -681,20 +654,26 @@ static void PA_FN(dp_unit_backward)(const PA_FN(dp_call) *c, int64_t unit, PA_FN
         PA_FN(dp_state)(b, r, n, S, sc);
     }
     PA_FN(dr_copy_state)(c->dht ? c->dht + unit * KV : NULL, dS, KV);
-    if (!L) { /* the recurrent form: the states entering its pieces, then each piece in reverse */
-        PA_FN(dp_rows_reverse)(&u, 0, u.T, d->scale, states, sc->states + (np + 1) * KV, dS, sc);
-        np = 0;
-    }
-    for (int64_t p = np - 1; p >= 0; p--) {
-        const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
-        PA_FN(dp_unit) staged;
-        int64_t r;
-        const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, r0, n, 0, sc, &staged, &r);
-        if (r0) PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
-        if (!PA_FN(dp_rows_unclean)(b, r, n, d->K, d->V) ||
-            !PA_FN(dp_block_backward)(b, r, n, d->scale, states + p * KV, dS, sc))
-            PA_FN(dp_block_grads)(b, r, n, d->scale, states + p * KV, p == 0 && !c->h0, dS, sc);
-        PA_FN(dp_unstage)(c, b, r0, n, &u);
+    if (!L) { /* the recurrent form: the states entering its pieces (the scratch's room), each
+               * piece in reverse */
+        PA_FN(dp_rows_reverse)(&u, 0, u.T, d->scale, states, dS, sc);
+    } else {
+        for (int64_t p = np - 1; p >= 0; p--) {
+            const int64_t r0 = p * P, n = u.T - r0 < P ? u.T - r0 : P;
+            PA_FN(dp_unit) staged;
+            int64_t r;
+            const PA_FN(dp_unit) *b = PA_FN(dp_stage)(c, &u, r0, n, 0, sc, &staged, &r);
+            if (r0) PA_FN(dp_prefetch_rows)(&u, d->K, d->V, r0 - P, P, 0);
+            /* an unclean block by the recurrent steps, unless their room cannot be had */
+            real *room = PA_FN(dp_rows_unclean)(b, r, n, d->K, d->V)
+                             ? PA_FN(dr_reverse_room)(states + p * KV, n, KV) : NULL;
+            if (room)
+                PA_FN(dp_rows_reverse)(b, r, n, d->scale, room, dS, sc);
+            else
+                PA_FN(dp_block_grads)(b, r, n, d->scale, states + p * KV, p == 0 && !c->h0, dS, sc);
+            free(room);
+            PA_FN(dp_unstage)(c, b, r0, n, &u);
+        }
     }
     if (c->dh0) memcpy(c->dh0 + unit * KV, dS, sizeof(real) * KV);
 }

@@ -355,7 +355,7 @@ static const real *PA_FN(la_rows_contiguous)(const real *X, int64_t *ldx, int64_
 }
 
 /* la_zero_start for rows c0 .. c0+L-1 of unit u: its inputs, and do in a backward */
-static int PA_FN(la_zero_starts)(const PA_FN(la_unit) *u, int64_t c0, int64_t L)
+static int PA_FN(la_block_zero_start)(const PA_FN(la_unit) *u, int64_t c0, int64_t L)
 {
     const int64_t K = u->d->K, V = u->d->V, G = u->d->gk == PA_GATE_VECTOR ? K : 1;
     const real *const x[] = {u->q, u->k, u->v, u->gk, u->gv, u->beta, u->dout};
@@ -823,7 +823,7 @@ static void PA_FN(la_unit_forward)(const PA_FN(la_call) *c, int64_t unit, int64_
         real *o = c->stream ? sc->stage : u.o + c0 * u.sv;
         const int64_t so = c->stream ? c->d->V : u.sv;
         /* a unit without h0 enters its first block with zeros: their products left out */
-        const int zero = c0 == 0 && !c->h0 && PA_FN(la_zero_starts)(&u, c0, l);
+        const int zero = c0 == 0 && !c->h0 && PA_FN(la_block_zero_start)(&u, c0, l);
         PA_FN(la_block_output)(&u, c0, l, &ks, &vs, zero ? NULL : S, sc, o, so);
         if (c->stream) PA_FN(rows_put)(o, so, l, so, u.o + c0 * u.sv, u.sv, 1);
         PA_FN(la_prefetch_rows)(&u, c0 + L + L / 2, L - L / 2, 0);
@@ -878,7 +878,7 @@ static void PA_FN(la_unit_backward)(const PA_FN(la_call) *c, int64_t unit, int64
             if (r0) PA_FN(la_prefetch_rows)(&u, r0 - P, P, 0);
             PA_FN(la_block)(b, r, n, chunk, sc, &ks, &vs);
             if (chunk) {
-                const int zero = p == 0 && !c->h0 && PA_FN(la_zero_starts)(b, r, n);
+                const int zero = p == 0 && !c->h0 && PA_FN(la_block_zero_start)(b, r, n);
                 PA_FN(la_block_grads)(b, r, n, &ks, &vs, zero ? NULL : states + p * KV, dS, sc);
             }
             PA_FN(la_block_dstate)(b, r, n, &ks, &vs, dS, sc);
@@ -1002,7 +1002,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 int zero = iblock[i] == 0 && !c->h0; /* as in la_unit_forward */
                 if (!backward) {
                     PA_FN(la_block)(&u, c0, l, 1, &sc, &ks, &vs);
-                    zero = zero && PA_FN(la_zero_starts)(&u, c0, l);
+                    zero = zero && PA_FN(la_block_zero_start)(&u, c0, l);
                     PA_FN(la_block_output)(&u, c0, l, &ks, &vs, zero ? NULL : S, &sc,
                                            u.o + c0 * u.sv, u.sv);
                     continue;
@@ -1011,7 +1011,7 @@ static int PA_FN(la_run_items)(const PA_FN(la_call) *c, int backward, int64_t L,
                 int64_t r;
                 const PA_FN(la_unit) *b = PA_FN(la_stage)(c, &u, c0, l, &sc, &staged, &r);
                 PA_FN(la_block)(b, r, l, 1, &sc, &ks, &vs);
-                zero = zero && PA_FN(la_zero_starts)(b, r, l);
+                zero = zero && PA_FN(la_block_zero_start)(b, r, l);
                 PA_FN(la_block_grads)(b, r, l, &ks, &vs, zero ? NULL : S, dS + KV, &sc);
                 PA_FN(la_gate_bound)(d, S + KV, dS + KV, sc.acc + K + V);
                 PA_FN(la_gate_bound)(d, S, dS, sc.acc);

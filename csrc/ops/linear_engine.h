@@ -312,23 +312,36 @@ static void PA_FN(la_scalar_side)(PA_FN(la_side) *s, const real *g, int64_t ldg,
     if (Dm) PA_FN(decay_mask)(Gs, Gs + Lmax, L, Dm);
 }
 
+/* Whether rows r0 .. r0+n-1 of the cnt row arrays x[i] (NULL: absent; rows ld[i] apart, w[i]
+ * wide) hold a value that is not finite, or with nan_only a NaN (a gate of -inf, a reset, is
+ * then clean) */
+static int PA_FN(la_rows_bad)(int cnt, const real *const *x, const int64_t *ld, const int64_t *w,
+                              int64_t r0, int64_t n, int nan_only)
+{
+    vint bad = (vint){0};
+    for (int i = 0; i < cnt; i++)
+        for (int64_t t = r0; x[i] && t < r0 + n; t++)
+            for (int64_t c = 0; c < w[i]; c += VL) {
+                const vreal y = PA_FN(row_ld)(x[i] + t * ld[i] + c, w[i] - c);
+                const vreal z = nan_only ? y : y * 0; /* x * 0 is NaN exactly where x is not finite */
+                bad |= z != z;
+            }
+    for (int l = 0; l < VL; l++)
+        if (bad[l]) return 1;
+    return 0;
+}
+
 /* Whether a block of rows r0 .. r0+n-1 that starts a unit without h0 may leave out its zero
- * state's products: only where each of its cnt inputs (x[i] NULL: absent; rows ld[i] apart,
- * w[i] wide) and, in a backward, dS (K x V, or NULL) are finite. An inf or NaN there (a NaN
- * gate, a -inf one too) times the zero state is NaN, which the products would have carried
- * into the results; such a block computes them. */
+ * state's products: only where its cnt inputs (as la_rows_bad's) and, in a backward, dS (K x
+ * V, or NULL) are finite. An inf or NaN there (a NaN gate, a -inf one too) times the zero
+ * state is NaN, which the products would have carried into the results; such a block
+ * computes them. */
 static int PA_FN(la_zero_start)(int cnt, const real *const *x, const int64_t *ld,
                                 const int64_t *w, int64_t r0, int64_t n, const real *dS,
                                 int64_t K, int64_t V)
 {
-    vreal z = PA_FN(vset)(0); /* x * 0 is NaN exactly when x is not finite */
-    for (int i = 0; i < cnt; i++)
-        for (int64_t t = r0; x[i] && t < r0 + n; t++)
-            for (int64_t c = 0; c < w[i]; c += VL)
-                z += PA_FN(row_ld)(x[i] + t * ld[i] + c, w[i] - c) * 0;
-    for (int64_t c = 0; dS && c < K * V; c += VL) z += PA_FN(row_ld)(dS + c, K * V - c) * 0;
-    const real t = PA_FN(hsum)(z);
-    return t == t;
+    return !PA_FN(la_rows_bad)(cnt, x, ld, w, r0, n, 0) &&
+           !(dS && PA_FN(la_rows_bad)(1, &dS, &V, &V, 0, K, 0));
 }
 
 /* Whether rows r0 .. r1-1 of a vector side's gate stay within LA_FACTOR of row r0 in every
