@@ -144,6 +144,19 @@ def _rwkv7(fn, scale):
     return build
 
 
+def _mul_rwkv7(inp):
+    """fused_mul_recurrent_rwkv7(r, w, k, v, kk, a): the DPLR oracle with a = -kk and b = kk a
+    (kk a unit vector per head, a in (0, 1)), w the log decay."""
+    r, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
+    kk = inp.randn(inp.B, inp.T, H, K)
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    a, w = inp.sig(H, K), inp.logsig(H, K)
+    expected = ref.dplr_delta_rule(r, k, v, -kk, kk * a, w, scale=1.0, initial_state=h0, output_final_state=True,
+                                   cu_seqlens=inp.cu_np())
+    return ("fused_mul_recurrent_rwkv7", tuple(_t(r, w, k, v, kk, a)),
+            dict(initial_state=tensor(h0), output_final_state=True, cu_seqlens=inp.cu), expected)
+
+
 def _gv_only(inp):
     gv = inp.logsig(H, V)
     return (), {"gv": gv}, (np.zeros((inp.B, inp.T, H, K)),), {"gv": gv}
@@ -392,6 +405,7 @@ CASES = {
     "fused_recurrent_dplr_delta_rule": _linear_case("fused_recurrent_dplr_delta_rule", _a_b_gk,
                                                     ref.dplr_delta_rule),
     "fused_recurrent_rwkv7": _rwkv7("fused_recurrent_rwkv7", K ** -0.5),
+    "fused_mul_recurrent_rwkv7": _mul_rwkv7,
     "chunk_dplr_delta_rule": _linear_case("chunk_dplr_delta_rule", _a_b_gk, ref.dplr_delta_rule),
     "chunk_dplr_delta_rule-chunk32": _linear_case("chunk_dplr_delta_rule", _a_b_gk, ref.dplr_delta_rule,
                                                   {"chunk_size": 32}),
@@ -789,6 +803,7 @@ FLA_PARAMETERS = {
     "fused_recurrent_rwkv6": "r k v w u scale initial_state output_final_state reverse cu_seqlens",
     "fused_recurrent_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state reverse cu_seqlens",
     "fused_recurrent_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
+    "fused_mul_recurrent_rwkv7": "r w k v kk a scale initial_state output_final_state reverse cu_seqlens",
     "chunk_log_linear_attn": "q k v g level_scales initial_state output_final_state cu_seqlens",
     "chunk_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state cu_seqlens cu_seqlens_cpu "
                              "safe_gate chunk_size disable_recompute cp_context lower_bound",
@@ -820,14 +835,16 @@ def test_every_entry_point_has_fla_s_parameters():
         # fla's rwkv6, KDA and chunk DPLR entry points end in **kwargs (chunk_size, A_log,
         # head_first's refusal)
         kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
-        if "rwkv6" in name or name.endswith("_kda") or name in ("chunk_dplr_delta_rule", "chunk_rwkv7"):
+        if "rwkv6" in name or name.endswith("_kda") or name in ("chunk_dplr_delta_rule", "chunk_rwkv7",
+                                                                 "fused_mul_recurrent_rwkv7"):
             kinds.add(inspect.Parameter.VAR_KEYWORD)
         assert all(p.kind in kinds for p in sig), name
         defaults = {p.name: p.default for p in sig}
         for flag in ("scale", "initial_state", "cu_seqlens", "g_gamma", "gv", "chunk_indices"):
             if flag in defaults and name != "parallel_moba":
-                # fla's chunk_rwkv7 alone defaults to scale 1
-                assert defaults[flag] == (1.0 if (name, flag) == ("chunk_rwkv7", "scale") else None), (name, flag)
+                # fla's chunk_rwkv7 and fused_mul_recurrent_rwkv7 alone default to scale 1
+                one = flag == "scale" and name in ("chunk_rwkv7", "fused_mul_recurrent_rwkv7")
+                assert defaults[flag] == (1.0 if one else None), (name, flag)
         for flag in ("output_final_state", "reverse", "state_v_first", "head_first", "use_qk_l2norm_in_kernel"):
             if flag in defaults:
                 # fla's fused_recurrent_rwkv7 returns the final state by default

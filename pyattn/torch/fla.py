@@ -48,7 +48,7 @@ __all__ = [
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
     "chunk_gated_delta_product", "chunk_kda", "fused_recurrent_kda",
     "chunk_dplr_delta_rule", "chunk_rwkv7", "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7",
-    "chunk_log_linear_attn",
+    "fused_mul_recurrent_rwkv7", "chunk_log_linear_attn",
     "parallel_attn", "parallel_forgetting_attn", "parallel_nsa", "parallel_moba",
 ]
 
@@ -772,6 +772,29 @@ def fused_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor,
     default)."""
     return fused_recurrent_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def fused_mul_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, kk: Tensor, a: Tensor,
+                              scale: Optional[float] = 1.0, initial_state: State = None,
+                              output_final_state: bool = False, reverse: bool = False,
+                              cu_seqlens: Optional[torch.LongTensor] = None, **kwargs) -> Tuple[Tensor, State]:
+    """fla.ops.rwkv7.fused_mul_recurrent_rwkv7: RWKV-7's recurrence from its layer's own
+    tensors, ``S_t = (diag(exp(w_t)) - kk_t (kk_t a_t)^T) S_{t-1} + k_t v_t^T``: that is
+    ``fused_recurrent_dplr_delta_rule`` with its a = -kk and b = kk * a (fla's convention;
+    scale None is ``K ** -0.5``). ``reverse=True`` runs every sequence backwards. Differentiable
+    (fla's kernel is forward-only)."""
+    fn = "fused_mul_recurrent_rwkv7"
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    if kwargs:
+        raise TypeError(f"pyattn.torch.fla.{fn}(): unexpected keyword arguments {sorted(kwargs)}")
+    _check_cu_batch(fn, r, cu_seqlens)
+    # b = kk a in the compute dtype, as fla's kernel forms it: a bfloat16 product would round it
+    dtype = _compute_dtype(r, w, k, v, kk, a, initial_state)
+    b = kk.to(dtype) * a.to(dtype)
+    return _run(_pt.dplr_delta_rule, r, k, v, gates=[("a", -kk), ("b", b), ("gk", w)], scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                form="recurrent", chunk_size=None, reverse=reverse)
 
 
 def chunk_log_linear_attn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, level_scales: Tensor,
