@@ -438,6 +438,20 @@ class LinearEngine:
                                            self.products(keep))
         return self.o, self.ht
 
+    def entering_states(self):
+        """The state entering each chunk of every sequence, from a chunk forward that kept them
+        (keep): ``[B, NT, H, K, V]``, NT = ceil(T / chunk_size); with cu_seqlens ``[1, every
+        sequence's chunks in order, H, K, V]``. The kernel keeps them per (sequence, head), each
+        sequence's heads in turn, ceil(T_n / chunk_size) + 1 states apiece (the last: the end)."""
+        cu, _, L, _ = self.opts
+        H, K, Vd = self.v.shape[2], self.q.shape[3], self.v.shape[3]
+        nt = (np.diff(cu) + L - 1) // L
+        first = np.cumsum(H * (nt + 1)) - H * (nt + 1)
+        seq = np.repeat(np.arange(len(nt)), nt)
+        chunk = np.arange(nt.sum()) - np.repeat(np.cumsum(nt) - nt, nt)
+        slots = first[seq, None] + np.arange(H) * (nt[seq, None] + 1) + chunk[:, None]
+        return self.states.reshape(-1, K, Vd)[slots].reshape(self.q.shape[0], -1, H, K, Vd)
+
     def cotangent(self, cot):
         """(do, dht) checked against the forward's outputs; None entries mean zero."""
         fn = self.fn

@@ -165,6 +165,19 @@ def kda(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None, ou
     return eng.forward()
 
 
+def kda_entering_states(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None,
+                        output_final_state=False, cu_seqlens=None, chunk_size=64):
+    """``kda``'s chunk form that also returns the state entering each chunk: ``(o, final_state
+    or None, states)``, states ``[B, NT, H, K, V]`` (NT = ceil(T / chunk_size); with
+    cu_seqlens ``[1, every sequence's chunks in order, H, K, V]``), the layout of fla's
+    ``chunk_kda(return_intermediate_states=True)``, which pyattn.torch.fla serves with it.
+    Not differentiated."""
+    eng, _ = _delta("kda", q, k, v, g, beta, qk_l2norm, scale, initial_state, output_final_state,
+                    cu_seqlens, "chunk", chunk_size)
+    o, ht = eng.forward(keep=True)
+    return o, ht, eng.entering_states()
+
+
 @register_vjp(kda)
 def _kda_vjp(q, k, v, g, beta, *, qk_l2norm=False, scale=None, initial_state=None, output_final_state=False,
              cu_seqlens=None, form="chunk", chunk_size=64):

@@ -31,3 +31,9 @@ def kda(
     output_final_state: bool = ..., cu_seqlens: Optional[npt.ArrayLike] = ..., form: _Form = ...,
     chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
+# (o, final_state, the state entering each chunk [B, NT, H, K, V])
+def kda_entering_states(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, g: npt.ArrayLike, beta: npt.ArrayLike, *,
+    qk_l2norm: bool = ..., scale: Optional[float] = ..., initial_state: Optional[npt.ArrayLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[npt.ArrayLike] = ..., chunk_size: _ChunkSize = ...,
+) -> Tuple[_Array, Optional[_Array], _Array]: ...

@@ -728,8 +728,6 @@ def _unsupported_calls():
         ("beta of shape [B, T, H, V]",
          lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, beta=torch.rand(v.shape))),
         ("beta of shape [B, T, H, V]", lambda: fla.chunk_gated_delta_rule(q, k, v, g, torch.rand(v.shape))),
-        ("return_intermediate_states",
-         lambda: fla.chunk_kda(q, k, v, torch.zeros(q.shape), beta, return_intermediate_states=True)),
         ("cp_context", lambda: fla.chunk_kda(q, k, v, torch.zeros(q.shape), beta, cp_context=object())),
         ("gv", lambda: fla.fused_recurrent_gated_delta_rule(q, k, v, g, gv=torch.zeros(v.shape), beta=beta)),
         ("cp_context", lambda: fla.chunk_gated_delta_rule(q, k, v, g, beta, cp_context=object())),
@@ -871,3 +869,58 @@ def test_rwkv6_refuses_head_first_and_unknown_keywords_as_fla(name):
         fn(*args, **kwargs, head_first=True)
     with pytest.raises(TypeError, match="unexpected keyword arguments"):
         fn(*args, **kwargs, use_fast_path=True)
+
+
+@pytest.mark.parametrize("layout", SEQ)
+@pytest.mark.parametrize("gva", [1, 2])
+def test_chunk_kda_returns_the_state_entering_each_chunk(layout, gva):
+    """return_intermediate_states=True (under inference_mode, as fla): h[:, n] is the state
+    entering chunk n of each sequence (the oracle's final state of the sequence's first n
+    chunks; h0 at n = 0), [B, NT, HV, K, V], or every sequence's chunks in order with
+    cu_seqlens; o and the final state are the plain call's bits."""
+    r = np.random.default_rng(3)
+    lengths, C = [150, 0, 64, 1, 97], 32
+    Hq, HV = H, H * gva
+    if layout == "batched":
+        B, T, cu = 2, 150, None
+        spans = [(b, 0, T) for b in range(B)]
+    else:
+        B, T = 1, sum(lengths)
+        cu = np.concatenate(([0], np.cumsum(lengths)))
+        spans = [(0, s, e) for s, e in zip(cu[:-1], cu[1:])]
+    N = len(spans)
+    q, k = r.standard_normal((B, T, Hq, K)), r.standard_normal((B, T, Hq, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = r.standard_normal((B, T, HV, V))
+    g = np.log(1 / (1 + np.exp(-r.standard_normal((B, T, HV, K))))) / 4
+    beta, h0 = 1 / (1 + np.exp(-r.standard_normal((B, T, HV)))), r.standard_normal((N, HV, K, V))
+    args = _t(q, k, v, g, beta)
+    kw = dict(initial_state=tensor(h0), output_final_state=True, chunk_size=C,
+              cu_seqlens=None if cu is None else torch.as_tensor(cu))
+    with torch.inference_mode():
+        o, ht, h = fla.chunk_kda(*args, **kw, return_intermediate_states=True)
+    o_plain, ht_plain = fla.chunk_kda(*args, **kw)
+    assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
+    nts = [-(-(e - s) // C) for _, s, e in spans]
+    assert h.shape == (B, sum(nts) // B, HV, K, V) and h.dtype == torch.float64
+    qv, kv = np.repeat(q, gva, axis=2), np.repeat(k, gva, axis=2)
+    got = array(h).reshape(-1, HV, K, V)
+    i = 0
+    for n, ((b, s, e), nt) in enumerate(zip(spans, nts)):
+        for c in range(nt):
+            want = h0[n] if c == 0 else ref.kda(*(x[b:b + 1, s:s + c * C] for x in (qv, kv, v, g, beta)),
+                                                initial_state=h0[n:n + 1], output_final_state=True)[1][0]
+            np.testing.assert_allclose(got[i], want, rtol=1e-10, atol=1e-10)
+            i += 1
+
+
+def test_chunk_kda_intermediate_states_need_inference_mode_and_keep_the_dtype():
+    q, k, v = (torch.randn(1, 70, H, K, dtype=torch.bfloat16) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 70, H, K)).to(torch.bfloat16)
+    beta = torch.rand(1, 70, H).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="inference mode"):
+        fla.chunk_kda(q, k, v, g, beta, return_intermediate_states=True)
+    with torch.inference_mode():
+        o, ht, h = fla.chunk_kda(q, k, v, g, beta, return_intermediate_states=True)
+    assert ht is None and o.dtype == h.dtype == torch.bfloat16 and h.shape == (1, 2, H, K, K)
+    assert torch.count_nonzero(h[:, 0]) == 0 and torch.count_nonzero(h[:, 1]) > 0

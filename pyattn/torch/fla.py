@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import pyattn.torch as _pt
+from pyattn import delta as _delta_np
 
 __all__ = [
     "chunk_simple_gla", "fused_chunk_simple_gla", "fused_recurrent_simple_gla", "parallel_simple_gla",
@@ -503,10 +504,11 @@ def _gate_in_kernel(fn, g, A_log, dt_bias, lower_bound, dtype):
 
 def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
            form, chunk_size, state_v_first=False, head_first=False, use_gate_in_kernel=False, A_log=None,
-           dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, gk=None, lower_bound=None):
+           dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, gk=None, lower_bound=None,
+           intermediate=False):
     """The delta rule, the gated delta rule (g [B, T, HV]) or KDA (a gate per key channel:
     g [B, T, HV, K], or gk, with g added to every channel when both are given) in fla's
-    conventions."""
+    conventions. intermediate: KDA's chunk form also returning the state entering each chunk."""
     q, k, v, g, beta, gk = (_time_major(x, head_first) for x in (q, k, v, g, beta, gk))
     _check_cu_batch(fn, q, cu_seqlens)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
@@ -530,6 +532,9 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
         if HV % H:
             raise ValueError(f"pyattn.torch.fla.{fn}(): v has HV={HV} heads; it must be a multiple of q's H={H}")
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    if intermediate:
+        return _kda_entering_states(fn, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
     if g is None:
         op, gates = _pt.delta_rule, [("beta", beta)]
     else:
@@ -538,6 +543,27 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=chunk_size,
                  state_v_first=state_v_first, options={"qk_l2norm": use_qk_l2norm_in_kernel})
     return _time_major(o, head_first), ht
+
+
+def _kda_entering_states(fn, q, k, v, g, beta, scale, initial_state, output_final_state, qk_l2norm, cu_seqlens,
+                         chunk_size, state_v_first):
+    """fla's chunk_kda(return_intermediate_states=True): (o, final state, the state entering
+    each chunk [B, NT, HV, K, V] in q's dtype), computed by pyattn's chunk form. Only under
+    torch.inference_mode(), as fla allows it: no gradient flows through these states."""
+    if not torch.is_inference_mode_enabled():
+        raise ValueError(f"pyattn.torch.fla.{fn}(): return_intermediate_states is only allowed in inference mode "
+                         f"(inside torch.inference_mode()), as in fla")
+    out_dtype = q.dtype
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    h0 = _state_in(initial_state, state_v_first, dtype)
+    cu = _cu(cu_seqlens)
+    o, ht, h = _delta_np.kda_entering_states(
+        *(x.to(dtype).contiguous().numpy() for x in (q, k, v, g, beta)), qk_l2norm=qk_l2norm, scale=scale,
+        initial_state=None if h0 is None else h0.contiguous().numpy(), output_final_state=output_final_state,
+        cu_seqlens=None if cu is None else cu.numpy(), chunk_size=chunk_size)
+    ht = None if ht is None else torch.from_numpy(ht)
+    return (torch.from_numpy(o).to(out_dtype), _state_out(ht, state_v_first),
+            _state_out(torch.from_numpy(h).to(out_dtype), state_v_first))
 
 
 def chunk_delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[float] = None,
@@ -633,7 +659,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
               disable_recompute: bool = False, return_intermediate_states: bool = False,
               state_v_first: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
               cu_seqlens_cpu: Optional[torch.LongTensor] = None, cp_context=None,
-              **kwargs) -> Tuple[Tensor, State]:
+              **kwargs) -> Union[Tuple[Tensor, State], Tuple[Tensor, State, Tensor]]:
     """fla.ops.kda.chunk_kda: ``pyattn.torch.kda(form="chunk")``; q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]`` (GVA), g ``[B, T, HV, K]`` a log decay per key channel, beta ``[B, T,
     HV]``. ``use_gate_in_kernel`` takes ``g = -exp(A_log) softplus(g + dt_bias)`` (A_log
@@ -642,15 +668,16 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     ``allow_neg_eigval`` as ``chunk_gated_delta_rule``, all differentiated. ``safe_gate``
     checks ``lower_bound`` as fla does (its gate already lies in ``[lower_bound, 0)``);
     ``disable_recompute`` changes no result; ``chunk_size`` (a keyword) 32 or 64, as fla.
-    ``return_intermediate_states`` and ``cp_context`` raise NotImplementedError."""
+    ``return_intermediate_states=True`` (inside ``torch.inference_mode()``, as fla) returns
+    ``(o, final_state, h)`` with h ``[B, NT, HV, K, V]`` in q's dtype, the state entering each
+    chunk (with cu_seqlens ``[1, every sequence's chunks, HV, K, V]``); ``cp_context`` raises
+    NotImplementedError."""
     fn = "chunk_kda"
     extra = _kda_kwargs(fn, kwargs, True)
     if extra["chunk_size"] not in (32, 64):  # fla's own limit for KDA, checked first as fla does
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {extra['chunk_size']}.")
     if cp_context is not None:
         raise _unsupported(fn, "cp_context", "pyattn runs on one machine")
-    if return_intermediate_states:
-        raise _unsupported(fn, "return_intermediate_states", "pyattn does not return its chunk states")
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be specified when `safe_gate=True` and "
@@ -661,7 +688,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     return _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   cu_seqlens, "chunk", extra["chunk_size"], _v_first(fn, state_v_first, extra["transpose_state_layout"]),
                   False, use_gate_in_kernel, extra["A_log"], extra["dt_bias"], use_beta_sigmoid_in_kernel,
-                  allow_neg_eigval, lower_bound=lower_bound)
+                  allow_neg_eigval, lower_bound=lower_bound, intermediate=return_intermediate_states)
 
 
 def fused_recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor] = None,
