@@ -103,6 +103,18 @@ def dplr_delta_rule(q, k, v, a, b, gk, *, scale=None, initial_state=None, output
                    chunk_size).forward()
 
 
+def dplr_entering_states(q, k, v, a, b, gk, *, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, chunk_size=64):
+    """``dplr_delta_rule``'s chunk form that also returns the state entering each chunk: ``(o,
+    final_state or None, states)``, states ``[B, NT, H, K, V]`` (NT = ceil(T / chunk_size);
+    with cu_seqlens ``[1, every sequence's chunks in order, H, K, V]``), the layout of fla's
+    ``return_intermediate_states``, which pyattn.torch.fla serves with it. Not differentiated."""
+    eng = _engine("dplr_delta_rule", _DPLR_NAMES, dict(q=q, k=k, v=v, a=a, b=b, gk=gk), scale,
+                  initial_state, output_final_state, cu_seqlens, "chunk", chunk_size)
+    o, ht = eng.forward(keep=True)
+    return o, ht, eng.entering_states()
+
+
 _DPLR_GRADS = {"q": "q", "k": "k", "v": "v", "a": "a", "b": "b", "gk": "gk", "h0": "initial_state"}
 
 

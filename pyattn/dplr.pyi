@@ -18,6 +18,12 @@ def dplr_delta_rule(
     output_final_state: bool = ..., cu_seqlens: Optional[npt.ArrayLike] = ..., form: _Form = ...,
     chunk_size: _ChunkSize = ...,
 ) -> _WithState: ...
+# (o, final_state, the state entering each chunk [B, NT, H, K, V])
+def dplr_entering_states(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, a: npt.ArrayLike, b: npt.ArrayLike,
+    gk: npt.ArrayLike, *, scale: Optional[float] = ..., initial_state: Optional[npt.ArrayLike] = ...,
+    output_final_state: bool = ..., cu_seqlens: Optional[npt.ArrayLike] = ..., chunk_size: _ChunkSize = ...,
+) -> Tuple[_Array, Optional[_Array], _Array]: ...
 def rwkv7(
     r: npt.ArrayLike, w: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, a: npt.ArrayLike,
     b: npt.ArrayLike, *, scale: Optional[float] = ..., initial_state: Optional[npt.ArrayLike] = ...,

@@ -157,6 +157,46 @@ def _mul_rwkv7(inp):
             dict(initial_state=tensor(h0), output_final_state=True, cu_seqlens=inp.cu), expected)
 
 
+def _gdn2_oracle(q, k, v, g, b, w, scale, h0, cu):
+    """GDN-2 from its formula, a loop over t per sequence (vectorised over batch and heads):
+    S = diag(e^g) S; S += k (w v - (b k)^T S)^T; o = S^T (scale q)."""
+    B_, T_ = q.shape[:2]
+    bounds = [(0, T_)] if cu is None else list(zip(cu[:-1], cu[1:]))
+    o, finals = np.zeros(v.shape), []
+    for n, (s, e) in enumerate(bounds):
+        rows = slice(None) if cu is None else slice(n, n + 1)
+        S = h0[rows].copy()
+        for t in range(s, e):
+            S = np.exp(g[:, t])[..., None] * S
+            erase = np.einsum("bhk,bhkv->bhv", b[:, t] * k[:, t], S)
+            S = S + k[:, t, ..., None] * (w[:, t] * v[:, t] - erase)[:, :, None, :]
+            o[:, t] = np.einsum("bhk,bhkv->bhv", scale * q[:, t], S)
+        finals.append(S)
+    return o, np.concatenate(finals)
+
+
+def _gdn2(fn, gva=1, in_kernel=False):
+    """GDN-2: erase gate b per key channel, write gate w per value channel, g per key channel
+    (v, g, b, w with HV = gva H heads); q and k L2-normalised in the call; in_kernel: fla's
+    gate from raw g, A_log and dt_bias."""
+    def build(inp):
+        HV = H * gva
+        q, k, v, h0 = inp.x(), inp.x(), inp.x(heads=HV, dim=V), inp.state(heads=HV)
+        b, w, g = inp.sig(HV, K) * 1.5, inp.sig(HV, V), inp.logsig(HV, K)
+        kwargs = dict(initial_state=tensor(h0), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=inp.cu)
+        args = (q, k, v, g, b, w)
+        if in_kernel:
+            graw, A_log, dt_bias = inp.randn(inp.B, inp.T, HV, K), inp.randn(HV) * 0.3, inp.randn(HV * K) * 0.3
+            g = -np.exp(A_log)[:, None] * np.log1p(np.exp(graw + dt_bias.reshape(HV, K)))
+            kwargs.update(use_gate_in_kernel=True, A_log=tensor(A_log), dt_bias=tensor(dt_bias))
+            args = (q, k, v, graw, b, w)
+        qn, kn = (np.repeat(x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6), gva, axis=2) for x in (q, k))
+        expected = _gdn2_oracle(qn, kn, v, g, b, w, K ** -0.5, h0, inp.cu_np())
+        return fn, tuple(_t(*args)), kwargs, expected
+    return build
+
+
 def _gv_only(inp):
     gv = inp.logsig(H, V)
     return (), {"gv": gv}, (np.zeros((inp.B, inp.T, H, K)),), {"gv": gv}
@@ -406,6 +446,10 @@ CASES = {
                                                     ref.dplr_delta_rule),
     "fused_recurrent_rwkv7": _rwkv7("fused_recurrent_rwkv7", K ** -0.5),
     "fused_mul_recurrent_rwkv7": _mul_rwkv7,
+    "chunk_gdn2": _gdn2("chunk_gdn2"),
+    "chunk_gdn2-gate-in-kernel": _gdn2("chunk_gdn2", in_kernel=True),
+    "fused_recurrent_gdn2": _gdn2("fused_recurrent_gdn2", gva=2),
+    "fused_recurrent_gdn2-gate-in-kernel": _gdn2("fused_recurrent_gdn2", in_kernel=True),
     "chunk_dplr_delta_rule": _linear_case("chunk_dplr_delta_rule", _a_b_gk, ref.dplr_delta_rule),
     "chunk_dplr_delta_rule-chunk32": _linear_case("chunk_dplr_delta_rule", _a_b_gk, ref.dplr_delta_rule,
                                                   {"chunk_size": 32}),
@@ -802,6 +846,11 @@ FLA_PARAMETERS = {
     "fused_recurrent_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state reverse cu_seqlens",
     "fused_recurrent_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
     "fused_mul_recurrent_rwkv7": "r w k v kk a scale initial_state output_final_state reverse cu_seqlens",
+    "chunk_gdn2": "q k v g b w scale initial_state output_final_state use_qk_l2norm_in_kernel use_gate_in_kernel "
+                  "cu_seqlens cu_seqlens_cpu safe_gate lower_bound disable_recompute return_intermediate_states "
+                  "state_v_first",
+    "fused_recurrent_gdn2": "q k v g b w A_log dt_bias scale initial_state output_final_state "
+                            "use_qk_l2norm_in_kernel use_gate_in_kernel lower_bound state_v_first cu_seqlens",
     "chunk_log_linear_attn": "q k v g level_scales initial_state output_final_state cu_seqlens",
     "chunk_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state cu_seqlens cu_seqlens_cpu "
                              "safe_gate chunk_size disable_recompute cp_context lower_bound",
@@ -833,8 +882,8 @@ def test_every_entry_point_has_fla_s_parameters():
         # fla's rwkv6, KDA and chunk DPLR entry points end in **kwargs (chunk_size, A_log,
         # head_first's refusal)
         kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
-        if "rwkv6" in name or name.endswith("_kda") or name in ("chunk_dplr_delta_rule", "chunk_rwkv7",
-                                                                 "fused_mul_recurrent_rwkv7"):
+        if "rwkv6" in name or name.endswith(("_kda", "_gdn2")) or name in (
+                "chunk_dplr_delta_rule", "chunk_rwkv7", "fused_mul_recurrent_rwkv7"):
             kinds.add(inspect.Parameter.VAR_KEYWORD)
         assert all(p.kind in kinds for p in sig), name
         defaults = {p.name: p.default for p in sig}
@@ -924,3 +973,34 @@ def test_chunk_kda_intermediate_states_need_inference_mode_and_keep_the_dtype():
         o, ht, h = fla.chunk_kda(q, k, v, g, beta, return_intermediate_states=True)
     assert ht is None and o.dtype == h.dtype == torch.bfloat16 and h.shape == (1, 2, H, K, K)
     assert torch.count_nonzero(h[:, 0]) == 0 and torch.count_nonzero(h[:, 1]) > 0
+
+
+def test_gdn2_with_beta_for_both_gates_is_kda():
+    """fla's GDN-2 reduces to KDA when the erase gate b and the write gate w are both beta."""
+    inp = Inputs(11, False)
+    q, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
+    g, beta = inp.logsig(H, K), inp.sig(H)
+    kw = dict(initial_state=tensor(h0), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o2, s2 = fla.chunk_gdn2(*_t(q, k, v, g, np.repeat(beta[..., None], K, -1), np.repeat(beta[..., None], V, -1)),
+                            **kw)
+    o1, s1 = fla.chunk_kda(*_t(q, k, v, g, beta), **kw)
+    _close((o2, s2), (array(o1), array(s1)))
+
+
+def test_chunk_gdn2_intermediate_states_and_chunk_size():
+    """return_intermediate_states (inference mode): the state entering each chunk of 64, as
+    the recurrent form's final state over the prefix; fla's chunk_size must be 64."""
+    inp = Inputs(12, False, t=150)
+    q, k, v, h0 = inp.x(), inp.x(), inp.x(dim=V), inp.state()
+    g, b, w = inp.logsig(H, K), inp.sig(H, K), inp.sig(H, V)
+    with torch.inference_mode():
+        o, ht, h = fla.chunk_gdn2(*_t(q, k, v, g, b, w), initial_state=tensor(h0), output_final_state=True,
+                                  return_intermediate_states=True)
+    assert h.shape == (B, 3, H, K, V)
+    _close(h[:, 0], h0)
+    for n in (1, 2):
+        _, want = fla.fused_recurrent_gdn2(*_t(*(x[:, :64 * n] for x in (q, k, v, g, b, w))),
+                                           initial_state=tensor(h0), output_final_state=True)
+        _close(h[:, n], array(want))
+    with pytest.raises(ValueError, match="must be 64 for GDN-2"):
+        fla.chunk_gdn2(*_t(q, k, v, g, b, w), chunk_size=32)

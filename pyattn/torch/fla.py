@@ -36,6 +36,7 @@ from torch import Tensor
 
 import pyattn.torch as _pt
 from pyattn import delta as _delta_np
+from pyattn import dplr as _dplr_np
 
 __all__ = [
     "chunk_simple_gla", "fused_chunk_simple_gla", "fused_recurrent_simple_gla", "parallel_simple_gla",
@@ -49,7 +50,7 @@ __all__ = [
     "chunk_gated_delta_rule", "chunk_gdn", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
     "chunk_gated_delta_product", "chunk_kda", "fused_recurrent_kda",
     "chunk_dplr_delta_rule", "chunk_rwkv7", "fused_recurrent_dplr_delta_rule", "fused_recurrent_rwkv7",
-    "fused_mul_recurrent_rwkv7", "chunk_log_linear_attn",
+    "fused_mul_recurrent_rwkv7", "chunk_gdn2", "fused_recurrent_gdn2", "chunk_log_linear_attn",
     "parallel_attn", "parallel_forgetting_attn", "parallel_nsa", "parallel_moba",
 ]
 
@@ -533,8 +534,9 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
             raise ValueError(f"pyattn.torch.fla.{fn}(): v has HV={HV} heads; it must be a multiple of q's H={H}")
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     if intermediate:
-        return _kda_entering_states(fn, q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, state_v_first)
+        return _entering_states(fn, _delta_np.kda_entering_states, (q, k, v, g, beta), scale, initial_state,
+                                output_final_state, cu_seqlens, chunk_size, state_v_first, q.dtype,
+                                qk_l2norm=use_qk_l2norm_in_kernel)
     if g is None:
         op, gates = _pt.delta_rule, [("beta", beta)]
     else:
@@ -545,22 +547,22 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     return _time_major(o, head_first), ht
 
 
-def _kda_entering_states(fn, q, k, v, g, beta, scale, initial_state, output_final_state, qk_l2norm, cu_seqlens,
-                         chunk_size, state_v_first):
-    """fla's chunk_kda(return_intermediate_states=True): (o, final state, the state entering
-    each chunk [B, NT, HV, K, V] in q's dtype), computed by pyattn's chunk form. Only under
-    torch.inference_mode(), as fla allows it: no gradient flows through these states."""
+def _entering_states(fn, states_fn, tensors, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+                     state_v_first, out_dtype, **options):
+    """fla's return_intermediate_states=True: (o, final state, the state entering each chunk
+    [B, NT, H, K, V] in out_dtype), from pyattn's chunk form (states_fn, taking the kernel's
+    arrays in order). Only under torch.inference_mode(), as fla allows it: no gradient flows
+    through these states."""
     if not torch.is_inference_mode_enabled():
         raise ValueError(f"pyattn.torch.fla.{fn}(): return_intermediate_states is only allowed in inference mode "
                          f"(inside torch.inference_mode()), as in fla")
-    out_dtype = q.dtype
-    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    dtype = _compute_dtype(*tensors, initial_state)
     h0 = _state_in(initial_state, state_v_first, dtype)
     cu = _cu(cu_seqlens)
-    o, ht, h = _delta_np.kda_entering_states(
-        *(x.to(dtype).contiguous().numpy() for x in (q, k, v, g, beta)), qk_l2norm=qk_l2norm, scale=scale,
-        initial_state=None if h0 is None else h0.contiguous().numpy(), output_final_state=output_final_state,
-        cu_seqlens=None if cu is None else cu.numpy(), chunk_size=chunk_size)
+    o, ht, h = states_fn(*(x.to(dtype).contiguous().numpy() for x in tensors), scale=scale,
+                         initial_state=None if h0 is None else h0.contiguous().numpy(),
+                         output_final_state=output_final_state, cu_seqlens=None if cu is None else cu.numpy(),
+                         chunk_size=chunk_size, **options)
     ht = None if ht is None else torch.from_numpy(ht)
     return (torch.from_numpy(o).to(out_dtype), _state_out(ht, state_v_first),
             _state_out(torch.from_numpy(h).to(out_dtype), state_v_first))
@@ -640,7 +642,7 @@ def fused_recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optiona
 
 
 def _kda_kwargs(fn, kwargs, chunked):
-    """fla's KDA entry points take **kwargs: A_log and dt_bias, chunk_size (the chunk form's),
+    """fla's KDA and GDN-2 entry points take **kwargs: A_log and dt_bias, chunk_size (the chunk form's),
     the deprecated transpose_state_layout; anything else is refused rather than ignored."""
     found = {"A_log": kwargs.pop("A_log", None), "dt_bias": kwargs.pop("dt_bias", None),
              "chunk_size": kwargs.pop("chunk_size", 64) if chunked else 64,
@@ -650,6 +652,17 @@ def _kda_kwargs(fn, kwargs, chunked):
     if kwargs:
         raise TypeError(f"pyattn.torch.fla.{fn}(): unexpected keyword arguments {sorted(kwargs)}")
     return found
+
+
+def _check_safe_gate(fn, safe_gate, use_gate_in_kernel, lower_bound) -> None:
+    """fla's check of safe_gate with the gate in the kernel: a lower_bound in [-5, 0)."""
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be specified when `safe_gate=True` and "
+                             f"`use_gate_in_kernel=True`")
+        if not -5 <= lower_bound < 0:
+            raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be in the safe range [-5, 0), got "
+                             f"{lower_bound}")
 
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
@@ -678,13 +691,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {extra['chunk_size']}.")
     if cp_context is not None:
         raise _unsupported(fn, "cp_context", "pyattn runs on one machine")
-    if safe_gate and use_gate_in_kernel:
-        if lower_bound is None:
-            raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be specified when `safe_gate=True` and "
-                             f"`use_gate_in_kernel=True`")
-        if not -5 <= lower_bound < 0:
-            raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be in the safe range [-5, 0), got "
-                             f"{lower_bound}")
+    _check_safe_gate(fn, safe_gate, use_gate_in_kernel, lower_bound)
     return _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   cu_seqlens, "chunk", extra["chunk_size"], _v_first(fn, state_v_first, extra["transpose_state_layout"]),
                   False, use_gate_in_kernel, extra["A_log"], extra["dt_bias"], use_beta_sigmoid_in_kernel,
@@ -822,6 +829,79 @@ def fused_mul_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, kk: Te
     return _run(_pt.dplr_delta_rule, r, k, v, gates=[("a", -kk), ("b", b), ("gk", w)], scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                 form="recurrent", chunk_size=None, reverse=reverse)
+
+
+def _gdn2(fn, q, k, v, g, b, w, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+          use_gate_in_kernel, lower_bound, state_v_first, cu_seqlens, form, chunk_size, intermediate=False):
+    """Gated DeltaNet 2, ``S_t = (I - k_t (b_t k_t)^T) diag(exp(g_t)) S_{t-1} + k_t (w_t v_t)^T``,
+    on the DPLR delta rule: its low-rank pair is k and a = -(b k exp(g)) (the erase reads the
+    decayed state) and its value w v, formed in torch in the compute dtype and differentiated;
+    GVA as fla's (v, g, b, w with HV heads, a multiple of q's and k's H)."""
+    _check_cu_batch(fn, q, cu_seqlens)
+    out_dtype = v.dtype
+    dtype = _compute_dtype(q, k, v, g, b, w, initial_state)
+    if use_gate_in_kernel:
+        g = _gate_in_kernel(fn, g, A_log, dt_bias, lower_bound, dtype)
+    q, k, v, g, b, w = (x.to(dtype) for x in (q, k, v, g, b, w))
+    if use_qk_l2norm_in_kernel:  # fla's in-kernel normalisation, x / sqrt(sum x^2 + 1e-6)
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    H, HV = q.shape[2], v.shape[2]
+    if HV != H:
+        if HV % H:
+            raise ValueError(f"pyattn.torch.fla.{fn}(): v has HV={HV} heads; it must be a multiple of q's H={H}")
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    a, v = -(b * k * torch.exp(g)), w * v
+    if intermediate:
+        return _entering_states(fn, _dplr_np.dplr_entering_states, (q, k, v, a, k, g), scale, initial_state,
+                                output_final_state, cu_seqlens, chunk_size, state_v_first, out_dtype)
+    o, ht = _run(_pt.dplr_delta_rule, q, k, v, gates=[("a", a), ("b", k), ("gk", g)], scale=scale,
+                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                 form=form, chunk_size=chunk_size, state_v_first=state_v_first)
+    return o.to(out_dtype), ht
+
+
+def chunk_gdn2(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, w: Tensor, scale: Optional[float] = None,
+               initial_state: State = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+               use_gate_in_kernel: bool = False, cu_seqlens: Optional[torch.LongTensor] = None,
+               cu_seqlens_cpu: Optional[torch.LongTensor] = None, safe_gate: bool = False,
+               lower_bound: Optional[float] = None, disable_recompute: bool = False,
+               return_intermediate_states: bool = False, state_v_first: bool = False,
+               **kwargs) -> Union[Tuple[Tensor, State], Tuple[Tensor, State, Tensor]]:
+    """fla.ops.gdn2.chunk_gdn2: Gated DeltaNet 2, ``S_t = (I - k_t (b_t k_t)^T) diag(exp(g_t))
+    S_{t-1} + k_t (w_t v_t)^T`` with b ``[B, T, H, K]`` the erase gate per key channel and w
+    ``[B, T, H, V]`` the write gate per value channel (b = w = beta is KDA), computed by
+    ``pyattn.torch.dplr_delta_rule(form="chunk")``. ``use_gate_in_kernel`` (``A_log``,
+    ``dt_bias`` as keywords, ``lower_bound``), ``use_qk_l2norm_in_kernel`` and ``safe_gate``'s
+    checks as ``chunk_kda``; ``chunk_size`` (a keyword) must be 64, as fla;
+    ``disable_recompute`` and ``cu_seqlens_cpu`` change nothing. ``return_intermediate_states
+    =True`` (inside ``torch.inference_mode()``) also returns h ``[B, NT, H, K, V]``, the state
+    entering each chunk. Differentiable."""
+    fn = "chunk_gdn2"
+    extra = _kda_kwargs(fn, kwargs, True)
+    if extra["chunk_size"] != 64:  # fla's own limit for GDN-2, checked first as fla does
+        raise ValueError(f"`chunk_size` must be 64 for GDN-2, got {extra['chunk_size']}.")
+    _check_safe_gate(fn, safe_gate, use_gate_in_kernel, lower_bound)
+    return _gdn2(fn, q, k, v, g, b, w, extra["A_log"], extra["dt_bias"], scale, initial_state, output_final_state,
+                 use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
+                 _v_first(fn, state_v_first, extra["transpose_state_layout"]), cu_seqlens, "chunk", 64,
+                 intermediate=return_intermediate_states)
+
+
+def fused_recurrent_gdn2(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, w: Tensor,
+                         A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+                         scale: Optional[float] = None, initial_state: State = None, output_final_state: bool = False,
+                         use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+                         lower_bound: Optional[float] = None, state_v_first: bool = False,
+                         cu_seqlens: Optional[torch.LongTensor] = None, **kwargs) -> Tuple[Tensor, State]:
+    """fla.ops.gdn2.fused_recurrent_gdn2: ``chunk_gdn2``'s recurrence step by step
+    (``pyattn.torch.dplr_delta_rule(form="recurrent")``), A_log and dt_bias positional as fla;
+    v, g, b, w may have HV heads, a multiple of q's and k's H (GVA). Differentiable (fla's
+    kernel is forward-only)."""
+    fn = "fused_recurrent_gdn2"
+    extra = _kda_kwargs(fn, kwargs, False)
+    return _gdn2(fn, q, k, v, g, b, w, A_log, dt_bias, scale, initial_state, output_final_state,
+                 use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
+                 _v_first(fn, state_v_first, extra["transpose_state_layout"]), cu_seqlens, "recurrent", 64)
 
 
 def chunk_log_linear_attn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, level_scales: Tensor,
