@@ -197,6 +197,27 @@ def _gdn2(fn, gva=1, in_kernel=False):
     return build
 
 
+def _hgrn(fn, D=130):
+    """HGRN, h_t = exp(g_t) h_{t-1} + x_t, o_t = h_t per channel ([B, T, D], D cut into heads
+    by the entry point: 130 = 2 x 65), from the formula."""
+    def build(inp):
+        x, g, h0 = inp.randn(inp.B, inp.T, D), inp.logsig(D), inp.randn(inp.N, D)
+        cu = inp.cu_np()
+        o, finals = np.zeros_like(x), []
+        for n, (s, e) in enumerate([(0, inp.T)] if cu is None else zip(cu[:-1], cu[1:])):
+            rows = slice(None) if cu is None else slice(n, n + 1)
+            h = h0[rows].copy()
+            for t in range(s, e):
+                h = np.exp(g[:, t]) * h + x[:, t]
+                o[:, t] = h
+            finals.append(h)
+        kwargs = dict(initial_state=tensor(h0), output_final_state=True)
+        if inp.cu is not None:
+            kwargs["cu_seqlens"] = inp.cu
+        return fn, tuple(_t(x, g)), kwargs, (o, np.concatenate(finals))
+    return build
+
+
 def _gv_only(inp):
     gv = inp.logsig(H, V)
     return (), {"gv": gv}, (np.zeros((inp.B, inp.T, H, K)),), {"gv": gv}
@@ -446,6 +467,9 @@ CASES = {
                                                     ref.dplr_delta_rule),
     "fused_recurrent_rwkv7": _rwkv7("fused_recurrent_rwkv7", K ** -0.5),
     "fused_mul_recurrent_rwkv7": _mul_rwkv7,
+    "chunk_hgrn": _hgrn("chunk_hgrn"),
+    "fused_recurrent_hgrn": _hgrn("fused_recurrent_hgrn"),
+    "fused_recurrent_hgrn-one-head": _hgrn("fused_recurrent_hgrn", D=7),
     "chunk_gdn2": _gdn2("chunk_gdn2"),
     "chunk_gdn2-gate-in-kernel": _gdn2("chunk_gdn2", in_kernel=True),
     "fused_recurrent_gdn2": _gdn2("fused_recurrent_gdn2", gva=2),
@@ -522,8 +546,8 @@ def _close(got, want, tol=1e-10):
 
 
 def _layouts(name):
-    """fla's Based takes no cu_seqlens: batched only."""
-    return ("batched",) if name.startswith(("parallel_based", "fused_chunk_based")) else SEQ
+    """fla's Based and chunk_hgrn take no cu_seqlens: batched only."""
+    return ("batched",) if name.startswith(("parallel_based", "fused_chunk_based", "chunk_hgrn")) else SEQ
 
 
 @pytest.mark.parametrize("name,layout", [(n, lay) for n in sorted(CASES) for lay in _layouts(n)])
@@ -846,6 +870,8 @@ FLA_PARAMETERS = {
     "fused_recurrent_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state reverse cu_seqlens",
     "fused_recurrent_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
     "fused_mul_recurrent_rwkv7": "r w k v kk a scale initial_state output_final_state reverse cu_seqlens",
+    "chunk_hgrn": "x g initial_state output_final_state",
+    "fused_recurrent_hgrn": "x g initial_state output_final_state cu_seqlens",
     "chunk_gdn2": "q k v g b w scale initial_state output_final_state use_qk_l2norm_in_kernel use_gate_in_kernel "
                   "cu_seqlens cu_seqlens_cpu safe_gate lower_bound disable_recompute return_intermediate_states "
                   "state_v_first",

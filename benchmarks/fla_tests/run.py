@@ -35,7 +35,8 @@ import sys
 DEFAULT_TESTS = ("test_simple_gla.py", "test_gla.py", "test_retention.py", "test_linear_attn.py",
                  "test_lightning_attn.py", "test_based.py", "test_delta.py", "test_gdn.py", "test_attn.py",
                  "test_nsa.py", "test_moba.py", "test_rwkv6.py", "test_delta_product.py", "test_kda.py", "test_forgetting_attn.py",
-                 "test_log_linear_attn.py", "test_dplr_delta.py", "test_rwkv7.py", "test_gdn2.py")
+                 "test_log_linear_attn.py", "test_dplr_delta.py", "test_rwkv7.py", "test_gdn2.py",
+                 "test_hgrn.py")
 
 
 def patch_fla(root: pathlib.Path) -> list:
