@@ -1030,3 +1030,25 @@ def test_chunk_gdn2_intermediate_states_and_chunk_size():
         _close(h[:, n], array(want))
     with pytest.raises(ValueError, match="must be 64 for GDN-2"):
         fla.chunk_gdn2(*_t(q, k, v, g, b, w), chunk_size=32)
+
+
+def test_new_entry_points_return_fla_s_dtypes_and_check_their_gates():
+    """o and states in the dtypes fla's kernels give them when inputs mix dtypes; gdn2's gates
+    of the wrong shape and return_intermediate_states with disable_recompute are refused."""
+    bf, f32 = torch.bfloat16, torch.float32
+    q, k, v = torch.randn(1, 9, H, K, dtype=bf), torch.randn(1, 9, H, K, dtype=bf), torch.randn(1, 9, H, V)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 9, H, K))
+    b, w = torch.rand(1, 9, H, K), torch.rand(1, 9, H, V)
+    assert fla.chunk_gdn2(q, k, v, g, b, w)[0].dtype == bf
+    assert fla.fused_recurrent_gdn2(q, k, v, g, b, w)[0].dtype == f32
+    assert fla.fused_mul_recurrent_rwkv7(q, g, k, v, k, b)[0].dtype == f32
+    o, ht = fla.fused_recurrent_hgrn(torch.randn(1, 9, 5, dtype=bf), torch.zeros(1, 9, 5), output_final_state=True)
+    assert o.dtype == ht.dtype == bf
+    for bad in (dict(b=b[..., :1]), dict(w=w[..., :1]), dict(b=b[..., 0])):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must have shape"):
+            fla.chunk_gdn2(q, k, v, g, **{"b": b, "w": w, **bad})
+    with pytest.raises(ValueError, match="disable_recompute=False"):
+        with torch.inference_mode():
+            fla.chunk_gdn2(q, k, v, g, b, w, return_intermediate_states=True, disable_recompute=True)
+    with torch.inference_mode():
+        assert fla.chunk_kda(q, k, v, g, b[..., 0], return_intermediate_states=True)[2].dtype == bf

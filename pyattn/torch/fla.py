@@ -11,8 +11,10 @@ tensors. ``chunk_*`` and ``fused_chunk_*`` use pyattn's ``"chunk"`` form, ``fuse
 its ``"recurrent"`` form, ``parallel_*`` its ``"parallel"`` form.
 
 - dtypes: the inputs are brought to one dtype, float64 if any is float64, else float32
-  (fla mixes bfloat16 q/k/v with float32 gates and states); ``o`` comes back in q's dtype,
-  ``final_state`` in that float32/float64 compute dtype (fla returns float32 states).
+  (fla mixes bfloat16 q/k/v with float32 gates and states); ``o`` comes back in q's dtype
+  (v's or x's where fla's kernel gives it those: fused_recurrent_gdn2,
+  fused_mul_recurrent_rwkv7, HGRN), ``final_state`` in that float32/float64 compute dtype
+  (fla returns float32 states; HGRN's in x's dtype, as fla's).
 - Flags pyattn computes exactly by rearranging the inputs are implemented that way:
   ``head_first=True`` (inputs ``[B, H, T, ...]``, transposed), ``reverse=True`` (time flipped
   per sequence), ``state_v_first=True`` (states ``[N, H, V, K]``, transposed), fla's
@@ -123,12 +125,13 @@ def _check_cu_batch(fn: str, q: Tensor, cu) -> None:
 
 
 def _run(op, q, k, v, *, gates=(), scale, initial_state, output_final_state, cu_seqlens, form, chunk_size,
-         reverse=False, state_v_first=False, head_first=False, options=None) -> Tuple[Tensor, State]:
+         reverse=False, state_v_first=False, head_first=False, options=None, out_dtype=None) -> Tuple[Tensor, State]:
     """One pyattn.torch op of the gated linear / delta engines in fla's conventions.
 
     ``gates`` are (name, tensor) pairs passed by name (None ones left out), all [B, T, H, ...]
-    like q. Returns (o in q's dtype and fla's layout, final state in fla's layout or None)."""
-    out_dtype = q.dtype
+    like q. Returns (o in out_dtype, q's by default, and fla's layout, final state in fla's
+    layout or None)."""
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     q, k, v = (_time_major(x, head_first) for x in (q, k, v))
     gates = [(n, _time_major(g, head_first)) for n, g in gates if g is not None]
     dtype = _compute_dtype(q, k, v, initial_state, *(g for _, g in gates))
@@ -536,7 +539,7 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     if intermediate:
         return _entering_states(fn, _delta_np.kda_entering_states, (q, k, v, g, beta), scale, initial_state,
-                                output_final_state, cu_seqlens, chunk_size, state_v_first, q.dtype,
+                                output_final_state, cu_seqlens, chunk_size, state_v_first, q.dtype, k.dtype,
                                 qk_l2norm=use_qk_l2norm_in_kernel)
     if g is None:
         op, gates = _pt.delta_rule, [("beta", beta)]
@@ -549,10 +552,10 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
 
 
 def _entering_states(fn, states_fn, tensors, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-                     state_v_first, out_dtype, **options):
-    """fla's return_intermediate_states=True: (o, final state, the state entering each chunk
-    [B, NT, H, K, V] in out_dtype), from pyattn's chunk form (states_fn, taking the kernel's
-    arrays in order). Only under torch.inference_mode(), as fla allows it: no gradient flows
+                     state_v_first, out_dtype, h_dtype, **options):
+    """fla's return_intermediate_states=True: (o in out_dtype, final state, the state entering
+    each chunk [B, NT, H, K, V] in h_dtype, k's in fla), from pyattn's chunk form (states_fn,
+    taking the kernel's arrays in order). Only under torch.inference_mode(), as fla allows it: no gradient flows
     through these states."""
     if not torch.is_inference_mode_enabled():
         raise ValueError(f"pyattn.torch.fla.{fn}(): return_intermediate_states is only allowed in inference mode "
@@ -566,7 +569,7 @@ def _entering_states(fn, states_fn, tensors, scale, initial_state, output_final_
                          chunk_size=chunk_size, **options)
     ht = None if ht is None else torch.from_numpy(ht)
     return (torch.from_numpy(o).to(out_dtype), _state_out(ht, state_v_first),
-            _state_out(torch.from_numpy(h).to(out_dtype), state_v_first))
+            _state_out(torch.from_numpy(h).to(h_dtype), state_v_first))
 
 
 def chunk_delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: Optional[float] = None,
@@ -666,6 +669,13 @@ def _check_safe_gate(fn, safe_gate, use_gate_in_kernel, lower_bound) -> None:
                              f"{lower_bound}")
 
 
+def _check_intermediate(fn, return_intermediate_states, disable_recompute) -> None:
+    """fla's rule: the per-chunk states come from the recomputing path only."""
+    if return_intermediate_states and disable_recompute:
+        raise ValueError(f"pyattn.torch.fla.{fn}(): return_intermediate_states must be used with "
+                         f"disable_recompute=False, as in fla")
+
+
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
               initial_state: State = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
               use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
@@ -683,7 +693,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     checks ``lower_bound`` as fla does (its gate already lies in ``[lower_bound, 0)``);
     ``disable_recompute`` changes no result; ``chunk_size`` (a keyword) 32 or 64, as fla.
     ``return_intermediate_states=True`` (inside ``torch.inference_mode()``, as fla) returns
-    ``(o, final_state, h)`` with h ``[B, NT, HV, K, V]`` in q's dtype, the state entering each
+    ``(o, final_state, h)`` with h ``[B, NT, HV, K, V]`` in k's dtype, the state entering each
     chunk (with cu_seqlens ``[1, every sequence's chunks, HV, K, V]``); ``cp_context`` raises
     NotImplementedError."""
     fn = "chunk_kda"
@@ -693,6 +703,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
     if cp_context is not None:
         raise _unsupported(fn, "cp_context", "pyattn runs on one machine")
     _check_safe_gate(fn, safe_gate, use_gate_in_kernel, lower_bound)
+    _check_intermediate(fn, return_intermediate_states, disable_recompute)
     return _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   cu_seqlens, "chunk", extra["chunk_size"], _v_first(fn, state_v_first, extra["transpose_state_layout"]),
                   False, use_gate_in_kernel, extra["A_log"], extra["dt_bias"], use_beta_sigmoid_in_kernel,
@@ -741,7 +752,7 @@ def chunk_gated_delta_product(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tenso
 
 def _hgrn(fn, x, g, initial_state, output_final_state, cu_seqlens, form):
     """HGRN's recurrence per channel, ``h_t = exp(g_t) h_{t-1} + x_t``, ``o_t = h_t`` (x, g
-    ``[B, T, D]``, the state ``[N, D]``): GLA with one key channel (q = k = 1, no key gate,
+    ``[B, T, D]``, the state ``[N, D]``, both returned in x's dtype as fla's): GLA with one key channel (q = k = 1, no key gate,
     scale 1), x its values and g its value-side gate. The channels are independent, so they
     are cut into heads of at least 64 (a divisor of D) that the threads share."""
     _check_cu_batch(fn, x, cu_seqlens)
@@ -755,7 +766,7 @@ def _hgrn(fn, x, g, initial_state, output_final_state, cu_seqlens, form):
     h0 = None if initial_state is None else initial_state.reshape(-1, heads, 1, D // heads)
     o, ht = _run(_pt.gla, one, one, v, gates=[("g", zero), ("gv", gv)], scale=1.0, initial_state=h0,
                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=64)
-    return o.reshape(Bx, Tx, D).to(x.dtype), None if ht is None else ht.reshape(-1, D)
+    return o.reshape(Bx, Tx, D).to(x.dtype), None if ht is None else ht.reshape(-1, D).to(x.dtype)
 
 
 def chunk_hgrn(x: Tensor, g: Tensor, initial_state: State = None,
@@ -852,8 +863,8 @@ def fused_mul_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, kk: Te
     """fla.ops.rwkv7.fused_mul_recurrent_rwkv7: RWKV-7's recurrence from its layer's own
     tensors, ``S_t = (diag(exp(w_t)) - kk_t (kk_t a_t)^T) S_{t-1} + k_t v_t^T``: that is
     ``fused_recurrent_dplr_delta_rule`` with its a = -kk and b = kk * a (fla's convention;
-    scale None is ``K ** -0.5``). ``reverse=True`` runs every sequence backwards. Differentiable
-    (fla's kernel is forward-only)."""
+    scale None is ``K ** -0.5``); o in v's dtype, as fla's. ``reverse=True`` runs every sequence
+    backwards. Differentiable (fla's kernel is forward-only)."""
     fn = "fused_mul_recurrent_rwkv7"
     if "head_first" in kwargs:
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
@@ -865,20 +876,27 @@ def fused_mul_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, kk: Te
     b = kk.to(dtype) * a.to(dtype)
     return _run(_pt.dplr_delta_rule, r, k, v, gates=[("a", -kk), ("b", b), ("gk", w)], scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                form="recurrent", chunk_size=None, reverse=reverse)
+                form="recurrent", chunk_size=None, reverse=reverse, out_dtype=v.dtype)
 
 
 def _gdn2(fn, q, k, v, g, b, w, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
           use_gate_in_kernel, lower_bound, state_v_first, cu_seqlens, form, chunk_size, intermediate=False):
     """Gated DeltaNet 2, ``S_t = (I - k_t (b_t k_t)^T) diag(exp(g_t)) S_{t-1} + k_t (w_t v_t)^T``,
     on the DPLR delta rule: its low-rank pair is k and a = -(b k exp(g)) (the erase reads the
-    decayed state) and its value w v, formed in torch in the compute dtype and differentiated;
-    GVA as fla's (v, g, b, w with HV heads, a multiple of q's and k's H)."""
+    decayed state) and its value w v, formed in torch in the compute dtype and differentiated.
+    v, g, b, w may have HV heads, a multiple of q's and k's H (GVA, as fla's recurrent kernel;
+    fla's chunk form takes HV = H only). o in q's dtype (chunk) or v's (recurrent), as fla."""
     _check_cu_batch(fn, q, cu_seqlens)
-    out_dtype = v.dtype
+    Bq, Tq, _, K = q.shape
+    for name, x, last in (("g", g, K), ("b", b, K), ("w", w, v.shape[-1])):
+        if tuple(x.shape) != (Bq, Tq, v.shape[2], last):
+            raise ValueError(f"pyattn.torch.fla.{fn}(): {name} must have shape [B, T, HV, "
+                             f"{'V' if name == 'w' else 'K'}] = {(Bq, Tq, v.shape[2], last)}, got {tuple(x.shape)}")
+    out_dtype = q.dtype if form == "chunk" else v.dtype
     dtype = _compute_dtype(q, k, v, g, b, w, initial_state)
     if use_gate_in_kernel:
         g = _gate_in_kernel(fn, g, A_log, dt_bias, lower_bound, dtype)
+    k_dtype = k.dtype
     q, k, v, g, b, w = (x.to(dtype) for x in (q, k, v, g, b, w))
     if use_qk_l2norm_in_kernel:  # fla's in-kernel normalisation, x / sqrt(sum x^2 + 1e-6)
         q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
@@ -890,7 +908,7 @@ def _gdn2(fn, q, k, v, g, b, w, A_log, dt_bias, scale, initial_state, output_fin
     a, v = -(b * k * torch.exp(g)), w * v
     if intermediate:
         return _entering_states(fn, _dplr_np.dplr_entering_states, (q, k, v, a, k, g), scale, initial_state,
-                                output_final_state, cu_seqlens, chunk_size, state_v_first, out_dtype)
+                                output_final_state, cu_seqlens, chunk_size, state_v_first, out_dtype, k_dtype)
     o, ht = _run(_pt.dplr_delta_rule, q, k, v, gates=[("a", a), ("b", k), ("gk", g)], scale=scale,
                  initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                  form=form, chunk_size=chunk_size, state_v_first=state_v_first)
@@ -918,6 +936,7 @@ def chunk_gdn2(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, w: Tensor,
     if extra["chunk_size"] != 64:  # fla's own limit for GDN-2, checked first as fla does
         raise ValueError(f"`chunk_size` must be 64 for GDN-2, got {extra['chunk_size']}.")
     _check_safe_gate(fn, safe_gate, use_gate_in_kernel, lower_bound)
+    _check_intermediate(fn, return_intermediate_states, disable_recompute)
     return _gdn2(fn, q, k, v, g, b, w, extra["A_log"], extra["dt_bias"], scale, initial_state, output_final_state,
                  use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
                  _v_first(fn, state_v_first, extra["transpose_state_layout"]), cu_seqlens, "chunk", 64,
