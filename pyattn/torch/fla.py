@@ -861,7 +861,7 @@ def fused_mul_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, kk: Te
                               output_final_state: bool = False, reverse: bool = False,
                               cu_seqlens: Optional[torch.LongTensor] = None, **kwargs) -> Tuple[Tensor, State]:
     """fla.ops.rwkv7.fused_mul_recurrent_rwkv7: RWKV-7's recurrence from its layer's own
-    tensors, ``S_t = (diag(exp(w_t)) - kk_t (kk_t a_t)^T) S_{t-1} + k_t v_t^T``: that is
+    tensors, ``S_t = (diag(exp(w_t)) - (kk_t a_t) kk_t^T) S_{t-1} + k_t v_t^T``: that is
     ``fused_recurrent_dplr_delta_rule`` with its a = -kk and b = kk * a (fla's convention;
     scale None is ``K ** -0.5``); o in v's dtype, as fla's. ``reverse=True`` runs every sequence
     backwards. Differentiable (fla's kernel is forward-only)."""
