@@ -935,10 +935,13 @@ def test_the_module_is_documented():
         assert getattr(fla, name).__doc__.startswith("fla.ops."), name
 
 
-@pytest.mark.parametrize("name", ["chunk_rwkv6", "fused_recurrent_rwkv6"])
-def test_rwkv6_refuses_head_first_and_unknown_keywords_as_fla(name):
-    """fla's rwkv6 raises DeprecationWarning for head_first; pyattn also refuses any other
-    keyword it would otherwise ignore."""
+@pytest.mark.parametrize("name", ["chunk_rwkv6", "fused_recurrent_rwkv6", "chunk_dplr_delta_rule", "chunk_rwkv7",
+                                  "fused_mul_recurrent_rwkv7", "chunk_kda", "fused_recurrent_kda", "chunk_gdn2",
+                                  "fused_recurrent_gdn2"])
+def test_kwargs_entry_points_refuse_head_first_and_unknown_keywords(name):
+    """fla's entry points that end in **kwargs raise DeprecationWarning for head_first (as
+    fla's rwkv6, KDA and DPLR ones do); pyattn also refuses any other keyword it would
+    otherwise ignore."""
     fn, args, kwargs, _ = _case(name, "batched")
     with pytest.raises(DeprecationWarning, match="head_first"):
         fn(*args, **kwargs, head_first=True)

@@ -124,6 +124,25 @@ def _check_cu_batch(fn: str, q: Tensor, cu) -> None:
                          f"when using `cu_seqlens`; flatten variable-length inputs first")
 
 
+def _refuse_kwargs(fn: str, kwargs: dict) -> None:
+    """What is left of an fla entry point's **kwargs once it took its own: head_first raises
+    DeprecationWarning as in fla, anything else TypeError rather than being ignored."""
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    if kwargs:
+        raise TypeError(f"pyattn.torch.fla.{fn}(): unexpected keyword arguments {sorted(kwargs)}")
+
+
+def _gva(fn: str, q: Tensor, k: Tensor, HV: int) -> Tuple[Tensor, Tensor]:
+    """q and k repeated for v's HV heads (GVA: value head hv reads query/key head hv // (HV // H))."""
+    H = q.shape[2]
+    if HV == H:
+        return q, k
+    if HV % H:
+        raise ValueError(f"pyattn.torch.fla.{fn}(): v has HV={HV} heads; it must be a multiple of q's H={H}")
+    return q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+
+
 def _run(op, q, k, v, *, gates=(), scale, initial_state, output_final_state, cu_seqlens, form, chunk_size,
          reverse=False, state_v_first=False, head_first=False, options=None, out_dtype=None) -> Tuple[Tensor, State]:
     """One pyattn.torch op of the gated linear / delta engines in fla's conventions.
@@ -455,13 +474,10 @@ def fused_chunk_based(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = 
 
 
 def _rwkv6(fn, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, form, reverse, kwargs):
-    """fla's rwkv6 entry points take **kwargs: head_first raises as in fla, chunk_size is the
-    chunk form's, anything else is refused rather than ignored."""
-    if "head_first" in kwargs:
-        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    """fla's rwkv6 entry points take **kwargs: chunk_size is the chunk form's, the rest as
+    _refuse_kwargs."""
     chunk_size = kwargs.pop("chunk_size", None) if form == "chunk" else None
-    if kwargs:
-        raise TypeError(f"pyattn.torch.fla.{fn}(): unexpected keyword arguments {sorted(kwargs)}")
+    _refuse_kwargs(fn, kwargs)
     _check_cu_batch(fn, r, cu_seqlens)
     return _run(_pt.rwkv6, r, k, v, gates=[("w", w)], scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=chunk_size,
@@ -518,7 +534,7 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     _check_cu_batch(fn, q, cu_seqlens)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError(f"pyattn.torch.fla.{fn}(): `allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
-    H, HV = q.shape[2], v.shape[2]
+    HV = v.shape[2]
     if beta is None:
         beta = v.new_ones(v.shape[:3])
     if beta.ndim == v.ndim:
@@ -532,11 +548,7 @@ def _delta(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     if use_beta_sigmoid_in_kernel:
         # in the compute dtype, as fla's kernel: a bfloat16 sigmoid would round it
         beta = torch.sigmoid(beta.to(_compute_dtype(q, k, v, beta))) * (2 if allow_neg_eigval else 1)
-    if HV != H:
-        # GVA: value head hv reads query/key head hv // (HV // H)
-        if HV % H:
-            raise ValueError(f"pyattn.torch.fla.{fn}(): v has HV={HV} heads; it must be a multiple of q's H={H}")
-        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    q, k = _gva(fn, q, k, HV)
     if intermediate:
         return _entering_states(fn, _delta_np.kda_entering_states, (q, k, v, g, beta), scale, initial_state,
                                 output_final_state, cu_seqlens, chunk_size, state_v_first, q.dtype, k.dtype,
@@ -651,10 +663,7 @@ def _kda_kwargs(fn, kwargs, chunked):
     found = {"A_log": kwargs.pop("A_log", None), "dt_bias": kwargs.pop("dt_bias", None),
              "chunk_size": kwargs.pop("chunk_size", 64) if chunked else 64,
              "transpose_state_layout": kwargs.pop("transpose_state_layout", None)}
-    if "head_first" in kwargs:
-        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
-    if kwargs:
-        raise TypeError(f"pyattn.torch.fla.{fn}(): unexpected keyword arguments {sorted(kwargs)}")
+    _refuse_kwargs(fn, kwargs)
     return found
 
 
@@ -750,11 +759,12 @@ def chunk_gated_delta_product(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tenso
     return o.to(out_dtype), ht
 
 
-def _hgrn(fn, x, g, initial_state, output_final_state, cu_seqlens, form):
+def _hgrn(fn, x, g, initial_state, output_final_state, cu_seqlens):
     """HGRN's recurrence per channel, ``h_t = exp(g_t) h_{t-1} + x_t``, ``o_t = h_t`` (x, g
     ``[B, T, D]``, the state ``[N, D]``, both returned in x's dtype as fla's): GLA with one key channel (q = k = 1, no key gate,
-    scale 1), x its values and g its value-side gate. The channels are independent, so they
-    are cut into heads of at least 64 (a divisor of D) that the threads share."""
+    scale 1), x its values and g its value-side gate, in the recurrent form (both entry points:
+    chunk_hgrn says why). The channels are independent, so they are cut into heads of at least
+    64 (a divisor of D) that the threads share."""
     _check_cu_batch(fn, x, cu_seqlens)
     Bx, Tx, D = x.shape
     heads = max(1, D // 64)
@@ -765,7 +775,7 @@ def _hgrn(fn, x, g, initial_state, output_final_state, cu_seqlens, form):
     one, zero = v.new_ones(Bx, Tx, heads, 1), v.new_zeros(Bx, Tx, heads, 1)
     h0 = None if initial_state is None else initial_state.reshape(-1, heads, 1, D // heads)
     o, ht = _run(_pt.gla, one, one, v, gates=[("g", zero), ("gv", gv)], scale=1.0, initial_state=h0,
-                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, form=form, chunk_size=64)
+                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, form="recurrent", chunk_size=64)
     return o.reshape(Bx, Tx, D).to(x.dtype), None if ht is None else ht.reshape(-1, D).to(x.dtype)
 
 
@@ -776,14 +786,14 @@ def chunk_hgrn(x: Tensor, g: Tensor, initial_state: State = None,
     ``gla`` with one key channel and g as its value gate, in its recurrent form: with a state
     of one row per head a step is a few vector operations, and the chunk form's products gain
     nothing (B4 T2048 D512: 10 ms against 22 ms forward). Differentiable."""
-    return _hgrn("chunk_hgrn", x, g, initial_state, output_final_state, None, "recurrent")
+    return _hgrn("chunk_hgrn", x, g, initial_state, output_final_state, None)
 
 
 def fused_recurrent_hgrn(x: Tensor, g: Tensor, initial_state: State = None, output_final_state: bool = False,
                          cu_seqlens: Optional[torch.LongTensor] = None) -> Tuple[Tensor, State]:
     """fla.ops.hgrn.fused_recurrent_hgrn: ``chunk_hgrn`` with ``cu_seqlens`` (states ``[N,
     D]``). Differentiable."""
-    return _hgrn("fused_recurrent_hgrn", x, g, initial_state, output_final_state, cu_seqlens, "recurrent")
+    return _hgrn("fused_recurrent_hgrn", x, g, initial_state, output_final_state, cu_seqlens)
 
 
 # ------------------------------------------------------------------------------------------
@@ -803,8 +813,7 @@ def chunk_dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
     ``cu_seqlens_cpu`` change no result; ``cp_context`` raises NotImplementedError.
     Differentiable."""
     fn = "chunk_dplr_delta_rule"
-    if "head_first" in kwargs:  # as fla: the [B, H, T] layout is gone
-        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    _refuse_kwargs(fn, kwargs)
     if lower_bound is not None and lower_bound >= 0:
         raise ValueError(f"pyattn.torch.fla.{fn}(): `lower_bound` must be negative (gk is a log-decay < 0), "
                          f"got {lower_bound}.")
@@ -823,8 +832,7 @@ def chunk_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor
                 cp_context=None, lower_bound: Optional[float] = None, **kwargs) -> Tuple[Tensor, State]:
     """fla.ops.rwkv7.chunk_rwkv7: ``chunk_dplr_delta_rule`` with q = r and gk = w, scale 1 by
     default, as fla defines it."""
-    if "head_first" in kwargs:
-        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    _refuse_kwargs("chunk_rwkv7", kwargs)
     return chunk_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu, safe_gate=safe_gate, chunk_size=chunk_size,
@@ -866,10 +874,7 @@ def fused_mul_recurrent_rwkv7(r: Tensor, w: Tensor, k: Tensor, v: Tensor, kk: Te
     scale None is ``K ** -0.5``); o in v's dtype, as fla's. ``reverse=True`` runs every sequence
     backwards. Differentiable (fla's kernel is forward-only)."""
     fn = "fused_mul_recurrent_rwkv7"
-    if "head_first" in kwargs:
-        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
-    if kwargs:
-        raise TypeError(f"pyattn.torch.fla.{fn}(): unexpected keyword arguments {sorted(kwargs)}")
+    _refuse_kwargs(fn, kwargs)
     _check_cu_batch(fn, r, cu_seqlens)
     # b = kk a in the compute dtype, as fla's kernel forms it: a bfloat16 product would round it
     dtype = _compute_dtype(r, w, k, v, kk, a, initial_state)
@@ -900,19 +905,14 @@ def _gdn2(fn, q, k, v, g, b, w, A_log, dt_bias, scale, initial_state, output_fin
     q, k, v, g, b, w = (x.to(dtype) for x in (q, k, v, g, b, w))
     if use_qk_l2norm_in_kernel:  # fla's in-kernel normalisation, x / sqrt(sum x^2 + 1e-6)
         q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    H, HV = q.shape[2], v.shape[2]
-    if HV != H:
-        if HV % H:
-            raise ValueError(f"pyattn.torch.fla.{fn}(): v has HV={HV} heads; it must be a multiple of q's H={H}")
-        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    q, k = _gva(fn, q, k, v.shape[2])
     a, v = -(b * k * torch.exp(g)), w * v
     if intermediate:
         return _entering_states(fn, _dplr_np.dplr_entering_states, (q, k, v, a, k, g), scale, initial_state,
                                 output_final_state, cu_seqlens, chunk_size, state_v_first, out_dtype, k_dtype)
-    o, ht = _run(_pt.dplr_delta_rule, q, k, v, gates=[("a", a), ("b", k), ("gk", g)], scale=scale,
-                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                 form=form, chunk_size=chunk_size, state_v_first=state_v_first)
-    return o.to(out_dtype), ht
+    return _run(_pt.dplr_delta_rule, q, k, v, gates=[("a", a), ("b", k), ("gk", g)], scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                form=form, chunk_size=chunk_size, state_v_first=state_v_first, out_dtype=out_dtype)
 
 
 def chunk_gdn2(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, w: Tensor, scale: Optional[float] = None,
